@@ -1,0 +1,105 @@
+"""`radixkv` command line: plan capacity, replay a workload through the core, serve, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from radixkv.kv_cache import KVCache
+from radixkv.plan import MODEL_SHAPES, ModelShape, format_plan, parse_bytes, plan_capacity
+from radixkv.workload import make_trace, replay, working_set
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if args.model:
+        shape = MODEL_SHAPES[args.model]
+    elif None not in (args.layers, args.kv_heads, args.head_dim):
+        shape = ModelShape(args.layers, args.kv_heads, args.head_dim)
+    else:
+        print("radixkv plan: give --model or all of --layers --kv-heads --head-dim", file=sys.stderr)
+        return 2
+    plan = plan_capacity(
+        shape,
+        device_memory_bytes=parse_bytes(args.gpu_memory),
+        memory_utilization=args.utilization,
+        weight_bytes=parse_bytes(args.weights),
+        block_size=args.block_size,
+        context_len=args.context,
+        dtype=args.dtype,
+    )
+    print(format_plan(args.model or f"{shape.num_layers}L x {shape.num_kv_heads} kv heads x {shape.head_dim}", plan))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    trace = make_trace(args.tokens, seed=args.seed)
+    kinds: dict[str, int] = {}
+    for request in trace:
+        kinds[request.kind] = kinds.get(request.kind, 0) + 1
+    infinite = working_set(trace, args.block_size)
+    num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), int(infinite.peak_in_use_blocks * 1.2))
+    cache = KVCache(num_blocks, args.block_size)
+    print(f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})")
+    print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
+    started = time.perf_counter()
+    result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
+    stats = cache.stats()
+    print(f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s through the core")
+    print(f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted {result.num_evicted_blocks:,} blocks")
+    print(f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use {result.peak_in_use_blocks:,} blocks")
+    cache.check_invariants()
+    print(f"after the run: {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} cached = {stats.num_blocks_total:,} blocks; invariants hold")
+    return 0
+
+
+def _delegate(module: str) -> int:
+    """Hand the remaining arguments to a subsystem's own `main` (imported only when asked for)."""
+    import importlib
+
+    return int(importlib.import_module(module).main(sys.argv[2:]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return _delegate("radixkv.server.app")
+    if argv[:1] == ["demo"]:
+        return _delegate("radixkv.demo.main")
+    parser = argparse.ArgumentParser(prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the gRPC service (see radixkv serve --help)")
+    sub.add_parser("demo", help="generate with a small model through the service (see radixkv demo --help)")
+
+    plan = sub.add_parser("plan", help="capacity arithmetic: blocks, tokens and sequences that fit")
+    plan.add_argument("--model", choices=sorted(MODEL_SHAPES))
+    plan.add_argument("--layers", type=int)
+    plan.add_argument("--kv-heads", type=int)
+    plan.add_argument("--head-dim", type=int)
+    plan.add_argument("--dtype", default="float16")
+    plan.add_argument("--gpu-memory", default="80GiB", help="device memory, all GPUs together (e.g. 320GiB)")
+    plan.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
+    plan.add_argument("--weights", default="0", help="memory taken by the weights (e.g. 16GiB)")
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--context", type=int, default=4096, help="context length for the per-sequence figures")
+    plan.set_defaults(run=_plan)
+
+    simulate = sub.add_parser("simulate", help="replay a synthetic serving trace through the core and report")
+    simulate.add_argument("--tokens", type=int, default=1_000_000, help="trace size in tokens")
+    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--block-size", type=int, default=16)
+    simulate.add_argument("--num-blocks", type=int, default=0, help="pool size; default: --pool-fraction of the working set")
+    simulate.add_argument("--pool-fraction", type=float, default=0.15)
+    simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
+    simulate.set_defaults(run=_simulate)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as e:
+        print(f"radixkv {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Every error a caller can cause, with a stable `reason` and the gRPC status it maps to.
+
+The core raises these; the server turns them into a status code plus an `ErrorInfo` carrying
+`reason` and `metadata`; the client turns that back into the same class, so user code catches
+`OutOfBlocks` whether it runs the core in-process or over gRPC. Broken internal invariants are
+`AssertionError`s, never one of these.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class RadixKVError(Exception):
+    """Base class: a caller mistake or a refused request. Changes nothing in the cache."""
+
+    reason: ClassVar[str] = "INTERNAL"
+    grpc_code: ClassVar[str] = "INTERNAL"  # a grpc.StatusCode name; kept as text so the core needs no grpc
+
+    def __init__(self, message: str, **metadata: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
+
+    @classmethod
+    def from_wire(cls, message: str, metadata: dict[str, str]) -> RadixKVError:
+        """Rebuild an error received as (reason, message, metadata); numeric metadata become ints."""
+        err = cls.__new__(cls)
+        RadixKVError.__init__(err, message, **metadata)
+        for key, value in metadata.items():
+            setattr(err, key, int(value) if value.lstrip("-").isdigit() else value)
+        return err
+
+
+class InvalidArgument(RadixKVError):
+    """A request field is malformed: `field` names it (`token_ids`, `items[3].num_children`, ...)."""
+
+    reason = "INVALID_ARGUMENT"
+    grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}", field=field)
+        self.field = field
+
+
+class OutOfBlocks(RadixKVError):
+    """The pool cannot supply `needed` blocks even after evicting every unlocked cached block."""
+
+    reason = "OUT_OF_BLOCKS"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"out of blocks: needed {needed}, free (incl. evictable) {free}", needed=needed, free=free)
+        self.needed = needed
+        self.free = free
+
+
+class LimitExceeded(RadixKVError):
+    """A configured limit (`limit` names it: max_tokens_per_request, pinned_blocks, ...) refuses the request."""
+
+    reason = "LIMIT_EXCEEDED"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, limit: str, requested: int, allowed: int) -> None:
+        super().__init__(f"{limit}: requested {requested}, allowed {allowed}", limit=limit, requested=requested, allowed=allowed)
+        self.limit = limit
+        self.requested = requested
+        self.allowed = allowed
+
+
+class QuotaExceeded(RadixKVError):
+    """A tenant's block quota refuses the request."""
+
+    reason = "QUOTA_EXCEEDED"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, tenant: str, needed: int, available: int) -> None:
+        super().__init__(f"tenant {tenant!r} block quota: needed {needed}, available {available}", tenant=tenant, needed=needed, available=available)
+        self.tenant = tenant
+        self.needed = needed
+        self.available = available
+
+
+class UnknownSequence(RadixKVError):
+    """No live sequence has this id (never opened, or already released)."""
+
+    reason = "UNKNOWN_SEQUENCE"
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, seq_id: int) -> None:
+        super().__init__(f"unknown sequence {seq_id}", seq_id=seq_id)
+        self.seq_id = seq_id
+
+
+class NotPinned(RadixKVError):
+    """`unpin` named a prefix that holds no pin."""
+
+    reason = "NOT_PINNED"
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(f"no pin on that prefix in namespace {namespace!r}", namespace=namespace)
+
+
+class UnknownSession(RadixKVError):
+    """No live session has this id (never opened, closed, or its lease expired)."""
+
+    reason = "UNKNOWN_SESSION"
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"unknown or expired session {session_id!r}", session_id=session_id)
+
+
+class UnknownPool(RadixKVError):
+    """The server has no pool of this name."""
+
+    reason = "UNKNOWN_POOL"
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, pool: str) -> None:
+        super().__init__(f"unknown pool {pool!r}", pool=pool)
+
+
+class PermissionDenied(RadixKVError):
+    """The caller may not touch this sequence or namespace (another session's or tenant's)."""
+
+    reason = "PERMISSION_DENIED"
+    grpc_code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(RadixKVError):
+    """No valid bearer token was presented to a server that requires one."""
+
+    reason = "UNAUTHENTICATED"
+    grpc_code = "UNAUTHENTICATED"
+
+
+class FailedPrecondition(RadixKVError):
+    """The request is well-formed but the system is not in a state to serve it (e.g. server draining)."""
+
+    reason = "FAILED_PRECONDITION"
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class ServerRestarted(RadixKVError):
+    """The server restarted: this client's session and sequences are gone; open new ones."""
+
+    reason = "SERVER_RESTARTED"
+    grpc_code = "UNAVAILABLE"
+
+
+ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
+    cls.reason: cls
+    for cls in (
+        InvalidArgument, OutOfBlocks, LimitExceeded, QuotaExceeded, UnknownSequence, NotPinned,
+        UnknownSession, UnknownPool, PermissionDenied, Unauthenticated, FailedPrecondition, ServerRestarted,
+    )
+}

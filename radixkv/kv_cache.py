@@ -1,0 +1,494 @@
+"""Sequences over a block pool and a radix tree: open, append, fork, cache, release, match, pin.
+
+`KVCache` is the whole core in one object. It tracks integers only: which blocks each sequence's
+block table holds, which prefixes the tree caches, who holds what. Data never moves here; when a
+write would land in a shared block, the caller gets a `(src_block, dst_block)` copy to apply first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from radixkv.block_pool import BlockPool
+from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
+from radixkv.radix_tree import Node, RadixTree
+from radixkv.stats import Stats
+from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
+
+DEFAULT_NAMESPACE = "default"
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that keep one caller from taking the pool. Refused with `LimitExceeded` naming the cap."""
+
+    max_tokens_per_request: int = 1 << 20
+    max_fork_children: int = 1024
+    max_namespaces: int = 4096
+    max_pinned_fraction: float = 0.25
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpenResult:
+    seq_id: int
+    num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
+    block_table: list[int]
+    slots: SlotRange  # [num_tokens - num_cached_tokens]: where the uncached tokens' K/V go
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppendResult:
+    """What one append changed: `block_table[table_offset:]` is now `block_ids`.
+
+    Apply `copies` (copy-on-write of a shared partial block) before writing `slots`.
+    """
+
+    seq_id: int
+    num_tokens: int  # sequence length after the append
+    table_offset: int
+    block_ids: list[int]
+    slots: SlotRange  # [num_appended]
+    copies: list[tuple[int, int]]
+
+
+class SlotRange:
+    """Slots of token positions [start, stop) of a block table, computed when first read.
+
+    slot = block_id * block_size + offset. Keeps only the blocks the range touches.
+    """
+
+    __slots__ = ("_block_size", "_blocks", "_offset", "_count", "_slots")
+
+    def __init__(self, block_size: int, block_table: list[int], start: int, stop: int) -> None:
+        first = start // block_size
+        self._block_size = block_size
+        self._blocks = block_table[first : -(-stop // block_size)]
+        self._offset = start - first * block_size
+        self._count = stop - start
+        self._slots: npt.NDArray[np.int64] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __array__(self, dtype: object = None, copy: object = None) -> npt.NDArray[np.int64]:
+        return self.array if dtype is None else self.array.astype(dtype)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (SlotRange, list, tuple)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"SlotRange({self.array.tolist()})"
+
+    @property
+    def array(self) -> npt.NDArray[np.int64]:
+        if self._slots is None:
+            bs = self._block_size
+            positions = np.arange(self._offset, self._offset + self._count, dtype=np.int64)
+            self._slots = np.asarray(self._blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+        return self._slots
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Sequence:
+    seq_id: int
+    namespace: str
+    token_bytes: bytearray
+    block_table: list[int]
+    lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
+    num_tree_blocks: int  # leading blocks of the table that the locked path covers
+    # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
+    # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
+    private_prefix: list[int]
+
+    def private_blocks(self) -> list[int]:
+        return self.private_prefix + self.block_table[self.num_tree_blocks :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_bytes) // TOKEN_BYTES
+
+
+class KVCache:
+    """A paged KV cache with prefix sharing: the in-process core of radixkv.
+
+    Who holds a block: the tree holds the blocks of its nodes (ref_count 1, always exactly: the
+    tree never shares a block by count); a live sequence holds the blocks on its locked tree path
+    through the lock (one walk of the path's nodes, whatever its length) and every other block of
+    its table by ref_count. So a 128k-token hit costs a lock walk, not 8k increments, and an
+    unlocked cached block is always reclaimable. Every error leaves every count as it was.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, limits: Limits | None = None) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.block_size = block_size
+        self.limits = limits or Limits()
+        self.pool = BlockPool(num_blocks)
+        self.tree = RadixTree(block_size)
+        self.stats_counters = Stats(num_blocks_total=num_blocks)
+        self._sequences: dict[int, _Sequence] = {}
+        self._seq_ids = itertools.count(1)
+        self._pins: dict[tuple[str, bytes], tuple[Node, int]] = {}
+
+    # -- sizing ----------------------------------------------------------------------------------
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free now, or free after evicting every unlocked cached block."""
+        return self.pool.num_free + self.tree.num_evictable_blocks
+
+    def _allocate(self, n: int) -> list[int]:
+        if n > self.num_available_blocks:
+            self.stats_counters.num_allocation_failures += 1
+            raise OutOfBlocks(n, self.num_available_blocks)
+        shortfall = n - self.pool.num_free
+        if shortfall > 0:
+            evicted = self.tree.evict(shortfall)
+            self.stats_counters.num_evicted_blocks += len(evicted)
+            self.pool.decref(evicted)  # the tree was their only holder: they go free
+        return self.pool.allocate(n)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _root(self, namespace: str, field: str = "namespace") -> Node:
+        root = self.tree.roots.get(namespace)
+        if root is not None:
+            return root
+        if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+            raise InvalidArgument(field, "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
+        if len(self.tree.roots) >= self.limits.max_namespaces:
+            raise LimitExceeded("max_namespaces", len(self.tree.roots) + 1, self.limits.max_namespaces)
+        return self.tree.root(namespace)
+
+    def _key(self, token_ids: TokenIds, field: str) -> bytes:
+        key = to_token_bytes(token_ids, field)
+        if len(key) // TOKEN_BYTES > self.limits.max_tokens_per_request:
+            raise LimitExceeded("max_tokens_per_request", len(key) // TOKEN_BYTES, self.limits.max_tokens_per_request)
+        return key
+
+    def _sequence(self, seq_id: int, field: str = "seq_id") -> _Sequence:
+        seq = self._sequences.get(seq_id) if isinstance(seq_id, int) else None
+        if seq is None:
+            if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+                raise InvalidArgument(field, f"must be an integer, got {type(seq_id).__name__}")
+            raise UnknownSequence(seq_id)
+        return seq
+
+    # -- open ------------------------------------------------------------------------------------
+
+    def open(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
+        """Start a sequence: reuse the longest cached prefix, allocate blocks for the rest.
+
+        A fully cached prompt still recomputes its last token (the model needs its logits), so the
+        match stops one token short, in whole blocks.
+
+        Raises:
+            InvalidArgument, LimitExceeded, OutOfBlocks: nothing changes.
+        """
+        return self.open_many([(token_ids, namespace)])[0]
+
+    def open_many(self, requests: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
+        """Open several sequences, all or none (one scheduler step's admissions)."""
+        keys: list[tuple[bytes, Node]] = []
+        for i, (token_ids, namespace) in enumerate(requests):
+            prefix = f"requests[{i}]." if len(requests) > 1 else ""
+            keys.append((self._key(token_ids, prefix + "token_ids"), self._root(namespace, prefix + "namespace")))
+        # Check capacity before touching anything: blocks needed versus free plus what stays
+        # evictable once every matched path is locked.
+        needed, newly_locked = 0, {}
+        for key, root in keys:
+            num_tokens = len(key) // TOKEN_BYTES
+            match = self.tree.match(root, key, (num_tokens - 1) // self.block_size)
+            needed += self._blocks_for(num_tokens) - match.num_blocks
+            for node in match.path:
+                if node.lock_ref == 0:
+                    in_node = match.num_blocks_in_node if node is match.node else len(node.block_ids)
+                    newly_locked[node.node_id] = max(newly_locked.get(node.node_id, 0), in_node)
+        available = self.num_available_blocks - sum(newly_locked.values())
+        if needed > available:
+            self.stats_counters.num_allocation_failures += 1
+            raise OutOfBlocks(needed, available)
+        # Lock every matched prefix first, so one request's allocation cannot evict another's hit.
+        locked: list[tuple[bytes, Node, int]] = []
+        for i, (key, root) in enumerate(keys):
+            if i or len(keys) > 1:  # an earlier item's split may have moved this item's match
+                match = self.tree.match(root, key, (len(key) // TOKEN_BYTES - 1) // self.block_size)
+            node = self.tree.split(match)
+            self.tree.lock(node)
+            locked.append((key, node, match.num_blocks))
+        results = []
+        for (key, node, num_matched_blocks), (_, namespace) in zip(locked, requests, strict=True):
+            num_tokens = len(key) // TOKEN_BYTES
+            table = self._path_blocks(node, num_matched_blocks)
+            table += self._allocate(self._blocks_for(num_tokens) - num_matched_blocks)
+            seq = _Sequence(next(self._seq_ids), namespace, bytearray(key), table, node, num_matched_blocks, [])
+            self._sequences[seq.seq_id] = seq
+            num_cached = num_matched_blocks * self.block_size
+            self.stats_counters.num_requested_tokens += num_tokens
+            self.stats_counters.num_hit_tokens += num_cached
+            self.stats_counters.num_opened_sequences += 1
+            results.append(OpenResult(seq.seq_id, num_cached, list(table), SlotRange(self.block_size, table, num_cached, num_tokens)))
+        return results
+
+    @staticmethod
+    def _path_blocks(node: Node, num_blocks: int) -> list[int]:
+        runs = []
+        while node.parent is not None:
+            runs.append(node.block_ids)
+            node = node.parent
+        blocks = [b for run in reversed(runs) for b in run]
+        assert len(blocks) == num_blocks, "locked path and match length disagree"
+        return blocks
+
+    # -- append ----------------------------------------------------------------------------------
+
+    def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
+        """Reserve slots for new tokens; copy-on-write the last block if another sequence shares it."""
+        return self.append_many([(seq_id, token_ids)])[0]
+
+    def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
+        """Append to several sequences, all or none (one decode step)."""
+        plans: list[tuple[_Sequence, bytes, int, bool]] = []
+        seen: set[int] = set()
+        bs = self.block_size
+        for i, (seq_id, token_ids) in enumerate(requests):
+            prefix = f"requests[{i}]." if len(requests) > 1 else ""
+            seq = self._sequence(seq_id, prefix + "seq_id")
+            if seq_id in seen:
+                raise InvalidArgument(prefix + "seq_id", f"sequence {seq_id} appears twice in one batch")
+            seen.add(seq_id)
+            key = self._key(token_ids, prefix + "token_ids")
+            num_tokens = seq.num_tokens + len(key) // TOKEN_BYTES
+            if num_tokens > self.limits.max_tokens_per_request:
+                raise LimitExceeded("max_tokens_per_request", num_tokens, self.limits.max_tokens_per_request)
+            cow = seq.num_tokens % bs != 0 and self.pool.ref_counts[seq.block_table[-1]] > 1
+            plans.append((seq, key, self._blocks_for(num_tokens) - len(seq.block_table) + cow, cow))
+        needed = sum(p[2] for p in plans)
+        new_blocks = self._allocate(needed)
+        results = []
+        taken = 0
+        for seq, key, num_new, cow in plans:
+            mine = new_blocks[taken : taken + num_new]
+            taken += num_new
+            start = seq.num_tokens
+            offset = len(seq.block_table)
+            copies = []
+            if cow:
+                src, dst = seq.block_table[-1], mine.pop(0)
+                self.pool.decref([src])
+                seq.block_table[-1] = dst
+                copies.append((src, dst))
+                offset -= 1
+                self.stats_counters.num_cow_copies += 1
+            seq.block_table.extend(mine)
+            seq.token_bytes += key
+            results.append(
+                AppendResult(seq.seq_id, seq.num_tokens, offset, seq.block_table[offset:], SlotRange(bs, seq.block_table, start, seq.num_tokens), copies)
+            )
+        return results
+
+    # -- fork ------------------------------------------------------------------------------------
+
+    def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
+        """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
+
+        The parent's full blocks enter the tree first, so every block the family shares is either
+        on the locked path they all hold or the partial last block, which no one writes while it is
+        shared (a write copies it). Fork after the parent's K/V is written, as samplers do.
+        """
+        seq = self._sequence(seq_id)
+        if not isinstance(num_children, int) or isinstance(num_children, bool) or num_children < 1:
+            raise InvalidArgument("num_children", f"must be a positive integer, got {num_children!r}")
+        if num_children > self.limits.max_fork_children:
+            raise LimitExceeded("max_fork_children", num_children, self.limits.max_fork_children)
+        self._cache(seq)
+        self.pool.incref(seq.private_blocks(), by=num_children)
+        self.tree.lock(seq.lock_node, num_children)
+        children = []
+        for _ in range(num_children):
+            child = _Sequence(
+                next(self._seq_ids), seq.namespace, bytearray(seq.token_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks, list(seq.private_prefix)
+            )
+            self._sequences[child.seq_id] = child
+            children.append(child.seq_id)
+        self.stats_counters.num_forked_sequences += num_children
+        return children
+
+    # -- cache / release -------------------------------------------------------------------------
+
+    def cache(self, seq_id: int) -> int:
+        """Insert the sequence's full blocks into the tree now, so the next turn hits; returns tokens cached."""
+        seq = self._sequence(seq_id)
+        self._cache(seq)
+        return seq.num_tree_blocks * self.block_size
+
+    def _cache(self, seq: _Sequence) -> None:
+        num_full = seq.num_tokens // self.block_size
+        if num_full <= seq.num_tree_blocks:
+            return
+        bb = self.block_size * TOKEN_BYTES
+        key = bytes(seq.token_bytes[seq.num_tree_blocks * bb : num_full * bb])
+        new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
+        node, num_taken = self.tree.insert(seq.lock_node, key, new_blocks)
+        # The tree takes over this sequence's hold on the blocks it took (the lock now covers them);
+        # where it already held the prefix, the sequence keeps its duplicates privately.
+        seq.private_prefix += new_blocks[: len(new_blocks) - num_taken]
+        self.tree.lock(node)
+        self.tree.unlock(seq.lock_node)
+        seq.lock_node, seq.num_tree_blocks = node, num_full
+
+    def release(self, seq_id: int, cache: bool = True) -> None:
+        """End a sequence; with `cache`, its full blocks stay in the tree for later requests."""
+        self.release_many([seq_id], cache)
+
+    def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
+        """End several sequences, all or none."""
+        ids = list(seq_ids)
+        sequences = [self._sequence(s, f"seq_ids[{i}]") for i, s in enumerate(ids)]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        for seq in sequences:
+            if cache:
+                self._cache(seq)
+            self.tree.unlock(seq.lock_node)
+            self.pool.decref(seq.private_blocks())
+            del self._sequences[seq.seq_id]
+            self.stats_counters.num_released_sequences += 1
+
+    # -- probes and pins -------------------------------------------------------------------------
+
+    def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many leading tokens are cached (whole blocks); locks and refreshes nothing."""
+        key = self._key(token_ids, "token_ids")
+        root = self.tree.roots.get(namespace)
+        if root is None:
+            self._root_name_check(namespace)
+            return 0
+        return self.tree.match(root, key).num_blocks * self.block_size
+
+    def _root_name_check(self, namespace: str) -> None:
+        if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+            raise InvalidArgument("namespace", "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
+
+    def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Keep the cached prefix of `token_ids` resident however cold it gets; returns tokens pinned.
+
+        Pinned blocks may take at most `limits.max_pinned_fraction` of the pool.
+        """
+        key = self._key(token_ids, "token_ids")
+        root = self.tree.roots.get(namespace)
+        if root is None:
+            self._root_name_check(namespace)
+        match = self.tree.match(root, key) if root is not None else None
+        if match is None or match.num_blocks == 0:
+            raise FailedPrecondition("nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace)
+        added = self.tree.blocks_to_pin(match.path, match.num_blocks_in_node)
+        allowed = int(self.limits.max_pinned_fraction * self.pool.num_blocks)
+        if self.tree.num_pinned_blocks + added > allowed:
+            raise LimitExceeded("pinned_blocks", self.tree.num_pinned_blocks + added, allowed)
+        node = self.tree.split(match)
+        pin_key = (namespace, key[: match.num_blocks * self.block_size * TOKEN_BYTES])
+        _, count = self._pins.get(pin_key, (node, 0))
+        self._pins[pin_key] = (node, count + 1)
+        self.tree.lock(node)
+        self.tree.add_pin(node, +1)
+        return match.num_blocks * self.block_size
+
+    def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Drop one pin taken by `pin` with the same tokens."""
+        key = self._key(token_ids, "token_ids")
+        root = self.tree.roots.get(namespace)
+        match = self.tree.match(root, key) if root is not None else None
+        pin_key = (namespace, key[: match.num_blocks * self.block_size * TOKEN_BYTES]) if match else None
+        if pin_key not in self._pins:
+            raise NotPinned(namespace)
+        node, count = self._pins.pop(pin_key)  # type: ignore[arg-type]
+        if count > 1:
+            self._pins[pin_key] = (node, count - 1)  # type: ignore[index]
+        self.tree.add_pin(node, -1)
+        self.tree.unlock(node)
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._sequence(seq_id).block_table)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._sequence(seq_id).num_tokens
+
+    def sequence_ids(self) -> list[int]:
+        return list(self._sequences)
+
+    def stats(self) -> Stats:
+        """A snapshot: gauges read now, counters accumulated since start."""
+        return dataclasses.replace(
+            self.stats_counters,
+            num_blocks_free=self.pool.num_free,
+            num_blocks_cached=self.tree.num_cached_blocks,
+            num_blocks_evictable=self.tree.num_evictable_blocks,
+            num_blocks_pinned=self.tree.num_pinned_blocks,
+            num_blocks_in_use=self.pool.num_blocks - self.pool.num_free - self.tree.num_evictable_blocks,
+            num_live_sequences=len(self._sequences),
+            num_namespaces=len(self.tree.roots),
+        )
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch and compare; raises AssertionError naming what broke."""
+        self.pool.check_invariants()
+        self.tree.check_invariants()
+        expected = [0] * self.pool.num_blocks
+        for block_id in self.tree.tree_block_ids():
+            expected[block_id] += 1
+        locks: dict[int, int] = {}
+        bb = self.block_size * TOKEN_BYTES
+        for seq in self._sequences.values():
+            assert len(seq.block_table) == self._blocks_for(seq.num_tokens), f"seq {seq.seq_id}: table length wrong"
+            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block twice in one table"
+            for block_id in seq.private_blocks():
+                expected[block_id] += 1
+            path_bytes = b"".join(reversed(list(_path_runs(seq.lock_node))))
+            assert len(path_bytes) == seq.num_tree_blocks * bb, f"seq {seq.seq_id}: locked path length wrong"
+            assert seq.token_bytes.startswith(path_bytes), f"seq {seq.seq_id}: locked path is not its prefix"
+            assert self.tree.roots[seq.namespace] is _root_of(seq.lock_node), f"seq {seq.seq_id}: locked path in another namespace"
+            path_blocks = self._path_blocks(seq.lock_node, seq.num_tree_blocks)
+            private = set(seq.private_prefix)
+            for table_block, path_block in zip(seq.block_table, path_blocks, strict=False):
+                assert table_block == path_block or table_block in private, f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
+            _count_path(seq.lock_node, locks, 1)
+        for node, count in self._pins.values():
+            _count_path(node, locks, count)
+        for _, node in self.tree.nodes():
+            assert node.lock_ref == locks.get(node.node_id, 0), f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
+        for block_id, count in enumerate(expected):
+            assert self.pool.ref_counts[block_id] == count, f"block {block_id}: ref_count {self.pool.ref_counts[block_id]} != holders {count}"
+        for block_id in self.tree.tree_block_ids():
+            assert self.pool.ref_counts[block_id] == 1, f"cached block {block_id} is also held by count"
+
+
+def _path_runs(node: Node) -> Iterable[bytes]:
+    while node.parent is not None:
+        yield node.token_bytes
+        node = node.parent
+
+
+def _root_of(node: Node) -> Node:
+    while node.parent is not None:
+        node = node.parent
+    return node
+
+
+def _count_path(node: Node, locks: dict[int, int], count: int) -> None:
+    while node.parent is not None:
+        locks[node.node_id] = locks.get(node.node_id, 0) + count
+        node = node.parent

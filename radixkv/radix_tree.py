@@ -1,0 +1,273 @@
+"""The radix tree of token prefixes: which full blocks hold which prefix, per namespace.
+
+A node holds a run of whole blocks: `token_bytes` (int32, `len(block_ids) * block_size` tokens) and
+their `block_ids`. Children are keyed by the bytes of their first block, so a walk costs one dict
+lookup and one memcmp per node, never a Python loop per token. The tree owns one hold (ref_count)
+on each block it keeps; the caller (`KVCache`) turns the block ids the tree drops into decrefs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from radixkv.token_ids import TOKEN_BYTES
+
+_node_ids = itertools.count()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Node:
+    token_bytes: bytes
+    block_ids: list[int]
+    parent: Node | None
+    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
+    lock_ref: int = 0  # live sequences and pins whose path runs through here
+    pin_ref: int = 0
+    last_access: int = 0
+    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+def _lru_key(node: Node) -> tuple[int, int]:
+    return (node.last_access, node.node_id)
+
+
+@dataclasses.dataclass(slots=True)
+class Match:
+    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
+
+    node: Node
+    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
+    num_blocks: int  # blocks matched from the root
+    path: list[Node]  # root excluded, top-down, `node` last
+
+
+class RadixTree:
+    """Prefixes of full blocks, one root per namespace, with locks and LRU eviction of unlocked leaves.
+
+    Invariants (checked by `check_invariants`): a node's lock_ref counts the locks at or below it;
+    every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access);
+    `num_evictable_blocks` is the number of blocks in unlocked nodes; parents are accessed no earlier
+    than their children, so evicting leaves in LRU order never skips an older block.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.block_bytes = block_size * TOKEN_BYTES
+        self.roots: dict[str, Node] = {}
+        self._evictable_leaves: SortedList = SortedList(key=_lru_key)
+        self.num_evictable_blocks = 0
+        self.num_pinned_blocks = 0
+        self.num_cached_blocks = 0
+        self._clock = 0
+
+    def root(self, namespace: str) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = Node(b"", [], None)
+        return root
+
+    def tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # -- matching ---------------------------------------------------------------------------------
+
+    def match(self, root: Node, key: bytes, max_blocks: int | None = None) -> Match:
+        """Longest cached prefix of `key` in whole blocks (at most `max_blocks`); changes nothing."""
+        block_bytes = self.block_bytes
+        limit = len(key) // block_bytes if max_blocks is None else min(max_blocks, len(key) // block_bytes)
+        end = limit * block_bytes
+        node, pos, path = root, 0, []
+        num_in_node = 0
+        while pos < end:
+            child = node.children.get(key[pos : pos + block_bytes])
+            if child is None:
+                break
+            run = child.token_bytes
+            path.append(child)
+            if pos + len(run) <= end and key.startswith(run, pos):
+                node, pos, num_in_node = child, pos + len(run), len(child.block_ids)
+                continue
+            # The match ends inside `child`: find the first block that differs.
+            n = min(len(run), end - pos) // TOKEN_BYTES
+            ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
+            theirs = np.frombuffer(run, dtype="<i4", count=n)
+            differ = np.flatnonzero(ours != theirs)
+            num_in_node = (int(differ[0]) if differ.size else n) // self.block_size
+            node, pos = child, pos + num_in_node * block_bytes
+            break
+        return Match(node, num_in_node, pos // block_bytes, path)
+
+    def split(self, match: Match) -> Node:
+        """Make the match end on a node boundary; returns the node that ends exactly there."""
+        node, k = match.node, match.num_blocks_in_node
+        if node.is_root or k == len(node.block_ids):
+            return node
+        assert node.parent is not None and k > 0, "a match ends at least one block into a node"
+        cut = k * self.block_bytes
+        upper = Node(node.token_bytes[:cut], node.block_ids[:k], node.parent, {}, node.lock_ref, node.pin_ref, node.last_access)
+        node.parent.children[node.token_bytes[: self.block_bytes]] = upper
+        node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
+        upper.children[node.token_bytes[: self.block_bytes]] = node
+        return upper
+
+    # -- insertion --------------------------------------------------------------------------------
+
+    def insert(self, start: Node, key: bytes, block_ids: list[int]) -> tuple[Node, int]:
+        """Add the full blocks of `key` (tokens below `start`) under `start`.
+
+        Returns the deepest node now holding the prefix and how many of `block_ids` (always the
+        last ones) the tree took; the caller then locks that node, which also refreshes the path's
+        last access. Where the tree already holds a prefix it keeps its own blocks, and the
+        caller's duplicates stay with the caller, freed once unused.
+        """
+        assert len(key) == len(block_ids) * self.block_bytes, "insert needs whole blocks"
+        node, pos, i = start, 0, 0
+        num_taken = 0
+        now = self._clock
+        while pos < len(key):
+            match = self.match(node, key[pos:], None)
+            if match.num_blocks:
+                node = self.split(match)
+                pos += match.num_blocks * self.block_bytes
+                i += match.num_blocks
+                continue
+            new_ids = block_ids[i:]
+            child = Node(key[pos:], list(new_ids), node, last_access=now)
+            if node.lock_ref == 0 and not node.children and not node.is_root:
+                self._evictable_leaves.discard(node)
+            node.children[key[pos : pos + self.block_bytes]] = child
+            self._evictable_leaves.add(child)
+            self.num_evictable_blocks += len(new_ids)
+            self.num_cached_blocks += len(new_ids)
+            num_taken = len(new_ids)
+            node = child
+            break
+        return node, num_taken
+
+    # -- locks ------------------------------------------------------------------------------------
+
+    def lock(self, node: Node, count: int = 1) -> None:
+        """Protect `node` and its ancestors from eviction (`count` holders at once)."""
+        now = self.tick()
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.num_evictable_blocks -= len(node.block_ids)
+                if not node.children:
+                    self._evictable_leaves.remove(node)
+            node.lock_ref += count
+            node.last_access = now
+            node = node.parent
+
+    def unlock(self, node: Node, count: int = 1) -> None:
+        now = self.tick()
+        while node.parent is not None:
+            node.lock_ref -= count
+            assert node.lock_ref >= 0, "unlock without a matching lock"
+            node.last_access = now
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.block_ids)
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node = node.parent
+
+    def add_pin(self, node: Node, delta: int) -> None:
+        """Count `node`'s path as pinned (delta +1) or not (-1); the caller also locks/unlocks it."""
+        while node.parent is not None:
+            before = node.pin_ref
+            node.pin_ref += delta
+            if (before == 0) != (node.pin_ref == 0):
+                self.num_pinned_blocks += len(node.block_ids) if delta > 0 else -len(node.block_ids)
+            node = node.parent
+
+    def blocks_to_pin(self, path: list[Node], num_blocks_in_last: int) -> int:
+        """How many blocks pinning this path would add to the pinned count."""
+        blocks = sum(len(n.block_ids) for n in path[:-1] if n.pin_ref == 0)
+        if path and path[-1].pin_ref == 0:
+            blocks += num_blocks_in_last
+        return blocks
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
+
+        A leaf larger than what is still needed loses only its tail blocks: the cost is O(log n)
+        per leaf touched, and no more of the cache is dropped than asked for.
+        """
+        freed: list[int] = []
+        leaves = self._evictable_leaves
+        while len(freed) < num_blocks and leaves:
+            leaf: Node = leaves[0]
+            need = num_blocks - len(freed)
+            if len(leaf.block_ids) > need:
+                freed.extend(leaf.block_ids[-need:])
+                del leaf.block_ids[-need:]
+                leaf.token_bytes = leaf.token_bytes[: len(leaf.block_ids) * self.block_bytes]
+                continue
+            leaves.pop(0)
+            freed.extend(leaf.block_ids)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.token_bytes[: self.block_bytes]]
+            leaf.parent = None
+            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+                leaves.add(parent)
+        self.num_evictable_blocks -= len(freed)
+        self.num_cached_blocks -= len(freed)
+        return freed
+
+    def evictable_leaves(self) -> list[Node]:
+        return list(self._evictable_leaves)
+
+    # -- inspection -------------------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[tuple[str, Node]]:
+        """Every non-root node with its namespace, parents before children."""
+        for namespace, root in self.roots.items():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield namespace, node
+                stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        seen: set[int] = set()
+        evictable = pinned = cached = 0
+        leaves = set()
+        for _, node in self.nodes():
+            assert node.block_ids, f"node {node.node_id} holds no block"
+            assert len(node.token_bytes) == len(node.block_ids) * self.block_bytes, f"node {node.node_id}: tokens and blocks disagree"
+            assert node.parent is not None and node.parent.children.get(node.token_bytes[: self.block_bytes]) is node, f"node {node.node_id}: parent link broken"
+            for block_id in node.block_ids:
+                assert block_id not in seen, f"block {block_id} held by two tree nodes"
+                seen.add(block_id)
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_locks, f"node {node.node_id}: lock_ref {node.lock_ref} < children's {child_locks}"
+            assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), f"node {node.node_id}: pin_ref below children's"
+            for child in node.children.values():
+                assert node.last_access >= child.last_access, f"node {node.node_id} accessed before its child"
+            cached += len(node.block_ids)
+            if node.lock_ref == 0:
+                evictable += len(node.block_ids)
+                if not node.children:
+                    leaves.add(node.node_id)
+            if node.pin_ref:
+                pinned += len(node.block_ids)
+        assert evictable == self.num_evictable_blocks, f"evictable blocks {self.num_evictable_blocks} != {evictable}"
+        assert pinned == self.num_pinned_blocks, f"pinned blocks {self.num_pinned_blocks} != {pinned}"
+        assert cached == self.num_cached_blocks, f"cached blocks {self.num_cached_blocks} != {cached}"
+        assert {n.node_id for n in self._evictable_leaves} == leaves, "evictable leaf list != unlocked leaves"
+        assert len(self._evictable_leaves) == len(leaves), "a leaf is listed twice"
+
+    def tree_block_ids(self) -> list[int]:
+        return [b for _, node in self.nodes() for b in node.block_ids]

@@ -1,0 +1,35 @@
+"""Counters and gauges of one cache, as one plain record (the server exports them as metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class Stats:
+    """Gauges (`num_blocks_*`, `num_live_sequences`) are read at snapshot time; `num_*` counters only grow."""
+
+    num_blocks_total: int
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0  # held by the tree (some may also be held by sequences)
+    num_blocks_evictable: int = 0  # held by the tree alone, unlocked: reclaimable on demand
+    num_blocks_pinned: int = 0
+    num_blocks_in_use: int = 0  # neither free nor evictable
+    num_live_sequences: int = 0
+    num_namespaces: int = 0
+    num_requested_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_evicted_blocks: int = 0
+    num_allocation_failures: int = 0
+    num_cow_copies: int = 0
+    num_opened_sequences: int = 0
+    num_forked_sequences: int = 0
+    num_released_sequences: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.num_hit_tokens / self.num_requested_tokens if self.num_requested_tokens else 0.0
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.num_blocks_in_use / self.num_blocks_total

@@ -1,0 +1,56 @@
+"""Token ids as the core keeps them: little-endian int32 bytes, so prefixes compare with one memcmp."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from radixkv.errors import InvalidArgument
+
+TOKEN_BYTES = 4
+MAX_TOKEN_ID = 2**31 - 1
+
+_INT32 = np.dtype("<i4")
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer] | bytes
+
+
+def to_token_bytes(token_ids: TokenIds, field: str = "token_ids", *, allow_empty: bool = False) -> bytes:
+    """Validate token ids (integers in [0, 2^31)) and pack them as int32 bytes.
+
+    Raises:
+        InvalidArgument: naming `field`, for an empty list, non-integers or ids out of range.
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT32 and token_ids.ndim == 1 and token_ids.size:
+        # The hot path (a scheduler's arrays): int32 cannot exceed the maximum, so one pass checks it.
+        if token_ids.min() < 0:
+            raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        return token_ids.tobytes()
+    if isinstance(token_ids, bytes):
+        if len(token_ids) % TOKEN_BYTES:
+            raise InvalidArgument(field, f"packed token ids must be a multiple of {TOKEN_BYTES} bytes")
+        array = np.frombuffer(token_ids, dtype="<i4")
+    else:
+        try:
+            array = np.asarray(token_ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(field, f"not a list of integers ({e})") from None
+        if array.ndim != 1:
+            raise InvalidArgument(field, f"must be a flat list of integers, got shape {array.shape}")
+        if array.size and array.dtype.kind not in "iu":
+            raise InvalidArgument(field, f"must be integers, got {array.dtype}")
+    if array.size == 0:
+        if allow_empty:
+            return b""
+        raise InvalidArgument(field, "must not be empty")
+    if int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID:
+        raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    if isinstance(token_ids, bytes):
+        return token_ids
+    return array.astype("<i4", copy=False).tobytes()
+
+
+def from_token_bytes(data: bytes | bytearray) -> list[int]:
+    return np.frombuffer(bytes(data), dtype="<i4").tolist()

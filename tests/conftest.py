@@ -1,0 +1,27 @@
+"""Suite-wide set-up: Triton runs in its interpreter where there is no GPU, and `gpu` tests skip."""
+
+import os
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Must be set before triton is first imported anywhere in the run.
+if not os.environ.get("RADIXKV_NO_INTERPRET") and not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

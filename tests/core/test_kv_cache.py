@@ -1,0 +1,299 @@
+"""Behaviour of the core by name: each test is one case a scheduler runs into."""
+
+import numpy as np
+import pytest
+
+from radixkv import KVCache
+from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
+from radixkv.kv_cache import Limits
+
+
+def counts(cache):
+    s = cache.stats()
+    return (s.num_blocks_free, s.num_blocks_cached, s.num_blocks_evictable, s.num_live_sequences, list(cache.pool.ref_counts))
+
+
+@pytest.fixture
+def cache():
+    c = KVCache(num_blocks=32, block_size=4)
+    yield c
+    c.check_invariants()
+
+
+def test_open_allocates_blocks_and_slots(cache):
+    r = cache.open(list(range(10)))
+    assert r.num_cached_tokens == 0
+    assert len(r.block_table) == 3
+    assert list(r.slots) == [r.block_table[p // 4] * 4 + p % 4 for p in range(10)]
+
+
+def test_prompt_shorter_than_a_block(cache):
+    r = cache.open([1, 2])
+    assert len(r.block_table) == 1
+    cache.release(r.seq_id)
+    assert cache.stats().num_blocks_cached == 0, "a partial block is never cached"
+    assert cache.open([1, 2]).num_cached_tokens == 0
+
+
+def test_exact_block_multiple_is_cached_whole(cache):
+    r = cache.open(list(range(8)))
+    cache.release(r.seq_id)
+    assert cache.match(list(range(8))) == 8
+
+
+def test_fully_cached_prompt_recomputes_last_token(cache):
+    cache.release(cache.open(list(range(8))).seq_id)
+    r = cache.open(list(range(8)))
+    assert r.num_cached_tokens == 4, "the last block is recomputed so the model gets the last logits"
+    assert len(r.slots) == 4
+    longer = cache.open(list(range(9)))
+    assert longer.num_cached_tokens == 8
+
+
+def test_second_turn_hits_first_turn(cache):
+    first = cache.open(list(range(6)))
+    cache.append(first.seq_id, [6, 7, 8, 9])
+    assert cache.cache(first.seq_id) == 8
+    second = cache.open(list(range(10)) + [42, 43])
+    assert second.num_cached_tokens == 8
+    assert second.block_table[:2] == first.block_table[:2]
+
+
+def test_append_allocates_at_block_boundary(cache):
+    r = cache.open([1, 2, 3])
+    a = cache.append(r.seq_id, [4])
+    assert (a.table_offset, a.block_ids, a.copies) == (1, [], [])
+    b = cache.append(r.seq_id, [5])
+    assert b.table_offset == 1 and len(b.block_ids) == 1
+    assert list(b.slots) == [b.block_ids[0] * 4]
+    assert cache.num_tokens(r.seq_id) == 5
+
+
+def test_fork_then_append_into_shared_partial_block_copies_on_write(cache):
+    r = cache.open([1, 2, 3, 4, 5, 6])
+    [child] = cache.fork(r.seq_id, 1)
+    shared_last = r.block_table[-1]
+    assert cache.pool.ref_counts[shared_last] == 2
+    a = cache.append(child, [7])
+    assert len(a.copies) == 1
+    src, dst = a.copies[0]
+    assert src == shared_last and dst != src
+    assert a.table_offset == 1 and a.block_ids == [dst]
+    assert cache.block_table(child)[-1] == dst
+    assert cache.pool.ref_counts[shared_last] == 1
+    b = cache.append(r.seq_id, [8])
+    assert b.copies == [], "the parent is now the only holder: it writes in place"
+    assert cache.stats().num_cow_copies == 1
+
+
+def test_fork_shares_full_blocks_through_the_tree(cache):
+    r = cache.open(list(range(9)))
+    children = cache.fork(r.seq_id, 3)
+    assert all(cache.block_table(c) == r.block_table for c in children)
+    assert cache.stats().num_blocks_cached == 2, "fork publishes the parent's full blocks"
+    for seq in [r.seq_id, *children]:
+        cache.release(seq, cache=False)
+    assert cache.stats().num_blocks_free == 30
+
+
+def test_beam_style_fork_release_churn_leaks_nothing(cache):
+    rng = np.random.default_rng(0)
+    beams = [cache.open(list(range(5))).seq_id]
+    for _ in range(12):
+        candidates = []
+        for beam in beams:
+            candidates += cache.fork(beam, 2)
+        cache.release_many(beams)
+        for c in candidates:
+            cache.append(c, [int(rng.integers(100))])
+        keep = set(rng.choice(candidates, size=min(3, len(candidates)), replace=False).tolist())
+        cache.release_many([c for c in candidates if c not in keep], cache=False)
+        beams = sorted(keep)
+        cache.check_invariants()
+    cache.release_many(beams)
+    s = cache.stats()
+    assert s.num_live_sequences == 0
+    assert s.num_blocks_free + s.num_blocks_evictable == 32
+
+
+def test_duplicate_prefix_keeps_one_copy_and_frees_the_other(cache):
+    a = cache.open(list(range(8)) + [1])
+    b = cache.open(list(range(8)) + [2])
+    assert set(a.block_table[:2]).isdisjoint(b.block_table[:2])
+    cache.release(a.seq_id)
+    cache.release(b.seq_id)
+    s = cache.stats()
+    assert s.num_blocks_cached == 2
+    assert s.num_blocks_free == 30
+
+
+def test_allocation_evicts_lru_cached_blocks_before_failing():
+    cache = KVCache(num_blocks=4, block_size=4)
+    cache.release(cache.open(list(range(8))).seq_id)
+    cache.release(cache.open(list(range(100, 108))).seq_id)
+    r = cache.open(list(range(200, 208)))
+    assert cache.stats().num_evicted_blocks == 2
+    assert cache.match(list(range(8))) == 0, "the older prefix went first"
+    assert cache.match(list(range(100, 108))) == 8
+    cache.release(r.seq_id)
+    cache.check_invariants()
+
+
+def test_out_of_blocks_changes_nothing():
+    cache = KVCache(num_blocks=4, block_size=4)
+    keep = cache.open(list(range(8)))
+    cache.release(cache.open(list(range(50, 54))).seq_id)
+    before = counts(cache)
+    with pytest.raises(OutOfBlocks) as info:
+        cache.open(list(range(100, 113)))
+    assert info.value.needed == 4 and info.value.free == 2
+    assert counts(cache) == before
+    assert cache.stats().num_allocation_failures == 1
+    cache.release(keep.seq_id)
+    cache.check_invariants()
+
+
+def test_pool_exhausted_mid_batch_fails_whole():
+    cache = KVCache(num_blocks=6, block_size=4)
+    before = counts(cache)
+    with pytest.raises(OutOfBlocks):
+        cache.open_many([(list(range(8)), "default"), (list(range(20, 28)), "default"), (list(range(40, 49)), "default")])
+    assert counts(cache) == before
+    a = cache.open(list(range(4)))
+    b = cache.open(list(range(20, 24)))
+    with pytest.raises(OutOfBlocks):
+        cache.append_many([(a.seq_id, list(range(10))), (b.seq_id, list(range(10)))])
+    assert cache.num_tokens(a.seq_id) == 4 and cache.num_tokens(b.seq_id) == 4
+    cache.check_invariants()
+
+
+def test_batch_does_not_evict_its_own_hits():
+    cache = KVCache(num_blocks=6, block_size=4)
+    cache.release(cache.open(list(range(8)) + [9]).seq_id)  # the hit, least recently used
+    cache.release(cache.open(list(range(50, 58)) + [9]).seq_id)  # newer, unrelated
+    assert cache.stats().num_blocks_cached == 4
+    # The first request must evict; the LRU prefix is the second request's hit, so it must be spared.
+    results = cache.open_many([(list(range(20, 32)), "default"), (list(range(8)) + [7], "default")])
+    assert results[1].num_cached_tokens == 8
+    assert cache.match(list(range(50, 58))) == 0
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_extreme_block_sizes(block_size):
+    cache = KVCache(num_blocks=300, block_size=block_size)
+    a = cache.open(list(range(130)))
+    cache.append(a.seq_id, list(range(5)))
+    [child] = cache.fork(a.seq_id, 1)
+    cache.append(child, [1])
+    cache.release_many([a.seq_id, child])
+    b = cache.open(list(range(130)))
+    assert b.num_cached_tokens == (129 // block_size) * block_size
+    cache.check_invariants()
+
+
+def test_namespaces_never_share_hits(cache):
+    cache.release(cache.open(list(range(8)), "tenant-a").seq_id)
+    assert cache.open(list(range(8)) + [1], "tenant-b").num_cached_tokens == 0
+    assert cache.match(list(range(8)), "tenant-b") == 0
+    assert cache.match(list(range(8)), "tenant-a") == 8
+
+
+def test_match_locks_nothing(cache):
+    cache.release(cache.open(list(range(8))).seq_id)
+    before = counts(cache)
+    assert cache.match(list(range(8))) == 8
+    assert counts(cache) == before
+
+
+def test_pin_keeps_prefix_resident_under_pressure():
+    cache = KVCache(num_blocks=8, block_size=4, limits=Limits(max_pinned_fraction=0.5))
+    cache.release(cache.open(list(range(8))).seq_id)
+    assert cache.pin(list(range(8))) == 8
+    assert cache.stats().num_blocks_pinned == 2
+    with pytest.raises(OutOfBlocks):
+        cache.open(list(range(100, 125)))
+    held = cache.open(list(range(100, 124)))
+    assert cache.match(list(range(8))) == 8
+    cache.release(held.seq_id, cache=False)
+    cache.unpin(list(range(8)))
+    assert cache.stats().num_blocks_pinned == 0
+    with pytest.raises(NotPinned):
+        cache.unpin(list(range(8)))
+    cache.check_invariants()
+
+
+def test_pin_is_bounded_by_its_share_of_the_pool():
+    cache = KVCache(num_blocks=8, block_size=4, limits=Limits(max_pinned_fraction=0.25))
+    cache.release(cache.open(list(range(13))).seq_id)
+    with pytest.raises(LimitExceeded) as info:
+        cache.pin(list(range(12)))
+    assert info.value.limit == "pinned_blocks"
+    with pytest.raises(FailedPrecondition):
+        cache.pin([77, 78, 79, 80])
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize(("call", "error", "field"), [
+    (lambda c: c.open([]), InvalidArgument, "token_ids"),
+    (lambda c: c.open([1, -2]), InvalidArgument, "token_ids"),
+    (lambda c: c.open([1, 2**31]), InvalidArgument, "token_ids"),
+    (lambda c: c.open([1.5]), InvalidArgument, "token_ids"),
+    (lambda c: c.open([[1, 2]]), InvalidArgument, "token_ids"),
+    (lambda c: c.open([1], namespace=""), InvalidArgument, "namespace"),
+    (lambda c: c.open([1], namespace="a b"), InvalidArgument, "namespace"),
+    (lambda c: c.append(999, [1]), UnknownSequence, None),
+    (lambda c: c.append(1, []), InvalidArgument, "token_ids"),
+    (lambda c: c.fork(1, 0), InvalidArgument, "num_children"),
+    (lambda c: c.fork(1, -3), InvalidArgument, "num_children"),
+    (lambda c: c.fork(1, 10**6), LimitExceeded, None),
+    (lambda c: c.release(999), UnknownSequence, None),
+    (lambda c: c.release_many([1, 1]), InvalidArgument, "seq_ids"),
+    (lambda c: c.append_many([(1, [1]), (1, [2])]), InvalidArgument, "requests[1].seq_id"),
+    (lambda c: c.open_many([([1], "default"), ([], "default")]), InvalidArgument, "requests[1].token_ids"),
+    (lambda c: c.cache("1"), InvalidArgument, "seq_id"),
+    (lambda c: c.match([1], namespace="bad name"), InvalidArgument, "namespace"),
+])
+def test_caller_mistakes_raise_named_errors_and_change_nothing(cache, call, error, field):
+    cache.open(list(range(6)))
+    before = counts(cache)
+    with pytest.raises(error) as info:
+        call(cache)
+    assert info.value.reason == error.reason
+    if field is not None:
+        assert info.value.field == field
+    assert counts(cache) == before
+
+
+def test_fork_of_released_sequence_is_unknown(cache):
+    r = cache.open([1, 2, 3])
+    cache.release(r.seq_id)
+    with pytest.raises(UnknownSequence):
+        cache.fork(r.seq_id, 2)
+
+
+def test_limits_refuse_long_requests():
+    cache = KVCache(64, 4, limits=Limits(max_tokens_per_request=16))
+    with pytest.raises(LimitExceeded):
+        cache.open(list(range(17)))
+    r = cache.open(list(range(10)))
+    with pytest.raises(LimitExceeded):
+        cache.append(r.seq_id, list(range(7)))
+    cache.check_invariants()
+
+
+def test_token_ids_accept_lists_arrays_and_packed_bytes(cache):
+    tokens = np.arange(9, dtype=np.int32)
+    cache.release(cache.open(tokens).seq_id)
+    assert cache.match(tokens.tolist()) == 8
+    assert cache.match(tokens.astype(np.int64)) == 8
+    assert cache.match(tokens.tobytes()) == 8
+
+
+def test_stats_count_hits_and_requests(cache):
+    cache.release(cache.open(list(range(9))).seq_id)
+    cache.open(list(range(9)))
+    s = cache.stats()
+    assert (s.num_requested_tokens, s.num_hit_tokens) == (18, 8)
+    assert s.num_blocks_free + s.num_blocks_in_use + s.num_blocks_evictable == 32
+    assert s.hit_ratio == pytest.approx(8 / 18)

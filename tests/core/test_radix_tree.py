@@ -1,0 +1,99 @@
+import numpy as np
+
+from radixkv.radix_tree import RadixTree
+from radixkv.token_ids import to_token_bytes
+
+BS = 4
+
+
+def key(tokens):
+    return to_token_bytes(list(tokens))
+
+
+def insert(tree, namespace, tokens, blocks):
+    node, taken = tree.insert(tree.root(namespace), key(tokens), blocks)
+    tree.lock(node)
+    tree.unlock(node)
+    return node, taken
+
+
+def test_match_counts_whole_blocks_only():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(12), [0, 1, 2])
+    assert tree.match(tree.root("a"), key(range(12))).num_blocks == 3
+    assert tree.match(tree.root("a"), key(range(11))).num_blocks == 2
+    assert tree.match(tree.root("a"), key([*range(9), 99, 10, 11])).num_blocks == 2
+    assert tree.match(tree.root("a"), key([99, *range(1, 12)])).num_blocks == 0
+    tree.check_invariants()
+
+
+def test_match_respects_max_blocks():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(16), [0, 1, 2, 3])
+    assert tree.match(tree.root("a"), key(range(16)), max_blocks=3).num_blocks == 3
+
+
+def test_insert_splits_node_where_prefixes_diverge():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(12), [0, 1, 2])
+    node, taken = insert(tree, "a", [*range(4), 50, 51, 52, 53], [7, 8])
+    assert taken == 1, "the first block was already cached: only the second is new"
+    assert node.block_ids == [8]
+    root = tree.root("a")
+    [upper] = root.children.values()
+    assert upper.block_ids == [0] and len(upper.children) == 2
+    assert sorted(tree.tree_block_ids()) == [0, 1, 2, 8]
+    tree.check_invariants()
+
+
+def test_insert_keeps_tree_copy_of_duplicate_prefix():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(8), [0, 1])
+    _, taken = insert(tree, "a", range(8), [5, 6])
+    assert taken == 0
+    assert sorted(tree.tree_block_ids()) == [0, 1]
+
+
+def test_namespaces_have_separate_roots():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(8), [0, 1])
+    assert tree.match(tree.root("b"), key(range(8))).num_blocks == 0
+
+
+def test_locked_nodes_are_not_evicted():
+    tree = RadixTree(BS)
+    node, _ = tree.insert(tree.root("a"), key(range(8)), [0, 1])
+    tree.lock(node)
+    assert tree.num_evictable_blocks == 0
+    assert tree.evict(2) == []
+    tree.unlock(node)
+    assert sorted(tree.evict(2)) == [0, 1]
+    tree.check_invariants()
+
+
+def test_eviction_takes_least_recently_used_leaf_first_and_trims_tails():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(8), [0, 1])  # older
+    insert(tree, "a", range(100, 112), [2, 3, 4])  # newer
+    assert tree.evict(1) == [1], "the older leaf loses its tail block first"
+    assert tree.evict(2) == [0, 4], "then the rest of it, then the newer leaf's tail"
+    assert tree.num_cached_blocks == 2
+    tree.check_invariants()
+
+
+def test_parent_becomes_evictable_after_its_last_child():
+    tree = RadixTree(BS)
+    insert(tree, "a", range(8), [0, 1])
+    insert(tree, "a", [*range(4), 9, 9, 9, 9], [2, 3])
+    assert sorted(tree.evict(10)) == [0, 1, 3]
+    assert tree.num_cached_blocks == 0
+    tree.check_invariants()
+
+
+def test_match_of_a_long_prompt_is_one_node_walk():
+    tree = RadixTree(16)
+    tokens = np.arange(128 * 1024, dtype=np.int32)
+    node, _ = tree.insert(tree.root("a"), tokens.tobytes(), list(range(8192)))
+    tree.lock(node)
+    match = tree.match(tree.root("a"), tokens.tobytes())
+    assert match.num_blocks == 8192 and len(match.path) == 1
