@@ -121,7 +121,7 @@ def bench_evict(num_leaves: int) -> dict:
     n = min(10_000, num_leaves // 2)
     t0 = time.perf_counter()
     for _ in range(n):
-        cache.pool.decref(cache.tree.evict(1))
+        cache.pool.free_exclusive(cache.tree.evict(1))
     sorted_list_s = (time.perf_counter() - t0) / n
     cache.check_invariants()
     # The alternative: rebuild a heap over every leaf on each eviction call (SGLang's evict()).

@@ -56,6 +56,14 @@ class BlockPool:
             if count == 0:
                 free.append(block_id)
 
+    def free_exclusive(self, block_ids: list[int]) -> None:
+        """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            assert ref_counts[block_id] == 1, f"block {block_id} has another holder: it is not the caller's to free"
+            ref_counts[block_id] = 0
+        self._free.extend(block_ids)
+
     def free_block_ids(self) -> list[int]:
         return list(self._free)
 

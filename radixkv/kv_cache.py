@@ -155,7 +155,7 @@ class KVCache:
         if shortfall > 0:
             evicted = self.tree.evict(shortfall)
             self.stats_counters.num_evicted_blocks += len(evicted)
-            self.pool.decref(evicted)  # the tree was their only holder: they go free
+            self.pool.free_exclusive(evicted)  # the tree was their only holder
         return self.pool.allocate(n)
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -261,6 +261,7 @@ class KVCache:
         """Append to several sequences, all or none (one decode step)."""
         plans: list[tuple[_Sequence, bytes, int, bool]] = []
         seen: set[int] = set()
+        copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
         bs = self.block_size
         for i, (seq_id, token_ids) in enumerate(requests):
             prefix = f"requests[{i}]." if len(requests) > 1 else ""
@@ -272,7 +273,11 @@ class KVCache:
             num_tokens = seq.num_tokens + len(key) // TOKEN_BYTES
             if num_tokens > self.limits.max_tokens_per_request:
                 raise LimitExceeded("max_tokens_per_request", num_tokens, self.limits.max_tokens_per_request)
-            cow = seq.num_tokens % bs != 0 and self.pool.ref_counts[seq.block_table[-1]] > 1
+            last = seq.block_table[-1]
+            # The last holder of a shared partial block writes in place once the others have copied.
+            cow = seq.num_tokens % bs != 0 and self.pool.ref_counts[last] - copied_away.get(last, 0) > 1
+            if cow:
+                copied_away[last] = copied_away.get(last, 0) + 1
             plans.append((seq, key, self._blocks_for(num_tokens) - len(seq.block_table) + cow, cow))
         needed = sum(p[2] for p in plans)
         new_blocks = self._allocate(needed)

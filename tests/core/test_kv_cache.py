@@ -297,3 +297,14 @@ def test_stats_count_hits_and_requests(cache):
     assert (s.num_requested_tokens, s.num_hit_tokens) == (18, 8)
     assert s.num_blocks_free + s.num_blocks_in_use + s.num_blocks_evictable == 32
     assert s.hit_ratio == pytest.approx(8 / 18)
+
+
+def test_batched_append_lets_the_last_holder_of_a_shared_block_write_in_place(cache):
+    r = cache.open([1, 2, 3, 4, 5, 6])
+    children = cache.fork(r.seq_id, 3)
+    family = [r.seq_id, *children]
+    results = cache.append_many([(s, [7]) for s in family])
+    assert sum(len(a.copies) for a in results) == 3, "four holders: three copy, the last writes in place"
+    assert results[-1].copies == []
+    assert cache.block_table(family[-1])[-1] == r.block_table[-1]
+    assert len({cache.block_table(s)[-1] for s in family}) == 4

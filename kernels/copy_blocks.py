@@ -1,0 +1,89 @@
+"""copy_blocks: apply copy-on-write instructions `(src_block, dst_block)` to every layer's K and V in one launch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixkv.kernels.backend import pick_backend
+from radixkv.kernels.validate import FLOAT_DTYPES, check_block_size, check_tensor
+
+# Elements one program copies: a block of 16 tokens x 8 heads x 128 dims is two programs.
+_CHUNK = 8192
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    kv_data_ptr, pairs_ptr,
+    stride_layer, stride_kv, stride_block, stride_pair, stride_pair_col,
+    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
+    src = tl.load(pairs_ptr + pair * stride_pair)  # int64
+    dst = tl.load(pairs_ptr + pair * stride_pair + stride_pair_col)
+    base = (layer_kv // 2).to(tl.int64) * stride_layer + (layer_kv % 2) * stride_kv
+    offs = tl.program_id(2).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    mask = offs < BLOCK_NUMEL
+    data = tl.load(kv_data_ptr + base + src * stride_block + offs, mask=mask)
+    tl.store(kv_data_ptr + base + dst * stride_block + offs, data, mask=mask)
+
+
+def copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, *, backend: str | None = None, validate: bool = True) -> None:
+    """Copy block `src` onto block `dst` for each row of `pairs`, in every layer's K and V, in place.
+
+    Args:
+        kv_data: the whole pool `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; each
+            block's `[block_size, num_kv_heads, head_dim]` must be contiguous (as `KVStorage.data` is).
+        pairs: int64 `[num_pairs, 2]` of `(src_block, dst_block)`. Destinations must be distinct and not
+            also sources, so the result does not depend on the order programs run in.
+        backend: "triton" or "torch" to force one; None picks (see `radixkv.kernels.backend`).
+        validate: False skips the checks that read `pairs` (a device sync on CUDA).
+
+    Raises:
+        ValueError: a malformed argument (the message starts with its name), or a block id out of range.
+    """
+    _check_copy_blocks(kv_data, pairs, validate)
+    if pairs.shape[0] == 0:
+        return
+    if pick_backend(kv_data.device, backend) == "torch":
+        copy_blocks_reference(kv_data, pairs)
+        return
+    num_layers = kv_data.shape[0]
+    block_numel = kv_data[0, 0, 0].numel()
+    chunk = min(triton.next_power_of_2(block_numel), _CHUNK)
+    grid = (pairs.shape[0], num_layers * 2, triton.cdiv(block_numel, chunk))
+    _copy_blocks_kernel[grid](
+        kv_data, pairs,
+        kv_data.stride(0), kv_data.stride(1), kv_data.stride(2), *pairs.stride(),
+        BLOCK_NUMEL=block_numel, CHUNK=chunk,
+    )
+
+
+def copy_blocks_reference(kv_data: torch.Tensor, pairs: torch.Tensor) -> None:
+    """The torch version of `copy_blocks` (no argument checks): gather every source, then scatter."""
+    src, dst = pairs[:, 0], pairs[:, 1]  # [num_pairs] each
+    kv_data[:, :, dst] = kv_data[:, :, src]
+
+
+def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: bool) -> None:
+    check_tensor("kv_data", kv_data, ndim=6, dtypes=FLOAT_DTYPES)
+    if kv_data.shape[1] != 2:
+        raise ValueError(f"kv_data: axis 1 holds K and V and must be 2, got shape {tuple(kv_data.shape)}")
+    num_blocks, block_size, num_kv_heads, head_dim = kv_data.shape[2:]
+    check_block_size("kv_data", block_size)
+    if kv_data.stride()[3:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(f"kv_data: each block must be contiguous, got strides {kv_data.stride()}")
+    check_tensor("pairs", pairs, ndim=2, dtypes=(torch.int64,), device=kv_data.device)
+    if pairs.shape[1] != 2:
+        raise ValueError(f"pairs: expected shape [num_pairs, 2] of (src_block, dst_block), got {tuple(pairs.shape)}")
+    if not validate or pairs.shape[0] == 0:
+        return
+    low, high = int(pairs.min()), int(pairs.max())
+    if low < 0 or high >= num_blocks:
+        bad = low if low < 0 else high
+        raise ValueError(f"pairs: block id {bad} is out of range for a pool of {num_blocks} blocks")
+    dst = pairs[:, 1]
+    if torch.unique(dst).numel() != dst.numel() or bool(torch.isin(dst, pairs[:, 0]).any()):
+        raise ValueError("pairs: destination blocks must be distinct and must not also be sources")

@@ -1,0 +1,327 @@
+"""The pool's KV memory: one tensor per pool, shareable with co-located worker processes by a plain-field handle.
+
+CPU pools live in named POSIX shared memory, CUDA pools in the creator's allocation exported as a CUDA
+IPC handle, so the memory belongs to the server and outlives the workers that map it. Torch is needed
+here, which is why `radixkv/__init__` never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import threading
+import weakref
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixkv.layout import DTYPE_BYTES, PoolLayout
+
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # same names as torch
+SHM_DIR = "/dev/shm"
+_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
+_UNTRACKED_LOCK = threading.Lock()
+_FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolHandle:
+    """What another process needs to map a pool: plain str/int/bool/bytes fields, so it travels without pickle.
+
+    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are what
+    `torch.UntypedStorage._share_cuda_()` returns; `device_index` must name the same GPU in the opener).
+    """
+
+    kind: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    name: str = ""
+    device_index: int = -1
+    ipc_handle: bytes = b""
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+    @property
+    def layout(self) -> PoolLayout:
+        return PoolLayout(**{f: getattr(self, f) for f in _LAYOUT_FIELDS})
+
+    def to_dict(self) -> dict[str, str | int | bool]:
+        """JSON-able values: bytes become hex strings."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: v.hex() if isinstance(v, bytes) else v for name, v in values.items()}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> PoolHandle:
+        """Inverse of `to_dict`. Raises ValueError on a missing, unknown or mistyped field."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ValueError(f"PoolHandle: unknown fields {unknown}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name not in fields:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"PoolHandle: missing field {name!r}")
+                continue
+            values[name] = _from_plain(name, fields[name], _FIELD_TYPES[str(f.type)])
+        handle = cls(**values)
+        if handle.kind not in ("shm", "cuda_ipc"):
+            raise ValueError(f"PoolHandle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
+        handle.layout  # noqa: B018 -- validates the layout fields
+        return handle
+
+
+class KVStorage:
+    """A pool's memory as one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    The creator owns the memory (`create`); other processes map it (`open(handle)`). Closing drops this
+    object's mapping; tensors still viewing it keep it mapped until they are freed, so no view ever
+    points at unmapped memory. Exiting a `with` block closes, and the creator also unlinks.
+    """
+
+    def __init__(self, layout: PoolLayout, data: torch.Tensor, shm: shared_memory.SharedMemory | None, owner: bool):
+        self.layout = layout
+        self.device = data.device
+        self._data: torch.Tensor | None = data  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._shm = shm
+        self._owner = owner
+        self._unlinked = False
+        self.check_invariants()
+
+    @classmethod
+    def create(cls, layout: PoolLayout, device: str | torch.device = "cpu", *, name: str | None = None) -> KVStorage:
+        """Allocate a zero-filled pool: named shared memory on CPU, `torch.zeros` on CUDA.
+
+        Args:
+            name: the shared-memory segment (CPU only); None makes `radixkv-<pid>-<random>`.
+
+        Raises:
+            ValueError: an unsupported device, a name given for CUDA, or more bytes than /dev/shm has free.
+        """
+        device = torch.device(device)
+        dtype = TORCH_DTYPES[layout.dtype]
+        if device.type == "cuda":
+            if name is not None:
+                raise ValueError("name: only CPU pools live in named shared memory")
+            return cls(layout, torch.zeros(layout.shape, dtype=dtype, device=device), None, owner=True)
+        if device.type != "cpu":
+            raise ValueError(f"device: expected cpu or cuda, got {device}")
+        if os.path.isdir(SHM_DIR):
+            free = _shm_free_bytes()
+            if layout.total_bytes > free:
+                raise ValueError(f"layout: {layout.total_bytes} bytes do not fit the {free} bytes free in {SHM_DIR}")
+        name = name or f"radixkv-{os.getpid()}-{secrets.token_hex(4)}"
+        # The OS zero-fills new shared memory; the creator stays registered with the resource tracker,
+        # which unlinks the segment if the creator dies without unlinking it.
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, layout.total_bytes))
+        return cls(layout, _tensor_over(shm, layout), shm, owner=True)
+
+    @classmethod
+    def open(cls, handle: PoolHandle) -> KVStorage:
+        """Map the pool `handle` names (exported by another process) into this process.
+
+        CUDA IPC cannot reopen an allocation in the process that exported it.
+
+        Raises:
+            ValueError: the segment is smaller than the handle's layout, or the handle's kind is unknown.
+        """
+        layout = handle.layout
+        if handle.kind == "shm":
+            shm = _attach_untracked(handle.name)
+            if shm.size < layout.total_bytes:
+                shm.close()
+                raise ValueError(f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}")
+            return cls(layout, _tensor_over(shm, layout), shm, owner=False)
+        if handle.kind != "cuda_ipc":
+            raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
+        torch.cuda.init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            handle.device_index, handle.ipc_handle, handle.storage_size_bytes, handle.storage_offset_bytes,
+            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required,
+        )
+        dtype = TORCH_DTYPES[layout.dtype]
+        data = torch.empty(0, dtype=dtype, device=f"cuda:{handle.device_index}")
+        strides = torch.empty(layout.shape, device="meta").stride()  # contiguous, without allocating
+        data.set_(storage, 0, layout.shape, strides)
+        return cls(layout, data, None, owner=False)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole pool `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+        if self._data is None:
+            raise ValueError("KVStorage: closed")
+        return self._data
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V caches, views `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
+        return self.data[layer, 0], self.data[layer, 1]
+
+    def export_handle(self) -> PoolHandle:
+        """The handle another process passes to `KVStorage.open`; for CUDA, one per opening process."""
+        fields = {f: getattr(self.layout, f) for f in _LAYOUT_FIELDS}
+        if self._shm is not None:
+            if self._unlinked:
+                raise ValueError(f"export_handle: segment {self._shm.name!r} was unlinked")
+            return PoolHandle(kind="shm", name=self._shm.name, **fields)
+        (device_index, ipc_handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = (
+            self.data.untyped_storage()._share_cuda_()
+        )
+        return PoolHandle(
+            kind="cuda_ipc", device_index=device_index, ipc_handle=ipc_handle, storage_size_bytes=size,
+            storage_offset_bytes=offset, ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
+            event_handle=event_handle or b"", event_sync_required=bool(event_sync), **fields,
+        )
+
+    def close(self) -> None:
+        """Drop this object's mapping (CUDA: after this process's queued work on it finishes). Idempotent."""
+        if self._data is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._data = None
+
+    def unlink(self) -> None:
+        """Creator only: free the shared-memory name (the memory goes with the last mapping). Idempotent; CUDA: no-op."""
+        if not self._owner:
+            raise ValueError("unlink: only the process that created the pool frees it")
+        if self._shm is not None and not self._unlinked:
+            self._shm.unlink()
+            self._unlinked = True
+
+    def check_invariants(self) -> None:
+        if self._data is not None:
+            assert tuple(self._data.shape) == self.layout.shape, f"KVStorage: data shape {tuple(self._data.shape)} != layout"
+            assert self._data.dtype == TORCH_DTYPES[self.layout.dtype], f"KVStorage: dtype {self._data.dtype} != layout"
+            assert self._data.is_contiguous(), "KVStorage: pool tensor is not contiguous"
+
+    def __enter__(self) -> KVStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        where = f"shm {self._shm.name!r}" if self._shm is not None else str(self.device)
+        return f"KVStorage({self.layout}, {where}, {'closed' if self._data is None else 'open'})"
+
+
+def layout_for_memory(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    device: str | torch.device,
+    budget_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    reserved_bytes: int = 0,
+) -> PoolLayout:
+    """The layout with as many blocks as fit a byte budget, or a fraction of `device`'s free memory.
+
+    Either `budget_bytes`, or `memory_fraction` of `free_memory_bytes(device)` (as vLLM's
+    `--gpu-memory-utilization`); `reserved_bytes` (weights, activations) comes off either.
+
+    Raises:
+        ValueError: both or neither budget given, a value out of range, or a budget holding no block.
+    """
+    if (budget_bytes is None) == (memory_fraction is None):
+        raise ValueError("budget_bytes, memory_fraction: give exactly one")
+    if not isinstance(reserved_bytes, int) or isinstance(reserved_bytes, bool) or reserved_bytes < 0:
+        raise ValueError(f"reserved_bytes: expected an int >= 0, got {reserved_bytes!r}")
+    if budget_bytes is not None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes: expected a positive int, got {budget_bytes!r}")
+        budget = budget_bytes
+    else:
+        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction: expected 0 < fraction <= 1, got {memory_fraction!r}")
+        budget = int(free_memory_bytes(device) * memory_fraction)
+    if budget - reserved_bytes <= 0:
+        raise ValueError(f"reserved_bytes: {reserved_bytes} reserved leaves nothing of a {budget}-byte budget")
+    return PoolLayout.for_budget(
+        budget - reserved_bytes, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype,
+    )
+
+
+def free_memory_bytes(device: str | torch.device) -> int:
+    """Free memory a pool could take: CUDA's free bytes, or on CPU available RAM capped by /dev/shm's free space."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    if device.type != "cpu":
+        raise ValueError(f"device: expected cpu or cuda, got {device}")
+    available = _mem_available_bytes()
+    return min(available, _shm_free_bytes()) if os.path.isdir(SHM_DIR) else available
+
+
+def _tensor_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Tensor:
+    # Not torch.frombuffer: it holds no buffer export, so SharedMemory.close() would unmap the memory
+    # under live tensors (a read then segfaults). numpy's array keeps a memoryview (its .base) that holds
+    # the mapping's export; that memoryview dies with the last tensor viewing the pool, and only then,
+    # once the export is released, does the finalizer close the segment.
+    assert shm.buf is not None, "KVStorage: the segment is already closed"
+    array = np.frombuffer(shm.buf, dtype=np.uint8, count=layout.total_bytes)
+    weakref.finalize(array.base, shm.close).atexit = False
+    return torch.from_numpy(array).view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    # An attaching process must not register the segment with a resource tracker: a tracker of its own
+    # would unlink the creator's segment when this process exits, and a tracker shared with the creator
+    # (multiprocessing children) would lose the creator's registration on unregister.
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
+    except TypeError:
+        pass
+    with _UNTRACKED_LOCK:
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None
+        try:
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
+
+
+def _shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _from_plain(name: str, value: object, kind: type) -> object:
+    if kind is bytes:
+        if not isinstance(value, str):
+            raise ValueError(f"PoolHandle: {name} must be a hex string, got {type(value).__name__}")
+        return bytes.fromhex(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"PoolHandle: {name} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+

@@ -1,0 +1,253 @@
+"""KVStorage: shared-memory pools mapped by another process, handles as plain dicts, closing, and sizing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+import radixkv.storage
+from radixkv.layout import DTYPE_BYTES, PoolLayout
+from radixkv.storage import TORCH_DTYPES, KVStorage, PoolHandle, free_memory_bytes, layout_for_memory
+
+LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
+HAS_SHM_DIR = os.path.isdir("/dev/shm")
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
+def mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(name in line for line in f)
+
+
+@pytest.fixture
+def storage():
+    with KVStorage.create(LAYOUT) as s:
+        yield s
+
+
+def pattern(numel: int, salt: int, device: str = "cpu") -> torch.Tensor:
+    return ((torch.arange(numel, dtype=torch.int32, device=device) * 7 + salt) % 65521 - 32760).to(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
+def test_create_is_zero_filled_and_shaped(dtype):
+    layout = PoolLayout(2, 2, 16, 4, 8, dtype)
+    with KVStorage.create(layout) as s:
+        assert s.data.shape == layout.shape and s.data.dtype == TORCH_DTYPES[dtype] and s.data.is_contiguous()
+        assert s.data.numel() * s.data.element_size() == layout.total_bytes
+        assert not s.data.view(torch.uint8).any()
+        k, v = s.layer(1)
+        assert k.shape == (8, 4, 2, 16)
+        k.view(torch.uint8).fill_(1)
+        assert s.data[1, 0].view(torch.uint8).all() and not s.data[1, 1].view(torch.uint8).any()
+
+
+def test_layer_out_of_range(storage):
+    with pytest.raises(ValueError, match="^layer"):
+        storage.layer(2)
+
+
+def test_handle_round_trips_through_json(storage):
+    handle = storage.export_handle()
+    assert handle.kind == "shm" and handle.layout == LAYOUT
+    plain = json.loads(json.dumps(handle.to_dict()))
+    assert PoolHandle.from_dict(plain) == handle
+    cuda_like = PoolHandle("cuda_ipc", 2, 2, 16, 4, 8, "bfloat16", device_index=1, ipc_handle=b"\x00\xffipc",
+                           storage_size_bytes=4096, ref_counter_handle=b"rc", ref_counter_offset=3,
+                           event_handle=b"\x01", event_sync_required=True)
+    plain = json.loads(json.dumps(cuda_like.to_dict()))
+    assert plain["ipc_handle"] == "00ff697063"
+    assert PoolHandle.from_dict(plain) == cuda_like
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: {k: v for k, v in d.items() if k != "num_blocks"},
+        lambda d: d | {"extra": 1},
+        lambda d: d | {"num_blocks": "8"},
+        lambda d: d | {"num_blocks": True},
+        lambda d: d | {"ipc_handle": "zz"},
+        lambda d: d | {"kind": "nfs"},
+        lambda d: d | {"block_size": 3},
+    ],
+    ids=["missing", "unknown", "str for int", "bool for int", "bad hex", "bad kind", "bad layout"],
+)
+def test_handle_from_dict_rejects(storage, change):
+    with pytest.raises(ValueError):
+        PoolHandle.from_dict(change(storage.export_handle().to_dict()))
+
+
+# The worker side: map the pool from the handle's JSON, check the parent's pattern in layer 0, write layer 1.
+WORKER = """
+import json, sys, torch
+from radixkv.storage import KVStorage, PoolHandle
+handle = PoolHandle.from_dict(json.loads(sys.argv[1]))
+salt_in, salt_out = int(sys.argv[2]), int(sys.argv[3])
+device = "cuda" if handle.kind == "cuda_ipc" else "cpu"
+def pattern(n, salt):
+    return ((torch.arange(n, dtype=torch.int32, device=device) * 7 + salt) % 65521 - 32760).to(torch.int16)
+s = KVStorage.open(handle)
+layer0 = s.data[0].view(torch.int16).flatten()
+if not torch.equal(layer0, pattern(layer0.numel(), salt_in)):
+    sys.exit(3)
+layer1 = s.data[1].view(torch.int16).flatten()
+layer1.copy_(pattern(layer1.numel(), salt_out))
+del layer0, layer1
+s.close()
+"""
+
+
+def run_worker(handle: PoolHandle, salt_in: int, salt_out: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(handle.to_dict()), str(salt_in), str(salt_out)],
+        env=dict(os.environ), capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_another_process_maps_the_same_memory(storage):
+    layer0 = storage.data[0].view(torch.int16).flatten()
+    layer0.copy_(pattern(layer0.numel(), 11))
+    handle = storage.export_handle()
+    result = run_worker(handle, 11, 29)
+    assert result.returncode == 0, result.stderr
+    assert "leaked" not in result.stderr and "resource_tracker" not in result.stderr
+    layer1 = storage.data[1].view(torch.int16).flatten()
+    assert torch.equal(layer1, pattern(layer1.numel(), 29))
+    if HAS_SHM_DIR:  # the worker's exit must not have unlinked the creator's segment
+        assert shm_exists(handle.name)
+    with KVStorage.open(handle) as reopened:  # the name still opens after the worker's exit
+        assert torch.equal(reopened.data[1].view(torch.int16).flatten(), layer1)
+
+
+@pytest.mark.skipif(not HAS_SHM_DIR, reason="needs /dev/shm")
+def test_unlink_leaves_nothing_in_dev_shm():
+    s = KVStorage.create(LAYOUT)
+    name = s.export_handle().name
+    assert name.startswith(f"radixkv-{os.getpid()}-") and shm_exists(name)
+    s.close()
+    s.unlink()
+    assert not shm_exists(name)
+    s.unlink()  # idempotent
+    with pytest.raises(ValueError, match="^export_handle"):
+        s.export_handle()
+    with KVStorage.create(LAYOUT) as s:
+        name = s.export_handle().name
+        with KVStorage.open(s.export_handle()) as opened:
+            opened.data[0, 0, 0, 0, 0, 0] = 1.5
+        assert shm_exists(name), "an opener's exit does not unlink"
+        assert float(s.data[0, 0, 0, 0, 0, 0]) == 1.5
+    assert not shm_exists(name), "the creator's exit unlinks"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_close_keeps_live_views_mapped_until_freed():
+    with KVStorage.create(LAYOUT) as s:
+        name = s.export_handle().name
+        k, v = s.layer(0)
+        k.fill_(2.0)
+        s.close()
+        with pytest.raises(ValueError, match="closed"):
+            s.data  # noqa: B018
+        assert mapped(name) and float(k.sum()) == 2.0 * k.numel()  # a live view still reads valid memory
+        del k, v
+        assert not mapped(name), "the last view freed unmaps the segment"
+
+
+def test_named_create_and_refusals():
+    name = f"radixkv-test-{uuid.uuid4().hex[:8]}"
+    with KVStorage.create(LAYOUT, name=name) as s:
+        handle = s.export_handle()
+        assert handle.name == name
+        with KVStorage.open(handle) as opened:
+            with pytest.raises(ValueError, match="^unlink"):
+                opened.unlink()
+        too_big = PoolHandle.from_dict(handle.to_dict() | {"num_blocks": LAYOUT.num_blocks * 2})
+        with pytest.raises(ValueError, match="^handle"):
+            KVStorage.open(too_big)
+    with pytest.raises(ValueError, match="^name"):
+        KVStorage.create(LAYOUT, "cuda", name="x")
+    with pytest.raises(ValueError, match="^device"):
+        KVStorage.create(LAYOUT, "meta")
+
+
+@pytest.mark.skipif(not HAS_SHM_DIR, reason="needs /dev/shm")
+def test_create_refuses_more_than_dev_shm_holds():
+    st = os.statvfs("/dev/shm")
+    probe = PoolLayout(1, 1, 64, 16, 1, "float32")
+    huge = PoolLayout(1, 1, 64, 16, st.f_bavail * st.f_frsize // probe.bytes_per_block + 1, "float32")
+    with pytest.raises(ValueError, match="^layout"):
+        KVStorage.create(huge)
+
+
+MODEL = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")  # Llama-3-8B: 2 MiB/block
+
+
+def test_layout_for_a_byte_budget():
+    layout = layout_for_memory(**MODEL, device="cpu", budget_bytes=10 * 2**30, reserved_bytes=2**30)
+    assert layout.bytes_per_block == 2 * 32 * 8 * 128 * 2 * 16 == 2**21
+    assert layout.num_blocks == 9 * 2**30 // 2**21 == 4608
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (32, 8, 128, "float16")
+
+
+def test_layout_for_a_memory_fraction(monkeypatch):
+    monkeypatch.setattr(radixkv.storage, "free_memory_bytes", lambda device: 80 * 2**30)
+    layout = layout_for_memory(**MODEL, device="cuda", memory_fraction=0.9, reserved_bytes=16 * 2**30)
+    assert layout.num_blocks == (int(80 * 2**30 * 0.9) - 16 * 2**30) // 2**21
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(), "budget_bytes"),
+        (dict(budget_bytes=2**30, memory_fraction=0.5), "budget_bytes"),
+        (dict(budget_bytes=0), "budget_bytes"),
+        (dict(memory_fraction=0.0), "memory_fraction"),
+        (dict(memory_fraction=1.5), "memory_fraction"),
+        (dict(memory_fraction=True), "memory_fraction"),
+        (dict(budget_bytes=2**30, reserved_bytes=-1), "reserved_bytes"),
+        (dict(budget_bytes=2**30, reserved_bytes=2**30), "reserved_bytes"),
+        (dict(budget_bytes=2**20), "a budget"),  # less than one 2 MiB block
+    ],
+)
+def test_layout_for_memory_rejects(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        layout_for_memory(**MODEL, device="cpu", **kwargs)
+
+
+def test_cpu_free_memory_is_plausible():
+    free = free_memory_bytes("cpu")
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < free <= total
+    if HAS_SHM_DIR:
+        st = os.statvfs("/dev/shm")
+        assert free <= st.f_bavail * st.f_frsize
+    with pytest.raises(ValueError, match="^device"):
+        free_memory_bytes("meta")
+
+
+@pytest.mark.gpu
+def test_cuda_pool_shared_with_another_process():
+    layout = PoolLayout(2, 2, 64, 16, 32, "bfloat16")
+    s = KVStorage.create(layout, "cuda")
+    assert s.data.is_cuda and not s.data.view(torch.int16).any()
+    layer0 = s.data[0].view(torch.int16).flatten()
+    layer0.copy_(pattern(layer0.numel(), 5, "cuda"))
+    torch.cuda.synchronize()
+    handle = s.export_handle()
+    assert handle.kind == "cuda_ipc" and handle.ipc_handle
+    result = run_worker(handle, 5, 17)
+    assert result.returncode == 0, result.stderr
+    layer1 = s.data[1].view(torch.int16).flatten()
+    assert torch.equal(layer1, pattern(layer1.numel(), 17, "cuda"))
+    s.close()
