@@ -37,11 +37,7 @@ class WholeLeafTree(RadixTree):
         while len(freed) < num_blocks and leaves:
             leaf = leaves.pop(0)
             freed.extend(leaf.block_ids)
-            parent = leaf.parent
-            del parent.children[leaf.token_bytes[: self.block_bytes]]
-            leaf.parent = None
-            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
-                leaves.add(parent)
+            self._detach(leaf)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return freed

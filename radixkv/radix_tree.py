@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 from sortedcontainers import SortedList
@@ -25,6 +26,7 @@ class Node:
     token_bytes: bytes
     block_ids: list[int]
     parent: Node | None
+    namespace: str
     children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
     lock_ref: int = 0  # live sequences and pins whose path runs through here
     pin_ref: int = 0
@@ -34,6 +36,16 @@ class Node:
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+
+class TreeObserver(Protocol):
+    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
+
+    def blocks_stored(self, node: Node) -> None:
+        """`node` is a new leaf: all its blocks are newly cached."""
+
+    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
+        """These blocks were evicted."""
 
 
 def _lru_key(node: Node) -> tuple[int, int]:
@@ -59,8 +71,9 @@ class RadixTree:
     than their children, so evicting leaves in LRU order never skips an older block.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
         self.block_size = block_size
+        self.observer = observer
         self.block_bytes = block_size * TOKEN_BYTES
         self.roots: dict[str, Node] = {}
         self._evictable_leaves: SortedList = SortedList(key=_lru_key)
@@ -72,7 +85,7 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", [], None)
+            root = self.roots[namespace] = Node(b"", [], None, namespace)
         return root
 
     def tick(self) -> int:
@@ -114,7 +127,7 @@ class RadixTree:
             return node
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
-        upper = Node(node.token_bytes[:cut], node.block_ids[:k], node.parent, {}, node.lock_ref, node.pin_ref, node.last_access)
+        upper = Node(node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, node.lock_ref, node.pin_ref, node.last_access)
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
@@ -142,7 +155,7 @@ class RadixTree:
                 i += match.num_blocks
                 continue
             new_ids = block_ids[i:]
-            child = Node(key[pos:], list(new_ids), node, last_access=now)
+            child = Node(key[pos:], list(new_ids), node, node.namespace, last_access=now)
             if node.lock_ref == 0 and not node.children and not node.is_root:
                 self._evictable_leaves.discard(node)
             node.children[key[pos : pos + self.block_bytes]] = child
@@ -151,6 +164,8 @@ class RadixTree:
             self.num_cached_blocks += len(new_ids)
             num_taken = len(new_ids)
             node = child
+            if self.observer is not None:
+                self.observer.blocks_stored(child)
             break
         return node, num_taken
 
@@ -210,21 +225,28 @@ class RadixTree:
             leaf: Node = leaves[0]
             need = num_blocks - len(freed)
             if len(leaf.block_ids) > need:
-                freed.extend(leaf.block_ids[-need:])
+                dropped = leaf.block_ids[-need:]
                 del leaf.block_ids[-need:]
                 leaf.token_bytes = leaf.token_bytes[: len(leaf.block_ids) * self.block_bytes]
-                continue
-            leaves.pop(0)
-            freed.extend(leaf.block_ids)
-            parent = leaf.parent
-            assert parent is not None
-            del parent.children[leaf.token_bytes[: self.block_bytes]]
-            leaf.parent = None
-            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
-                leaves.add(parent)
+            else:
+                leaves.pop(0)
+                dropped = leaf.block_ids
+                self._detach(leaf)
+            freed.extend(dropped)
+            if self.observer is not None:
+                self.observer.blocks_removed(leaf.namespace, dropped)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return freed
+
+    def _detach(self, leaf: Node) -> None:
+        """Unlink an evicted leaf; its parent may become an evictable leaf."""
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.token_bytes[: self.block_bytes]]
+        leaf.parent = None
+        if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+            self._evictable_leaves.add(parent)
 
     def evictable_leaves(self) -> list[Node]:
         return list(self._evictable_leaves)

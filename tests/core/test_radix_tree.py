@@ -97,3 +97,29 @@ def test_match_of_a_long_prompt_is_one_node_walk():
     tree.lock(node)
     match = tree.match(tree.root("a"), tokens.tobytes())
     assert match.num_blocks == 8192 and len(match.path) == 1
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def blocks_stored(self, node):
+        self.events.append(("stored", node.namespace, list(node.block_ids)))
+
+    def blocks_removed(self, namespace, block_ids):
+        self.events.append(("removed", namespace, list(block_ids)))
+
+
+def test_observer_sees_every_block_stored_and_removed():
+    recorder = Recorder()
+    tree = RadixTree(BS, observer=recorder)
+    insert(tree, "a", range(8), [0, 1])
+    insert(tree, "b", range(8), [2, 3])
+    insert(tree, "a", range(8), [5, 6])  # a duplicate: nothing new is stored, "a" is touched
+    tree.evict(3)
+    assert recorder.events == [
+        ("stored", "a", [0, 1]),
+        ("stored", "b", [2, 3]),
+        ("removed", "b", [2, 3]),
+        ("removed", "a", [1]),
+    ]
