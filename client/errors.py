@@ -1,0 +1,35 @@
+"""gRPC failures back into radixkv's domain exceptions: the reason in the ErrorInfo picks the class.
+
+The server sends every refusal as a status plus one `google.rpc.ErrorInfo` (domain "radixkv");
+`ERRORS_BY_REASON` maps its reason to the class the core would have raised in-process, so callers
+catch `OutOfBlocks` either way. Failures without one (the server unreachable, a deadline passed, a
+message over the size limit) stay `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from radixkv.errors import ERRORS_BY_REASON, RadixKVError
+
+DOMAIN = "radixkv"
+
+
+def error_from_rpc(error: grpc.RpcError) -> Exception:
+    """The domain exception `error` carries, or `error` itself when it carries none."""
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except ValueError:  # status details that disagree with the call's code: not ours
+        return error
+    if status is None:
+        return error
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == DOMAIN:
+                cls = ERRORS_BY_REASON.get(info.reason, RadixKVError)
+                return cls.from_wire(status.message, dict(info.metadata))
+    return error

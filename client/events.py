@@ -1,0 +1,73 @@
+"""Prefix-tree events as a router consumes them: blocks stored and removed, numbered per namespace."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator
+from types import TracebackType
+
+import grpc
+
+from radixkv.client.errors import error_from_rpc
+from radixkv.v1 import kvcache_pb2 as pb
+
+
+class KVEventKind(enum.Enum):
+    BLOCKS_STORED = pb.KV_EVENT_KIND_BLOCKS_STORED
+    BLOCKS_REMOVED = pb.KV_EVENT_KIND_BLOCKS_REMOVED
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One change to a namespace's cached blocks.
+
+    `sequence_number` grows by one per event within a namespace: a jump means events were missed,
+    so rebuild from a new stream with `include_snapshot=True`. Snapshot events carry the number the
+    snapshot is current to.
+    """
+
+    sequence_number: int
+    namespace: str
+    kind: KVEventKind
+    block_ids: list[int]
+    token_ids: list[int]  # BLOCKS_STORED: block_size tokens per block
+    parent_block_id: int | None  # BLOCKS_STORED: the block before these; None at the namespace's root
+    snapshot: bool  # part of the snapshot the stream started with
+
+
+class EventStream:
+    """An open WatchEvents stream: iterate it for events; `cancel()` (or leaving `with`) ends it."""
+
+    def __init__(self, call: grpc.Call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[KVEvent]:
+        try:
+            for response in self._call:  # type: ignore[attr-defined]
+                for e in response.events:
+                    parent = e.parent_block_id if e.HasField("parent_block_id") else None
+                    yield KVEvent(
+                        e.sequence_number,
+                        e.namespace,
+                        KVEventKind(e.kind),
+                        list(e.block_ids),
+                        list(e.token_ids),
+                        parent,
+                        response.snapshot,
+                    )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            raise error_from_rpc(e) from e
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cancel()

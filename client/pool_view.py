@@ -1,0 +1,71 @@
+"""A co-located worker's view of a server pool's KV memory: the same bytes, mapped, never copied.
+
+The server allocates each pool (named shared memory on CPU, an IPC-exported allocation on CUDA)
+and hands out a plain-field handle through GetPool; `PoolView` maps it with `KVStorage.open`.
+torch is imported only when a view is opened, so `import radixkv.client` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from radixkv.layout import PoolLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixkv.client.client import RadixKVClient
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """What GetPool returns: the layout, the device, and the handle to map the memory with."""
+
+    name: str
+    layout: PoolLayout
+    device: str
+    handle: dict[str, Any]  # PoolHandle.to_dict(): JSON values, never pickled
+
+
+class PoolView:
+    """The pool's memory in this process: `data` `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def __init__(self, info: PoolInfo) -> None:
+        from radixkv.storage import KVStorage, PoolHandle
+
+        handle = PoolHandle.from_dict(info.handle)
+        if handle.layout != info.layout:
+            raise ValueError(f"pool {info.name!r}: handle layout {handle.layout} != announced {info.layout}")
+        self.info = info
+        self._storage = KVStorage.open(handle)
+
+    @classmethod
+    def from_client(cls, client: RadixKVClient) -> PoolView:
+        """Map the pool `client` talks to."""
+        return cls(client.get_pool())
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.info.layout
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._storage.data
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V caches, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        return self._storage.layer(layer)
+
+    def close(self) -> None:
+        """Drop this mapping (tensors still viewing it keep it alive until they go)."""
+        self._storage.close()
+
+    def __enter__(self) -> PoolView:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""`radixkv demo`: a Llama-family model served through radixkv (orchestrator, worker, server, kernels)."""

@@ -1,0 +1,290 @@
+"""The orchestrator: decides what every sequence does, through the radixkv client alone.
+
+Per scheduler step it admits a waiting request (open: the server matches the longest cached prefix),
+asks the worker to prefill the admitted prompt tails and decode every live sequence's newest token,
+then chooses next tokens: parallel samples fork from the prompt, beams fork where several survivors
+extend one beam and are released where none does, finished sequences are released with caching. Its
+appends come back with slots and copy-on-write pairs, which travel to the worker in the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from radixkv.client import RadixKVClient
+from radixkv.demo import beam_search
+from radixkv.demo.beam_search import Hypothesis
+from radixkv.demo.sampling import SamplingParams, sample_token
+from radixkv.demo.worker import DecodeInput, PrefillInput, Worker, WorkerStep
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request: `n` samples (`sampling`), or beam search when `beam_width` > 0.
+
+    With `follows`, this is the next turn of that request's conversation: its prompt is the earlier
+    prompt, the earlier request's first output, then `prompt`.
+    """
+
+    name: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    beam_width: int = 0
+    follows: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class RequestResult:
+    name: str
+    prompt: list[int]
+    num_cached_tokens: int  # prompt tokens the server already held (prefix hit)
+    outputs: list[list[int]]  # per sample, or per hypothesis best first
+    scores: list[float]  # beam search: each hypothesis' cumulative log-probability
+    peak_blocks: int = 0  # most distinct blocks its sequences held at once
+    num_cow_copies: int = 0
+    num_generated_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """The state after one step's appends: what the next model step reads, charged three ways."""
+
+    step: int
+    num_prefills: int
+    num_cached_tokens: int  # of the prompts admitted this step
+    num_decodes: int
+    num_live_seqs: int
+    num_copies: int
+    blocks_radixkv: int  # the server's blocks in use: shared prefixes and forks count once
+    blocks_unshared: int  # every live sequence its own blocks
+    blocks_contiguous: float  # every live sequence a slab of prompt + max_new_tokens, in blocks
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Seq:
+    seq_id: int
+    index: int  # sample index (sampling) within its request
+    token_ids: list[int]  # prompt and generated tokens, the newest one (not yet computed) included
+    score: float = 0.0  # beam search: cumulative log-probability of the generated tokens
+    slot: int = -1  # where the newest token's K/V go
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    spec: RequestSpec
+    result: RequestResult
+    generator: torch.Generator
+    seqs: list[_Seq]
+    hypotheses: list[Hypothesis]
+    started: float
+    prefill_slots: npt.NDArray[np.int64]  # [num_prompt - num_cached_tokens]
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.result.prompt)
+
+
+class Orchestrator:
+    """Runs requests to completion; `on_step` sees each step's record (the demo prints it)."""
+
+    def __init__(
+        self,
+        client: RadixKVClient,
+        worker: Worker,
+        eos_token_ids: tuple[int, ...],
+        namespace: str = "default",
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        self.client, self.worker, self.eos, self.namespace, self.on_step = client, worker, eos_token_ids, namespace, on_step
+        self.block_size = client.get_pool().layout.block_size
+        self.steps: list[StepRecord] = []
+
+    def run(self, specs: list[RequestSpec]) -> list[RequestResult]:
+        """Admit one request per step (in order, a follow-up once its turn before has finished) until all finish.
+
+        Raises:
+            ValueError: a `follows` that names no earlier request (it could never be admitted).
+        """
+        for i, spec in enumerate(specs):
+            if spec.follows is not None and spec.follows not in {s.name for s in specs[:i]}:
+                raise ValueError(f"request {spec.name!r} follows {spec.follows!r}, which is not an earlier request")
+        waiting = list(specs)
+        done: dict[str, RequestResult] = {}
+        live: list[_Request] = []
+        copies: list[tuple[int, int]] = []
+        while waiting or live:
+            admitted = []
+            ready = next((s for s in waiting if s.follows is None or s.follows in done), None)
+            if ready is not None:
+                waiting.remove(ready)
+                admitted.append(self._open(ready, done))
+            decoding = [(r, s) for r in live for s in r.seqs]
+            out = self.worker.execute(
+                WorkerStep(copies, [self._prefill_input(r) for r in admitted], [self._decode_input(s) for _, s in decoding])
+            )
+            appends: list[tuple[_Request, _Seq, int]] = []
+            for request, logprobs in zip(admitted, out.prefill_logprobs, strict=True):
+                appends += self._after_prefill(request, logprobs)
+            rows = iter(out.decode_logprobs)
+            for request in live:
+                logprobs = torch.stack([next(rows) for _ in request.seqs])  # [num_seqs, vocab_size]
+                appends += self._after_decode(request, logprobs)
+            copies = self._append(appends)
+            for request in live + admitted:
+                if not request.seqs:
+                    request.result.seconds = time.perf_counter() - request.started
+                    done[request.spec.name] = request.result
+            live = [r for r in live + admitted if r.seqs]
+            self._record(len(self.steps), admitted, len(decoding), live, len(copies))
+        return [done[s.name] for s in specs]
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _open(self, spec: RequestSpec, done: dict[str, RequestResult]) -> _Request:
+        prompt = list(spec.prompt)
+        if spec.follows is not None:
+            before = done[spec.follows]
+            prompt = before.prompt + before.outputs[0] + prompt
+        opened = self.client.open(prompt, self.namespace)
+        seq = _Seq(opened.seq_id, 0, prompt)
+        result = RequestResult(spec.name, prompt, opened.num_cached_tokens, [[] for _ in range(spec.sampling.n)], [])
+        result.peak_blocks = len(opened.block_table)
+        generator = torch.Generator().manual_seed(spec.sampling.seed)
+        return _Request(spec, result, generator, [seq], [], time.perf_counter(), np.asarray(opened.slots, dtype=np.int64))
+
+    def _prefill_input(self, request: _Request) -> PrefillInput:
+        seq = request.seqs[0]
+        cached = request.result.num_cached_tokens
+        return PrefillInput(seq.token_ids[cached:], cached, request.prefill_slots, self.client.block_table(seq.seq_id))
+
+    def _decode_input(self, seq: _Seq) -> DecodeInput:
+        return DecodeInput(seq.token_ids[-1], len(seq.token_ids) - 1, seq.slot, self.client.block_table(seq.seq_id))
+
+    # -- choosing next tokens --------------------------------------------------------------------
+
+    def _after_prefill(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+        # logprobs: [vocab_size], after the prompt's last token
+        if request.spec.beam_width > 0:
+            return self._beam_step(request, logprobs[None])
+        parent = request.seqs[0]
+        tokens = [sample_token(logprobs, request.spec.sampling, request.generator) for _ in range(request.spec.sampling.n)]
+        request.result.num_generated_tokens += len(tokens)
+        request.seqs = []
+        going: list[tuple[int, int]] = []  # (sample index, token) of samples that go on
+        for index, token in enumerate(tokens):
+            request.result.outputs[index].append(token)
+            if token in self.eos or request.spec.max_new_tokens == 1:
+                continue
+            going.append((index, token))
+        if not going:
+            self.client.release(parent.seq_id, cache=True)
+            return []
+        # The samples share the whole prompt: forks hold its blocks, the partial last one copied on first write.
+        children = self.client.fork(parent.seq_id, len(going) - 1) if len(going) > 1 else []
+        if not children:
+            self.client.cache(parent.seq_id)  # so requests admitted while this one runs hit its prompt
+        appends = []
+        for (index, token), seq_id in zip(going, [parent.seq_id, *children], strict=True):
+            seq = _Seq(seq_id, index, list(parent.token_ids))
+            request.seqs.append(seq)
+            appends.append((request, seq, token))
+        return appends
+
+    def _after_decode(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+        # logprobs: [num_seqs, vocab_size], one row per live sequence of the request
+        if request.spec.beam_width > 0:
+            return self._beam_step(request, logprobs)
+        appends, going, finished = [], [], []
+        for seq, row in zip(request.seqs, logprobs, strict=True):
+            token = sample_token(row, request.spec.sampling, request.generator)
+            request.result.outputs[seq.index].append(token)
+            request.result.num_generated_tokens += 1
+            if token in self.eos or len(request.result.outputs[seq.index]) == request.spec.max_new_tokens:
+                finished.append(seq.seq_id)  # its last token is never computed, so never appended
+            else:
+                going.append(seq)
+                appends.append((request, seq, token))
+        if finished:
+            self.client.release_many(finished, cache=True)
+        request.seqs = going
+        return appends
+
+    def _beam_step(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+        # logprobs: [num_beams, vocab_size]
+        beams, width = request.seqs, request.spec.beam_width
+        scores = torch.tensor([b.score for b in beams])  # [num_beams]
+        continuing, finished = beam_search.select(scores, logprobs, width, self.eos)
+        request.result.num_generated_tokens += len(continuing) + len(finished)
+        generated = [tuple(b.token_ids[request.num_prompt :]) for b in beams]
+        request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in finished]
+        if len(generated[0]) + 1 == request.spec.max_new_tokens or not continuing:
+            request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in continuing]
+            self.client.release_many([b.seq_id for b in beams], cache=True)
+            best = beam_search.best(request.hypotheses, width)
+            request.result.outputs = [list(h.token_ids) for h in best]
+            request.result.scores = [h.score for h in best]
+            request.seqs = []
+            return []
+        counts = [0] * len(beams)
+        for c in continuing:
+            counts[c.parent] += 1
+        pruned = [b.seq_id for b, n in zip(beams, counts, strict=True) if n == 0]
+        if pruned:
+            self.client.release_many(pruned, cache=False)  # a pruned beam's tail is of no use to anyone
+        # Every fork before any append: a child must share its parent's blocks as they are now.
+        forks = {i: iter(self.client.fork(b.seq_id, n - 1)) for i, (b, n) in enumerate(zip(beams, counts, strict=True)) if n > 1}
+        seen: set[int] = set()
+        appends = []
+        request.seqs = []
+        for c in continuing:
+            parent = beams[c.parent]
+            seq_id = parent.seq_id if c.parent not in seen else next(forks[c.parent])
+            seen.add(c.parent)
+            seq = _Seq(seq_id, 0, list(parent.token_ids), c.score)
+            request.seqs.append(seq)
+            appends.append((request, seq, c.token_id))
+        return appends
+
+    # -- appends and accounting ------------------------------------------------------------------
+
+    def _append(self, appends: list[tuple[_Request, _Seq, int]]) -> list[tuple[int, int]]:
+        """One batched append for the whole step; returns the copy-on-write pairs for the worker."""
+        if not appends:
+            return []
+        results = self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends])
+        copies = []
+        for (request, seq, token), result in zip(appends, results, strict=True):
+            seq.token_ids.append(token)
+            seq.slot = int(np.asarray(result.slots)[0])
+            copies += result.copies
+            request.result.num_cow_copies += len(result.copies)
+        return copies
+
+    def _record(self, step: int, admitted: list[_Request], num_decodes: int, live: list[_Request], num_copies: int) -> None:
+        bs = self.block_size
+        seqs = [(r, s) for r in live for s in r.seqs]
+        for request in live:
+            held = {b for s in request.seqs for b in self.client.block_table(s.seq_id)}
+            request.result.peak_blocks = max(request.result.peak_blocks, len(held))
+        record = StepRecord(
+            step=step,
+            num_prefills=len(admitted),
+            num_cached_tokens=sum(r.result.num_cached_tokens for r in admitted),
+            num_decodes=num_decodes,
+            num_live_seqs=len(seqs),
+            num_copies=num_copies,
+            blocks_radixkv=self.client.stats().num_blocks_in_use,
+            blocks_unshared=sum(-(-len(s.token_ids) // bs) for _, s in seqs),
+            blocks_contiguous=sum(r.num_prompt + r.spec.max_new_tokens for r, _ in seqs) / bs,
+        )
+        self.steps.append(record)
+        if self.on_step is not None:
+            self.on_step(record)

@@ -1,0 +1,105 @@
+"""The worker: runs the model over the pool's memory, as the orchestrator's step tells it to.
+
+It knows nothing of sequences, prefixes or the radix tree: a step says which blocks to copy (copy-on-
+write, applied before any write), which prompt tails to prefill and which tokens to decode, each with
+the slots its K/V go to and the block table it reads. It returns log-probabilities, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from radixkv.demo.model import LlamaForCausalLM
+from radixkv.demo.paged_attention import PagedDecode, PagedPrefill, PoolMemory, PrefillSeq
+from radixkv.kernels import copy_blocks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillInput:
+    """The uncached tail of one prompt: `token_ids` sit at positions `num_cached_tokens` on."""
+
+    token_ids: list[int]
+    num_cached_tokens: int
+    slots: npt.NDArray[np.int64]  # [len(token_ids)]
+    block_table: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeInput:
+    """One sequence's newest token, at `position` (so it attends to `position + 1` tokens)."""
+
+    token_id: int
+    position: int
+    slot: int
+    block_table: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerStep:
+    copies: list[tuple[int, int]]  # (src_block, dst_block): copy-on-write from the last appends
+    prefills: list[PrefillInput]
+    decodes: list[DecodeInput]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutput:
+    prefill_logprobs: torch.Tensor  # fp32 [num_prefills, vocab_size], after each prompt's last token
+    decode_logprobs: torch.Tensor  # fp32 [num_decodes, vocab_size]
+
+
+class Worker:
+    """Runs `model` with every K/V read from and written to `pool` (a `PoolView` of the server's pool).
+
+    Args:
+        backend: the kernels' backend ("torch" or "triton"); None lets them pick for the device.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, pool: PoolMemory, backend: str | None = None) -> None:
+        c = model.config
+        num_layers, _, _, _, num_kv_heads, head_dim = pool.data.shape
+        if (num_layers, num_kv_heads, head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"pool: layout (layers, kv heads, head_dim) = {(num_layers, num_kv_heads, head_dim)} does not fit the model's "
+                f"{(c.num_layers, c.num_kv_heads, c.head_dim)}"
+            )
+        self.model, self.pool, self.backend = model, pool, backend
+        self.scale = c.head_dim**-0.5
+
+    def execute(self, step: WorkerStep) -> StepOutput:
+        """Apply the copies, then prefill, then decode: a copied block must be whole before its new owner writes."""
+        if step.copies:
+            copy_blocks(self.pool.data, torch.tensor(step.copies, dtype=torch.int64), backend=self.backend)
+        vocab_size = self.model.config.vocab_size
+        empty = torch.empty(0, vocab_size)
+        return StepOutput(
+            self._prefill(step.prefills) if step.prefills else empty,
+            self._decode(step.decodes) if step.decodes else empty,
+        )
+
+    def _prefill(self, prefills: list[PrefillInput]) -> torch.Tensor:
+        token_ids = torch.tensor([t for p in prefills for t in p.token_ids], dtype=torch.int64)  # [num_tokens]
+        positions = torch.cat(
+            [torch.arange(p.num_cached_tokens, p.num_cached_tokens + len(p.token_ids)) for p in prefills]
+        )  # [num_tokens]
+        slots = torch.from_numpy(np.concatenate([p.slots for p in prefills]).astype(np.int64))  # [num_tokens]
+        last_rows = torch.tensor([len(p.token_ids) for p in prefills]).cumsum(0) - 1  # [num_prefills]
+        seqs = [PrefillSeq(p.block_table, p.num_cached_tokens, len(p.token_ids)) for p in prefills]
+        attention = PagedPrefill(self.pool, seqs, slots, self.scale, self.model.config.sliding_window, self.backend)
+        return self.model(token_ids, positions, attention, last_rows)  # [num_prefills, vocab_size]
+
+    def _decode(self, decodes: list[DecodeInput]) -> torch.Tensor:
+        num_seqs = len(decodes)
+        max_blocks = max(len(d.block_table) for d in decodes)
+        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)  # [num_seqs, max_blocks]
+        for i, d in enumerate(decodes):
+            block_tables[i, : len(d.block_table)] = torch.tensor(d.block_table, dtype=torch.int32)
+        token_ids = torch.tensor([d.token_id for d in decodes], dtype=torch.int64)  # [num_seqs]
+        positions = torch.tensor([d.position for d in decodes], dtype=torch.int64)  # [num_seqs]
+        slots = torch.tensor([d.slot for d in decodes], dtype=torch.int64)  # [num_seqs]
+        seq_lens = (positions + 1).to(torch.int32)  # [num_seqs]
+        attention = PagedDecode(self.pool, slots, block_tables, seq_lens, self.scale, self.model.config.sliding_window, self.backend)
+        return self.model(token_ids, positions, attention, torch.arange(num_seqs))  # [num_seqs, vocab_size]

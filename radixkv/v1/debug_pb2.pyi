@@ -1,0 +1,37 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckInvariantsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class CheckInvariantsResponse(_message.Message):
+    __slots__ = ("violation", "num_live_sequences", "num_sessions")
+    VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    violation: str
+    num_live_sequences: int
+    num_sessions: int
+    def __init__(self, violation: _Optional[str] = ..., num_live_sequences: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class ChecksumBlocksRequest(_message.Message):
+    __slots__ = ("pool", "block_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChecksumBlocksResponse(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...

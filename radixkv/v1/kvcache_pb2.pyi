@@ -1,0 +1,359 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_BLOCKS_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_BLOCKS_REMOVED: _ClassVar[KVEventKind]
+KV_EVENT_KIND_UNSPECIFIED: KVEventKind
+KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
+KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_released_sequences",)
+    NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_released_sequences: int
+    def __init__(self, num_released_sequences: _Optional[int] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("token_ids", "namespace")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class OpenSequencesRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "prompts")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ...) -> None: ...
+
+class OpenedSequence(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_cached_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[OpenedSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[OpenedSequence, _Mapping]]] = ...) -> None: ...
+
+class AppendTokensRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids", "num_token_ids", "token_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src_block_id", "dst_block_id", "sequence_index")
+    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    src_block_id: int
+    dst_block_id: int
+    sequence_index: int
+    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ..., sequence_index: _Optional[int] = ...) -> None: ...
+
+class AppendTokensResponse(_message.Message):
+    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    table_offsets: _containers.RepeatedScalarFieldContainer[int]
+    num_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class ForkSequenceRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_id", "num_children")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_id: int
+    num_children: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., num_children: _Optional[int] = ...) -> None: ...
+
+class ForkSequenceResponse(_message.Message):
+    __slots__ = ("child_seq_ids",)
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheSequenceRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+
+class CacheSequenceResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseSequencesRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids", "cache")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., cache: _Optional[bool] = ...) -> None: ...
+
+class ReleaseSequencesResponse(_message.Message):
+    __slots__ = ("num_released_sequences",)
+    NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_released_sequences: int
+    def __init__(self, num_released_sequences: _Optional[int] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_pinned_tokens",)
+    NUM_PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_pinned_tokens: int
+    def __init__(self, num_pinned_tokens: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("pool", "session_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use", "num_live_sequences", "num_namespaces", "num_requested_tokens", "num_hit_tokens", "num_evicted_blocks", "num_allocation_failures", "num_cow_copies", "num_opened_sequences", "num_forked_sequences", "num_released_sequences")
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COW_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OPENED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    num_blocks_evictable: int
+    num_blocks_pinned: int
+    num_blocks_in_use: int
+    num_live_sequences: int
+    num_namespaces: int
+    num_requested_tokens: int
+    num_hit_tokens: int
+    num_evicted_blocks: int
+    num_allocation_failures: int
+    num_cow_copies: int
+    num_opened_sequences: int
+    num_forked_sequences: int
+    num_released_sequences: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("stats", "num_sessions")
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    stats: PoolStats
+    num_sessions: int
+    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class GetPoolRequest(_message.Message):
+    __slots__ = ("pool", "session_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class GetPoolResponse(_message.Message):
+    __slots__ = ("pool", "layout", "device", "handle_json")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    layout: PoolLayout
+    device: str
+    handle_json: str
+    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "namespaces", "include_snapshot")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    include_snapshot: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., include_snapshot: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence_number", "namespace", "kind", "block_ids", "token_ids", "parent_block_id")
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_number: int
+    namespace: str
+    kind: KVEventKind
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_id: int
+    def __init__(self, sequence_number: _Optional[int] = ..., namespace: _Optional[str] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("events", "snapshot")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    snapshot: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...

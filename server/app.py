@@ -1,0 +1,228 @@
+"""The radixkv server process: assemble pools, services, health, reflection and metrics; serve until SIGTERM.
+
+`create_server(config, address) -> (server, port)` builds everything and binds without starting,
+so tests and embedders choose when to start and stop; `serve(config)` is the process around it
+(signals, the port announcement, graceful stop); `main(argv)` is `radixkv serve`.
+
+On start the process prints one JSON line to stdout, `{"event": "serving", "port": P, "metrics_port": M}`,
+so a parent that asked for port 0 learns the port; logs go to stderr as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from radixkv.server.auth import AuthInterceptor
+from radixkv.server.config import (
+    ServerConfig,
+    config_from_mapping,
+    load_toml,
+    parse_pool_flag,
+    pool_from_mapping,
+)
+from radixkv.server.debug import DebugServicer
+from radixkv.server.logs import configure_logging
+from radixkv.server.metrics import ServerMetrics
+from radixkv.server.pools import Pool, build_pool
+from radixkv.server.service import KVService
+from radixkv.server.servicer import KVCacheServicer
+from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+
+log = logging.getLogger("radixkv.server")
+
+KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
+DEBUG_SERVICE = debug_pb2.DESCRIPTOR.services_by_name["Debug"].full_name
+
+
+class RadixKVServer:
+    """A bound gRPC server with its pools; `start`, then `stop(grace)` (which also frees the pools)."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        service: KVService,
+        health_servicer: health.HealthServicer,
+        metrics: ServerMetrics,
+        config: ServerConfig,
+    ) -> None:
+        self._server = server
+        self.service = service
+        self._health = health_servicer
+        self.metrics = metrics
+        self._config = config
+        self.metrics_port: int | None = None
+        self._services = [KVCACHE_SERVICE, *([DEBUG_SERVICE] if config.debug_rpc else [])]
+
+    def start(self) -> None:
+        self.service.start()
+        self._server.start()
+        if self._config.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(self._config.host, self._config.metrics_port)
+        for name in ("", *self._services):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, end event streams, let in-flight RPCs finish within `grace`, then free everything."""
+        self._health.enter_graceful_shutdown()
+        for pool in self.service.pools.values():
+            pool.events.close_all()
+        self._server.stop(self._config.grace_seconds if grace is None else grace).wait()
+        self.service.close()
+        self.metrics.stop_http()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return bool(self._server.wait_for_termination(timeout))
+
+
+def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, int]:
+    """Build the pools and the gRPC server and bind `address` (port 0: any free port); not started.
+
+    Raises:
+        RuntimeError: the address cannot be bound (the pools are freed again).
+    """
+    pools: dict[str, Pool] = {}
+    try:
+        for pool_config in config.pools:
+            pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size)
+        service = KVService(config, pools)
+        metrics = ServerMetrics(service)
+        interceptors = [metrics.interceptor(), *([AuthInterceptor(config.tenants)] if config.tenants else [])]
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="radixkv-rpc"),
+            interceptors=interceptors,
+            options=options,
+        )
+        kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(service), server)
+        if config.debug_rpc:
+            debug_pb2_grpc.add_DebugServicer_to_server(DebugServicer(service), server)
+        health_servicer = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        services = [
+            KVCACHE_SERVICE,
+            *([DEBUG_SERVICE] if config.debug_rpc else []),
+            health.SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(services, server)
+        if config.tls_cert is not None and config.tls_key is not None:
+            with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+                port = server.add_secure_port(address, grpc.ssl_server_credentials([(key.read(), cert.read())]))
+        else:
+            port = server.add_insecure_port(address)
+    except BaseException:
+        for pool in pools.values():
+            pool.close()
+        raise
+    return RadixKVServer(server, service, health_servicer, metrics, config), port
+
+
+def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING, drain, free pools)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    address = f"{config.host}:{config.port}"
+    server, port = create_server(config, address)
+    server.start()
+    pools = {name: str(pool.layout) for name, pool in server.service.pools.items()}
+    log.info(
+        "serving",
+        extra={
+            "address": address,
+            "port": port,
+            "metrics_port": server.metrics_port,
+            "pools": pools,
+            "auth": bool(config.tenants),
+            "tls": config.tls_cert is not None,
+        },
+    )
+    print(json.dumps({"event": "serving", "port": port, "metrics_port": server.metrics_port}), flush=True)
+    while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits
+        pass
+    log.info("stopping", extra={"grace_seconds": config.grace_seconds})
+    server.stop()
+    log.info("stopped")
+
+
+def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
+    """`radixkv serve` flags (a leading "serve" is accepted) -> (config, log level). Flags win over --config."""
+    args = list(argv)
+    if args[:1] == ["serve"]:
+        args = args[1:]
+    parser = argparse.ArgumentParser(prog="radixkv serve", description="Serve radixkv pools over gRPC.")
+    parser.add_argument("--config", help="TOML file: server options, [pools.NAME] and [tenants.NAME] tables")
+    parser.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME:key=val,...",
+        help="a pool, e.g. default:num_layers=32,num_kv_heads=8,head_dim=128,num_blocks=4096 (repeatable; replaces a --config pool of that name)",
+    )
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free port, printed on stdout)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port); off when absent")
+    parser.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="TOML file of [tenants.NAME] tables (token, namespaces, max_blocks, map_pools): turns auth on",
+    )
+    parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TLS")
+    parser.add_argument("--tls-key", help="PEM private key")
+    parser.add_argument("--max-message-bytes", type=int, help="largest request or response (default 64 MiB)")
+    parser.add_argument("--session-ttl", type=float, dest="session_ttl_seconds", help="default session lease, seconds")
+    parser.add_argument(
+        "--max-session-ttl", type=float, dest="max_session_ttl_seconds", help="longest lease a client may ask for"
+    )
+    parser.add_argument("--max-workers", type=int, help="RPC threads (each open WatchEvents stream holds one)")
+    parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
+    parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ns = parser.parse_args(args)
+    data = load_toml(ns.config) if ns.config else {}
+    if ns.auth_tokens:
+        data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
+    overrides = {
+        k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "pool", "auth_tokens", "log_level")
+    }
+    flagged = [parse_pool_flag(flag) for flag in ns.pool]
+    from_file = [pool_from_mapping(name, values) for name, values in data.get("pools", {}).items()]
+    pools = (*[p for p in from_file if p.name not in {f.name for f in flagged}], *flagged)
+    config = config_from_mapping(data, **overrides, pools=pools)
+    return config, ns.log_level
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`radixkv serve ...`; returns the exit status: 0 after a graceful stop, 2 for a bad configuration, 1 if it cannot serve."""
+    try:
+        config, log_level = parse_args(sys.argv[1:] if argv is None else argv)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
+    configure_logging(log_level)
+    try:
+        serve(config)
+    except (RuntimeError, OSError, ValueError) as e:  # cannot bind, cannot allocate a pool, ...
+        log.exception("cannot serve")
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Server configuration: named pools, tenants and limits, from command-line flags or a TOML file.
+
+A TOML file holds server options at the top level, one `[pools.NAME]` table per pool and one
+`[tenants.NAME]` table per tenant (the `--auth-tokens` file holds only `[tenants.*]` tables):
+
+    max_message_bytes = 67108864
+    [pools.default]
+    num_layers = 32
+    num_kv_heads = 8
+    head_dim = 128
+    memory_fraction = 0.8   # or num_blocks = 4096, or memory_bytes = 17179869184
+    [tenants.acme]
+    token = "secret"
+    namespaces = ["chat", "code"]   # "*": any namespace
+    max_blocks = 2048               # per pool; absent: no quota
+    map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
+
+Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from radixkv.kv_cache import Limits
+
+DEFAULT_POOL = "default"
+ANY_NAMESPACE = "*"
+_TENANT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One pool: its layout, device, and size by exactly one of num_blocks, memory_bytes, memory_fraction."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "float16"
+    device: str = "cpu"
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    memory_fraction: float | None = None  # of the device's free memory, as vLLM's --gpu-memory-utilization
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
+        if len(sizes) != 1:
+            raise ValueError(
+                f"pool {self.name!r}: give exactly one of num_blocks, memory_bytes, memory_fraction (got {sizes or 'none'})"
+            )
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"pool {self.name!r}: memory_fraction must lie in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """A bearer token's owner: the namespaces it may use and its block quota per pool."""
+
+    name: str
+    token: str
+    namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
+    max_blocks: int | None = None
+    map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
+
+    def __post_init__(self) -> None:
+        if not _TENANT_NAME_RE.fullmatch(self.name):
+            raise ValueError(
+                f"tenant {self.name!r}: names are 1-64 characters of A-Z a-z 0-9 _ . - (they prefix namespaces)"
+            )
+        if not self.token:
+            raise ValueError(f"tenant {self.name!r}: empty token")
+        if not self.namespaces:
+            raise ValueError(f"tenant {self.name!r}: namespaces must not be empty")
+        if self.max_blocks is not None and self.max_blocks < 0:
+            raise ValueError(f"tenant {self.name!r}: max_blocks must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `create_server` needs besides the address. Without tenants, auth is off."""
+
+    pools: tuple[PoolConfig, ...]
+    tenants: tuple[TenantConfig, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    session_ttl_seconds: float = 30.0
+    max_session_ttl_seconds: float = 3600.0
+    max_sessions: int = 10_000
+    max_message_bytes: int = 64 * 2**20
+    max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
+    watch_queue_size: int = 10_000  # events buffered per watcher before it misses some
+    grace_seconds: float = 5.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    debug_rpc: bool = False  # serve radixkv.v1.Debug (tests only)
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("configure at least one pool")
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names repeat: {names}")
+        tokens = [t.token for t in self.tenants]
+        if len(set(tokens)) != len(tokens) or len({t.name for t in self.tenants}) != len(tokens):
+            raise ValueError("tenant names and tokens must be unique")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both tls_cert and tls_key, or neither")
+        if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
+            raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
+
+
+_LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}
+_POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)} - {"name", "limits"}
+_SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)} - {"pools", "tenants"}
+
+
+def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
+    """A pool from `key: value` pairs; the core's `Limits` fields are accepted alongside the layout."""
+    unknown = set(values) - _POOL_FIELDS - _LIMIT_FIELDS
+    if unknown:
+        raise ValueError(
+            f"pool {name!r}: unknown keys {sorted(unknown)}; known: {sorted(_POOL_FIELDS | _LIMIT_FIELDS)}"
+        )
+    limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
+    return PoolConfig(name=name, limits=limits, **{k: v for k, v in values.items() if k in _POOL_FIELDS})
+
+
+def parse_pool_flag(flag: str) -> PoolConfig:
+    """`NAME:key=val,key=val` (as `--pool default:num_layers=2,num_kv_heads=2,head_dim=64,num_blocks=512`)."""
+    name, sep, rest = flag.partition(":")
+    if not sep or not name:
+        raise ValueError(f"--pool {flag!r}: expected NAME:key=val,...")
+    values: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ValueError(f"--pool {flag!r}: {item!r} is not key=val")
+        values[key.strip()] = _scalar(raw.strip())
+    return pool_from_mapping(name, values)
+
+
+def _scalar(raw: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
+    tenants = []
+    for name, values in tables.items():
+        unknown = set(values) - {"token", "namespaces", "max_blocks", "map_pools"}
+        if unknown:
+            raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
+        namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
+        tenants.append(
+            TenantConfig(
+                name,
+                str(values.get("token", "")),
+                namespaces,
+                values.get("max_blocks"),
+                bool(values.get("map_pools", False)),
+            )
+        )
+    return tuple(tenants)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def config_from_mapping(data: Mapping[str, Any], **overrides: Any) -> ServerConfig:
+    """A `ServerConfig` from a parsed TOML document; `overrides` (flags given) win over the file."""
+    unknown = set(data) - _SERVER_FIELDS - {"pools", "tenants"}
+    if unknown:
+        raise ValueError(
+            f"unknown top-level keys {sorted(unknown)}; known: {sorted(_SERVER_FIELDS | {'pools', 'tenants'})}"
+        )
+    fields: dict[str, Any] = {k: v for k, v in data.items() if k in _SERVER_FIELDS}
+    fields["pools"] = tuple(pool_from_mapping(name, values) for name, values in data.get("pools", {}).items())
+    fields["tenants"] = tenants_from_mapping(data.get("tenants", {}))
+    fields.update(overrides)
+    return ServerConfig(**fields)

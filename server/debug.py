@@ -1,0 +1,55 @@
+"""`radixkv.v1.Debug`: what integration tests must ask the server itself (served only with --debug-rpc).
+
+A test running the server as a separate process cannot call `check_invariants()` on its cache or
+read its storage; these two RPCs do it server-side and return the verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+
+from radixkv.errors import InvalidArgument
+from radixkv.server.pools import Pool
+from radixkv.server.service import KVService
+from radixkv.server.status import translating_errors
+from radixkv.v1 import debug_pb2 as pb
+from radixkv.v1 import debug_pb2_grpc
+
+
+def checksum_blocks(pool: Pool, block_ids: list[int]) -> str:
+    """SHA-256 of data[:, :, block_ids] as this process's mapping of the pool holds it (C order)."""
+    import torch
+
+    bad = [b for b in block_ids if not 0 <= b < pool.layout.num_blocks]
+    if bad:
+        raise InvalidArgument("block_ids", f"ids must lie in [0, {pool.layout.num_blocks}), got {bad[:4]}")
+    # selected: [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]
+    selected = pool.storage.data[:, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
+    return hashlib.sha256(selected.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class DebugServicer(debug_pb2_grpc.DebugServicer):
+    def __init__(self, service: KVService) -> None:
+        self._service = service
+
+    @translating_errors
+    def CheckInvariants(
+        self, request: pb.CheckInvariantsRequest, context: grpc.ServicerContext
+    ) -> pb.CheckInvariantsResponse:
+        violation = self._service.check_invariants(request.pool)
+        pool = self._service.pool(request.pool)
+        with pool.lock:
+            num_live = len(pool.cache.sequence_ids())
+        return pb.CheckInvariantsResponse(
+            violation=violation, num_live_sequences=num_live, num_sessions=len(self._service.sessions)
+        )
+
+    @translating_errors
+    def ChecksumBlocks(
+        self, request: pb.ChecksumBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.ChecksumBlocksResponse:
+        return pb.ChecksumBlocksResponse(
+            sha256=checksum_blocks(self._service.pool(request.pool), list(request.block_ids))
+        )

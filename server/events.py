@@ -1,0 +1,180 @@
+"""Blocks stored into and removed from one pool's prefix tree, numbered per namespace, fanned out to watchers.
+
+The core has no observer hook yet, so `EventHub` wraps the `insert` and `evict` methods of one
+`KVCache`'s tree instance: every block the tree takes (cache, release, fork) and every block it
+evicts (an allocation running short) passes through them. Recording runs inside core calls, so
+under the pool's lock: the hub needs no lock of its own for numbering, and a watcher registered
+under the same lock sees a snapshot and then exactly the events after it. The watcher list is
+replaced, never mutated, under a small lock of its own, so a stream can leave without the pool's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from radixkv.kv_cache import KVCache
+from radixkv.radix_tree import Node
+
+
+class EventKind(enum.Enum):
+    BLOCKS_STORED = 1
+    BLOCKS_REMOVED = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockEvent:
+    sequence_number: int  # per namespace: +1 per event, so a watcher that missed some sees a jump
+    namespace: str  # as the core names it (tenant-scoped where auth is on)
+    kind: EventKind
+    block_ids: tuple[int, ...]
+    token_bytes: bytes = b""  # BLOCKS_STORED: int32 tokens of those blocks
+    parent_block_id: int | None = None  # BLOCKS_STORED: the block before them; None at the root
+
+
+class Watcher:
+    """One stream's bounded queue. When full, new events are dropped: the gap shows in the numbers."""
+
+    def __init__(self, accepts: Callable[[str], bool], max_events: int) -> None:
+        self.accepts = accepts
+        self._max_events = max_events
+        self._events: collections.deque[BlockEvent] = collections.deque()
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def push(self, event: BlockEvent) -> None:
+        with self._cond:
+            if len(self._events) < self._max_events:
+                self._events.append(event)
+                self._cond.notify()
+
+    def take(self, timeout: float) -> list[BlockEvent]:
+        """Every queued event, waiting up to `timeout` seconds for the first."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._events or self.closed, timeout)
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class EventHub:
+    """Numbers and fans out one pool's tree events. Call `watch`/`unwatch` under the pool's lock."""
+
+    def __init__(self, cache: KVCache, max_events_per_watcher: int) -> None:
+        self._tree = cache.tree
+        self._max_events = max_events_per_watcher
+        self._numbers: dict[str, int] = {}  # namespace -> last sequence number issued
+        self._block_namespaces: dict[int, str] = {}  # every block the tree holds -> its namespace
+        self._root_names: dict[int, str] = {}  # id(root node) -> namespace
+        self._watchers: tuple[Watcher, ...] = ()
+        self._watchers_lock = threading.Lock()
+        insert, evict = self._tree.insert, self._tree.evict
+
+        def recording_insert(start: Node, key: bytes, block_ids: list[int]) -> Any:
+            node, num_taken = result = insert(start, key, block_ids)
+            if num_taken:
+                self._stored(node)
+            return result
+
+        def recording_evict(num_blocks: int) -> list[int]:
+            freed = evict(num_blocks)
+            self._removed(freed)
+            return freed
+
+        self._tree.insert = recording_insert  # type: ignore[method-assign]
+        self._tree.evict = recording_evict  # type: ignore[method-assign]
+
+    def _namespace_of(self, node: Node) -> str:
+        while node.parent is not None:
+            node = node.parent
+        name = self._root_names.get(id(node))
+        if name is None:
+            self._root_names = {id(root): ns for ns, root in self._tree.roots.items()}
+            name = self._root_names[id(node)]
+        return name
+
+    def _next_number(self, namespace: str) -> int:
+        number = self._numbers.get(namespace, 0) + 1
+        self._numbers[namespace] = number
+        return number
+
+    def _stored(self, node: Node) -> None:
+        # `insert` puts every block it takes into one new leaf: `node`.
+        namespace = self._namespace_of(node)
+        for block_id in node.block_ids:
+            self._block_namespaces[block_id] = namespace
+        parent = node.parent
+        parent_block = parent.block_ids[-1] if parent is not None and parent.parent is not None else None
+        event = BlockEvent(
+            self._next_number(namespace),
+            namespace,
+            EventKind.BLOCKS_STORED,
+            tuple(node.block_ids),
+            node.token_bytes,
+            parent_block,
+        )
+        self._publish(event)
+
+    def _removed(self, block_ids: list[int]) -> None:
+        by_namespace: dict[str, list[int]] = {}
+        for block_id in block_ids:
+            by_namespace.setdefault(self._block_namespaces.pop(block_id), []).append(block_id)
+        for namespace, ids in by_namespace.items():
+            self._publish(BlockEvent(self._next_number(namespace), namespace, EventKind.BLOCKS_REMOVED, tuple(ids)))
+
+    def _publish(self, event: BlockEvent) -> None:
+        for watcher in self._watchers:
+            if watcher.accepts(event.namespace):
+                watcher.push(event)
+
+    def watch(self, accepts: Callable[[str], bool]) -> Watcher:
+        """A new watcher; call under the pool's lock (with `snapshot`, if one is wanted)."""
+        watcher = Watcher(accepts, self._max_events)
+        with self._watchers_lock:
+            self._watchers = (*self._watchers, watcher)
+        return watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        """Any thread, no pool lock needed."""
+        watcher.close()
+        with self._watchers_lock:
+            self._watchers = tuple(w for w in self._watchers if w is not watcher)
+
+    @property
+    def num_watchers(self) -> int:
+        return len(self._watchers)
+
+    def close_all(self) -> None:
+        """Server shutdown: wake every stream so it ends."""
+        with self._watchers_lock:
+            watchers, self._watchers = self._watchers, ()
+        for watcher in watchers:
+            watcher.close()
+
+    def snapshot(self, accepts: Callable[[str], bool]) -> list[BlockEvent]:
+        """The cached blocks now, as BLOCKS_STORED events numbered with each namespace's last number."""
+        events = []
+        for namespace, node in self._tree.nodes():
+            if accepts(namespace):
+                parent = node.parent
+                parent_block = parent.block_ids[-1] if parent is not None and parent.parent is not None else None
+                events.append(
+                    BlockEvent(
+                        self._numbers.get(namespace, 0),
+                        namespace,
+                        EventKind.BLOCKS_STORED,
+                        tuple(node.block_ids),
+                        node.token_bytes,
+                        parent_block,
+                    )
+                )
+        return events

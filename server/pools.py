@@ -1,0 +1,61 @@
+"""A served pool: the core's bookkeeping, the KV memory it describes, and the lock that serialises them.
+
+`KVCache` is not thread-safe, so every call into it, and every piece of server bookkeeping that must
+agree with it (which session owns a sequence, a tenant's block count, the event hub), happens under
+`Pool.lock`. Pools are independent: calls on different pools never wait for each other's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from radixkv.kv_cache import KVCache, Limits
+from radixkv.layout import PoolLayout
+from radixkv.server.config import PoolConfig
+from radixkv.server.events import EventHub
+
+if TYPE_CHECKING:
+    from radixkv.server.sessions import Session
+    from radixkv.storage import KVStorage
+
+
+class Pool:
+    """One named pool. Attributes other than the immutable ones are guarded by `lock`."""
+
+    def __init__(self, name: str, storage: KVStorage, limits: Limits, watch_queue_size: int) -> None:
+        self.name = name
+        self.storage = storage
+        self.layout: PoolLayout = storage.layout
+        self.device = str(storage.device)
+        self.lock = threading.Lock()
+        self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits)
+        self.events = EventHub(self.cache, watch_queue_size)
+        self.owners: dict[int, Session] = {}
+        # Block-table lengths of sequences whose tenant has a quota, and each such tenant's total.
+        self.num_table_blocks: dict[int, int] = {}
+        self.tenant_blocks: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Wake every event stream and free the memory (the shared-memory name goes with it)."""
+        with self.lock:
+            self.events.close_all()
+        self.storage.close()
+        self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
+
+
+def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
+    """Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory."""
+    # Imported here: torch comes with storage, and only a server that builds pools needs it.
+    from radixkv.storage import KVStorage, layout_for_memory
+
+    c = config
+    if c.num_blocks is not None:
+        layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.block_size, c.num_blocks, c.dtype)
+    else:
+        layout = layout_for_memory(
+            num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
+            dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
+        )  # fmt: skip
+    storage = KVStorage.create(layout, config.device)
+    return Pool(config.name, storage, config.limits, watch_queue_size)

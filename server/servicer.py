@@ -1,0 +1,197 @@
+"""`radixkv.v1.KVCache` on the wire: each method turns its request into one `KVService` call and the result into its response.
+
+Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
+`KVService`; refusals become statuses in `status.translating_errors`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from radixkv.errors import InvalidArgument
+from radixkv.server.auth import current_caller
+from radixkv.server.events import BlockEvent, EventKind
+from radixkv.server.service import KVService
+from radixkv.server.status import translating_errors
+from radixkv.server.tenants import Tenant
+from radixkv.token_ids import TOKEN_BYTES
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
+
+_EVENT_KINDS = {
+    EventKind.BLOCKS_STORED: pb.KV_EVENT_KIND_BLOCKS_STORED,
+    EventKind.BLOCKS_REMOVED: pb.KV_EVENT_KIND_BLOCKS_REMOVED,
+}
+
+
+class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
+    def __init__(self, service: KVService) -> None:
+        self._service = service
+
+    @translating_errors
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+        session = self._service.open_session(current_caller(), request.ttl_seconds)
+        return pb.OpenSessionResponse(session_id=session.session_id, ttl_seconds=session.ttl)
+
+    @translating_errors
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        return pb.KeepAliveResponse(ttl_seconds=self._service.keep_alive(current_caller(), request.session_id))
+
+    @translating_errors
+    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
+        return pb.CloseSessionResponse(
+            num_released_sequences=self._service.close_session(current_caller(), request.session_id)
+        )
+
+    @translating_errors
+    def OpenSequences(
+        self, request: pb.OpenSequencesRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSequencesResponse:
+        prompts = [(list(p.token_ids), p.namespace) for p in request.prompts]
+        results = self._service.open_sequences(current_caller(), request.session_id, request.pool, prompts)
+        return pb.OpenSequencesResponse(
+            sequences=[
+                pb.OpenedSequence(
+                    seq_id=r.seq_id,
+                    num_cached_tokens=r.num_cached_tokens,
+                    block_ids=r.block_table,
+                    slots=np.asarray(r.slots).tolist(),
+                )
+                for r in results
+            ]
+        )
+
+    @translating_errors
+    def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.ServicerContext) -> pb.AppendTokensResponse:
+        seq_ids, counts = request.seq_ids, request.num_token_ids
+        if len(counts) != len(seq_ids):
+            raise InvalidArgument(
+                "num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(counts)}"
+            )
+        # One packed int32 buffer for the batch, sliced per sequence: the core takes bytes as they are.
+        # Ids >= 2^31 wrap negative here and are refused by the core's range check.
+        packed = np.array(request.token_ids, dtype=np.uint32).astype("<u4", copy=False).tobytes()
+        bounds = [0, *itertools.accumulate(counts)]
+        if bounds[-1] * TOKEN_BYTES != len(packed):
+            raise InvalidArgument(
+                "token_ids", f"sum(num_token_ids) is {bounds[-1]}, token_ids holds {len(packed) // TOKEN_BYTES}"
+            )
+        items = [
+            (seq_id, packed[a * TOKEN_BYTES : b * TOKEN_BYTES])
+            for seq_id, a, b in zip(seq_ids, bounds[:-1], bounds[1:], strict=True)
+        ]
+        results = self._service.append_tokens(current_caller(), request.session_id, request.pool, items)
+        return pb.AppendTokensResponse(
+            num_tokens=[r.num_tokens for r in results],
+            table_offsets=[r.table_offset for r in results],
+            num_block_ids=[len(r.block_ids) for r in results],
+            block_ids=[b for r in results for b in r.block_ids],
+            slots=np.concatenate([np.asarray(r.slots) for r in results]).tolist() if results else [],
+            copies=[
+                pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i)
+                for i, r in enumerate(results)
+                for s, d in r.copies
+            ],
+        )
+
+    @translating_errors
+    def ForkSequence(self, request: pb.ForkSequenceRequest, context: grpc.ServicerContext) -> pb.ForkSequenceResponse:
+        children = self._service.fork(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children
+        )
+        return pb.ForkSequenceResponse(child_seq_ids=children)
+
+    @translating_errors
+    def CacheSequence(
+        self, request: pb.CacheSequenceRequest, context: grpc.ServicerContext
+    ) -> pb.CacheSequenceResponse:
+        num_cached = self._service.cache_sequence(current_caller(), request.session_id, request.pool, request.seq_id)
+        return pb.CacheSequenceResponse(num_cached_tokens=num_cached)
+
+    @translating_errors
+    def ReleaseSequences(
+        self, request: pb.ReleaseSequencesRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseSequencesResponse:
+        cache = request.cache if request.HasField("cache") else True
+        num = self._service.release(current_caller(), request.session_id, request.pool, list(request.seq_ids), cache)
+        return pb.ReleaseSequencesResponse(num_released_sequences=num)
+
+    @translating_errors
+    def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
+        num = self._service.match(
+            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+        )
+        return pb.MatchResponse(num_cached_tokens=num)
+
+    @translating_errors
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        num = self._service.pin(
+            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+        )
+        return pb.PinResponse(num_pinned_tokens=num)
+
+    @translating_errors
+    def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+        self._service.unpin(
+            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+        )
+        return pb.UnpinResponse()
+
+    @translating_errors
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self._service.stats(current_caller(), request.session_id, request.pool)
+        fields = {f: getattr(stats, f) for f in pb.PoolStats.DESCRIPTOR.fields_by_name}
+        return pb.StatsResponse(stats=pb.PoolStats(**fields), num_sessions=len(self._service.sessions))
+
+    @translating_errors
+    def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
+        pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
+        layout = pool.layout
+        return pb.GetPoolResponse(
+            pool=pool.name,
+            layout=pb.PoolLayout(
+                num_layers=layout.num_layers,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                block_size=layout.block_size,
+                num_blocks=layout.num_blocks,
+                dtype=layout.dtype,
+            ),
+            device=pool.device,
+            handle_json=json.dumps(pool.storage.export_handle().to_dict()),
+        )
+
+    @translating_errors
+    def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchEventsResponse]:
+        # Not a generator itself: the caller is read and the request validated before this returns.
+        caller = current_caller()
+        batches = self._service.watch_events(
+            caller,
+            request.session_id,
+            request.pool,
+            list(request.namespaces),
+            request.include_snapshot,
+            context.is_active,
+        )
+        return (
+            pb.WatchEventsResponse(events=[_event(caller, e) for e in events], snapshot=snapshot)
+            for events, snapshot in batches
+        )
+
+
+def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
+    return pb.KVEvent(
+        sequence_number=event.sequence_number,
+        namespace=caller.unscope(event.namespace),
+        kind=_EVENT_KINDS[event.kind],
+        block_ids=event.block_ids,
+        token_ids=np.frombuffer(event.token_bytes, dtype="<i4").tolist(),
+        parent_block_id=event.parent_block_id,
+    )

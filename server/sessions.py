@@ -1,0 +1,147 @@
+"""Sessions and their leases: every sequence belongs to a session, and a session that stops renewing ends.
+
+A session's lease runs `ttl` seconds from its last use (any RPC naming it, or KeepAlive). A reaper
+thread ends sessions whose lease ran out; `on_end` then releases what they held. Session ids start
+with this server instance's id, so an id from before a restart is told apart (SERVER_RESTARTED)
+from one that never existed or has ended (UNKNOWN_SESSION).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from radixkv.errors import InvalidArgument, LimitExceeded, PermissionDenied, ServerRestarted, UnknownSession
+from radixkv.server.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+_INSTANCE_ID_CHARS = 8
+REAP_INTERVAL_SECONDS = 0.05
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Session:
+    """A client's lease. `sequences` and `pins` of pool p are read and written under p's lock only."""
+
+    session_id: str
+    tenant: Tenant
+    ttl: float
+    deadline: float
+    sequences: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # pool -> seq ids
+    pins: dict[str, list[tuple[str, bytes]]] = dataclasses.field(
+        default_factory=dict
+    )  # pool -> (core namespace, pinned tokens)
+    closed: bool = False  # set before its sequences are released; pool-locked code re-checks it
+
+    def renew(self) -> None:
+        self.deadline = time.monotonic() + self.ttl
+
+
+class SessionRegistry:
+    """Live sessions by id, with a reaper thread for expired leases. Never held while a pool lock is taken."""
+
+    def __init__(
+        self, default_ttl: float, max_ttl: float, max_sessions: int, on_end: Callable[[Session, str], int]
+    ) -> None:
+        self.instance_id = secrets.token_hex(_INSTANCE_ID_CHARS // 2)
+        self._default_ttl = default_ttl
+        self._max_ttl = max_ttl
+        self._max_sessions = max_sessions
+        self._on_end = on_end
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_forever, name="radixkv-lease-reaper", daemon=True)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def start(self) -> None:
+        self._reaper.start()
+
+    def stop(self) -> None:
+        """Stop reaping and end every session (server shutdown)."""
+        self._stopped.set()
+        if self._reaper.is_alive():
+            self._reaper.join()
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for session in sessions:
+            self._end(session, "shutdown")
+
+    def open(self, tenant: Tenant, ttl_seconds: float) -> Session:
+        """A new session leased for `ttl_seconds` (0: the default), capped at the server's maximum."""
+        if not 0 <= ttl_seconds < math.inf:
+            raise InvalidArgument("ttl_seconds", "must be a finite number >= 0 (0: the server's default)")
+        ttl = min(ttl_seconds or self._default_ttl, self._max_ttl)
+        session = Session(f"{self.instance_id}-{secrets.token_hex(16)}", tenant, ttl, time.monotonic() + ttl)
+        with self._lock:
+            if len(self._sessions) >= self._max_sessions:
+                raise LimitExceeded("max_sessions", len(self._sessions) + 1, self._max_sessions)
+            self._sessions[session.session_id] = session
+        log.info("session opened", extra={"session_id": session.session_id, "tenant": tenant.name, "ttl_seconds": ttl})
+        return session
+
+    def get(self, session_id: str, tenant: Tenant) -> Session:
+        """The live session `session_id`, its lease renewed.
+
+        Raises:
+            UnknownSession: no such live session (or none named).
+            ServerRestarted: the id is from an earlier run of this server.
+            PermissionDenied: the session belongs to another tenant.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            instance, sep, _ = session_id.partition("-")
+            if sep and len(instance) == _INSTANCE_ID_CHARS and instance != self.instance_id:
+                raise ServerRestarted(
+                    "the server restarted: sessions and sequences from before are gone", session_id=session_id
+                )
+            raise UnknownSession(session_id)
+        if session.tenant.name != tenant.name:
+            raise PermissionDenied("the session belongs to another tenant", field="session_id", session_id=session_id)
+        session.renew()
+        return session
+
+    def close(self, session_id: str, tenant: Tenant) -> int:
+        """End a session now; returns what `on_end` released."""
+        session = self.get(session_id, tenant)
+        with self._lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise UnknownSession(session_id)  # closed or expired by another thread meanwhile
+        return self._end(session, "closed")
+
+    def _end(self, session: Session, why: str) -> int:
+        session.closed = True
+        num_released = self._on_end(session, why)
+        log.info(
+            "session ended",
+            extra={
+                "session_id": session.session_id,
+                "tenant": session.tenant.name,
+                "why": why,
+                "num_released_sequences": num_released,
+            },
+        )
+        return num_released
+
+    def _reap_forever(self) -> None:
+        while not self._stopped.wait(REAP_INTERVAL_SECONDS):
+            now = time.monotonic()
+            with self._lock:
+                expired = [s for s in self._sessions.values() if s.deadline < now]
+                for session in expired:
+                    del self._sessions[session.session_id]
+            for session in expired:
+                try:
+                    self._end(session, "expired")
+                except Exception:  # keep reaping other sessions; the failure is a bug to log loudly
+                    log.exception("ending an expired session failed", extra={"session_id": session.session_id})

@@ -1,0 +1,29 @@
+"""`radixkv demo` end to end: it creates the default model, starts a server, generates, reports and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from radixkv.demo.main import main
+
+
+def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir, plot = tmp_path / "tiny-llama", tmp_path / "blocks.png"
+    argv = ["--model-dir", str(model_dir), "--max-new-tokens", "5", "--samples", "2", "--beam-width", "2", "--plot", str(plot)]
+    argv += ["--backend", "torch"]  # the suite runs Triton interpreted (conftest): slow for a whole demo
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (model_dir / "model.safetensors").is_file()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) >= 5 + 5  # at least the first request's steps, then the second turn's
+    table = out[out.index("request    mode") :].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[2:6]}
+    assert set(rows) == {"greedy", "samples", "beam", "turn-2"}
+    assert int(rows["samples"][4]) > 0 and int(rows["turn-2"][3]) > 0  # prefix hits: the system prompt, the first turn
+    assert "radixkv saves" in out
+    assert "0 live sequences" in out
