@@ -24,7 +24,7 @@ from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import InvalidArgument, ServerRestarted, UnknownSequence, UnknownSession
-from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendResult, OpenResult
+from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendBatch, AppendResult, OpenResult
 from radixkv.layout import PoolLayout
 from radixkv.stats import Stats
 from radixkv.token_ids import TokenIds
@@ -160,51 +160,43 @@ class RadixKVClient:
 
     def append_many(self, items: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none (one decode step)."""
-        seq_ids = [seq_id for seq_id, _ in items]
         lists = [_token_list(t) for _, t in items]
-        counts = [len(tokens) for tokens in lists]
+        return self.append_batch(
+            [seq_id for seq_id, _ in items], [len(t) for t in lists], list(itertools.chain.from_iterable(lists))
+        ).results()
+
+    def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
+        """One decode step in columns, as the wire carries it; see `KVCache.append_batch`."""
+        tokens = _token_list(token_ids)
         request = _checked(
             lambda: pb.AppendTokensRequest(
-                pool=self.pool,
-                session_id=self.session_id,
-                seq_ids=seq_ids,
-                num_token_ids=counts,
-                token_ids=list(itertools.chain.from_iterable(lists)),
+                pool=self.pool, session_id=self.session_id, seq_ids=seq_ids, num_token_ids=num_token_ids, token_ids=tokens
             ),
-            lambda: (
-                [(f"items[{i}].seq_id", [s], _SEQ_ID_BOUND) for i, s in enumerate(seq_ids)]
-                + [(f"items[{i}].token_ids", t, _TOKEN_BOUND) for i, t in enumerate(lists)]
-            ),
+            lambda: [
+                ("seq_ids", seq_ids, _SEQ_ID_BOUND),
+                ("num_token_ids", num_token_ids, _TOKEN_BOUND),
+                ("token_ids", tokens, _TOKEN_BOUND),
+            ],
         )
         response = self._call(self._stub.AppendTokens, request)
-        slots = np.array(response.slots, dtype=np.int64)
-        block_ids = list(response.block_ids)
-        copies: dict[int, list[tuple[int, int]]] = {}
-        for c in response.copies:
-            copies.setdefault(c.sequence_index, []).append((c.src_block_id, c.dst_block_id))
-        results = []
-        slot_start = block_start = 0
+        batch = AppendBatch(
+            list(seq_ids),
+            list(num_token_ids),
+            list(response.num_tokens),
+            list(response.table_offsets),
+            list(response.num_block_ids),
+            list(response.block_ids),
+            np.array(response.slots, dtype=np.int64),
+            [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
+        )
         with self._lock:
-            for i, (seq_id, num_tokens, offset, num_blocks, count) in enumerate(
-                zip(seq_ids, response.num_tokens, response.table_offsets, response.num_block_ids, counts, strict=True)
-            ):
-                new_blocks = block_ids[block_start : block_start + num_blocks]
+            start = 0
+            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
                 table = self._tables.get(seq_id)
                 if table is not None:
-                    table[offset:] = new_blocks
-                results.append(
-                    AppendResult(
-                        seq_id,
-                        num_tokens,
-                        offset,
-                        new_blocks,
-                        slots[slot_start : slot_start + count],
-                        copies.get(i, []),
-                    )
-                )
-                slot_start += count
-                block_start += num_blocks
-        return results
+                    table[offset:] = batch.block_ids[start : start + num_blocks]
+                start += num_blocks
+        return batch
 
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id`; returns their ids."""

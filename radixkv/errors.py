@@ -75,7 +75,10 @@ class QuotaExceeded(RadixKVError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
     def __init__(self, tenant: str, needed: int, available: int) -> None:
-        super().__init__(f"tenant {tenant!r} block quota: needed {needed}, available {available}", tenant=tenant, needed=needed, available=available)
+        super().__init__(
+            f"tenant {tenant!r} block quota: needed {needed}, available {available}",
+            limit="max_blocks", tenant=tenant, needed=needed, available=available,
+        )  # fmt: skip
         self.tenant = tenant
         self.needed = needed
         self.available = available
@@ -143,11 +146,22 @@ class FailedPrecondition(RadixKVError):
     grpc_code = "FAILED_PRECONDITION"
 
 
-class ServerRestarted(RadixKVError):
-    """The server restarted: this client's session and sequences are gone; open new ones."""
+class ServerRestarted(UnknownSession):
+    """The session is from an earlier run of the server: it, its sequences and its pins are gone.
+
+    NOT_FOUND, not UNAVAILABLE: retrying the same call can never succeed. Open a new session
+    (`RadixKVClient.reopen()`), open new sequences, and have workers map the pool again (a restarted
+    server has new pool memory). A subclass of `UnknownSession`: code that handles any lost session
+    (an expired lease too) catches that one.
+    """
 
     reason = "SERVER_RESTARTED"
-    grpc_code = "UNAVAILABLE"
+    grpc_code = "NOT_FOUND"
+
+    def __init__(self, session_id: str) -> None:
+        RadixKVError.__init__(
+            self, f"session {session_id!r} is from an earlier run of the server: open a new one", session_id=session_id
+        )
 
 
 ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,7 +40,7 @@ class OpenResult:
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
     block_table: list[int]
-    slots: SlotRange  # [num_tokens - num_cached_tokens]: where the uncached tokens' K/V go
+    slots: npt.NDArray[np.int64]  # [num_tokens - num_cached_tokens]: where the uncached tokens' K/V go
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,49 +54,40 @@ class AppendResult:
     num_tokens: int  # sequence length after the append
     table_offset: int
     block_ids: list[int]
-    slots: SlotRange  # [num_appended]
+    slots: npt.NDArray[np.int64]  # [num_appended]
     copies: list[tuple[int, int]]
 
 
-class SlotRange:
-    """Slots of token positions [start, stop) of a block table, computed when first read.
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppendBatch:
+    """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
 
-    slot = block_id * block_size + offset. Keeps only the blocks the range touches.
+    Sequence i's `block_table[table_offsets[i]:]` is now its run of `num_block_ids[i]` entries of
+    `block_ids`. `slots` holds every appended token's slot in request order (the step's slot
+    mapping). Apply `copies` (src_block, dst_block, index of the sequence) before writing slots.
     """
 
-    __slots__ = ("_block_size", "_blocks", "_offset", "_count", "_slots")
+    seq_ids: list[int]
+    num_appended: list[int]  # tokens appended to each sequence
+    num_tokens: list[int]  # sequence lengths after the append
+    table_offsets: list[int]
+    num_block_ids: list[int]
+    block_ids: list[int]
+    slots: npt.NDArray[np.int64]  # [total appended tokens]
+    copies: list[tuple[int, int, int]]
 
-    def __init__(self, block_size: int, block_table: list[int], start: int, stop: int) -> None:
-        first = start // block_size
-        self._block_size = block_size
-        self._blocks = block_table[first : -(-stop // block_size)]
-        self._offset = start - first * block_size
-        self._count = stop - start
-        self._slots: npt.NDArray[np.int64] | None = None
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __array__(self, dtype: object = None, copy: object = None) -> npt.NDArray[np.int64]:
-        return self.array if dtype is None else self.array.astype(dtype)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.array.tolist())
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == list(other) if isinstance(other, (SlotRange, list, tuple)) else NotImplemented
-
-    def __repr__(self) -> str:
-        return f"SlotRange({self.array.tolist()})"
-
-    @property
-    def array(self) -> npt.NDArray[np.int64]:
-        if self._slots is None:
-            bs = self._block_size
-            positions = np.arange(self._offset, self._offset + self._count, dtype=np.int64)
-            self._slots = np.asarray(self._blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
-        return self._slots
-
+    def results(self) -> list[AppendResult]:
+        """The same, one record per sequence."""
+        out, b, t = [], 0, 0
+        per_seq_copies: dict[int, list[tuple[int, int]]] = {}
+        for src, dst, index in self.copies:
+            per_seq_copies.setdefault(index, []).append((src, dst))
+        for i, seq_id in enumerate(self.seq_ids):
+            n_blocks, n_new = self.num_block_ids[i], self.num_appended[i]
+            out.append(AppendResult(seq_id, self.num_tokens[i], self.table_offsets[i], self.block_ids[b : b + n_blocks], self.slots[t : t + n_new], per_seq_copies.get(i, [])))
+            b += n_blocks
+            t += n_new
+        return out
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Sequence:
@@ -109,13 +100,10 @@ class _Sequence:
     # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
     # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
     private_prefix: list[int]
+    num_tokens: int
 
     def private_blocks(self) -> list[int]:
         return self.private_prefix + self.block_table[self.num_tree_blocks :]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_bytes) // TOKEN_BYTES
 
 
 class KVCache:
@@ -177,6 +165,17 @@ class KVCache:
             raise LimitExceeded("max_tokens_per_request", len(key) // TOKEN_BYTES, self.limits.max_tokens_per_request)
         return key
 
+    def _batch_sequences(self, seq_ids: Sequence[int]) -> list[_Sequence]:
+        """The live sequences of a batch, each once, or the error naming the first bad entry."""
+        live = self._sequences
+        found = [live.get(s) if isinstance(s, int) else None for s in seq_ids]
+        for i, seq in enumerate(found):
+            if seq is None:
+                self._sequence(seq_ids[i], f"seq_ids[{i}]")  # raises
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        return found  # type: ignore[return-value]  # no None is left
+
     def _sequence(self, seq_id: int, field: str = "seq_id") -> _Sequence:
         seq = self._sequences.get(seq_id) if isinstance(seq_id, int) else None
         if seq is None:
@@ -232,14 +231,20 @@ class KVCache:
             num_tokens = len(key) // TOKEN_BYTES
             table = self._path_blocks(node, num_matched_blocks)
             table += self._allocate(self._blocks_for(num_tokens) - num_matched_blocks)
-            seq = _Sequence(next(self._seq_ids), namespace, bytearray(key), table, node, num_matched_blocks, [])
+            seq = _Sequence(next(self._seq_ids), namespace, bytearray(key), table, node, num_matched_blocks, [], num_tokens)
             self._sequences[seq.seq_id] = seq
             num_cached = num_matched_blocks * self.block_size
             self.stats_counters.num_requested_tokens += num_tokens
             self.stats_counters.num_hit_tokens += num_cached
             self.stats_counters.num_opened_sequences += 1
-            results.append(OpenResult(seq.seq_id, num_cached, list(table), SlotRange(self.block_size, table, num_cached, num_tokens)))
+            results.append(OpenResult(seq.seq_id, num_cached, list(table), self._slots(table, num_cached, num_tokens)))
         return results
+
+    def _slots(self, block_table: list[int], start: int, stop: int) -> npt.NDArray[np.int64]:
+        """Slots of token positions [start, stop): block_id * block_size + offset."""
+        bs = self.block_size
+        positions = np.arange(start, stop, dtype=np.int64)
+        return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
     @staticmethod
     def _path_blocks(node: Node, num_blocks: int) -> list[int]:
@@ -258,50 +263,80 @@ class KVCache:
         return self.append_many([(seq_id, token_ids)])[0]
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
-        """Append to several sequences, all or none (one decode step)."""
-        plans: list[tuple[_Sequence, bytes, int, bool]] = []
-        seen: set[int] = set()
+        """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
+        keys = [to_token_bytes(t, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids") for i, (_, t) in enumerate(requests)]
+        counts = [len(k) // TOKEN_BYTES for k in keys]
+        return self.append_batch([seq_id for seq_id, _ in requests], counts, b"".join(keys)).results()
+
+    def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
+        """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
+
+        All or none. Validation and slot arithmetic run once for the batch, so a step of hundreds
+        of sequences costs a few microseconds each.
+        """
+        if len(num_token_ids) != len(seq_ids):
+            raise InvalidArgument("num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
+        counts = np.asarray(num_token_ids, dtype=np.int64)
+        if counts.size and int(counts.min()) < 1:
+            raise InvalidArgument("num_token_ids", "every sequence appends at least one token")
+        key = to_token_bytes(token_ids, "token_ids")
+        if int(counts.sum()) * TOKEN_BYTES != len(key):
+            raise InvalidArgument("token_ids", f"sum(num_token_ids) is {int(counts.sum())}, token_ids holds {len(key) // TOKEN_BYTES}")
+        sequences = self._batch_sequences(seq_ids)
+        bs, limit, ref_counts = self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts
         copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
-        bs = self.block_size
-        for i, (seq_id, token_ids) in enumerate(requests):
-            prefix = f"requests[{i}]." if len(requests) > 1 else ""
-            seq = self._sequence(seq_id, prefix + "seq_id")
-            if seq_id in seen:
-                raise InvalidArgument(prefix + "seq_id", f"sequence {seq_id} appears twice in one batch")
-            seen.add(seq_id)
-            key = self._key(token_ids, prefix + "token_ids")
-            num_tokens = seq.num_tokens + len(key) // TOKEN_BYTES
-            if num_tokens > self.limits.max_tokens_per_request:
-                raise LimitExceeded("max_tokens_per_request", num_tokens, self.limits.max_tokens_per_request)
-            last = seq.block_table[-1]
+        plans: list[tuple[int, bool]] = []
+        for seq, count in zip(sequences, counts.tolist(), strict=True):
+            num_tokens = seq.num_tokens + count
+            if num_tokens > limit:
+                raise LimitExceeded("max_tokens_per_request", num_tokens, limit)
+            table = seq.block_table
             # The last holder of a shared partial block writes in place once the others have copied.
-            cow = seq.num_tokens % bs != 0 and self.pool.ref_counts[last] - copied_away.get(last, 0) > 1
-            if cow:
-                copied_away[last] = copied_away.get(last, 0) + 1
-            plans.append((seq, key, self._blocks_for(num_tokens) - len(seq.block_table) + cow, cow))
-        needed = sum(p[2] for p in plans)
-        new_blocks = self._allocate(needed)
-        results = []
-        taken = 0
-        for seq, key, num_new, cow in plans:
-            mine = new_blocks[taken : taken + num_new]
-            taken += num_new
-            start = seq.num_tokens
-            offset = len(seq.block_table)
-            copies = []
-            if cow:
-                src, dst = seq.block_table[-1], mine.pop(0)
-                self.pool.decref([src])
-                seq.block_table[-1] = dst
-                copies.append((src, dst))
-                offset -= 1
-                self.stats_counters.num_cow_copies += 1
-            seq.block_table.extend(mine)
-            seq.token_bytes += key
-            results.append(
-                AppendResult(seq.seq_id, seq.num_tokens, offset, seq.block_table[offset:], SlotRange(bs, seq.block_table, start, seq.num_tokens), copies)
-            )
-        return results
+            cow = False
+            if seq.num_tokens % bs:
+                last = table[-1]
+                if ref_counts[last] - copied_away.get(last, 0) > 1:
+                    copied_away[last] = copied_away.get(last, 0) + 1
+                    cow = True
+            plans.append((-(-num_tokens // bs) - len(table) + cow, cow))
+        new_blocks = self._allocate(sum(n for n, _ in plans))
+        view = memoryview(key)
+        num_tokens_after, offsets, num_block_ids, block_ids, copies = [], [], [], [], []
+        span_blocks: list[int] = []  # per sequence, the table blocks its new tokens land in
+        span_starts: list[int] = []  # position of each sequence's first new token, relative to its span
+        taken = byte = 0
+        for i, (seq, count, (num_new, cow)) in enumerate(zip(sequences, counts.tolist(), plans, strict=True)):
+            table, start = seq.block_table, seq.num_tokens
+            offset = len(table)
+            if num_new:
+                mine = new_blocks[taken : taken + num_new]
+                taken += num_new
+                if cow:
+                    src, dst = table[-1], mine[0]
+                    self.pool.decref([src])
+                    table[-1] = dst
+                    copies.append((src, dst, i))
+                    offset -= 1
+                    self.stats_counters.num_cow_copies += 1
+                    table.extend(mine[1:])
+                else:
+                    table.extend(mine)
+            seq.token_bytes += view[byte : byte + count * TOKEN_BYTES]
+            byte += count * TOKEN_BYTES
+            seq.num_tokens = stop = start + count
+            first = start // bs
+            span_starts.append(len(span_blocks) * bs + start - first * bs)
+            span_blocks.extend(table[first : -(-stop // bs)])
+            num_tokens_after.append(stop)
+            offsets.append(offset)
+            num_block_ids.append(len(table) - offset)
+            block_ids.extend(table[offset:])
+        # slot of token j = span_blocks[p_j // bs] * bs + p_j % bs, p_j its position within the spans.
+        total = int(counts.sum())
+        firsts = np.cumsum(counts) - counts
+        positions = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(span_starts, dtype=np.int64) - firsts, counts)
+        slots = np.asarray(span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+        return AppendBatch(list(seq_ids), counts.tolist(), num_tokens_after, offsets, num_block_ids, block_ids, slots, copies)
 
     # -- fork ------------------------------------------------------------------------------------
 
@@ -323,7 +358,8 @@ class KVCache:
         children = []
         for _ in range(num_children):
             child = _Sequence(
-                next(self._seq_ids), seq.namespace, bytearray(seq.token_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks, list(seq.private_prefix)
+                next(self._seq_ids), seq.namespace, bytearray(seq.token_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks,
+                list(seq.private_prefix), seq.num_tokens,
             )
             self._sequences[child.seq_id] = child
             children.append(child.seq_id)
@@ -359,11 +395,7 @@ class KVCache:
 
     def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
         """End several sequences, all or none."""
-        ids = list(seq_ids)
-        sequences = [self._sequence(s, f"seq_ids[{i}]") for i, s in enumerate(ids)]
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
-        for seq in sequences:
+        for seq in self._batch_sequences(list(seq_ids)):
             if cache:
                 self._cache(seq)
             self.tree.unlock(seq.lock_node)
@@ -403,7 +435,7 @@ class KVCache:
         if self.tree.num_pinned_blocks + added > allowed:
             raise LimitExceeded("pinned_blocks", self.tree.num_pinned_blocks + added, allowed)
         node = self.tree.split(match)
-        pin_key = (namespace, key[: match.num_blocks * self.block_size * TOKEN_BYTES])
+        pin_key = (namespace, key[: len(key) // (self.block_size * TOKEN_BYTES) * self.block_size * TOKEN_BYTES])
         _, count = self._pins.get(pin_key, (node, 0))
         self._pins[pin_key] = (node, count + 1)
         self.tree.lock(node)
@@ -411,16 +443,14 @@ class KVCache:
         return match.num_blocks * self.block_size
 
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
-        """Drop one pin taken by `pin` with the same tokens."""
+        """Drop one pin taken by `pin` with the same tokens (in whole blocks)."""
         key = self._key(token_ids, "token_ids")
-        root = self.tree.roots.get(namespace)
-        match = self.tree.match(root, key) if root is not None else None
-        pin_key = (namespace, key[: match.num_blocks * self.block_size * TOKEN_BYTES]) if match else None
+        pin_key = (namespace, key[: len(key) // (self.block_size * TOKEN_BYTES) * self.block_size * TOKEN_BYTES])
         if pin_key not in self._pins:
             raise NotPinned(namespace)
-        node, count = self._pins.pop(pin_key)  # type: ignore[arg-type]
+        node, count = self._pins.pop(pin_key)
         if count > 1:
-            self._pins[pin_key] = (node, count - 1)  # type: ignore[index]
+            self._pins[pin_key] = (node, count - 1)
         self.tree.add_pin(node, -1)
         self.tree.unlock(node)
 

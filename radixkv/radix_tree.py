@@ -45,7 +45,7 @@ class TreeObserver(Protocol):
         """`node` is a new leaf: all its blocks are newly cached."""
 
     def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
-        """These blocks were evicted."""
+        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
 
 
 def _lru_key(node: Node) -> tuple[int, int]:
@@ -220,6 +220,7 @@ class RadixTree:
         per leaf touched, and no more of the cache is dropped than asked for.
         """
         freed: list[int] = []
+        removed: dict[str, list[int]] = {}  # for the observer: one report per namespace per call
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
             leaf: Node = leaves[0]
@@ -234,7 +235,9 @@ class RadixTree:
                 self._detach(leaf)
             freed.extend(dropped)
             if self.observer is not None:
-                self.observer.blocks_removed(leaf.namespace, dropped)
+                removed.setdefault(leaf.namespace, []).extend(dropped)
+        for namespace, block_ids in removed.items():
+            self.observer.blocks_removed(namespace, block_ids)  # type: ignore[union-attr]  # set when removed is
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return freed

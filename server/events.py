@@ -1,11 +1,11 @@
 """Blocks stored into and removed from one pool's prefix tree, numbered per namespace, fanned out to watchers.
 
-The core has no observer hook yet, so `EventHub` wraps the `insert` and `evict` methods of one
-`KVCache`'s tree instance: every block the tree takes (cache, release, fork) and every block it
-evicts (an allocation running short) passes through them. Recording runs inside core calls, so
-under the pool's lock: the hub needs no lock of its own for numbering, and a watcher registered
-under the same lock sees a snapshot and then exactly the events after it. The watcher list is
-replaced, never mutated, under a small lock of its own, so a stream can leave without the pool's lock.
+`EventHub` is the tree's observer (`RadixTree.observer`): every block the tree takes (cache,
+release, fork) and every block it evicts (an allocation running short) is reported to it from
+inside core calls, so under the pool's lock: the hub needs no lock of its own for numbering, and
+a watcher registered under the same lock sees a snapshot and then exactly the events after it.
+The watcher list is replaced, never mutated, under a small lock of its own, so a stream can leave
+without the pool's lock.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import Node
@@ -73,63 +72,27 @@ class EventHub:
         self._tree = cache.tree
         self._max_events = max_events_per_watcher
         self._numbers: dict[str, int] = {}  # namespace -> last sequence number issued
-        self._block_namespaces: dict[int, str] = {}  # every block the tree holds -> its namespace
-        self._root_names: dict[int, str] = {}  # id(root node) -> namespace
         self._watchers: tuple[Watcher, ...] = ()
         self._watchers_lock = threading.Lock()
-        insert, evict = self._tree.insert, self._tree.evict
-
-        def recording_insert(start: Node, key: bytes, block_ids: list[int]) -> Any:
-            node, num_taken = result = insert(start, key, block_ids)
-            if num_taken:
-                self._stored(node)
-            return result
-
-        def recording_evict(num_blocks: int) -> list[int]:
-            freed = evict(num_blocks)
-            self._removed(freed)
-            return freed
-
-        self._tree.insert = recording_insert  # type: ignore[method-assign]
-        self._tree.evict = recording_evict  # type: ignore[method-assign]
-
-    def _namespace_of(self, node: Node) -> str:
-        while node.parent is not None:
-            node = node.parent
-        name = self._root_names.get(id(node))
-        if name is None:
-            self._root_names = {id(root): ns for ns, root in self._tree.roots.items()}
-            name = self._root_names[id(node)]
-        return name
+        self._tree.observer = self
 
     def _next_number(self, namespace: str) -> int:
         number = self._numbers.get(namespace, 0) + 1
         self._numbers[namespace] = number
         return number
 
-    def _stored(self, node: Node) -> None:
-        # `insert` puts every block it takes into one new leaf: `node`.
-        namespace = self._namespace_of(node)
-        for block_id in node.block_ids:
-            self._block_namespaces[block_id] = namespace
+    def blocks_stored(self, node: Node) -> None:
+        """A new leaf of the tree: all its blocks are newly cached."""
+        self._publish(self._stored_event(self._next_number(node.namespace), node))
+
+    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
+        self._publish(BlockEvent(self._next_number(namespace), namespace, EventKind.BLOCKS_REMOVED, tuple(block_ids)))
+
+    @staticmethod
+    def _stored_event(number: int, node: Node) -> BlockEvent:
         parent = node.parent
         parent_block = parent.block_ids[-1] if parent is not None and parent.parent is not None else None
-        event = BlockEvent(
-            self._next_number(namespace),
-            namespace,
-            EventKind.BLOCKS_STORED,
-            tuple(node.block_ids),
-            node.token_bytes,
-            parent_block,
-        )
-        self._publish(event)
-
-    def _removed(self, block_ids: list[int]) -> None:
-        by_namespace: dict[str, list[int]] = {}
-        for block_id in block_ids:
-            by_namespace.setdefault(self._block_namespaces.pop(block_id), []).append(block_id)
-        for namespace, ids in by_namespace.items():
-            self._publish(BlockEvent(self._next_number(namespace), namespace, EventKind.BLOCKS_REMOVED, tuple(ids)))
+        return BlockEvent(number, node.namespace, EventKind.BLOCKS_STORED, tuple(node.block_ids), node.token_bytes, parent_block)
 
     def _publish(self, event: BlockEvent) -> None:
         for watcher in self._watchers:
@@ -162,19 +125,8 @@ class EventHub:
 
     def snapshot(self, accepts: Callable[[str], bool]) -> list[BlockEvent]:
         """The cached blocks now, as BLOCKS_STORED events numbered with each namespace's last number."""
-        events = []
-        for namespace, node in self._tree.nodes():
-            if accepts(namespace):
-                parent = node.parent
-                parent_block = parent.block_ids[-1] if parent is not None and parent.parent is not None else None
-                events.append(
-                    BlockEvent(
-                        self._numbers.get(namespace, 0),
-                        namespace,
-                        EventKind.BLOCKS_STORED,
-                        tuple(node.block_ids),
-                        node.token_bytes,
-                        parent_block,
-                    )
-                )
-        return events
+        return [
+            self._stored_event(self._numbers.get(namespace, 0), node)
+            for namespace, node in self._tree.nodes()
+            if accepts(namespace)
+        ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from radixkv.errors import NotPinned, PermissionDenied, QuotaExceeded, UnknownPool, UnknownSequence, UnknownSession
-from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendResult, OpenResult
+from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.events import BlockEvent
 from radixkv.server.pools import Pool
@@ -104,24 +104,26 @@ class KVService:
         return results
 
     def append_tokens(
-        self, caller: Tenant, session_id: str, pool_name: str, items: Sequence[tuple[int, TokenIds]]
-    ) -> list[AppendResult]:
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds
+    ) -> AppendBatch:
+        """One decode step, in columns (see `KVCache.append_batch`)."""
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
         with pool.lock:
             _check_live(session)
-            for i, (seq_id, _) in enumerate(items):
+            for i, seq_id in enumerate(seq_ids):
                 _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
             if caller.max_blocks is None:
-                return pool.cache.append_many(items)
+                return pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
             block_size, tables = pool.layout.block_size, pool.num_table_blocks
             growth = sum(
-                max(0, -(-(pool.cache.num_tokens(s) + _num_tokens(t)) // block_size) - tables[s]) for s, t in items
+                max(0, -(-(pool.cache.num_tokens(s) + n) // block_size) - tables[s])
+                for s, n in zip(seq_ids, num_token_ids, strict=False)
             )
             self._check_quota(pool, caller, growth)
-            results = pool.cache.append_many(items)
-            for result in results:
-                self._resize(pool, caller, result.seq_id, result.table_offset + len(result.block_ids))
-            return results
+            batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
+            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
+                self._resize(pool, caller, seq_id, offset + num_blocks)
+            return batch
 
     def fork(self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, num_children: int) -> list[int]:
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)

@@ -6,20 +6,17 @@ Nothing here decides anything: sessions, ownership, quotas, namespaces and locki
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 
-from radixkv.errors import InvalidArgument
 from radixkv.server.auth import current_caller
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.service import KVService
 from radixkv.server.status import translating_errors
 from radixkv.server.tenants import Tenant
-from radixkv.token_ids import TOKEN_BYTES
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -68,35 +65,18 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.ServicerContext) -> pb.AppendTokensResponse:
-        seq_ids, counts = request.seq_ids, request.num_token_ids
-        if len(counts) != len(seq_ids):
-            raise InvalidArgument(
-                "num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(counts)}"
-            )
-        # One packed int32 buffer for the batch, sliced per sequence: the core takes bytes as they are.
-        # Ids >= 2^31 wrap negative here and are refused by the core's range check.
-        packed = np.array(request.token_ids, dtype=np.uint32).astype("<u4", copy=False).tobytes()
-        bounds = [0, *itertools.accumulate(counts)]
-        if bounds[-1] * TOKEN_BYTES != len(packed):
-            raise InvalidArgument(
-                "token_ids", f"sum(num_token_ids) is {bounds[-1]}, token_ids holds {len(packed) // TOKEN_BYTES}"
-            )
-        items = [
-            (seq_id, packed[a * TOKEN_BYTES : b * TOKEN_BYTES])
-            for seq_id, a, b in zip(seq_ids, bounds[:-1], bounds[1:], strict=True)
-        ]
-        results = self._service.append_tokens(current_caller(), request.session_id, request.pool, items)
+        # Ids >= 2^31 wrap negative as int32 and are refused by the core's range check.
+        token_ids = np.array(request.token_ids, dtype=np.uint32).view(np.int32)
+        batch = self._service.append_tokens(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_token_ids), token_ids
+        )
         return pb.AppendTokensResponse(
-            num_tokens=[r.num_tokens for r in results],
-            table_offsets=[r.table_offset for r in results],
-            num_block_ids=[len(r.block_ids) for r in results],
-            block_ids=[b for r in results for b in r.block_ids],
-            slots=np.concatenate([np.asarray(r.slots) for r in results]).tolist() if results else [],
-            copies=[
-                pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i)
-                for i, r in enumerate(results)
-                for s, d in r.copies
-            ],
+            num_tokens=batch.num_tokens,
+            table_offsets=batch.table_offsets,
+            num_block_ids=batch.num_block_ids,
+            block_ids=batch.block_ids,
+            slots=batch.slots.tolist(),
+            copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in batch.copies],
         )
 
     @translating_errors

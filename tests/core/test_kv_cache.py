@@ -249,7 +249,10 @@ def test_pin_is_bounded_by_its_share_of_the_pool():
     (lambda c: c.fork(1, 10**6), LimitExceeded, None),
     (lambda c: c.release(999), UnknownSequence, None),
     (lambda c: c.release_many([1, 1]), InvalidArgument, "seq_ids"),
-    (lambda c: c.append_many([(1, [1]), (1, [2])]), InvalidArgument, "requests[1].seq_id"),
+    (lambda c: c.append_many([(1, [1]), (1, [2])]), InvalidArgument, "seq_ids"),
+    (lambda c: c.append_batch([1], [2], [5]), InvalidArgument, "token_ids"),
+    (lambda c: c.append_batch([1], [0], []), InvalidArgument, "num_token_ids"),
+    (lambda c: c.append_batch([1, 2], [1], [5]), InvalidArgument, "num_token_ids"),
     (lambda c: c.open_many([([1], "default"), ([], "default")]), InvalidArgument, "requests[1].token_ids"),
     (lambda c: c.cache("1"), InvalidArgument, "seq_id"),
     (lambda c: c.match([1], namespace="bad name"), InvalidArgument, "namespace"),
@@ -308,3 +311,34 @@ def test_batched_append_lets_the_last_holder_of_a_shared_block_write_in_place(ca
     assert results[-1].copies == []
     assert cache.block_table(family[-1])[-1] == r.block_table[-1]
     assert len({cache.block_table(s)[-1] for s in family}) == 4
+
+
+def test_append_batch_reports_columns_that_match_per_sequence_appends():
+    batched, single = KVCache(64, 4), KVCache(64, 4)
+    for c in (batched, single):
+        a = c.open(list(range(6)))
+        c.fork(a.seq_id, 1)
+        c.open(list(range(100, 104)))
+    counts, tokens = [3, 1, 5], list(range(500, 509))
+    batch = batched.append_batch([1, 2, 3], counts, tokens)
+    expected, pos = [], 0
+    for seq_id, n in zip([1, 2, 3], counts, strict=True):
+        expected.append(single.append(seq_id, tokens[pos : pos + n]))
+        pos += n
+    assert batch.num_tokens == [r.num_tokens for r in expected] == [9, 7, 9]
+    assert batch.table_offsets == [r.table_offset for r in expected]
+    assert batch.block_ids == [b for r in expected for b in r.block_ids]
+    assert batch.slots.tolist() == [s for r in expected for s in r.slots.tolist()]
+    assert [(src, dst) for src, dst, _ in batch.copies] == [c for r in expected for c in r.copies]
+    assert [r.slots.tolist() for r in batch.results()] == [r.slots.tolist() for r in expected]
+    batched.check_invariants()
+
+
+def test_unpin_after_more_of_the_prefix_was_cached():
+    cache = KVCache(16, 4, limits=Limits(max_pinned_fraction=0.5))
+    cache.release(cache.open(list(range(9))).seq_id)
+    assert cache.pin(list(range(16))) == 8
+    cache.release(cache.open(list(range(17))).seq_id)  # the tree now holds more of those tokens
+    cache.unpin(list(range(16)))
+    assert cache.stats().num_blocks_pinned == 0
+    cache.check_invariants()

@@ -123,3 +123,7 @@ def test_observer_sees_every_block_stored_and_removed():
         ("removed", "b", [2, 3]),
         ("removed", "a", [1]),
     ]
+    insert(tree, "a", range(20, 28), [7, 8])
+    insert(tree, "a", range(40, 44), [9])
+    tree.evict(10)
+    assert recorder.events[-1] == ("removed", "a", [0, 7, 8, 9]), "one report per namespace per eviction"
