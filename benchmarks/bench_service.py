@@ -2,7 +2,7 @@
 
 Runs a real server process on 127.0.0.1 and measures, each both through `RadixKVClient` and
 through an in-process `KVCache` doing the same operations:
-  - a decode step: `append_many` of one token to each of 256 sequences (p50/p99 ms per call);
+  - a decode step: `append_batch` of one token to each of 256 sequences (p50/p99 ms per call);
   - open + release round trips per second with 1, 4 and 16 concurrent clients (processes);
   - batched admissions: `open_many` of 32 prompts + `release_many` per round trip (opens/s);
   - the transport floor: bare gRPC health checks per second, the most any unary RPC can reach here.
@@ -112,11 +112,8 @@ def append_step_core(num_steps: int) -> dict[str, float]:
         r.seq_id for r in cache.open_many([(list(range(1000 * i, 1000 * i + 100)), "bench") for i in range(BATCH)])
     ]
 
-    def step(i: int) -> object:
-        # Read the slots, as a scheduler must (and as the server does to answer): the core computes them lazily.
-        return np.concatenate([np.asarray(r.slots) for r in cache.append_many([(s, [i % 1000]) for s in seq_ids])])
-
-    return percentiles_ms(time_steps(step, num_steps))
+    counts = [1] * BATCH
+    return percentiles_ms(time_steps(lambda i: cache.append_batch(seq_ids, counts, np.full(BATCH, i % 1000, np.int32)), num_steps))
 
 
 def append_step_rpc(address: str, metrics_port: int, num_steps: int) -> dict[str, float]:
@@ -127,7 +124,8 @@ def append_step_rpc(address: str, metrics_port: int, num_steps: int) -> dict[str
             r.seq_id for r in client.open_many([(list(range(1000 * i, 1000 * i + 100)), "bench") for i in range(BATCH)])
         ]
         server = ServerTime(metrics_port, ("AppendTokens",))
-        result = percentiles_ms(time_steps(lambda i: client.append_many([(s, [i % 1000]) for s in seq_ids]), num_steps))
+        counts = [1] * BATCH
+        result = percentiles_ms(time_steps(lambda i: client.append_batch(seq_ids, counts, [i % 1000] * BATCH), num_steps))
         result["server_mean_ms"] = server.mean_ms()
         client.release_many(seq_ids, cache=False)
     return result
@@ -236,7 +234,7 @@ def table(r: dict[str, Any]) -> str:
         server = f"{a_rpc['server_mean_ms']:.2f} ms" if stat == "mean" else ""
         rows.append(
             (
-                f"append_many 256 seqs, {stat}",
+                f"append_batch 256 seqs, {stat}",
                 f"{core_ms:.2f} ms",
                 f"{rpc_ms:.2f} ms",
                 f"{rpc_ms / core_ms:.1f}x",

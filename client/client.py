@@ -5,6 +5,18 @@ Methods mirror `radixkv.KVCache` and return its dataclasses (`OpenResult`, `Appe
 same exceptions. The client opens a session on construction, renews its lease in the background,
 and keeps each sequence's block table from the deltas the server sends (`block_table(seq_id)`).
 Thread-safe: share one client between a scheduler's threads.
+
+Failures and restarts:
+  - The server unreachable (down, restarting, a network fault): calls raise `grpc.RpcError` with
+    UNAVAILABLE. Retry; the session and its sequences survive as long as the server does and the
+    lease (renewals keep retrying) has not run out.
+  - The server restarted: nothing survives a restart (sessions, sequences, pins, the prefix cache,
+    the pool memory itself). Session ids carry the id of the server run that issued them, so every
+    call on the old session raises `ServerRestarted`, one exception whatever the call. Recover with
+    `reopen()` (a new session; the old block tables are forgotten) and open new sequences; workers
+    map the pool again (`PoolView.from_client`), since the restarted server has new memory.
+  - The lease ran out (the client stalled past its ttl): `UnknownSession`, the base class of
+    `ServerRestarted`, so `except UnknownSession` handles both; the same `reopen()` recovers.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.pool_view import PoolInfo
-from radixkv.errors import InvalidArgument, ServerRestarted, UnknownSequence, UnknownSession
+from radixkv.errors import InvalidArgument, UnknownSequence, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendBatch, AppendResult, OpenResult
 from radixkv.layout import PoolLayout
 from radixkv.stats import Stats
@@ -79,11 +91,15 @@ class RadixKVClient:
         self.pool = pool
         self._tables: dict[int, list[int]] = {}
         self._lock = threading.Lock()
+        self._requested_ttl = session_ttl
         try:
-            session = self._call(self._stub.OpenSession, pb.OpenSessionRequest(ttl_seconds=session_ttl))
+            self._open_session()
         except BaseException:
             self._channel.close()
             raise
+
+    def _open_session(self) -> None:
+        session = self._call(self._stub.OpenSession, pb.OpenSessionRequest(ttl_seconds=self._requested_ttl))
         self.session_id: str = session.session_id
         self.session_ttl: float = session.ttl_seconds
         self._lease = LeaseKeeper(self.keep_alive, self.session_ttl / 3)
@@ -101,13 +117,31 @@ class RadixKVClient:
         """Renew the lease now (the background thread does this on its own); returns its ttl."""
         return self._call(self._stub.KeepAlive, pb.KeepAliveRequest(session_id=self.session_id)).ttl_seconds
 
+    def reopen(self) -> None:
+        """Replace the session with a new one: after `ServerRestarted`, or `UnknownSession` (lease expired).
+
+        The old session's sequences are gone with it: their block tables are forgotten here and
+        their ids must not be used again. If the server still has the old session, it is closed.
+
+        Raises:
+            grpc.RpcError: UNAVAILABLE while the server is unreachable; call again later.
+        """
+        self._lease.stop()
+        try:
+            self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
+        except UnknownSession:  # ServerRestarted included: nothing of it is left to close
+            pass
+        with self._lock:
+            self._tables.clear()
+        self._open_session()
+
     def close(self) -> None:
         """Stop renewing, end the session (the server releases any sequence still open), close the channel."""
         self._lease.stop()
         try:
             self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
-        except (UnknownSession, ServerRestarted):
-            pass  # expired, or the server restarted: it released everything then
+        except UnknownSession:
+            pass  # expired, or the server restarted (ServerRestarted): it released everything then
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
                 raise  # the server is gone, and its sessions with it; anything else is news
@@ -186,8 +220,8 @@ class RadixKVClient:
             list(response.table_offsets),
             list(response.num_block_ids),
             list(response.block_ids),
-            np.array(response.slots, dtype=np.int64),
             [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
+            np.array(response.slots, dtype=np.int64),
         )
         with self._lock:
             start = 0

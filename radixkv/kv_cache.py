@@ -59,6 +59,28 @@ class AppendResult:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
+
+    Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
+    workers derive slots from block tables) never pays for them.
+    """
+
+    block_size: int
+    span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
+    span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
+    counts: list[int]
+
+    def slots(self) -> npt.NDArray[np.int64]:
+        """slot of token j = span_blocks[p_j // block_size] * block_size + p_j % block_size."""
+        bs = self.block_size
+        counts = np.asarray(self.counts, dtype=np.int64)
+        firsts = np.cumsum(counts) - counts
+        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
+        return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+
+
+@dataclasses.dataclass(slots=True)
 class AppendBatch:
     """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
 
@@ -73,8 +95,15 @@ class AppendBatch:
     table_offsets: list[int]
     num_block_ids: list[int]
     block_ids: list[int]
-    slots: npt.NDArray[np.int64]  # [total appended tokens]
     copies: list[tuple[int, int, int]]
+    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        """[total appended tokens], computed on first read."""
+        if isinstance(self.slot_source, SlotPlan):
+            self.slot_source = self.slot_source.slots()
+        return self.slot_source
 
     def results(self) -> list[AppendResult]:
         """The same, one record per sequence."""
@@ -266,27 +295,31 @@ class KVCache:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
         keys = [to_token_bytes(t, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids") for i, (_, t) in enumerate(requests)]
         counts = [len(k) // TOKEN_BYTES for k in keys]
-        return self.append_batch([seq_id for seq_id, _ in requests], counts, b"".join(keys)).results()
+        return self._append_columns([seq_id for seq_id, _ in requests], counts, b"".join(keys)).results()
 
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
 
-        All or none. Validation and slot arithmetic run once for the batch, so a step of hundreds
-        of sequences costs a few microseconds each.
+        All or none. Validation runs once for the batch and slots are computed only when read,
+        so a step of hundreds of sequences costs a few microseconds each.
         """
         if len(num_token_ids) != len(seq_ids):
             raise InvalidArgument("num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
-        counts = np.asarray(num_token_ids, dtype=np.int64)
-        if counts.size and int(counts.min()) < 1:
+        counts = [int(n) for n in num_token_ids]
+        if counts and min(counts) < 1:
             raise InvalidArgument("num_token_ids", "every sequence appends at least one token")
         key = to_token_bytes(token_ids, "token_ids")
-        if int(counts.sum()) * TOKEN_BYTES != len(key):
-            raise InvalidArgument("token_ids", f"sum(num_token_ids) is {int(counts.sum())}, token_ids holds {len(key) // TOKEN_BYTES}")
+        if sum(counts) * TOKEN_BYTES != len(key):
+            raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {len(key) // TOKEN_BYTES}")
+        return self._append_columns(seq_ids, counts, key)
+
+    def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
+        """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
         sequences = self._batch_sequences(seq_ids)
         bs, limit, ref_counts = self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts
         copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
         plans: list[tuple[int, bool]] = []
-        for seq, count in zip(sequences, counts.tolist(), strict=True):
+        for seq, count in zip(sequences, counts, strict=True):
             num_tokens = seq.num_tokens + count
             if num_tokens > limit:
                 raise LimitExceeded("max_tokens_per_request", num_tokens, limit)
@@ -305,7 +338,7 @@ class KVCache:
         span_blocks: list[int] = []  # per sequence, the table blocks its new tokens land in
         span_starts: list[int] = []  # position of each sequence's first new token, relative to its span
         taken = byte = 0
-        for i, (seq, count, (num_new, cow)) in enumerate(zip(sequences, counts.tolist(), plans, strict=True)):
+        for i, (seq, count, (num_new, cow)) in enumerate(zip(sequences, counts, plans, strict=True)):
             table, start = seq.block_table, seq.num_tokens
             offset = len(table)
             if num_new:
@@ -331,12 +364,8 @@ class KVCache:
             offsets.append(offset)
             num_block_ids.append(len(table) - offset)
             block_ids.extend(table[offset:])
-        # slot of token j = span_blocks[p_j // bs] * bs + p_j % bs, p_j its position within the spans.
-        total = int(counts.sum())
-        firsts = np.cumsum(counts) - counts
-        positions = np.arange(total, dtype=np.int64) + np.repeat(np.asarray(span_starts, dtype=np.int64) - firsts, counts)
-        slots = np.asarray(span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
-        return AppendBatch(list(seq_ids), counts.tolist(), num_tokens_after, offsets, num_block_ids, block_ids, slots, copies)
+        plan = SlotPlan(bs, span_blocks, span_starts, counts)
+        return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
 
     # -- fork ------------------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ def replay(
         if len(request.outputs) > 1:
             seq_ids += cache.fork(opened.seq_id, len(request.outputs) - 1)
         t2 = clock()
-        cache.append_many(list(zip(seq_ids, request.outputs, strict=True)))
+        cache.append_batch(seq_ids, [len(o) for o in request.outputs], np.concatenate(request.outputs))
         t3 = clock()
         cache.cache(seq_ids[0])
         t4 = clock()
