@@ -36,8 +36,9 @@ from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import InvalidArgument, UnknownSequence, UnknownSession
-from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendBatch, AppendResult, OpenResult
+from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.layout import PoolLayout
+from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
 from radixkv.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb

@@ -11,13 +11,17 @@ from radixkv.errors import (
     RadixKVError,
     UnknownSequence,
 )
-from radixkv.kv_cache import AppendResult, KVCache, OpenResult, Stats
+from radixkv.kv_cache import KVCache, Limits
 from radixkv.layout import PoolLayout
+from radixkv.results import AppendBatch, AppendResult, OpenResult
+from radixkv.stats import Stats
 
 __all__ = [
+    "AppendBatch",
     "AppendResult",
     "InvalidArgument",
     "KVCache",
+    "Limits",
     "LimitExceeded",
     "OpenResult",
     "OutOfBlocks",

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from radixkv.block_pool import BlockPool
 from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
 from radixkv.radix_tree import Node, RadixTree
+from radixkv.results import AppendBatch, AppendResult, OpenResult, SlotPlan
 from radixkv.stats import Stats
 from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
 
@@ -34,89 +35,6 @@ class Limits:
     max_namespaces: int = 4096
     max_pinned_fraction: float = 0.25
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OpenResult:
-    seq_id: int
-    num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
-    block_table: list[int]
-    slots: npt.NDArray[np.int64]  # [num_tokens - num_cached_tokens]: where the uncached tokens' K/V go
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AppendResult:
-    """What one append changed: `block_table[table_offset:]` is now `block_ids`.
-
-    Apply `copies` (copy-on-write of a shared partial block) before writing `slots`.
-    """
-
-    seq_id: int
-    num_tokens: int  # sequence length after the append
-    table_offset: int
-    block_ids: list[int]
-    slots: npt.NDArray[np.int64]  # [num_appended]
-    copies: list[tuple[int, int]]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlotPlan:
-    """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
-
-    Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
-    workers derive slots from block tables) never pays for them.
-    """
-
-    block_size: int
-    span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
-    span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
-    counts: list[int]
-
-    def slots(self) -> npt.NDArray[np.int64]:
-        """slot of token j = span_blocks[p_j // block_size] * block_size + p_j % block_size."""
-        bs = self.block_size
-        counts = np.asarray(self.counts, dtype=np.int64)
-        firsts = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
-        return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
-
-
-@dataclasses.dataclass(slots=True)
-class AppendBatch:
-    """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
-
-    Sequence i's `block_table[table_offsets[i]:]` is now its run of `num_block_ids[i]` entries of
-    `block_ids`. `slots` holds every appended token's slot in request order (the step's slot
-    mapping). Apply `copies` (src_block, dst_block, index of the sequence) before writing slots.
-    """
-
-    seq_ids: list[int]
-    num_appended: list[int]  # tokens appended to each sequence
-    num_tokens: list[int]  # sequence lengths after the append
-    table_offsets: list[int]
-    num_block_ids: list[int]
-    block_ids: list[int]
-    copies: list[tuple[int, int, int]]
-    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
-
-    @property
-    def slots(self) -> npt.NDArray[np.int64]:
-        """[total appended tokens], computed on first read."""
-        if isinstance(self.slot_source, SlotPlan):
-            self.slot_source = self.slot_source.slots()
-        return self.slot_source
-
-    def results(self) -> list[AppendResult]:
-        """The same, one record per sequence."""
-        out, b, t = [], 0, 0
-        per_seq_copies: dict[int, list[tuple[int, int]]] = {}
-        for src, dst, index in self.copies:
-            per_seq_copies.setdefault(index, []).append((src, dst))
-        for i, seq_id in enumerate(self.seq_ids):
-            n_blocks, n_new = self.num_block_ids[i], self.num_appended[i]
-            out.append(AppendResult(seq_id, self.num_tokens[i], self.table_offsets[i], self.block_ids[b : b + n_blocks], self.slots[t : t + n_new], per_seq_copies.get(i, [])))
-            b += n_blocks
-            t += n_new
-        return out
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Sequence:
@@ -182,8 +100,7 @@ class KVCache:
         root = self.tree.roots.get(namespace)
         if root is not None:
             return root
-        if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
-            raise InvalidArgument(field, "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
+        _check_namespace(namespace, field)
         if len(self.tree.roots) >= self.limits.max_namespaces:
             raise LimitExceeded("max_namespaces", len(self.tree.roots) + 1, self.limits.max_namespaces)
         return self.tree.root(namespace)
@@ -439,13 +356,9 @@ class KVCache:
         key = self._key(token_ids, "token_ids")
         root = self.tree.roots.get(namespace)
         if root is None:
-            self._root_name_check(namespace)
+            _check_namespace(namespace)
             return 0
         return self.tree.match(root, key).num_blocks * self.block_size
-
-    def _root_name_check(self, namespace: str) -> None:
-        if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
-            raise InvalidArgument("namespace", "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix of `token_ids` resident however cold it gets; returns tokens pinned.
@@ -455,7 +368,7 @@ class KVCache:
         key = self._key(token_ids, "token_ids")
         root = self.tree.roots.get(namespace)
         if root is None:
-            self._root_name_check(namespace)
+            _check_namespace(namespace)
         match = self.tree.match(root, key) if root is not None else None
         if match is None or match.num_blocks == 0:
             raise FailedPrecondition("nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace)
@@ -538,6 +451,11 @@ class KVCache:
             assert self.pool.ref_counts[block_id] == count, f"block {block_id}: ref_count {self.pool.ref_counts[block_id]} != holders {count}"
         for block_id in self.tree.tree_block_ids():
             assert self.pool.ref_counts[block_id] == 1, f"cached block {block_id} is also held by count"
+
+
+def _check_namespace(namespace: str, field: str = "namespace") -> None:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+        raise InvalidArgument(field, "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
 
 
 def _path_runs(node: Node) -> Iterable[bytes]:

@@ -19,17 +19,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from radixkv.errors import NotPinned, PermissionDenied, QuotaExceeded, UnknownPool, UnknownSequence, UnknownSession
-from radixkv.kv_cache import DEFAULT_NAMESPACE, AppendBatch, OpenResult
+from radixkv.errors import (
+    LimitExceeded,
+    NotPinned,
+    PermissionDenied,
+    QuotaExceeded,
+    UnknownPool,
+    UnknownSequence,
+    UnknownSession,
+)
+from radixkv.kv_cache import DEFAULT_NAMESPACE
+from radixkv.results import AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.events import BlockEvent
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session, SessionRegistry
+from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
 from radixkv.stats import Stats
 from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
-
-WATCH_POLL_SECONDS = 0.25  # how soon a stream notices its client left or the server is stopping
 
 
 class KVService:
@@ -40,6 +48,9 @@ class KVService:
         self.sessions = SessionRegistry(
             config.session_ttl_seconds, config.max_session_ttl_seconds, config.max_sessions, self._end_session
         )
+        self.streams = WatchStreams(config.max_watch_streams or 0)
+        self._max_sequences = config.max_sequences_per_session
+        self._max_pins = config.max_pins_per_session
 
     def start(self) -> None:
         self.sessions.start()
@@ -88,6 +99,11 @@ class KVService:
         self, caller: Tenant, session_id: str, pool_name: str, prompts: Sequence[tuple[TokenIds, str]]
     ) -> list[OpenResult]:
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        # The whole request against the pool's token limit before any prompt is converted: a batch of
+        # prompts each under the limit must not add up to one request the size of the message limit.
+        num_tokens, allowed = sum(_num_tokens(t) for t, _ in prompts), pool.cache.limits.max_tokens_per_request
+        if num_tokens > allowed:
+            raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
         batch = len(prompts) > 1
         requests = [
             (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
@@ -95,6 +111,7 @@ class KVService:
         ]
         with pool.lock:
             _check_live(session)
+            self._check_num_sequences(pool, session, len(requests))
             if caller.max_blocks is not None:
                 block_size = pool.layout.block_size
                 self._check_quota(pool, caller, sum(-(-_num_tokens(tokens) // block_size) for tokens, _ in requests))
@@ -130,6 +147,7 @@ class KVService:
         with pool.lock:
             _check_live(session)
             _check_owner(pool, session, seq_id, "seq_id")
+            self._check_num_sequences(pool, session, num_children)
             num_blocks = pool.num_table_blocks.get(seq_id, 0)
             if caller.max_blocks is not None:
                 self._check_quota(pool, caller, max(num_children, 0) * num_blocks)
@@ -173,8 +191,11 @@ class KVService:
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
             _check_live(session)
+            pins = session.pins.setdefault(pool.name, [])
+            if len(pins) >= self._max_pins:
+                raise LimitExceeded("max_pins_per_session", len(pins) + 1, self._max_pins)
             num_pinned = pool.cache.pin(key, core_namespace)
-            session.pins.setdefault(pool.name, []).append((core_namespace, key[: num_pinned * TOKEN_BYTES]))
+            pins.append((core_namespace, key[: num_pinned * TOKEN_BYTES]))
         return num_pinned
 
     def unpin(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> None:
@@ -222,31 +243,14 @@ class KVService:
     ) -> Iterator[tuple[list[BlockEvent], bool]]:
         """Batches of events (first the snapshot, if asked) until the caller leaves or the server stops.
 
-        Validates now, so errors surface before the stream starts; the watcher is registered when
-        the first batch is asked for, so a stream never iterated leaves nothing behind.
+        Validates now, so errors surface before the stream starts; the stream's slot and watcher
+        are taken when the first batch is asked for (`WatchStreams.stream`).
         """
         pool = self.pool(pool_name)
         if session_id:
             self.sessions.get(session_id, caller)
         scoped = frozenset(caller.scope(ns, f"namespaces[{i}]") for i, ns in enumerate(namespaces))
-        return self._stream(pool, scoped.__contains__ if scoped else caller.owns, include_snapshot, is_active)
-
-    @staticmethod
-    def _stream(
-        pool: Pool, accepts: Callable[[str], bool], include_snapshot: bool, is_active: Callable[[], bool]
-    ) -> Iterator[tuple[list[BlockEvent], bool]]:
-        with pool.lock:
-            watcher = pool.events.watch(accepts)
-            snapshot = pool.events.snapshot(accepts) if include_snapshot else None
-        try:
-            if snapshot is not None:
-                yield snapshot, True
-            while is_active() and not watcher.closed:
-                events = watcher.take(WATCH_POLL_SECONDS)
-                if events:
-                    yield events, False
-        finally:
-            pool.events.unwatch(watcher)
+        return self.streams.stream(pool, scoped.__contains__ if scoped else caller.owns, include_snapshot, is_active)
 
     def check_invariants(self, pool_name: str) -> str:
         """The first broken invariant of the core or of this layer's bookkeeping; "" when all hold."""
@@ -257,17 +261,32 @@ class KVService:
                 assert set(pool.owners) == set(pool.cache.sequence_ids()), (
                     "owned sequences != the core's live sequences"
                 )
+                tenant_blocks: dict[str, int] = {}
                 for seq_id, owner in pool.owners.items():
                     assert seq_id in owner.sequences.get(pool.name, ()), f"sequence {seq_id} missing from its session"
                     if seq_id in pool.num_table_blocks:
                         assert pool.num_table_blocks[seq_id] == len(pool.cache.block_table(seq_id)), (
                             f"sequence {seq_id}: quota count stale"
                         )
+                        name = owner.tenant.name
+                        tenant_blocks[name] = tenant_blocks.get(name, 0) + pool.num_table_blocks[seq_id]
+                assert set(pool.num_table_blocks) <= set(pool.owners), "a quota count outlived its sequence"
+                held = {name: n for name, n in pool.tenant_blocks.items() if n}
+                assert held == tenant_blocks, f"tenant block counts {held} != their sequences' {tenant_blocks}"
+                for session in self.sessions.live():
+                    for seq_id in session.sequences.get(pool.name, ()):
+                        assert pool.owners.get(seq_id) is session, f"session holds sequence {seq_id} it does not own"
+                    assert len(session.pins.get(pool.name, ())) <= self._max_pins, "a session holds too many pins"
             except AssertionError as e:
                 return str(e) or "assertion failed"
         return ""
 
     # -- bookkeeping (under pool.lock) -------------------------------------------------------------
+
+    def _check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
+        held = len(session.sequences.get(pool.name, ()))
+        if held + num_new > self._max_sequences:
+            raise LimitExceeded("max_sequences_per_session", held + num_new, self._max_sequences)
 
     @staticmethod
     def _check_quota(pool: Pool, tenant: Tenant, needed: int) -> None:
