@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from radixkv.errors import RadixKVError, ServerRestarted, UnknownSession
+from radixkv.errors import RadixKVError, UnknownSession
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ class LeaseKeeper:
 
     A transient failure (server busy or briefly unreachable) is retried at the next tick; the lease
     outlives two missed renewals. Once the session has ended renewing stops; the client's next call
-    then raises the same UnknownSession (or ServerRestarted).
+    then raises the same UnknownSession (or its subclass ServerRestarted).
     """
 
     def __init__(self, renew: Callable[[], object], interval: float) -> None:
@@ -39,7 +39,7 @@ class LeaseKeeper:
         while not self._stopped.wait(self._interval):
             try:
                 self._renew()
-            except (UnknownSession, ServerRestarted) as e:
+            except UnknownSession as e:  # ServerRestarted too
                 log.warning("session lease lost", extra={"reason": e.reason})
                 return
             except (RadixKVError, grpc.RpcError) as e:

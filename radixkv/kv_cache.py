@@ -16,8 +16,16 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.block_pool import BlockPool
-from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
-from radixkv.radix_tree import Node, RadixTree
+from radixkv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LimitExceeded,
+    NotPinned,
+    OutOfBlocks,
+    RadixKVError,
+    UnknownSequence,
+)
+from radixkv.radix_tree import Match, Node, RadixTree
 from radixkv.results import AppendBatch, AppendResult, OpenResult, SlotPlan
 from radixkv.stats import Stats
 from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
@@ -40,7 +48,9 @@ class Limits:
 class _Sequence:
     seq_id: int
     namespace: str
-    token_bytes: bytearray
+    # Tokens past the locked path (int32 bytes): all a sequence must keep of its history, since the
+    # tree holds the rest. After a fork (which caches first) that is less than one block per child.
+    tail_bytes: bytearray
     block_table: list[int]
     lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
     num_tree_blocks: int  # leading blocks of the table that the locked path covers
@@ -63,7 +73,9 @@ class KVCache:
     unlocked cached block is always reclaimable. Every error leaves every count as it was.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, limits: Limits | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, limits: Limits | None = None, *, first_seq_id: int = 1) -> None:
+        """`first_seq_id`: where sequence ids start; a server picks a fresh one per run so that an id
+        from before a restart never names a sequence after it."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
@@ -72,7 +84,7 @@ class KVCache:
         self.tree = RadixTree(block_size)
         self.stats_counters = Stats(num_blocks_total=num_blocks)
         self._sequences: dict[int, _Sequence] = {}
-        self._seq_ids = itertools.count(1)
+        self._seq_ids = itertools.count(first_seq_id)
         self._pins: dict[tuple[str, bytes], tuple[Node, int]] = {}
 
     # -- sizing ----------------------------------------------------------------------------------
@@ -143,18 +155,22 @@ class KVCache:
         """
         return self.open_many([(token_ids, namespace)])[0]
 
-    def open_many(self, requests: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
-        """Open several sequences, all or none (one scheduler step's admissions)."""
+    def _plan_open(self, requests: Sequence[tuple[TokenIds, str]]) -> list[tuple[bytes, Node, Match]]:
+        """Validate a batch of opens and check capacity before anything changes.
+
+        Blocks needed must fit in free blocks plus what stays evictable once every matched path is locked.
+        """
         keys: list[tuple[bytes, Node]] = []
         for i, (token_ids, namespace) in enumerate(requests):
             prefix = f"requests[{i}]." if len(requests) > 1 else ""
             keys.append((self._key(token_ids, prefix + "token_ids"), self._root(namespace, prefix + "namespace")))
-        # Check capacity before touching anything: blocks needed versus free plus what stays
-        # evictable once every matched path is locked.
-        needed, newly_locked = 0, {}
+        needed = 0
+        newly_locked: dict[int, int] = {}
+        planned: list[tuple[bytes, Node, Match]] = []
         for key, root in keys:
             num_tokens = len(key) // TOKEN_BYTES
             match = self.tree.match(root, key, (num_tokens - 1) // self.block_size)
+            planned.append((key, root, match))
             needed += self._blocks_for(num_tokens) - match.num_blocks
             for node in match.path:
                 if node.lock_ref == 0:
@@ -164,10 +180,19 @@ class KVCache:
         if needed > available:
             self.stats_counters.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
+        return planned
+
+    def open_many(self, requests: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
+        """Open several sequences, all or none (one scheduler step's admissions)."""
+        try:
+            keys = self._plan_open(requests)
+        except RadixKVError:
+            self.tree.drop_empty_roots()  # namespaces this refused request created
+            raise
         # Lock every matched prefix first, so one request's allocation cannot evict another's hit.
         locked: list[tuple[bytes, Node, int]] = []
-        for i, (key, root) in enumerate(keys):
-            if i or len(keys) > 1:  # an earlier item's split may have moved this item's match
+        for i, (key, root, match) in enumerate(keys):
+            if i:  # an earlier item's split may have moved this item's match
                 match = self.tree.match(root, key, (len(key) // TOKEN_BYTES - 1) // self.block_size)
             node = self.tree.split(match)
             self.tree.lock(node)
@@ -177,7 +202,8 @@ class KVCache:
             num_tokens = len(key) // TOKEN_BYTES
             table = self._path_blocks(node, num_matched_blocks)
             table += self._allocate(self._blocks_for(num_tokens) - num_matched_blocks)
-            seq = _Sequence(next(self._seq_ids), namespace, bytearray(key), table, node, num_matched_blocks, [], num_tokens)
+            tail = bytearray(key[num_matched_blocks * self.block_size * TOKEN_BYTES :])
+            seq = _Sequence(next(self._seq_ids), namespace, tail, table, node, num_matched_blocks, [], num_tokens)
             self._sequences[seq.seq_id] = seq
             num_cached = num_matched_blocks * self.block_size
             self.stats_counters.num_requested_tokens += num_tokens
@@ -271,7 +297,7 @@ class KVCache:
                     table.extend(mine[1:])
                 else:
                     table.extend(mine)
-            seq.token_bytes += view[byte : byte + count * TOKEN_BYTES]
+            seq.tail_bytes += view[byte : byte + count * TOKEN_BYTES]
             byte += count * TOKEN_BYTES
             seq.num_tokens = stop = start + count
             first = start // bs
@@ -304,7 +330,7 @@ class KVCache:
         children = []
         for _ in range(num_children):
             child = _Sequence(
-                next(self._seq_ids), seq.namespace, bytearray(seq.token_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks,
+                next(self._seq_ids), seq.namespace, bytearray(seq.tail_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks,
                 list(seq.private_prefix), seq.num_tokens,
             )
             self._sequences[child.seq_id] = child
@@ -325,7 +351,7 @@ class KVCache:
         if num_full <= seq.num_tree_blocks:
             return
         bb = self.block_size * TOKEN_BYTES
-        key = bytes(seq.token_bytes[seq.num_tree_blocks * bb : num_full * bb])
+        key = bytes(seq.tail_bytes[: (num_full - seq.num_tree_blocks) * bb])
         new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
         node, num_taken = self.tree.insert(seq.lock_node, key, new_blocks)
         # The tree takes over this sequence's hold on the blocks it took (the lock now covers them);
@@ -334,6 +360,7 @@ class KVCache:
         self.tree.lock(node)
         self.tree.unlock(seq.lock_node)
         seq.lock_node, seq.num_tree_blocks = node, num_full
+        del seq.tail_bytes[: len(key)]
 
     def release(self, seq_id: int, cache: bool = True) -> None:
         """End a sequence; with `cache`, its full blocks stay in the tree for later requests."""
@@ -428,15 +455,14 @@ class KVCache:
         for block_id in self.tree.tree_block_ids():
             expected[block_id] += 1
         locks: dict[int, int] = {}
-        bb = self.block_size * TOKEN_BYTES
         for seq in self._sequences.values():
             assert len(seq.block_table) == self._blocks_for(seq.num_tokens), f"seq {seq.seq_id}: table length wrong"
             assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block twice in one table"
             for block_id in seq.private_blocks():
                 expected[block_id] += 1
-            path_bytes = b"".join(reversed(list(_path_runs(seq.lock_node))))
-            assert len(path_bytes) == seq.num_tree_blocks * bb, f"seq {seq.seq_id}: locked path length wrong"
-            assert seq.token_bytes.startswith(path_bytes), f"seq {seq.seq_id}: locked path is not its prefix"
+            path_tokens = sum(len(run) for run in _path_runs(seq.lock_node)) // TOKEN_BYTES
+            assert path_tokens == seq.num_tree_blocks * self.block_size, f"seq {seq.seq_id}: locked path length wrong"
+            assert len(seq.tail_bytes) == (seq.num_tokens - path_tokens) * TOKEN_BYTES, f"seq {seq.seq_id}: tail tokens lost"
             assert self.tree.roots[seq.namespace] is _root_of(seq.lock_node), f"seq {seq.seq_id}: locked path in another namespace"
             path_blocks = self._path_blocks(seq.lock_node, seq.num_tree_blocks)
             private = set(seq.private_prefix)
@@ -445,7 +471,7 @@ class KVCache:
             _count_path(seq.lock_node, locks, 1)
         for node, count in self._pins.values():
             _count_path(node, locks, count)
-        for _, node in self.tree.nodes():
+        for node in [*self.tree.roots.values(), *(n for _, n in self.tree.nodes())]:
             assert node.lock_ref == locks.get(node.node_id, 0), f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
         for block_id, count in enumerate(expected):
             assert self.pool.ref_counts[block_id] == count, f"block {block_id}: ref_count {self.pool.ref_counts[block_id]} != holders {count}"
@@ -470,7 +496,8 @@ def _root_of(node: Node) -> Node:
     return node
 
 
-def _count_path(node: Node, locks: dict[int, int], count: int) -> None:
-    while node.parent is not None:
+def _count_path(node: Node | None, locks: dict[int, int], count: int) -> None:
+    """Add `count` locks to `node` and every ancestor, the namespace's root included."""
+    while node is not None:
         locks[node.node_id] = locks.get(node.node_id, 0) + count
         node = node.parent

@@ -172,7 +172,10 @@ class RadixTree:
     # -- locks ------------------------------------------------------------------------------------
 
     def lock(self, node: Node, count: int = 1) -> None:
-        """Protect `node` and its ancestors from eviction (`count` holders at once)."""
+        """Protect `node` and its ancestors from eviction (`count` holders at once).
+
+        The root counts its namespace's holders too: a namespace lives while it holds a lock or a node.
+        """
         now = self.tick()
         while node.parent is not None:
             if node.lock_ref == 0:
@@ -182,6 +185,7 @@ class RadixTree:
             node.lock_ref += count
             node.last_access = now
             node = node.parent
+        node.lock_ref += count
 
     def unlock(self, node: Node, count: int = 1) -> None:
         now = self.tick()
@@ -194,6 +198,18 @@ class RadixTree:
                 if not node.children:
                     self._evictable_leaves.add(node)
             node = node.parent
+        node.lock_ref -= count
+        self._drop_if_empty(node)
+
+    def _drop_if_empty(self, root: Node) -> None:
+        """Forget a namespace with nothing cached and no holder, so namespaces cannot pile up."""
+        if root.lock_ref == 0 and not root.children and self.roots.get(root.namespace) is root:
+            del self.roots[root.namespace]
+
+    def drop_empty_roots(self) -> None:
+        """After a refused request: forget namespaces it created and left empty."""
+        for root in list(self.roots.values()):
+            self._drop_if_empty(root)
 
     def add_pin(self, node: Node, delta: int) -> None:
         """Count `node`'s path as pinned (delta +1) or not (-1); the caller also locks/unlocks it."""
@@ -248,8 +264,11 @@ class RadixTree:
         assert parent is not None
         del parent.children[leaf.token_bytes[: self.block_bytes]]
         leaf.parent = None
-        if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
-            self._evictable_leaves.add(parent)
+        if not parent.children and parent.lock_ref == 0:
+            if parent.parent is None:
+                self._drop_if_empty(parent)
+            else:
+                self._evictable_leaves.add(parent)
 
     def evictable_leaves(self) -> list[Node]:
         return list(self._evictable_leaves)
@@ -288,6 +307,10 @@ class RadixTree:
                     leaves.add(node.node_id)
             if node.pin_ref:
                 pinned += len(node.block_ids)
+        for namespace, root in self.roots.items():
+            assert root.namespace == namespace, f"root of {namespace!r} is filed under another name"
+            assert root.children or root.lock_ref, f"namespace {namespace!r} holds nothing and should be gone"
+            assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), f"root of {namespace!r}: lock_ref below children's"
         assert evictable == self.num_evictable_blocks, f"evictable blocks {self.num_evictable_blocks} != {evictable}"
         assert pinned == self.num_pinned_blocks, f"pinned blocks {self.num_pinned_blocks} != {pinned}"
         assert cached == self.num_cached_blocks, f"cached blocks {self.num_cached_blocks} != {cached}"

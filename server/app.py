@@ -32,6 +32,7 @@ from radixkv.server.config import (
     pool_from_mapping,
 )
 from radixkv.server.debug import DebugServicer
+from radixkv.server.decoding import DecodingInterceptor
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.pools import Pool, build_pool
@@ -97,7 +98,11 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size)
         service = KVService(config, pools)
         metrics = ServerMetrics(service)
-        interceptors = [metrics.interceptor(), *([AuthInterceptor(config.tenants)] if config.tenants else [])]
+        interceptors = [
+            metrics.interceptor(),
+            *([AuthInterceptor(config.tenants)] if config.tenants else []),
+            DecodingInterceptor(),  # innermost: refuses undecodable requests after authentication
+        ]
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -190,6 +195,14 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         "--max-session-ttl", type=float, dest="max_session_ttl_seconds", help="longest lease a client may ask for"
     )
     parser.add_argument("--max-workers", type=int, help="RPC threads (each open WatchEvents stream holds one)")
+    parser.add_argument("--max-sessions", type=int, help="live sessions, server-wide (default 10000)")
+    parser.add_argument(
+        "--max-sequences-per-session", type=int, help="live sequences one session may hold in one pool (default 4096)"
+    )
+    parser.add_argument("--max-pins-per-session", type=int, help="pins one session may hold in one pool (default 256)")
+    parser.add_argument(
+        "--max-watch-streams", type=int, help="open WatchEvents streams, server-wide; below --max-workers (default: half of them)"
+    )
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -94,6 +94,11 @@ class ServerConfig:
     session_ttl_seconds: float = 30.0
     max_session_ttl_seconds: float = 3600.0
     max_sessions: int = 10_000
+    # Per session and pool: each live sequence costs server memory even when its blocks are shared (forks).
+    max_sequences_per_session: int = 4096
+    max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
+    # Server-wide. Each open stream holds an RPC thread, so fewer than max_workers; None: half of them.
+    max_watch_streams: int | None = None
     max_message_bytes: int = 64 * 2**20
     max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
     watch_queue_size: int = 10_000  # events buffered per watcher before it misses some
@@ -115,6 +120,13 @@ class ServerConfig:
             raise ValueError("give both tls_cert and tls_key, or neither")
         if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
             raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
+        if self.max_watch_streams is None:
+            object.__setattr__(self, "max_watch_streams", self.max_workers // 2)
+        elif not 0 <= self.max_watch_streams < self.max_workers:
+            raise ValueError("max_watch_streams must lie in [0, max_workers): streams must leave threads for unary calls")
+        for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}

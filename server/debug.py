@@ -43,7 +43,10 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
         with pool.lock:
             num_live = len(pool.cache.sequence_ids())
         return pb.CheckInvariantsResponse(
-            violation=violation, num_live_sequences=num_live, num_sessions=len(self._service.sessions)
+            violation=violation,
+            num_live_sequences=num_live,
+            num_sessions=len(self._service.sessions),
+            num_watch_streams=len(self._service.streams),
         )
 
     @translating_errors

@@ -7,6 +7,7 @@ agree with it (which session owns a sequence, a tenant's block count, the event 
 
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,8 @@ class Pool:
         self.layout: PoolLayout = storage.layout
         self.device = str(storage.device)
         self.lock = threading.Lock()
-        self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits)
+        # Ids start at a random point each run: an id from before a restart names nothing after it.
+        self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1)
         self.events = EventHub(self.cache, watch_queue_size)
         self.owners: dict[int, Session] = {}
         # Block-table lengths of sequences whose tenant has a quota, and each such tenant's total.

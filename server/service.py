@@ -1,14 +1,18 @@
 """The server's domain layer: sessions own sequences, tenants own namespaces and quotas, pools serialise the core.
 
-Threading model: gRPC runs each RPC on a worker thread. Each pool has one lock (`Pool.lock`), held
-around every call into its `KVCache` together with the bookkeeping that must agree with the core:
-which session owns each sequence, each tenant's block count, the pool's event hub. Calls on
-different pools do not wait for each other. The session registry has its own lock, never held
-while a pool lock is taken. Ending a session marks it closed first and then takes each pool's
-lock to release what it holds; every pool-locked section re-checks the mark, so no sequence can
-join a session that is being torn down. Nothing changes before a request is known to be allowed:
-ownership and quota are checked, then the core (which changes nothing when it refuses) is called,
-then the bookkeeping follows its result.
+Threading model: gRPC runs each RPC on a thread of a fixed pool (`max_workers`); the lease reaper
+is one more thread. Each pool has one lock (`Pool.lock`), held around every call into its `KVCache`
+together with the bookkeeping that must agree with the core: which session owns each sequence,
+each tenant's block count, the pool's event hub. So calls on one pool run one at a time, whole
+(a batch is never interleaved with another call), and calls on different pools do not wait for
+each other. The session registry has its own lock, never held while a pool lock is taken. Ending
+a session marks it closed first and then takes each pool's lock to release what it holds; every
+pool-locked section re-checks the mark, so no sequence can join a session that is being torn
+down. The other locks (the stream count, each watcher's queue) are leaves: nothing is taken while
+one is held. Nothing changes before a request is known to be allowed: ownership, limits and quota
+are checked, then the core (which changes nothing when it refuses) is called, then the bookkeeping
+follows its result. An open WatchEvents stream holds a thread, so at most `max_watch_streams`
+(fewer than `max_workers`) are open at once.
 
 Sessions that end (closed, expired, server shutdown) release their sequences with cache=False:
 the server cannot know whether a dead client's workers finished writing those blocks' K/V, and a

@@ -15,7 +15,7 @@ import numpy as np
 from radixkv.server.auth import current_caller
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.service import KVService
-from radixkv.server.status import translating_errors
+from radixkv.server.status import translating_errors, translating_stream
 from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -49,7 +49,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def OpenSequences(
         self, request: pb.OpenSequencesRequest, context: grpc.ServicerContext
     ) -> pb.OpenSequencesResponse:
-        prompts = [(list(p.token_ids), p.namespace) for p in request.prompts]
+        # The repeated fields go to the core as they are: numpy reads them in one pass, where a list
+        # would cost a Python int per token (and memory to match) before any limit is checked.
+        prompts = [(p.token_ids, p.namespace) for p in request.prompts]
         results = self._service.open_sequences(current_caller(), request.session_id, request.pool, prompts)
         return pb.OpenSequencesResponse(
             sequences=[
@@ -104,21 +106,21 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         num = self._service.match(
-            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
         return pb.MatchResponse(num_cached_tokens=num)
 
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         num = self._service.pin(
-            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
         return pb.PinResponse(num_pinned_tokens=num)
 
     @translating_errors
     def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
         self._service.unpin(
-            current_caller(), request.session_id, request.pool, list(request.token_ids), request.namespace
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
         return pb.UnpinResponse()
 
@@ -160,10 +162,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             request.include_snapshot,
             context.is_active,
         )
-        return (
+        responses = (
             pb.WatchEventsResponse(events=[_event(caller, e) for e in events], snapshot=snapshot)
             for events, snapshot in batches
         )
+        return translating_stream(context, "WatchEvents", responses)
 
 
 def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:

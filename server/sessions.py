@@ -62,6 +62,11 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def live(self) -> list[Session]:
+        """The sessions live now (a copy: for invariant checks, which read each under the pool's lock)."""
+        with self._lock:
+            return list(self._sessions.values())
+
     def start(self) -> None:
         self._reaper.start()
 
@@ -102,9 +107,7 @@ class SessionRegistry:
         if session is None:
             instance, sep, _ = session_id.partition("-")
             if sep and len(instance) == _INSTANCE_ID_CHARS and instance != self.instance_id:
-                raise ServerRestarted(
-                    "the server restarted: sessions and sequences from before are gone", session_id=session_id
-                )
+                raise ServerRestarted(session_id)
             raise UnknownSession(session_id)
         if session.tenant.name != tenant.name:
             raise PermissionDenied("the session belongs to another tenant", field="session_id", session_id=session_id)

@@ -7,9 +7,10 @@ server bug: it is logged with its traceback and leaves as INTERNAL with no detai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -43,6 +44,19 @@ def abort(context: grpc.ServicerContext, error: RadixKVError) -> None:
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
+Response = TypeVar("Response")
+
+
+@contextlib.contextmanager
+def _translated(context: grpc.ServicerContext, method: str) -> Iterator[None]:
+    try:
+        yield
+    except RadixKVError as e:
+        log.debug("refused", extra={"method": method, "reason": e.reason, **e.metadata})
+        abort(context, e)
+    except Exception:
+        log.exception("internal error", extra={"method": method})
+        abort(context, RadixKVError("internal error (logged on the server)"))
 
 
 def translating_errors(handler: Handler) -> Handler:
@@ -50,13 +64,17 @@ def translating_errors(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     def wrapper(self: object, request: object, context: grpc.ServicerContext) -> Any:
-        try:
+        with _translated(context, handler.__name__):
             return handler(self, request, context)
-        except RadixKVError as e:
-            log.debug("refused", extra={"method": handler.__name__, "reason": e.reason, **e.metadata})
-            abort(context, e)
-        except Exception:
-            log.exception("internal error", extra={"method": handler.__name__})
-            abort(context, RadixKVError("internal error (logged on the server)"))
 
     return wrapper  # type: ignore[return-value]
+
+
+def translating_stream(context: grpc.ServicerContext, method: str, responses: Iterator[Response]) -> Iterator[Response]:
+    """A response stream whose failures leave as `translating_errors`' do.
+
+    Without it an error raised while the stream runs (a limit checked when it starts, a bug) would
+    reach gRPC, which ends the call UNKNOWN with no ErrorInfo.
+    """
+    with _translated(context, method):
+        yield from responses

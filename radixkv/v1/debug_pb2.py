@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16radixkv/v1/debug.proto\x12\nradixkv.v1\"&\n\x16\x43heckInvariantsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"^\n\x17\x43heckInvariantsResponse\x12\x11\n\tviolation\x18\x01 \x01(\t\x12\x1a\n\x12num_live_sequences\x18\x02 \x01(\x04\x12\x14\n\x0cnum_sessions\x18\x03 \x01(\x04\"8\n\x15\x43hecksumBlocksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"(\n\x16\x43hecksumBlocksResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t2\xbc\x01\n\x05\x44\x65\x62ug\x12Z\n\x0f\x43heckInvariants\x12\".radixkv.v1.CheckInvariantsRequest\x1a#.radixkv.v1.CheckInvariantsResponse\x12W\n\x0e\x43hecksumBlocks\x12!.radixkv.v1.ChecksumBlocksRequest\x1a\".radixkv.v1.ChecksumBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16radixkv/v1/debug.proto\x12\nradixkv.v1\"&\n\x16\x43heckInvariantsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"y\n\x17\x43heckInvariantsResponse\x12\x11\n\tviolation\x18\x01 \x01(\t\x12\x1a\n\x12num_live_sequences\x18\x02 \x01(\x04\x12\x14\n\x0cnum_sessions\x18\x03 \x01(\x04\x12\x19\n\x11num_watch_streams\x18\x04 \x01(\x04\"8\n\x15\x43hecksumBlocksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"(\n\x16\x43hecksumBlocksResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t2\xbc\x01\n\x05\x44\x65\x62ug\x12Z\n\x0f\x43heckInvariants\x12\".radixkv.v1.CheckInvariantsRequest\x1a#.radixkv.v1.CheckInvariantsResponse\x12W\n\x0e\x43hecksumBlocks\x12!.radixkv.v1.ChecksumBlocksRequest\x1a\".radixkv.v1.ChecksumBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKINVARIANTSREQUEST']._serialized_start=38
   _globals['_CHECKINVARIANTSREQUEST']._serialized_end=76
   _globals['_CHECKINVARIANTSRESPONSE']._serialized_start=78
-  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=172
-  _globals['_CHECKSUMBLOCKSREQUEST']._serialized_start=174
-  _globals['_CHECKSUMBLOCKSREQUEST']._serialized_end=230
-  _globals['_CHECKSUMBLOCKSRESPONSE']._serialized_start=232
-  _globals['_CHECKSUMBLOCKSRESPONSE']._serialized_end=272
-  _globals['_DEBUG']._serialized_start=275
-  _globals['_DEBUG']._serialized_end=463
+  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=199
+  _globals['_CHECKSUMBLOCKSREQUEST']._serialized_start=201
+  _globals['_CHECKSUMBLOCKSREQUEST']._serialized_end=257
+  _globals['_CHECKSUMBLOCKSRESPONSE']._serialized_start=259
+  _globals['_CHECKSUMBLOCKSRESPONSE']._serialized_end=299
+  _globals['_DEBUG']._serialized_start=302
+  _globals['_DEBUG']._serialized_end=490
 # @@protoc_insertion_point(module_scope)

@@ -13,14 +13,16 @@ class CheckInvariantsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class CheckInvariantsResponse(_message.Message):
-    __slots__ = ("violation", "num_live_sequences", "num_sessions")
+    __slots__ = ("violation", "num_live_sequences", "num_sessions", "num_watch_streams")
     VIOLATION_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WATCH_STREAMS_FIELD_NUMBER: _ClassVar[int]
     violation: str
     num_live_sequences: int
     num_sessions: int
-    def __init__(self, violation: _Optional[str] = ..., num_live_sequences: _Optional[int] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    num_watch_streams: int
+    def __init__(self, violation: _Optional[str] = ..., num_live_sequences: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_watch_streams: _Optional[int] = ...) -> None: ...
 
 class ChecksumBlocksRequest(_message.Message):
     __slots__ = ("pool", "block_ids")

@@ -100,7 +100,7 @@ def append_request(
 # (name, request builder, expected code, expected reason, metadata that must be present)
 CASES: list[tuple[str, Callable[[Wire], tuple[Callable[..., object], object]], grpc.StatusCode, str, dict[str, str]]] = [
     ("unknown session", lambda w: (w.stub.OpenSequences, pb.OpenSequencesRequest(session_id="nope", prompts=[pb.Prompt(token_ids=[1])])), Code.NOT_FOUND, "UNKNOWN_SESSION", {"session_id": "nope"}),
-    ("session of an earlier server run", lambda w: (w.stub.KeepAlive, pb.KeepAliveRequest(session_id="0badcafe-" + "0" * 32)), Code.UNAVAILABLE, "SERVER_RESTARTED", {}),
+    ("session of an earlier server run", lambda w: (w.stub.KeepAlive, pb.KeepAliveRequest(session_id="0badcafe-" + "0" * 32)), Code.NOT_FOUND, "SERVER_RESTARTED", {"session_id": "0badcafe-" + "0" * 32}),
     ("unknown pool", lambda w: (w.stub.Stats, pb.StatsRequest(pool="nope")), Code.NOT_FOUND, "UNKNOWN_POOL", {"pool": "nope"}),
     ("unknown sequence", lambda w: (w.stub.AppendTokens, append_request(w, [987654], [1])), Code.NOT_FOUND, "UNKNOWN_SEQUENCE", {"seq_id": "987654"}),
     ("another session's sequence", lambda w: (w.stub.AppendTokens, append_request(w, [w.open([1, 2], session=w.other_session)], [3])), Code.PERMISSION_DENIED, "PERMISSION_DENIED", {}),
