@@ -38,7 +38,7 @@ def make_trace(total_tokens: int, seed: int = 0, *, num_system_prompts: int = 8,
     rng = np.random.default_rng(seed)
     vocab = 32000
 
-    def tokens(n: int) -> Tokens:
+    def tokens(n: int | np.integer) -> Tokens:
         return rng.integers(0, vocab, int(n), dtype=np.int32)
 
     namespaces = [f"tenant-{i}" for i in range(num_namespaces)]
