@@ -12,9 +12,6 @@ import itertools
 import re
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from radixkv.block_pool import BlockPool
 from radixkv.errors import (
     FailedPrecondition,
@@ -209,14 +206,10 @@ class KVCache:
             self.stats_counters.num_requested_tokens += num_tokens
             self.stats_counters.num_hit_tokens += num_cached
             self.stats_counters.num_opened_sequences += 1
-            results.append(OpenResult(seq.seq_id, num_cached, list(table), self._slots(table, num_cached, num_tokens)))
+            first = num_matched_blocks  # the uncached tokens start on a block boundary
+            slots = SlotPlan(self.block_size, table[first:], [0], [num_tokens - num_cached])
+            results.append(OpenResult(seq.seq_id, num_cached, list(table), slots))
         return results
-
-    def _slots(self, block_table: list[int], start: int, stop: int) -> npt.NDArray[np.int64]:
-        """Slots of token positions [start, stop): block_id * block_size + offset."""
-        bs = self.block_size
-        positions = np.arange(start, stop, dtype=np.int64)
-        return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
     @staticmethod
     def _path_blocks(node: Node, num_blocks: int) -> list[int]:

@@ -9,11 +9,41 @@ import numpy.typing as npt
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SlotPlan:
+    """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
+
+    Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
+    workers derive slots from block tables) never pays for them. Serves one sequence (an open) or
+    a batch (an append step) alike.
+    """
+
+    block_size: int
+    span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
+    span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
+    counts: list[int]
+
+    def slots(self) -> npt.NDArray[np.int64]:
+        """slot of token j = span_blocks[p_j // block_size] * block_size + p_j % block_size."""
+        bs = self.block_size
+        counts = np.asarray(self.counts, dtype=np.int64)
+        firsts = np.cumsum(counts) - counts
+        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
+        return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+
+
+@dataclasses.dataclass(slots=True)
 class OpenResult:
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
     block_table: list[int]
-    slots: npt.NDArray[np.int64]  # [num_tokens - num_cached_tokens]: where the uncached tokens' K/V go
+    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        """[num_tokens - num_cached_tokens]: where the uncached tokens' K/V go; computed on first read."""
+        if isinstance(self.slot_source, SlotPlan):
+            self.slot_source = self.slot_source.slots()
+        return self.slot_source
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,28 +59,6 @@ class AppendResult:
     block_ids: list[int]
     slots: npt.NDArray[np.int64]  # [num_appended]
     copies: list[tuple[int, int]]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlotPlan:
-    """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
-
-    Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
-    workers derive slots from block tables) never pays for them.
-    """
-
-    block_size: int
-    span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
-    span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
-    counts: list[int]
-
-    def slots(self) -> npt.NDArray[np.int64]:
-        """slot of token j = span_blocks[p_j // block_size] * block_size + p_j % block_size."""
-        bs = self.block_size
-        counts = np.asarray(self.counts, dtype=np.int64)
-        firsts = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
-        return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
 
 
 @dataclasses.dataclass(slots=True)
