@@ -131,8 +131,10 @@ class KVService:
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
         with pool.lock:
             _check_live(session)
-            for i, seq_id in enumerate(seq_ids):
-                _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
+            owners = pool.owners
+            if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # a decode step: check fast, name slowly
+                for i, seq_id in enumerate(seq_ids):
+                    _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
             if caller.max_blocks is None:
                 return pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
             block_size, tables = pool.layout.block_size, pool.num_table_blocks
