@@ -31,19 +31,27 @@ class SlotPlan:
         return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
 
 
+class _SlotsOnFirstRead:
+    """`slots` of a record that holds them as `slot_source`: the array, or the plan it follows from."""
+
+    __slots__ = ()
+    slot_source: SlotPlan | npt.NDArray[np.int64]
+
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        if isinstance(self.slot_source, SlotPlan):
+            self.slot_source = self.slot_source.slots()  # type: ignore[misc]  # the dataclass subclasses own the slot
+        return self.slot_source
+
+
 @dataclasses.dataclass(slots=True)
-class OpenResult:
+class OpenResult(_SlotsOnFirstRead):
+    """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go."""
+
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
     block_table: list[int]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
-
-    @property
-    def slots(self) -> npt.NDArray[np.int64]:
-        """[num_tokens - num_cached_tokens]: where the uncached tokens' K/V go; computed on first read."""
-        if isinstance(self.slot_source, SlotPlan):
-            self.slot_source = self.slot_source.slots()
-        return self.slot_source
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,12 +70,12 @@ class AppendResult:
 
 
 @dataclasses.dataclass(slots=True)
-class AppendBatch:
+class AppendBatch(_SlotsOnFirstRead):
     """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
 
     Sequence i's `block_table[table_offsets[i]:]` is now its run of `num_block_ids[i]` entries of
     `block_ids`. `slots` holds every appended token's slot in request order (the step's slot
-    mapping). Apply `copies` (src_block, dst_block, index of the sequence) before writing slots.
+    mapping, [total appended tokens]). Apply `copies` (src_block, dst_block, index of the sequence) before writing slots.
     """
 
     seq_ids: list[int]
@@ -78,13 +86,6 @@ class AppendBatch:
     block_ids: list[int]
     copies: list[tuple[int, int, int]]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
-
-    @property
-    def slots(self) -> npt.NDArray[np.int64]:
-        """[total appended tokens], computed on first read."""
-        if isinstance(self.slot_source, SlotPlan):
-            self.slot_source = self.slot_source.slots()
-        return self.slot_source
 
     def results(self) -> list[AppendResult]:
         """The same, one record per sequence."""
