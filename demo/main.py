@@ -22,7 +22,7 @@ from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.tokenizer import Tokenizer, load_tokenizer
 from radixkv.demo.worker import Worker
-from radixkv.layout import PoolLayout
+from radixkv.layout import PoolLayout, canonical_dtype
 
 SYSTEM_PROMPT = (
     "System: You are the radixkv demo assistant. You answer questions about serving large language models, "
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=1024, help="blocks in the server's pool (default 1024)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and pool dtype (default float32)")
+    p.add_argument(
+        "--kv-dtype", choices=[*sorted(DTYPES), "fp8"],
+        help="pool dtype, when not the model's: fp8 (e4m3, per-layer scales 1.0) holds twice the tokens per byte",
+    )
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per request (default 24)")
     p.add_argument("--samples", type=int, default=4, help="parallel samples of the sampling request (default 4)")
     p.add_argument("--beam-width", type=int, default=4, help="beams of the beam-search request (default 4)")
@@ -78,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     model = LlamaForCausalLM.from_pretrained(model_dir, DTYPES[args.dtype])
     tokenizer = load_tokenizer(model_dir, model.config)
     c = model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, args.dtype)
+    kv_dtype = canonical_dtype(args.kv_dtype or args.dtype)
+    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, kv_dtype)
     specs = demo_requests(tokenizer, args)
     print(f"model {model_dir}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv heads, head_dim {c.head_dim}")
-    print(f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {args.dtype}, in a server process")
+    print(f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {kv_dtype}, in a server process")
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
         orchestrator = Orchestrator(client, Worker(model, view, args.backend), c.eos_token_ids, on_step=lambda r: print(format_step(r)))
