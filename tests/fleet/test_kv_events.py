@@ -6,17 +6,23 @@ can place, recomputes each block's hash from `token_ids` and its parent, and rep
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from radixkv.block_hash import NONE_HASH, block_hash, wire_hash
+from radixkv.block_hash import block_hash, wire_hash
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
 
-from .conftest import BLOCK_SIZE, FleetServer, wait_until
+_spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
+assert _spec is not None and _spec.loader is not None
+fleet = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fleet)
+BLOCK_SIZE, FleetServer, wait_until = fleet.BLOCK_SIZE, fleet.FleetServer, fleet.wait_until
 
 END_SEQ = (1 << 64) - 1
 
