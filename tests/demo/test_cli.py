@@ -27,3 +27,11 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert int(rows["samples"][4]) > 0 and int(rows["turn-2"][3]) > 0  # prefix hits: the system prompt, the first turn
     assert "radixkv saves" in out
     assert "0 live sequences" in out
+
+
+def test_demo_runs_with_an_fp8_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model-dir", str(tmp_path / "tiny-llama"), "--max-new-tokens", "4", "--samples", "2", "--beam-width", "2"]
+    assert main([*argv, "--backend", "torch", "--kv-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "of float8_e4m3fn, in a server process" in out
+    assert "0 live sequences" in out and "radixkv saves" in out
