@@ -106,7 +106,7 @@ def _gguf_shape(path: str) -> ModelShape:
     try:
         import gguf
     except ImportError:
-        raise ValueError("--model: reading a GGUF file needs the gguf package (pip install gguf)") from None
+        raise ValueError("--model: reading a GGUF file needs the gguf package: pip install 'radixkv[server]'") from None
     try:
         fields = gguf.GGUFReader(path).fields
     except (OSError, ValueError) as e:

@@ -83,12 +83,8 @@ def parse_bytes(text: str) -> int:
     """'80GiB' (2^30), '80GB' (10^9, as SI and disk vendors write it), '512MiB', '1e9' -> bytes."""
     units = {"tib": 2**40, "tb": 10**12, "gib": GIB, "gb": GB, "mib": MIB, "mb": 10**6, "kib": 1024, "kb": 1000, "b": 1}
     cleaned = text.strip().lower().replace(" ", "")
-    for unit, factor in units.items():
-        if cleaned.endswith(unit):
-            number = cleaned[: -len(unit)]
-            break
-    else:
-        number, factor = cleaned, 1
+    unit = next((u for u in units if cleaned.endswith(u)), "")
+    number, factor = cleaned[: len(cleaned) - len(unit)], units.get(unit, 1)
     try:
         value = float(number) * factor
     except ValueError:
