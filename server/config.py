@@ -52,8 +52,17 @@ class PoolConfig:
     memory_fraction: float | None = None  # of the device's free memory, as vLLM's --gpu-memory-utilization
     reserved_bytes: int = 0  # kept free of KV (the worker's weights and activations), off memory_fraction's budget
     limits: Limits = Limits()
+    # vLLM's KV-events stream for this pool (ZMQ PUB, and ROUTER for replay); None: not published.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # e.g. kv@<ip:port>@<model>, as llm-d's precise prefix-cache scorer expects
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(f"pool {self.name!r}: kv_events_buffer_steps must be >= 1")
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
         if len(sizes) != 1:
             raise ValueError(
@@ -153,20 +162,25 @@ POOL_KEYS: dict[str, str] = {
     "max_fork_children": "children one fork may create",
     "max_namespaces": "namespaces the pool's prefix tree holds at once",
     "max_pinned_fraction": "fraction of the pool pins may keep resident",
+    "kv_events_endpoint": "ZMQ PUB endpoint for vLLM's KV events (e.g. tcp://*:5557)",
+    "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
+    "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
+    "kv_events_buffer_steps": "event batches kept for replay",
 }
 _DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
 _ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]
 _REQUIRED = [k for k in _ALL_KEYS if _DEFAULTS[k] is dataclasses.MISSING]
-_FLOAT_KEYS = {"memory_fraction", "max_pinned_fraction"}
-_TEXT_KEYS = {"dtype", "device"}
+_TYPES = {f.name: str(f.type) for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
+_TEXT_KEYS = {k for k, t in _TYPES.items() if "str" in t}
+_FLOAT_KEYS = {k for k, t in _TYPES.items() if "float" in t}
 
 
 def pool_keys_help() -> str:
     """The --help table of pool keys: name, default, meaning."""
     rows = []
     for key in _ALL_KEYS:
-        meaning, default = POOL_KEYS.get(key, "a limit of the core (radixkv.Limits)"), _DEFAULTS[key]
-        shown = "required" if default is dataclasses.MISSING else "unset" if default is None else str(default)
+        meaning, default = POOL_KEYS.get(key, "see PoolConfig and radixkv.Limits"), _DEFAULTS[key]
+        shown = "required" if default is dataclasses.MISSING else "unset" if default is None else str(default) or '""'
         rows.append(f"  {key:<24} {shown:<10} {meaning}")
     return "pool keys (--pool NAME:key=val,... or a [pools.NAME] table):\n  key                      default\n" + "\n".join(rows)
 

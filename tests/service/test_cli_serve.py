@@ -26,7 +26,7 @@ def test_help_lists_every_pool_key_with_its_default(capsys):
     out = capsys.readouterr().out
     keys = [f for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name not in ("name", "limits")]
     for field in keys:
-        default = "required" if field.default is dataclasses.MISSING else "unset" if field.default is None else str(field.default)
+        default = "required" if field.default is dataclasses.MISSING else "unset" if field.default is None else str(field.default) or '""'
         line = next((line for line in out.splitlines() if line.split()[:1] == [field.name]), None)
         assert line is not None, f"--help does not list pool key {field.name}"
         assert line.split()[1] == default and len(line.split()) > 2, f"{field.name}: default and meaning: {line!r}"
