@@ -16,6 +16,7 @@ from radixkv.kernels.paged_decode_attention import (
     paged_decode_attention_reference,
     plan_decode,
 )
+from radixkv.kernels.step_tensors import StepTensors, step_tensors
 from radixkv.kernels.store_kv import quantize_fp8, store_kv, store_kv_reference
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "paged_decode_attention_reference",
     "plan_decode",
     "quantize_fp8",
+    "step_tensors",
+    "StepTensors",
     "store_kv",
     "store_kv_reference",
 ]
