@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean proto-baseline
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,3 +27,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# After a release: the image `buf breaking` compares the wire contract against (tests/service/test_wire.py).
+proto-baseline: $(STAMP)
+	cd proto && ../$(BIN)/buf build --exclude-source-info -o baseline/radixkv-v0.1.binpb

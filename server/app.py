@@ -11,6 +11,7 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -157,7 +158,13 @@ def serve(config: ServerConfig) -> None:
             "tls": config.tls_cert is not None,
         },
     )
-    print(json.dumps({"event": "serving", "port": port, "metrics_port": server.metrics_port}), flush=True)
+    kv_events = {
+        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        for name, pool in server.service.pools.items()
+        if pool.kv_publisher is not None
+    }
+    announcement = {"event": "serving", "port": port, "metrics_port": server.metrics_port, "kv_events": kv_events}
+    print(json.dumps(announcement), flush=True)
     while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits
         pass
     log.info("stopping", extra={"grace_seconds": config.grace_seconds})
@@ -204,6 +211,15 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         "--max-watch-streams", type=int, help="open WatchEvents streams, server-wide; below --max-workers (default: half of them)"
     )
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
+    parser.add_argument(
+        "--kv-events-endpoint",
+        metavar="ENDPOINT",
+        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
+    )
+    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
+    parser.add_argument(
+        "--kv-events-replay-endpoint", metavar="ENDPOINT", help="ROUTER socket answering replay requests, e.g. tcp://*:5558"
+    )
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = parser.parse_args(args)
@@ -211,11 +227,21 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     if ns.auth_tokens:
         data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
     overrides = {
-        k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "pool", "auth_tokens", "log_level")
+        k: v
+        for k, v in vars(ns).items()
+        if v is not None and k not in ("config", "pool", "auth_tokens", "log_level") and not k.startswith("kv_events")
     }
     flagged = [parse_pool_flag(flag) for flag in ns.pool]
     from_file = [pool_from_mapping(name, values) for name, values in data.get("pools", {}).items()]
     pools = (*[p for p in from_file if p.name not in {f.name for f in flagged}], *flagged)
+    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
+    if kv_events:
+        if len(pools) != 1:
+            raise ValueError(
+                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
+                "set kv_events_endpoint in each [pools.NAME] table instead"
+            )
+        pools = (dataclasses.replace(pools[0], **kv_events),)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
 

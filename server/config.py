@@ -48,8 +48,17 @@ class PoolConfig:
     memory_bytes: int | None = None
     memory_fraction: float | None = None  # of the device's free memory, as vLLM's --gpu-memory-utilization
     limits: Limits = Limits()
+    # vLLM's KV-events stream for this pool (ZMQ PUB, and ROUTER for replay); None: not published.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # e.g. kv@<ip:port>@<model>, as llm-d's precise prefix-cache scorer expects
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(f"pool {self.name!r}: kv_events_buffer_steps must be >= 1")
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
         if len(sizes) != 1:
             raise ValueError(
