@@ -56,7 +56,7 @@ class Admission:
             num_new = len(tokens) - max(cached, 0)
             num_blocks = -(-len(tokens) // self.block_size) - cached // self.block_size
             alone = not chosen and num_decodes == 0  # nothing else runs: admit it whatever it costs
-            if not alone and (num_new > budget or num_blocks > headroom):
+            if not alone and (num_new > budget or num_blocks + 1 > headroom):
                 break
             chosen.append(i)
             budget -= num_new

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--backend", choices=["torch", "triton"], help="kernel backend (default: Triton on CUDA, torch on CPU)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the server process shares the CPU, and "
+                   "contended threads cost more than they give)")
     p.add_argument("--plot", metavar="FILE.png", help="draw blocks in use per step, three ways")
     return p
 
@@ -91,8 +92,7 @@ def format_answers(chat: ChatModel, specs: list[RequestSpec], results: list[Requ
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
         chat = load_chat_model(args.model, DTYPES[args.dtype], args.model_dir)

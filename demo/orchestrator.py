@@ -126,6 +126,7 @@ class Orchestrator:
         self._waiting: list[_Request] = []
         self._live: list[_Request] = []
         self._to_cache: list[int] = []  # sequences to publish once this step's appends commit their prompt
+        self._num_preempted = 0  # in the current step
 
     def run(self, specs: list[RequestSpec]) -> list[RequestResult]:
         """Run every request to completion: all arrive now, a follow-up when its turn before finishes.
@@ -144,7 +145,7 @@ class Orchestrator:
         copies: list[tuple[int, int]] = []
         while self._waiting or self._live:
             started = time.perf_counter()
-            num_preempted_before = sum(r.result.num_preemptions for r in self._waiting + self._live)
+            self._num_preempted = 0
             admitted = self._admit()
             num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
             decoding = [(r, s) for r in self._live for s in r.seqs]
@@ -168,8 +169,7 @@ class Orchestrator:
                     done[request.spec.name] = request.result
                     self._waiting += [self._arrive(s, request.result.prompt + self._answer(request)) for s in later if s.follows == request.spec.name]
             self._live = [r for r in self._live if r.seqs]
-            num_preempted = sum(r.result.num_preemptions for r in self._waiting + self._live) - num_preempted_before
-            self._record(admitted, num_prefill_tokens, len(decoding), len(copies), num_preempted, time.perf_counter() - started)
+            self._record(admitted, num_prefill_tokens, len(decoding), len(copies), time.perf_counter() - started)
         return [done[s.name] for s in specs]
 
     # -- admission -------------------------------------------------------------------------------
@@ -353,11 +353,12 @@ class Orchestrator:
         victim.seqs, victim.preempted = [], True
         victim.context = victim.result.prompt + victim.result.outputs[0]
         victim.result.num_preemptions += 1
+        self._num_preempted += 1
         self._waiting.insert(0, victim)
         return victim
 
     def _record(
-        self, admitted: list[_Request], num_prefill_tokens: int, num_decodes: int, num_copies: int, num_preempted: int, seconds: float
+        self, admitted: list[_Request], num_prefill_tokens: int, num_decodes: int, num_copies: int, seconds: float
     ) -> None:
         bs = self.block_size
         seqs = [(r, s) for r in self._live for s in r.seqs]
@@ -372,7 +373,7 @@ class Orchestrator:
             num_decodes=num_decodes,
             num_live_seqs=len(seqs),
             num_waiting=len(self._waiting),
-            num_preempted=num_preempted,
+            num_preempted=self._num_preempted,
             num_copies=num_copies,
             seconds=seconds,
             blocks_radixkv=self.client.stats().num_blocks_in_use,
