@@ -82,6 +82,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
         layout = layout_for_memory(
             num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
             dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
+            reserved_bytes=c.reserved_bytes,
         )  # fmt: skip
     storage = KVStorage.create(layout, config.device)
     pool = Pool(config.name, storage, config.limits, watch_queue_size)

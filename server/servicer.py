@@ -32,6 +32,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+        if request.pool:
+            self._service.pool(request.pool)  # raises UnknownPool before a session exists
         session = self._service.open_session(current_caller(), request.ttl_seconds)
         return pb.OpenSessionResponse(session_id=session.session_id, ttl_seconds=session.ttl)
 

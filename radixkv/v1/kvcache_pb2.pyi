@@ -17,10 +17,12 @@ KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("ttl_seconds",)
+    __slots__ = ("ttl_seconds", "pool")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
-    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, ttl_seconds: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "ttl_seconds")
