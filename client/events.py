@@ -36,6 +36,22 @@ class KVEvent:
     snapshot: bool  # part of the snapshot the stream started with
 
 
+def kv_events(response: pb.WatchEventsResponse) -> list[KVEvent]:
+    """The events of one WatchEvents response."""
+    return [
+        KVEvent(
+            e.sequence_number,
+            e.namespace,
+            KVEventKind(e.kind),
+            list(e.block_ids),
+            list(e.token_ids),
+            e.parent_block_id if e.HasField("parent_block_id") else None,
+            response.snapshot,
+        )
+        for e in response.events
+    ]
+
+
 class EventStream:
     """An open WatchEvents stream: iterate it for events; `cancel()` (or leaving `with`) ends it."""
 
@@ -45,17 +61,7 @@ class EventStream:
     def __iter__(self) -> Iterator[KVEvent]:
         try:
             for response in self._call:  # type: ignore[attr-defined]
-                for e in response.events:
-                    parent = e.parent_block_id if e.HasField("parent_block_id") else None
-                    yield KVEvent(
-                        e.sequence_number,
-                        e.namespace,
-                        KVEventKind(e.kind),
-                        list(e.block_ids),
-                        list(e.token_ids),
-                        parent,
-                        response.snapshot,
-                    )
+                yield from kv_events(response)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
                 return

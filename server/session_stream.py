@@ -64,8 +64,13 @@ class SessionStreams:
                 raise LimitExceeded("max_session_streams", self._num_open + 1, self.max_streams)
             self._num_open += 1
         stream = _Stream(service, caller)
+        incoming = iter(requests)
         try:
-            for request in requests:
+            while True:
+                try:
+                    request = next(incoming)
+                except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
+                    return
                 start = time.perf_counter()
                 response, pool = stream.answer(request)
                 code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
@@ -101,7 +106,8 @@ class _Stream:
             result = run_step(self._service, self._caller, session, request.pool, _step(request))
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
-            return pb.SessionResponse(request_id=request.request_id, error=_step_error(e)), request.pool
+            bound = self._session.session_id if self._session is not None else ""
+            return pb.SessionResponse(request_id=request.request_id, session_id=bound, error=_step_error(e)), request.pool
         return _response(request.request_id, session.session_id, result), request.pool
 
     def _bind(self, session_id: str) -> Session:
