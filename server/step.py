@@ -75,11 +75,15 @@ class _StepPlan:
     def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
         pool, cache, bs = self.pool, self.pool.cache, self.pool.layout.block_size
         num_taken = 0  # available blocks the opens take before the append runs
+        # The core checks an item when it is applied; an item that others follow is checked now,
+        # so that the first item refused in order is the one reported. A step of one item (a
+        # decode step) is checked once.
+        after_append = bool(step.forks or step.caches or step.releases)
         if requests:
             with _item("opens"):
                 self._add_sequences(len(requests))
                 self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
-                if step.append is not None:  # else open_many is the first call applied and checks itself
+                if step.append is not None or after_append:
                     num_taken = cache.check_open(requests)
         if step.append is not None:
             with _item("append"):
@@ -92,7 +96,7 @@ class _StepPlan:
                         growth += max(0, after - pool.num_table_blocks[s])
                         self.table_blocks[s] = max(after, pool.num_table_blocks[s])
                     self._charge(growth)
-                if requests:  # else append_batch is the first call applied and checks itself
+                if requests or after_append:
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
             with _item(f"forks[{i}]"):
@@ -139,7 +143,7 @@ class _StepPlan:
 def _apply(
     service: KVService, pool: Pool, session: Session, step: Step, requests: list[tuple[TokenIds, str]]
 ) -> StepResult:
-    """Apply a checked step. Only the first call applied may still refuse (it checks itself)."""
+    """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
     cache, quota = pool.cache, session.tenant.max_blocks is not None
     applied = False
 
