@@ -24,7 +24,7 @@ import grpc.aio
 
 from radixkv.client import messages as m
 from radixkv.client.errors import error_from_rpc
-from radixkv.client.events import KVEvent, kv_events
+from radixkv.client.events import KVEvent, event_batch
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
@@ -273,7 +273,7 @@ class AsyncRadixKVClient:
         call = self._stub.WatchEvents(request, metadata=self._metadata)
         try:
             async for response in call:
-                for event in kv_events(response):
+                for event in event_batch(response).events:
                     yield event
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
