@@ -10,13 +10,14 @@ unauthenticated caller first. Reflection, the one streaming-request service, kee
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from radixkv.errors import InvalidArgument
+from radixkv.server.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import abort
 
 
@@ -29,46 +30,31 @@ class Undecodable:
         self.error = error
 
 
-class DecodingInterceptor(grpc.ServerInterceptor):
+class DecodingInterceptor(WrappingInterceptor):
     """Swaps each unary-request method's deserializer for one that turns a parse failure into `Undecodable`."""
 
-    def __init__(self) -> None:
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+    def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
+        if handler.request_deserializer is None or handler.request_streaming:
+            return None
+        return method_of(details)
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method: str = details.method  # type: ignore[attr-defined]
-        if handler is None or handler.request_deserializer is None or handler.request_streaming:
-            return handler
-        cached = self._handlers.get(method)
-        if cached is None or cached[0] is not handler:  # registered handlers are built once: wrap each once
-            cached = self._handlers[method] = (handler, _tolerant(handler, method))
-        return cached[1]
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+        method = method_of(details)
+        parse = handler.request_deserializer
+        assert parse is not None
 
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except (DecodeError, ValueError) as e:  # ValueError: a string field that is not UTF-8, on some runtimes
+                return Undecodable(str(e) or type(e).__name__)
 
-def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-    assert parse is not None
+        def refusing(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, Undecodable):
+                    abort(context, InvalidArgument("request", f"not a valid {method} request: {request.error}"))
+                return behaviour(request, context)
 
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except (DecodeError, ValueError) as e:  # ValueError: a string field that is not UTF-8, on some runtimes
-            return Undecodable(str(e) or type(e).__name__)
+            return call
 
-    def refusing(behaviour: Callable[..., Any]) -> Callable[..., Any]:
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, Undecodable):
-                abort(context, InvalidArgument("request", f"not a valid {method} request: {request.error}"))
-            return behaviour(request, context)
-
-        return call
-
-    if handler.unary_unary is not None:
-        return handler._replace(request_deserializer=deserialize, unary_unary=refusing(handler.unary_unary))  # type: ignore[attr-defined]
-    assert handler.unary_stream is not None, f"{method}: a unary request, yet no unary behaviour"
-    return handler._replace(request_deserializer=deserialize, unary_stream=refusing(handler.unary_stream))  # type: ignore[attr-defined]
+        return wrap_handler(handler, refusing, deserialize)
