@@ -114,13 +114,14 @@ class ServerConfig:
     max_sequences_per_session: int = 4096
     max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
     max_sequences: int = 1 << 18  # live sequences per pool, all sessions together
-    # Every long-lived stream (WatchEvents, health Watch, reflection) holds an RPC thread while open,
-    # so streams are bounded below max_workers (None: half of them), per connection (None: half of
-    # max_streams), and for the calls that need no token (None: a quarter of max_streams).
+    # Every long-lived stream (Session, WatchEvents, health Watch, reflection) holds an RPC thread
+    # while open, so streams are bounded below max_workers (None: half of them), per connection
+    # (None: half of max_streams), and for the calls that need no token (None: a quarter).
     max_streams: int | None = None
     max_streams_per_peer: int | None = None
     max_public_streams: int | None = None
     max_watch_streams: int | None = None  # WatchEvents streams, server-wide; None: max_streams
+    max_session_streams: int | None = None  # Session streams, server-wide; None: max_streams
     # None: what the largest max_tokens_per_request needs (its request and its response, see sizes.py).
     max_message_bytes: int | None = None
     max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
@@ -155,6 +156,7 @@ class ServerConfig:
             ("max_streams_per_peer", max(1, self.max_streams // 2)),
             ("max_public_streams", max(1, self.max_streams // 4)),
             ("max_watch_streams", self.max_streams),
+            ("max_session_streams", self.max_streams),
         ):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, min(default, self.max_streams))

@@ -5,7 +5,8 @@ request!") with no ErrorInfo, which reads as a server bug and which the client c
 exception class. `DecodingInterceptor` gives every unary-request method (radixkv's, health's) a
 deserializer that never raises: bytes that do not parse become an `Undecodable`, which the handler
 refuses before any other work. It is the innermost interceptor, so authentication still refuses an
-unauthenticated caller first. Reflection, the one streaming-request service, keeps gRPC's handling.
+unauthenticated caller first. radixkv's request-streaming methods (the Session stream) get the same
+deserializer and answer an `Undecodable` message themselves, in-band; reflection keeps gRPC's handling.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from radixkv.errors import InvalidArgument
 from radixkv.server.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import abort
 
+RADIXKV_METHOD_PREFIX = "/radixkv."
+
 
 class Undecodable:
     """A request that did not parse as its method's message."""
@@ -31,11 +34,17 @@ class Undecodable:
 
 
 class DecodingInterceptor(WrappingInterceptor):
-    """Swaps each unary-request method's deserializer for one that turns a parse failure into `Undecodable`."""
+    """Swaps each method's deserializer for one that turns a parse failure into `Undecodable`.
+
+    A unary request is then refused before the handler runs; radixkv's request streams (Session)
+    get the `Undecodable` as one of their messages and answer it themselves, keeping the stream open.
+    """
 
     def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
-        if handler.request_deserializer is None or handler.request_streaming:
+        if handler.request_deserializer is None:
             return None
+        if handler.request_streaming and not method_of(details).startswith(RADIXKV_METHOD_PREFIX):
+            return None  # reflection keeps gRPC's handling
         return method_of(details)
 
     def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
@@ -50,6 +59,9 @@ class DecodingInterceptor(WrappingInterceptor):
                 return Undecodable(str(e) or type(e).__name__)
 
         def refusing(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+            if handler.request_streaming:
+                return behaviour  # the handler answers each Undecodable message itself
+
             def call(request: Any, context: grpc.ServicerContext) -> Any:
                 if isinstance(request, Undecodable):
                     abort(context, InvalidArgument("request", f"not a valid {method} request: {request.error}"))

@@ -145,8 +145,8 @@ class KVService:
                 if not requests:
                     return []
                 ledger = pool.ledger
-                self._check_num_sequences(pool, session, len(requests))
-                self._check_namespaces(pool, caller, {ns for _, ns in requests})
+                self.check_num_sequences(pool, session, len(requests))
+                self.check_namespaces(pool, caller, {ns for _, ns in requests})
                 ledger.check_quota(caller, sum(ledger.blocks_for(len(t) // TOKEN_BYTES) for t, _ in requests))
                 results = pool.cache.open_many(requests)
                 for result in results:
@@ -203,7 +203,7 @@ class KVService:
             def apply() -> list[int]:
                 ledger = pool.ledger
                 ledger.check_owner(session, seq_id)
-                self._check_num_sequences(pool, session, num_children)
+                self.check_num_sequences(pool, session, num_children)
                 num_blocks = ledger.num_table_blocks(seq_id)
                 ledger.check_quota(caller, max(num_children, 0) * num_blocks)
                 children = pool.cache.fork(seq_id, num_children)
@@ -345,7 +345,7 @@ class KVService:
 
     # -- limits (under pool.lock) ------------------------------------------------------------------
 
-    def _check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
+    def check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
         ledger = pool.ledger
         held = ledger.num_sequences(session)
         if held + num_new > self._max_sequences:
@@ -358,7 +358,7 @@ class KVService:
         if held + num_new > self._max_pool_sequences:
             raise LimitExceeded("max_sequences", held + num_new, self._max_pool_sequences)
 
-    def _check_namespaces(self, pool: Pool, caller: Tenant, namespaces: set[str]) -> None:
+    def check_namespaces(self, pool: Pool, caller: Tenant, namespaces: set[str]) -> None:
         """The tenant's share of the pool's namespaces: those it has cached or holds, plus these new ones."""
         if self.shares.num_tenants <= 1:
             return  # one tenant: the core's max_namespaces is its share
