@@ -230,7 +230,8 @@ class DecodePlan:
     """One decode step's launch decisions and scratch, made on the host once and shared by every layer's call.
 
     `num_splits * split_len` need not cover the longest sequence (the last split runs to the end), so a
-    plan made from stale or assumed lengths costs speed, never correctness.
+    plan made from stale or assumed lengths costs speed, never correctness. Every call reuses the scratch:
+    calls sharing a plan run in order on one stream, as a model's layers do.
     """
 
     num_seqs: int
