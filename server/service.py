@@ -157,6 +157,7 @@ class KVService:
             num_blocks = pool.num_table_blocks.get(seq_id, 0)
             if caller.max_blocks is not None:
                 self._check_quota(pool, caller, max(num_children, 0) * num_blocks)
+            _commit_whole(pool, [seq_id])
             children = pool.cache.fork(seq_id, num_children)
             for child in children:
                 self._adopt(pool, session, child, num_blocks)
@@ -167,6 +168,7 @@ class KVService:
         with pool.lock:
             _check_live(session)
             _check_owner(pool, session, seq_id, "seq_id")
+            _commit_whole(pool, [seq_id])
             return pool.cache.cache(seq_id)
 
     def release(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], cache: bool) -> int:
@@ -175,6 +177,8 @@ class KVService:
             _check_live(session)
             for i, seq_id in enumerate(seq_ids):
                 _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
+            if cache:
+                _commit_whole(pool, seq_ids)
             pool.cache.release_many(seq_ids, cache)
             for seq_id in seq_ids:
                 self._forget(pool, session, seq_id)
@@ -323,6 +327,12 @@ class KVService:
         num_blocks = pool.num_table_blocks.pop(seq_id, None)
         if num_blocks is not None:
             pool.tenant_blocks[session.tenant.name] -= num_blocks
+
+
+def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
+    """Until the wire carries `commit` (issue 19), a client's fork, cache and cached release vouch
+    for every token it appended, as they did before the core kept a computed watermark."""
+    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])
 
 
 def _check_live(session: Session) -> None:
