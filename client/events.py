@@ -34,6 +34,36 @@ class KVEvent:
     token_ids: list[int]  # BLOCKS_STORED: block_size tokens per block
     parent_block_id: int | None  # BLOCKS_STORED: the block before these; None at the namespace's root
     snapshot: bool  # part of the snapshot the stream started with
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # content hashes (low 64 bits), beside block_ids
+    parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before these; None at the root
+    epoch: int = 0  # the server's incarnation: a new value means it restarted (rebuild, do not patch)
+    seq: int = 0  # pool-wide event count up to the end of the response this event came in
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One WatchEvents response: the server's epoch, the pool-wide event count, and its events."""
+
+    epoch: int
+    seq: int
+    snapshot: bool
+    events: list[KVEvent]
+
+
+def _event(e: pb.KVEvent, response: pb.WatchEventsResponse) -> KVEvent:
+    return KVEvent(
+        e.sequence_number,
+        e.namespace,
+        KVEventKind(e.kind),
+        list(e.block_ids),
+        list(e.token_ids),
+        e.parent_block_id if e.HasField("parent_block_id") else None,
+        response.snapshot,
+        list(e.block_hashes),
+        e.parent_block_hash if e.HasField("parent_block_hash") else None,
+        response.epoch,
+        response.seq,
+    )
 
 
 class EventStream:
@@ -43,19 +73,19 @@ class EventStream:
         self._call = call
 
     def __iter__(self) -> Iterator[KVEvent]:
+        for batch in self.batches():
+            yield from batch.events
+
+    def batches(self) -> Iterator[EventBatch]:
+        """One batch per response, empty ones included (an empty snapshot still names the epoch)."""
         try:
             for response in self._call:  # type: ignore[attr-defined]
-                for e in response.events:
-                    parent = e.parent_block_id if e.HasField("parent_block_id") else None
-                    yield KVEvent(
-                        e.sequence_number,
-                        e.namespace,
-                        KVEventKind(e.kind),
-                        list(e.block_ids),
-                        list(e.token_ids),
-                        parent,
-                        response.snapshot,
-                    )
+                yield EventBatch(
+                    response.epoch,
+                    response.seq,
+                    response.snapshot,
+                    [_event(e, response) for e in response.events],
+                )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
                 return

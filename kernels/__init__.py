@@ -8,6 +8,7 @@ tests exercise them without a GPU). Every public function takes `backend="triton
 from radixkv.kernels.copy_blocks import copy_blocks, copy_blocks_reference
 from radixkv.kernels.decode_reference import paged_decode_attention_reference
 from radixkv.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from radixkv.kernels.step_tensors import StepTensors, step_tensors
 from radixkv.kernels.store_kv import store_kv, store_kv_reference
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "copy_blocks_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "step_tensors",
+    "StepTensors",
     "store_kv",
     "store_kv_reference",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -30,20 +33,29 @@ def _copy_blocks_kernel(
     tl.store(kv_data_ptr + base + dst * stride_block + offs, data, mask=mask)
 
 
-def copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, *, backend: str | None = None, validate: bool = True) -> None:
+def copy_blocks(
+    kv_data: torch.Tensor,
+    pairs: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
+    *,
+    backend: str | None = None,
+    validate: bool = True,
+) -> None:
     """Copy block `src` onto block `dst` for each row of `pairs`, in every layer's K and V, in place.
 
     Args:
         kv_data: the whole pool `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; each
             block's `[block_size, num_kv_heads, head_dim]` must be contiguous (as `KVStorage.data` is).
-        pairs: int64 `[num_pairs, 2]` of `(src_block, dst_block)`. Destinations must be distinct and not
-            also sources, so the result does not depend on the order programs run in.
+        pairs: int64 `[num_pairs, 2]` of `(src_block, dst_block)`, or what the core returns as it is:
+            `AppendBatch.copies` (`(src, dst, sequence_index)` triples), `AppendResult.copies`, a numpy
+            `StepArrays.copies`. Destinations must be distinct and not also sources, so the result does
+            not depend on the order programs run in.
         backend: "triton" or "torch" to force one; None picks (see `radixkv.kernels.backend`).
         validate: False skips the checks that read `pairs` (a device sync on CUDA).
 
     Raises:
         ValueError: a malformed argument (the message starts with its name), or a block id out of range.
     """
+    pairs = _as_pairs(pairs, kv_data)
     _check_copy_blocks(kv_data, pairs, validate)
     if pairs.shape[0] == 0:
         return
@@ -65,6 +77,22 @@ def copy_blocks_reference(kv_data: torch.Tensor, pairs: torch.Tensor) -> None:
     """The torch version of `copy_blocks` (no argument checks): gather every source, then scatter."""
     src, dst = pairs[:, 0], pairs[:, 1]  # [num_pairs] each
     kv_data[:, :, dst] = kv_data[:, :, src]
+
+
+def _as_pairs(pairs: object, kv_data: object) -> torch.Tensor:
+    """A tensor as it is (the checks judge it); the core's lists and numpy arrays as int64 `[n, 2]` on the pool's device."""
+    if isinstance(pairs, torch.Tensor):
+        return pairs
+    device = kv_data.device if isinstance(kv_data, torch.Tensor) else "cpu"
+    if isinstance(pairs, np.ndarray):
+        if pairs.dtype != np.int64:
+            raise ValueError(f"pairs: expected an int64 array, got {pairs.dtype}")
+        return torch.from_numpy(pairs).to(device)
+    if not isinstance(pairs, Sequence) or any(
+        not isinstance(p, Sequence) or len(p) not in (2, 3) or not all(isinstance(b, int) for b in p) for p in pairs
+    ):
+        raise ValueError("pairs: expected an int64 tensor [n, 2], or (src, dst) pairs / (src, dst, index) triples of ints")
+    return torch.tensor([(p[0], p[1]) for p in pairs], dtype=torch.int64, device=device).reshape(-1, 2)
 
 
 def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: bool) -> None:

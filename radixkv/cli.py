@@ -7,17 +7,19 @@ import sys
 import time
 
 from radixkv.kv_cache import KVCache
-from radixkv.plan import MODEL_SHAPES, ModelShape, format_plan, parse_bytes, plan_capacity
+from radixkv.layout import DTYPE_BYTES
+from radixkv.model_shape import MODEL_SHAPES, ModelShape, resolve_model
+from radixkv.plan import format_plan, parse_bytes, plan_capacity
 from radixkv.workload import make_trace, replay, working_set
 
 
 def _plan(args: argparse.Namespace) -> int:
     if args.model:
-        shape = MODEL_SHAPES[args.model]
+        name, shape = resolve_model(args.model)
     elif None not in (args.layers, args.kv_heads, args.head_dim):
-        shape = ModelShape(args.layers, args.kv_heads, args.head_dim)
+        name, shape = "(given)", ModelShape(args.layers, args.kv_heads, args.head_dim)
     else:
-        print("radixkv plan: give --model or all of --layers --kv-heads --head-dim", file=sys.stderr)
+        print("radixkv plan: give --model NAME|PATH or all of --layers --kv-heads --head-dim", file=sys.stderr)
         return 2
     plan = plan_capacity(
         shape,
@@ -28,7 +30,7 @@ def _plan(args: argparse.Namespace) -> int:
         context_len=args.context,
         dtype=args.dtype,
     )
-    print(format_plan(args.model or f"{shape.num_layers}L x {shape.num_kv_heads} kv heads x {shape.head_dim}", plan))
+    print(format_plan(name, plan, device=args.device))
     return 0
 
 
@@ -72,16 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="generate with a small model through the service (see radixkv demo --help)")
 
     plan = sub.add_parser("plan", help="capacity arithmetic: blocks, tokens and sequences that fit")
-    plan.add_argument("--model", choices=sorted(MODEL_SHAPES))
-    plan.add_argument("--layers", type=int)
+    plan.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help=f"a Hugging Face directory (config.json), a .gguf file, or one of: {', '.join(MODEL_SHAPES)}",
+    )
+    plan.add_argument("--layers", type=int, help="with --kv-heads and --head-dim: a shape instead of --model")
     plan.add_argument("--kv-heads", type=int)
     plan.add_argument("--head-dim", type=int)
-    plan.add_argument("--dtype", default="float16")
-    plan.add_argument("--gpu-memory", default="80GiB", help="device memory, all GPUs together (e.g. 320GiB)")
-    plan.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
-    plan.add_argument("--weights", default="0", help="memory taken by the weights (e.g. 16GiB)")
-    plan.add_argument("--block-size", type=int, default=16)
-    plan.add_argument("--context", type=int, default=4096, help="context length for the per-sequence figures")
+    plan.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="KV cache dtype (default: %(default)s)")
+    plan.add_argument(
+        "--gpu-memory",
+        default="80GiB",
+        help="device memory, all GPUs together; GiB = 2^30 bytes, GB = 10^9 (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--utilization", type=float, default=0.9, help="fraction of device memory for weights + KV (default: %(default)s)"
+    )
+    plan.add_argument("--weights", default="0", help="memory taken by the weights, e.g. 16GiB (default: %(default)s)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
+    plan.add_argument("--context", type=int, default=4096, help="context length for the per-sequence figures (default: %(default)s)")
+    plan.add_argument("--device", default="cuda", help="device of the printed --pool string (default: %(default)s)")
     plan.set_defaults(run=_plan)
 
     simulate = sub.add_parser("simulate", help="replay a synthetic serving trace through the core and report")

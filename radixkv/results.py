@@ -7,6 +7,8 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotPlan:
@@ -53,6 +55,10 @@ class OpenResult(_SlotsOnFirstRead):
     block_table: list[int]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
 
+    def step_arrays(self) -> StepArrays:
+        """This sequence's prefill for the worker (`StepArrays.from_opens` for a batch)."""
+        return StepArrays.from_opens([self])
+
 
 @dataclasses.dataclass(slots=True)
 class AppendResult(_SlotsOnFirstRead):
@@ -86,6 +92,14 @@ class AppendBatch(_SlotsOnFirstRead):
     block_ids: list[int]
     copies: list[tuple[int, int, int]]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+
+    def copy_pairs(self) -> npt.NDArray[np.int64]:
+        """`copies` as int64 `[n, 2]` (src_block, dst_block): `copy_blocks`' `pairs`."""
+        return copy_pairs(self.copies)
+
+    def step_arrays(self, block_table: BlockTableOf) -> StepArrays:
+        """The step for the worker: slots, copy pairs, padded tables and lengths (see `StepArrays.from_append`)."""
+        return StepArrays.from_append(self, block_table)
 
     def results(self) -> list[AppendResult]:
         """The same, one record per sequence."""

@@ -11,6 +11,7 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -23,13 +24,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from radixkv.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (
+    CPU_DEFAULT_POOL_BYTES,
+    DEFAULT_MEMORY_FRACTION,
+    DEFAULT_RESERVED_BYTES,
     ServerConfig,
     config_from_mapping,
+    default_pool,
     load_toml,
     parse_pool_flag,
     pool_from_mapping,
+    pool_keys_help,
 )
 from radixkv.server.debug import DebugServicer
 from radixkv.server.decoding import DecodingInterceptor
@@ -157,7 +164,13 @@ def serve(config: ServerConfig) -> None:
             "tls": config.tls_cert is not None,
         },
     )
-    print(json.dumps({"event": "serving", "port": port, "metrics_port": server.metrics_port}), flush=True)
+    kv_events = {
+        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        for name, pool in server.service.pools.items()
+        if pool.kv_publisher is not None
+    }
+    announcement = {"event": "serving", "port": port, "metrics_port": server.metrics_port, "kv_events": kv_events}
+    print(json.dumps(announcement), flush=True)
     while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits
         pass
     log.info("stopping", extra={"grace_seconds": config.grace_seconds})
@@ -170,7 +183,12 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     args = list(argv)
     if args[:1] == ["serve"]:
         args = args[1:]
-    parser = argparse.ArgumentParser(prog="radixkv serve", description="Serve radixkv pools over gRPC.")
+    parser = argparse.ArgumentParser(
+        prog="radixkv serve",
+        description="Serve radixkv pools over gRPC.",
+        epilog=_DEFAULT_POOL_HELP + "\n\n" + pool_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="TOML file: server options, [pools.NAME] and [tenants.NAME] tables")
     parser.add_argument(
         "--pool",
@@ -178,6 +196,18 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         default=[],
         metavar="NAME:key=val,...",
         help="a pool, e.g. default:num_layers=32,num_kv_heads=8,head_dim=128,num_blocks=4096 (repeatable; replaces a --config pool of that name)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help=f"shape the default pool for this model: a Hugging Face directory (config.json), a .gguf file, "
+        f"or a known name (default: {DEFAULT_MODEL}); only when no pool is configured",
+    )
+    parser.add_argument("--device", help="the default pool's device (default: cuda when there is one, else cpu)")
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        help=f"the default pool's share of free device memory (default on CUDA: {DEFAULT_MEMORY_FRACTION})",
     )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free port, printed on stdout)")
@@ -204,20 +234,58 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         "--max-watch-streams", type=int, help="open WatchEvents streams, server-wide; below --max-workers (default: half of them)"
     )
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
+    parser.add_argument(
+        "--kv-events-endpoint",
+        metavar="ENDPOINT",
+        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
+    )
+    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
+    parser.add_argument(
+        "--kv-events-replay-endpoint", metavar="ENDPOINT", help="ROUTER socket answering replay requests, e.g. tcp://*:5558"
+    )
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = parser.parse_args(args)
     data = load_toml(ns.config) if ns.config else {}
     if ns.auth_tokens:
         data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
+    own_flags = ("config", "pool", "auth_tokens", "log_level", "model", "device", "memory_fraction")
     overrides = {
-        k: v for k, v in vars(ns).items() if v is not None and k not in ("config", "pool", "auth_tokens", "log_level")
+        k: v for k, v in vars(ns).items() if v is not None and k not in own_flags and not k.startswith("kv_events")
     }
     flagged = [parse_pool_flag(flag) for flag in ns.pool]
     from_file = [pool_from_mapping(name, values) for name, values in data.get("pools", {}).items()]
     pools = (*[p for p in from_file if p.name not in {f.name for f in flagged}], *flagged)
+    if not pools:
+        _, shape = resolve_model(ns.model or DEFAULT_MODEL)
+        pools = (default_pool(shape, device=ns.device or _default_device(), memory_fraction=ns.memory_fraction),)
+    elif ns.model or ns.device or ns.memory_fraction is not None:
+        raise ValueError(
+            "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them there"
+        )
+    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
+    if kv_events:
+        if len(pools) != 1:
+            raise ValueError(
+                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
+                "set kv_events_endpoint in each [pools.NAME] table instead"
+            )
+        pools = (dataclasses.replace(pools[0], **kv_events),)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
+
+
+_DEFAULT_POOL_HELP = f"""\
+without --pool or [pools] tables, one pool named "default" is served, shaped for --model
+(default {DEFAULT_MODEL}: {MODEL_SHAPES[DEFAULT_MODEL].num_layers} layers, {MODEL_SHAPES[DEFAULT_MODEL].num_kv_heads} KV heads, head_dim {MODEL_SHAPES[DEFAULT_MODEL].head_dim}; block_size 16, float16) and sized as vLLM
+sizes its KV cache: on CUDA, --memory-fraction ({DEFAULT_MEMORY_FRACTION} by default) of the device's free memory
+less a {DEFAULT_RESERVED_BYTES // 2**30} GiB reserve for the worker's weights and activations; on CPU, {CPU_DEFAULT_POOL_BYTES // 2**20} MiB of shared memory."""
+
+
+def _default_device() -> str:
+    import torch  # the server needs it for the pools anyway
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

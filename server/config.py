@@ -21,12 +21,15 @@ Unknown keys are errors (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import tomllib
 from collections.abc import Mapping
 from typing import Any
 
 from radixkv.kv_cache import Limits
+from radixkv.layout import DTYPE_BYTES, PoolLayout
+from radixkv.model_shape import ModelShape
 
 DEFAULT_POOL = "default"
 ANY_NAMESPACE = "*"
@@ -47,9 +50,19 @@ class PoolConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = None
     memory_fraction: float | None = None  # of the device's free memory, as vLLM's --gpu-memory-utilization
+    reserved_bytes: int = 0  # kept free of KV (the worker's weights and activations), off memory_fraction's budget
     limits: Limits = Limits()
+    # vLLM's KV-events stream for this pool (ZMQ PUB, and ROUTER for replay); None: not published.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""  # e.g. kv@<ip:port>@<model>, as llm-d's precise prefix-cache scorer expects
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay
 
     def __post_init__(self) -> None:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(f"pool {self.name!r}: kv_events_buffer_steps must be >= 1")
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
         if len(sizes) != 1:
             raise ValueError(
@@ -133,14 +146,96 @@ _LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}
 _POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)} - {"name", "limits"}
 _SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)} - {"pools", "tenants"}
 
+# Every key a pool takes (`--pool NAME:key=val,...` or a `[pools.NAME]` table), in the order --help lists them.
+POOL_KEYS: dict[str, str] = {
+    "num_layers": "transformer layers",
+    "num_kv_heads": "KV heads per layer",
+    "head_dim": "dimension of one head",
+    "block_size": "tokens per block, a power of two",
+    "dtype": f"KV dtype: {', '.join(DTYPE_BYTES)}",
+    "device": "cpu (named shared memory) or cuda[:N] (CUDA IPC)",
+    "num_blocks": "size in blocks; give exactly one of num_blocks, memory_bytes, memory_fraction",
+    "memory_bytes": "size as a byte budget",
+    "memory_fraction": "size as a fraction of the device's free memory (vLLM's --gpu-memory-utilization)",
+    "reserved_bytes": "bytes memory_fraction leaves free for the worker's weights and activations",
+    "max_tokens_per_request": "tokens one request may carry or a sequence may reach",
+    "max_fork_children": "children one fork may create",
+    "max_namespaces": "namespaces the pool's prefix tree holds at once",
+    "max_pinned_fraction": "fraction of the pool pins may keep resident",
+    "kv_events_endpoint": "ZMQ PUB endpoint for vLLM's KV events (e.g. tcp://*:5557)",
+    "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
+    "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
+    "kv_events_buffer_steps": "event batches kept for replay",
+}
+_DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
+_ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]
+_REQUIRED = [k for k in _ALL_KEYS if _DEFAULTS[k] is dataclasses.MISSING]
+_TYPES = {f.name: str(f.type) for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
+_TEXT_KEYS = {k for k, t in _TYPES.items() if "str" in t}
+_FLOAT_KEYS = {k for k, t in _TYPES.items() if "float" in t}
+
+
+def pool_keys_help() -> str:
+    """The --help table of pool keys: name, default, meaning."""
+    rows = []
+    for key in _ALL_KEYS:
+        meaning, default = POOL_KEYS.get(key, "see PoolConfig and radixkv.Limits"), _DEFAULTS[key]
+        shown = "required" if default is dataclasses.MISSING else "unset" if default is None else str(default) or '""'
+        rows.append(f"  {key:<24} {shown:<10} {meaning}")
+    return "pool keys (--pool NAME:key=val,... or a [pools.NAME] table):\n  key                      default\n" + "\n".join(rows)
+
+
+def _check_pool_values(name: str, values: Mapping[str, Any]) -> None:
+    """One line naming the first key that is unknown, missing or of the wrong kind (never a TypeError)."""
+    for key in values:
+        if key not in _DEFAULTS or key in ("name", "limits"):
+            close = difflib.get_close_matches(key, _ALL_KEYS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"pool {name!r}: unknown key {key!r}{hint}; radixkv serve --help lists every key")
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise ValueError(f"pool {name!r}: missing {', '.join(missing)}; radixkv serve --help lists every key")
+    for key, value in values.items():
+        if key in _TEXT_KEYS:
+            ok, kind = isinstance(value, str), "text"
+        elif key in _FLOAT_KEYS:
+            ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        else:
+            ok, kind = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "a whole number >= 0"
+        if not ok:
+            raise ValueError(f"pool {name!r}: {key}={value!r} must be {kind}")
+    layout = {k: values.get(k, _DEFAULTS[k]) for k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}
+    try:
+        PoolLayout(**layout, num_blocks=values.get("num_blocks") or 1)
+    except ValueError as e:
+        raise ValueError(f"pool {name!r}: {e}") from None
+
+
+CPU_DEFAULT_POOL_BYTES = 512 * 2**20
+DEFAULT_MEMORY_FRACTION = 0.9
+DEFAULT_RESERVED_BYTES = 2**30
+
+
+def default_pool(shape: ModelShape, *, device: str, memory_fraction: float | None = None) -> PoolConfig:
+    """The pool `radixkv serve` serves when none is configured: one pool named "default" shaped as `shape`.
+
+    On CUDA sized as vLLM sizes its KV cache: `memory_fraction` (0.9 when None) of the device's free
+    memory, less a 1 GiB reserve for the worker's weights and activations. On CPU 512 MiB of shared
+    memory, or `memory_fraction` of what is free when given.
+    """
+    layout = {"num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+    if device.startswith("cuda"):
+        size = {"memory_fraction": memory_fraction or DEFAULT_MEMORY_FRACTION, "reserved_bytes": DEFAULT_RESERVED_BYTES}
+    elif memory_fraction is not None:
+        size = {"memory_fraction": memory_fraction}
+    else:
+        size = {"memory_bytes": CPU_DEFAULT_POOL_BYTES}
+    return pool_from_mapping(DEFAULT_POOL, {**layout, "device": device, **size})
+
 
 def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     """A pool from `key: value` pairs; the core's `Limits` fields are accepted alongside the layout."""
-    unknown = set(values) - _POOL_FIELDS - _LIMIT_FIELDS
-    if unknown:
-        raise ValueError(
-            f"pool {name!r}: unknown keys {sorted(unknown)}; known: {sorted(_POOL_FIELDS | _LIMIT_FIELDS)}"
-        )
+    _check_pool_values(name, values)
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
     return PoolConfig(name=name, limits=limits, **{k: v for k, v in values.items() if k in _POOL_FIELDS})
 

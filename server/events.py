@@ -1,5 +1,11 @@
 """Blocks stored into and removed from one pool's prefix tree, numbered per namespace, fanned out to watchers.
 
+Every event names its blocks twice: by block id (this process's memory) and by content hash
+(`radixkv.block_hash`, vLLM's scheme, stable across processes). The hub keeps the block_id -> hash
+table, so each hash is computed once, when its block enters the tree. `epoch` names this hub's
+incarnation (random per server start), so a consumer tells a restart from a gap; `num_events`
+counts every event of the pool. Sinks (the ZMQ publisher) get each event as it happens.
+
 `EventHub` is the tree's observer (`RadixTree.observer`): every block the tree takes (cache,
 release, fork) and every block it evicts (an allocation running short) is reported to it from
 inside core calls, so under the pool's lock: the hub needs no lock of its own for numbering, and
@@ -13,9 +19,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import secrets
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
+from radixkv.block_hash import BlockHashes, ExtraKeys, wire_hash
 from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import Node
 
@@ -33,6 +42,16 @@ class BlockEvent:
     block_ids: tuple[int, ...]
     token_bytes: bytes = b""  # BLOCKS_STORED: int32 tokens of those blocks
     parent_block_id: int | None = None  # BLOCKS_STORED: the block before them; None at the root
+    block_hashes: tuple[int, ...] = ()  # low 64 bits of each block's content hash, beside block_ids
+    parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
+    extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block, the namespace salt on a first block
+    pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
+
+
+class EventSink(Protocol):
+    """Told of every event as it happens, under the pool's lock: must not block (queue and return)."""
+
+    def publish(self, event: BlockEvent) -> None: ...
 
 
 class Watcher:
@@ -74,6 +93,10 @@ class EventHub:
         self._numbers: dict[str, int] = {}  # namespace -> last sequence number issued
         self._watchers: tuple[Watcher, ...] = ()
         self._watchers_lock = threading.Lock()
+        self.hashes = BlockHashes(cache.block_size)
+        self.epoch = secrets.randbits(63) + 1  # this incarnation; never 0, which reads as "unset" on the wire
+        self.num_events = 0  # every event of the pool, all namespaces
+        self.sinks: list[EventSink] = []
         self._tree.observer = self
 
     def _next_number(self, namespace: str) -> int:
@@ -82,19 +105,39 @@ class EventHub:
         return number
 
     def blocks_stored(self, node: Node) -> None:
-        """A new leaf of the tree: all its blocks are newly cached."""
+        """A new leaf of the tree: all its blocks are newly cached (hashed here, once)."""
+        self.hashes.store(node)
+        self.num_events += 1
         self._publish(self._stored_event(self._next_number(node.namespace), node))
 
     def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
-        self._publish(BlockEvent(self._next_number(namespace), namespace, EventKind.BLOCKS_REMOVED, tuple(block_ids)))
+        hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
+        ids = tuple(int(b) for b in block_ids)
+        self.num_events += 1
+        number = self._next_number(namespace)
+        kind = EventKind.BLOCKS_REMOVED
+        self._publish(BlockEvent(number, namespace, kind, ids, block_hashes=hashes, pool_sequence_number=self.num_events))
 
-    @staticmethod
-    def _stored_event(number: int, node: Node) -> BlockEvent:
+    def _stored_event(self, number: int, node: Node) -> BlockEvent:
         parent = node.parent
-        parent_block = parent.block_ids[-1] if parent is not None and parent.parent is not None else None
-        return BlockEvent(number, node.namespace, EventKind.BLOCKS_STORED, tuple(node.block_ids), node.token_bytes, parent_block)
+        parent_block = int(parent.block_ids[-1]) if parent is not None and parent.parent is not None else None
+        parent_hash = self.hashes.parent_hash(node)
+        return BlockEvent(
+            number,
+            node.namespace,
+            EventKind.BLOCKS_STORED,
+            tuple(int(b) for b in node.block_ids),
+            bytes(node.token_bytes),
+            parent_block,
+            tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
+            None if parent_hash is None else wire_hash(parent_hash),
+            tuple(self.hashes.extra_keys(node)),
+            self.num_events,
+        )
 
     def _publish(self, event: BlockEvent) -> None:
+        for sink in self.sinks:
+            sink.publish(event)
         for watcher in self._watchers:
             if watcher.accepts(event.namespace):
                 watcher.push(event)

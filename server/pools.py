@@ -17,6 +17,7 @@ from radixkv.server.config import PoolConfig
 from radixkv.server.events import EventHub
 
 if TYPE_CHECKING:
+    from radixkv.server.kv_events import ZmqEventPublisher
     from radixkv.server.sessions import Session
     from radixkv.storage import KVStorage
 
@@ -37,11 +38,34 @@ class Pool:
         # Block-table lengths of sequences whose tenant has a quota, and each such tenant's total.
         self.num_table_blocks: dict[int, int] = {}
         self.tenant_blocks: dict[str, int] = {}
+        self.kv_publisher: ZmqEventPublisher | None = None
+
+    def publish_kv_events(self, config: PoolConfig) -> None:
+        """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
+        # Imported here: pyzmq and msgpack are needed only by a server that publishes.
+        from radixkv.server.kv_events import ZmqEventPublisher
+
+        assert config.kv_events_endpoint is not None
+        publisher = ZmqEventPublisher(
+            config.kv_events_endpoint,
+            config.kv_events_topic,
+            self.layout.block_size,
+            config.kv_events_replay_endpoint,
+            config.kv_events_buffer_steps,
+        )
+        publisher.start()
+        with self.lock:
+            self.events.sinks.append(publisher)
+            self.kv_publisher = publisher
 
     def close(self) -> None:
         """Wake every event stream and free the memory (the shared-memory name goes with it)."""
         with self.lock:
             self.events.close_all()
+            publisher, self.kv_publisher = self.kv_publisher, None
+            self.events.sinks.clear()
+        if publisher is not None:
+            publisher.close()
         self.storage.close()
         self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
 
@@ -58,6 +82,14 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
         layout = layout_for_memory(
             num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
             dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
+            reserved_bytes=c.reserved_bytes,
         )  # fmt: skip
     storage = KVStorage.create(layout, config.device)
-    return Pool(config.name, storage, config.limits, watch_queue_size)
+    pool = Pool(config.name, storage, config.limits, watch_queue_size)
+    if config.kv_events_endpoint is not None:
+        try:
+            pool.publish_kv_events(config)
+        except BaseException:
+            pool.close()
+            raise
+    return pool

@@ -32,6 +32,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+        if request.pool:
+            self._service.pool(request.pool)  # raises UnknownPool before a session exists
         session = self._service.open_session(current_caller(), request.ttl_seconds)
         return pb.OpenSessionResponse(session_id=session.session_id, ttl_seconds=session.ttl)
 
@@ -154,6 +156,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> Iterator[pb.WatchEventsResponse]:
         # Not a generator itself: the caller is read and the request validated before this returns.
         caller = current_caller()
+        epoch = self._service.pool(request.pool).events.epoch
         batches = self._service.watch_events(
             caller,
             request.session_id,
@@ -163,7 +166,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             context.is_active,
         )
         responses = (
-            pb.WatchEventsResponse(events=[_event(caller, e) for e in events], snapshot=snapshot)
+            pb.WatchEventsResponse(
+                events=[_event(caller, e) for e in events],
+                snapshot=snapshot,
+                epoch=epoch,
+                seq=events[-1].pool_sequence_number if events else 0,
+            )
             for events, snapshot in batches
         )
         return translating_stream(context, "WatchEvents", responses)
@@ -177,4 +185,6 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
         block_ids=event.block_ids,
         token_ids=np.frombuffer(event.token_bytes, dtype="<i4").tolist(),
         parent_block_id=event.parent_block_id,
+        block_hashes=event.block_hashes,
+        parent_block_hash=event.parent_block_hash,
     )

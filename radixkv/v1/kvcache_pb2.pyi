@@ -17,10 +17,12 @@ KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("ttl_seconds",)
+    __slots__ = ("ttl_seconds", "pool")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
-    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, ttl_seconds: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "ttl_seconds")
@@ -335,25 +337,33 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., include_snapshot: _Optional[bool] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence_number", "namespace", "kind", "block_ids", "token_ids", "parent_block_id")
+    __slots__ = ("sequence_number", "namespace", "kind", "block_ids", "token_ids", "parent_block_id", "block_hashes", "parent_block_hash")
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     sequence_number: int
     namespace: str
     kind: KVEventKind
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_block_id: int
-    def __init__(self, sequence_number: _Optional[int] = ..., namespace: _Optional[str] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    def __init__(self, sequence_number: _Optional[int] = ..., namespace: _Optional[str] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("events", "snapshot")
+    __slots__ = ("events", "snapshot", "epoch", "seq")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     snapshot: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    seq: int
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...

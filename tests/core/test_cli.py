@@ -35,3 +35,52 @@ def test_core_and_client_imports_stay_light():
     code = "import radixkv, sys; print(','.join(m for m in ('torch', 'triton', 'grpc') if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     assert loaded == "", f"import radixkv pulled in {loaded}"
+
+
+def test_plan_tells_gb_from_gib(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80GiB"]) == 0
+    gib = capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80GB"]) == 0
+    gb = capsys.readouterr().out
+    assert "80.00 GiB (85.90 GB)" in gib and "74.51 GiB (80.00 GB)" in gb
+    assert "blocks                   36,864" in gib and "blocks                   34,332" in gb
+
+
+def test_plan_echoes_every_assumption_and_the_pool_that_serves_it(capsys):
+    from radixkv.server.config import parse_pool_flag
+
+    argv = ["plan", "--model", "meta-llama/Llama-3.2-3B-Instruct", "--dtype", "bfloat16", "--block-size", "32"]
+    assert main([*argv, "--utilization", "0.8", "--weights", "7GB", "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    for echoed in (
+        "28 layers x 8 KV heads x head_dim 128",
+        "dtype                    bfloat16 (2 bytes per value; --dtype)",
+        "block size               32 tokens (--block-size)",
+        "utilization              0.8 of device memory",
+        "weights                  6.52 GiB (7.00 GB)",
+    ):
+        assert echoed in out, echoed
+    blocks = int(out.split("\n  blocks")[1].split()[0].replace(",", ""))
+    flag = out.split("radixkv serve --pool ")[1].strip()
+    pool = parse_pool_flag(flag)
+    assert (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype, pool.num_blocks) == (
+        28, 8, 128, 32, "bfloat16", blocks,
+    )  # fmt: skip
+    assert blocks == (int(24 * 2**30 * 0.8) - 7 * 10**9) // (2 * 28 * 8 * 128 * 2 * 32)
+
+
+def test_plan_reads_a_hugging_face_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        '{"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}'
+    )
+    assert main(["plan", "--model", str(tmp_path)]) == 0
+    assert "30 layers x 3 KV heads x head_dim 64" in capsys.readouterr().out
+
+
+def test_plan_unknown_model_and_bad_size_are_one_line(capsys):
+    assert main(["plan", "--model", "llama-4-1t"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a known model" in err and "llama-3.1-8b" in err
+    assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80 gigs"]) == 2
+    err = capsys.readouterr().err
+    assert err == "radixkv plan: '80 gigs' is not a size: write e.g. 80GiB (2^30 bytes), 80GB (10^9 bytes) or 512MiB\n"

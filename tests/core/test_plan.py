@@ -53,7 +53,7 @@ def test_plan_rejects_bad_input(kwargs, message):
         plan_capacity(MODEL_SHAPES["llama-3-8b"], device_memory_bytes=80 * GIB, **kwargs)
 
 
-@pytest.mark.parametrize(("text", "value"), [("80GiB", 80 * GIB), ("16 GB", 16 * GIB), ("512MiB", 512 * MIB), ("1000", 1000)])
+@pytest.mark.parametrize(("text", "value"), [("80GiB", 80 * GIB), ("16 GB", 16 * 10**9), ("16 GiB", 16 * GIB), ("512MiB", 512 * MIB), ("1000", 1000)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 

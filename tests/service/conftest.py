@@ -181,8 +181,8 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """Start extra server processes (stopped, if still running, when the test ends)."""
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
-        proc = ServerProcess([*POOL_FLAGS, *args], tmp_path / f"server{len(started)}.log")
+    def start(*args: str, pool_flags: bool = True) -> ServerProcess:
+        proc = ServerProcess([*(POOL_FLAGS if pool_flags else []), *args], tmp_path / f"server{len(started)}.log")
         started.append(proc)
         return proc
 

@@ -1,0 +1,181 @@
+"""vLLM's KV-events wire format over ZMQ: what llm-d's endpoint picker, Dynamo and Ray Serve consume.
+
+One publisher per pool. A PUB socket sends 3 frames per batch, `[topic, seq as u64 big-endian,
+msgpack payload]`, `seq` counting batches from 0; the payload is `[ts, [events...],
+data_parallel_rank]` and each event a msgpack map tagged "type" (`BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`), field names as vLLM's `kv_events.py` defines them. A ROUTER socket answers a
+replay request `[identity, "", start_seq u64]` with every buffered batch from `start_seq` as
+`[identity, "", seq, payload]`, then an end marker `seq = -1` (all ones) with an empty payload.
+
+Ordering comes from the tree: a node is announced when it becomes a leaf, after its parent; a
+split moves no block and announces nothing; a fork stores nothing until its blocks are cached.
+`AllBlocksCleared` opens the stream, so a consumer that replays from 0 starts from nothing.
+
+The hub calls `publish` under the pool's lock, so it only queues; one thread owns both sockets
+(ZMQ sockets are not thread-safe) and sends whatever has queued as one batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from radixkv.server.events import BlockEvent, EventKind
+
+log = logging.getLogger("radixkv.server.kv_events")
+
+END_SEQ = (1 << 64) - 1  # (-1).to_bytes(8, "big", signed=True): the replay's end marker
+MEDIUM_GPU = "GPU"  # the device tier; a host tier would publish "CPU"
+_POLL_SECONDS = 0.02  # how soon a replay request is answered when no events flow
+_ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
+
+
+def stored_event(event: BlockEvent, block_size: int) -> dict[str, Any]:
+    """One BlockStored map as vLLM encodes it (`extra_keys` None unless a block carries a salt)."""
+    extra = [list(k) if k is not None else None for k in event.extra_keys]
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(event.block_hashes),
+        "parent_block_hash": event.parent_block_hash,
+        "token_ids": np.frombuffer(event.token_bytes, dtype="<i4").tolist(),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": MEDIUM_GPU,
+        "lora_name": None,
+        "extra_keys": extra if any(k is not None for k in extra) else None,
+    }
+
+
+def removed_event(event: BlockEvent) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": MEDIUM_GPU}
+
+
+class ZmqEventPublisher:
+    """PUB + optional ROUTER replay for one pool's events; `start`, then `close`."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str,
+        block_size: int,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        data_parallel_rank: int = 0,
+        max_events_per_batch: int = 1024,
+    ) -> None:
+        self.topic = topic.encode()
+        self.block_size = block_size
+        self.data_parallel_rank = data_parallel_rank
+        self._max_events = max_events_per_batch
+        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.Socket | None = None
+        try:
+            self.endpoint = _bind(self._pub, endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint: str | None = _bind(self._replay, replay_endpoint)
+            else:
+                self.replay_endpoint = None
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise RuntimeError(f"cannot bind the KV-events socket: {e}") from e
+        self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
+        self._queue.put(_ALL_BLOCKS_CLEARED)  # every stream starts from nothing
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def publish(self, event: BlockEvent) -> None:
+        """Queue one tree event (called under the pool's lock: never blocks)."""
+        if event.kind is EventKind.BLOCKS_STORED:
+            self._queue.put(stored_event(event, self.block_size))
+        else:
+            self._queue.put(removed_event(event))
+
+    def clear(self) -> None:
+        """The pool was reset: tell consumers to drop everything they hold for it."""
+        self._queue.put(_ALL_BLOCKS_CLEARED)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread and close the sockets."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    # -- the publisher thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events, stop = self._drain(self._queue.get(timeout=_POLL_SECONDS))
+            except queue.Empty:
+                events, stop = [], False
+            if events:
+                self._send(events)
+            if stop:
+                return
+            while self._replay is not None and self._replay.poll(0):
+                self._answer_replay()
+
+    def _drain(self, first: dict[str, Any] | None) -> tuple[list[dict[str, Any]], bool]:
+        """`first` and whatever else has queued, up to a batch; True when the stop sentinel came."""
+        events: list[dict[str, Any]] = []
+        item: dict[str, Any] | None = first
+        while True:
+            if item is None:
+                return events, True
+            events.append(item)
+            if len(events) >= self._max_events:
+                return events, False
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return events, False
+
+    def _send(self, events: list[dict[str, Any]]) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = msgpack.packb([time.time(), events, self.data_parallel_rank])
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()  # type: ignore[union-attr]  # polled, so present
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignoring a malformed replay request", extra={"num_frames": len(frames)})
+            return
+        identity, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
+        self._replay.send_multipart((identity, b"", END_SEQ.to_bytes(8, "big"), b""))  # type: ignore[union-attr]
+
+
+def _bind(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind `endpoint` (port 0 or `*`: any free port) and return the endpoint actually bound."""
+    if endpoint.endswith(":0"):
+        port = socket.bind_to_random_port(endpoint[: -len(":0")])
+        return f"{endpoint[: -len(':0')]}:{port}"
+    socket.bind(endpoint)
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -1,0 +1,102 @@
+"""Real server processes for the fleet tests: each publishes vLLM KV events on loopback ZMQ sockets.
+
+`FleetServer` starts `radixkv serve` on 127.0.0.1 (port 0 unless told), learns its gRPC port and
+its KV-events endpoints from the announcement line, and can be killed (SIGKILL) and restarted on
+the same port, as a crashed pod comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+BLOCK_SIZE = 4
+
+
+def pool_flag(num_blocks: int) -> str:
+    return f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks={num_blocks},dtype=float16"
+
+
+class FleetServer:
+    def __init__(
+        self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.log_dir, self.name, self.num_blocks, self.replay, self.extra = log_dir, name, num_blocks, replay, extra
+        self.port = port
+        self.num_starts = 0
+        self.start()
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.topic = f"kv@127.0.0.1:{self.port}@test-model"  # port 0 on a first start: still a valid topic
+        args = [
+            sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            "--pool", pool_flag(self.num_blocks), "--debug-rpc",
+            "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", self.topic,
+            *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []), *self.extra,
+        ]  # fmt: skip
+        self.log_path = self.log_dir / f"{self.name}.{self.num_starts}.log"
+        self.num_starts += 1
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()/kill()
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
+        assert self.proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        line = self.proc.stdout.readline() if selector.select(timeout) else b""
+        if not line:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start; log: {self.log_path.read_text()[-2000:]}")
+        announcement = json.loads(line)
+        self.port = announcement["port"]
+        self.address = f"127.0.0.1:{self.port}"
+        kv = announcement["kv_events"]["default"]
+        self.events_endpoint: str = kv["endpoint"]
+        self.replay_endpoint: str | None = kv["replay_endpoint"]
+
+    def kill(self) -> None:
+        """SIGKILL: no graceful stop, as a crashed pod."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_fleet_server(tmp_path: Path) -> Iterator[Callable[..., FleetServer]]:
+    started: list[FleetServer] = []
+
+    def start(**kwargs: object) -> FleetServer:
+        server = FleetServer(tmp_path, f"server{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
