@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from radixkv.errors import InvalidArgument, LimitExceeded, QuotaExceeded, RadixKVError, UnknownSequence
 from radixkv.results import OpenResult
 from radixkv.server.pools import Pool
-from radixkv.server.service import KVService, _check_live, _check_owner, _num_tokens
+from radixkv.server.service import KVService, _check_live, _check_owner, _commit_whole, _num_tokens
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant
 from radixkv.step import Step, StepResult
@@ -176,6 +176,7 @@ def _apply(
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying(f"forks[{i}]"):
+            _commit_whole(pool, [seq_id])
             children = cache.fork(seq_id, num_children)
             num_blocks = pool.num_table_blocks.get(seq_id, 0)
             for child in children:
@@ -184,10 +185,13 @@ def _apply(
     num_cached = []
     for i, seq_id in enumerate(step.caches):
         with applying(f"caches[{i}]"):
+            _commit_whole(pool, [seq_id])
             num_cached.append(cache.cache(seq_id))
     num_released = 0
     for i, (seq_ids, keep) in enumerate(step.releases):
         with applying(f"releases[{i}]"):
+            if keep:
+                _commit_whole(pool, seq_ids)
             cache.release_many(seq_ids, keep)
             for seq_id in seq_ids:
                 service._forget(pool, session, seq_id)
