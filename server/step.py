@@ -23,7 +23,7 @@ from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, Unknown
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
-from radixkv.server.service import KVService, _num_tokens
+from radixkv.server.service import KVService, _commit_whole, _num_tokens
 from radixkv.server.sessions import Session
 from radixkv.server.sizes import check_request_size, open_response_bytes
 from radixkv.server.tenants import Tenant
@@ -174,6 +174,7 @@ def _apply(
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying(f"forks[{i}]"):
+            _commit_whole(pool, [seq_id])
             children = cache.fork(seq_id, num_children)
             num_blocks = ledger.num_table_blocks(seq_id)
             for child in children:
@@ -182,10 +183,13 @@ def _apply(
     num_cached = []
     for i, seq_id in enumerate(step.caches):
         with applying(f"caches[{i}]"):
+            _commit_whole(pool, [seq_id])
             num_cached.append(cache.cache(seq_id))
     num_released = 0
     for i, (seq_ids, keep) in enumerate(step.releases):
         with applying(f"releases[{i}]"):
+            if keep:
+                _commit_whole(pool, seq_ids)
             cache.release_many(seq_ids, keep)
             for seq_id in seq_ids:
                 ledger.forget(seq_id)
