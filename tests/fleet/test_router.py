@@ -97,3 +97,18 @@ def test_a_killed_instance_leaves_within_a_health_interval_and_returns_after_res
         assert router.num_cached_blocks(victim.address, prompt) == 0, "it comes back with a fresh index"
         _cache_on(victim.address, prompt)
         assert wait_until(lambda: router.route(prompt) == victim.address)
+
+
+def test_with_auth_the_router_hashes_the_tenants_scoped_namespaces(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token"\nnamespaces = ["chat"]\n')
+    server = start_fleet_server(extra=("--auth-tokens", str(tokens)))
+    prompt = list(range(40, 40 + 3 * BLOCK_SIZE + 1))
+    with RadixKVClient(server.address, token="acme-token") as client:
+        client.release(client.open(prompt, "chat").seq_id)
+    with Router([server.address], block_size=BLOCK_SIZE, token="acme-token", tenant="acme") as router:
+        assert router.wait_ready()
+        assert wait_until(lambda: router.num_cached_blocks(server.address, prompt, "chat") == 3)
+    with Router([server.address], block_size=BLOCK_SIZE, token="acme-token") as unscoped:
+        assert unscoped.wait_ready()
+        assert unscoped.num_cached_blocks(server.address, prompt, "chat") == 0, "another tenant's salt: no hit"
