@@ -127,8 +127,8 @@ class _StepPlan:
                 released.update(seq_ids)
 
     def _own_all(self, seq_ids: Sequence[int], field: str) -> None:
-        owners, session = self.pool.owners, self.session
-        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # check fast, name slowly
+        session = self.session
+        if not session.sequences.get(self.pool.name, set()).issuperset(seq_ids):  # check fast (a set), name slowly
             for i, seq_id in enumerate(seq_ids):
                 _check_owner(self.pool, session, seq_id, f"{field}[{i}]")
 
