@@ -23,7 +23,7 @@ from radixkv.demo.report import MemorySummary, format_memory, format_requests, f
 from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
-from radixkv.layout import PoolLayout
+from radixkv.layout import PoolLayout, canonical_dtype
 
 SYSTEM_PROMPT = "You are the radixkv demo assistant. You answer questions about serving large language models in one or two sentences."
 QUESTIONS = {
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=1024, help="blocks in the server's pool (default 1024)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and pool dtype (default float32)")
+    p.add_argument(
+        "--kv-dtype", choices=[*sorted(DTYPES), "fp8"],
+        help="pool dtype, when not the model's: fp8 (e4m3, per-layer scales 1.0) holds twice the tokens per byte",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per scheduler step, prefills and decodes (default 512)")
     p.add_argument("--samples", type=int, default=4, help="parallel samples of the sampling request (default 4)")
@@ -100,11 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixkv demo: {e}", file=sys.stderr)
         return 2
     c = chat.model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, args.dtype)
+    kv_dtype = canonical_dtype(args.kv_dtype or args.dtype)
+    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, kv_dtype)
     specs = demo_requests(chat, args)
     print(f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv heads, "
           f"head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)")
-    print(f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {args.dtype}, in a server process")
+    print(f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {kv_dtype}, in a server process")
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")

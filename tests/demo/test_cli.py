@@ -35,3 +35,11 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_demo_names_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", str(tmp_path / "nothing-here")]) == 2
     assert "neither a GGUF file nor a checkpoint directory" in capsys.readouterr().err
+
+
+def test_demo_runs_with_an_fp8_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "tiny", "--model-dir", str(tmp_path / "tiny-llama"), "--max-new-tokens", "4", "--samples", "2", "--beam-width", "2"]
+    assert main([*argv, "--backend", "torch", "--kv-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "of float8_e4m3fn, in a server process" in out
+    assert "0 live sequences" in out and "radixkv saves" in out
