@@ -104,7 +104,7 @@ class _Stream:
             return pb.SessionResponse(error=_step_error(error)), ""
         try:
             session = self._bind(request.session_id)
-            result = run_step(self._service, self._caller, session, request.pool, _step(request))
+            result = run_step(self._service, self._caller, session, request.pool, _step(request), request.request_id)
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""

@@ -48,8 +48,13 @@ class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper t
         return False
 
 
-def run_step(service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step) -> StepResult:
+def run_step(
+    service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step, request_id: int = 0
+) -> StepResult:
     """Check every item of `step`, then apply them all (see the module docstring).
+
+    With a `request_id` this session already stepped with (a step re-sent after a reconnect), the
+    first result is returned and nothing is checked or applied again.
 
     Raises:
         RadixKVError: an item was refused (its `item` metadata names it); nothing changed.
@@ -69,8 +74,25 @@ def run_step(service: KVService, caller: Tenant, session: Session, pool_name: st
         if session.closed:
             raise UnknownSession(session.session_id)
         check_deadline()
-        _StepPlan(service, pool, session, caller).check(step, requests)
-        return _apply(service, pool, session, step, requests)
+
+        def check_and_apply() -> StepResult:
+            _StepPlan(service, pool, session, caller).check(step, requests)
+            return _apply(service, pool, session, step, requests)
+
+        num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
+        return session.requests.once(
+            request_id, f"Session {pool.name}", check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens
+        )
+
+
+def _result_cost(result: StepResult) -> int:
+    """What a kept result holds alive, in ids (the request window's unit, as the unary calls count it)."""
+    cost = 1 + len(result.num_cached_tokens) + sum(len(children) for children in result.forked)
+    cost += sum(len(r.block_table) + 1 for r in result.opened)
+    if result.appended is not None:
+        a = result.appended
+        cost += len(a.block_ids) + len(a.seq_ids) + sum(a.num_appended)
+    return cost
 
 
 class _StepPlan:

@@ -272,3 +272,29 @@ def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) ->
         with pytest.raises(grpc.RpcError) as ended:
             stub.KeepAlive(pb.KeepAliveRequest(session_id=streamed), timeout=10)
         assert ended.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, debug) -> None:  # type: ignore[no-untyped-def]
+    with RadixKVClient(server.address) as client:
+        stub = kvcache_pb2_grpc.KVCacheStub(grpc.insecure_channel(server.address))
+        step = pb.SessionRequest(
+            session_id=client.session_id,
+            request_id=41,
+            opens=[pb.StepOpen(token_ids=np.arange(300, 310, dtype="<i4").tobytes(), namespace="resend")],
+        )
+        [first] = list(stub.Session(iter([step]), timeout=10))  # the stream then ends: a client that reconnects
+        opened = client.stats().num_opened_sequences
+        [again] = list(stub.Session(iter([step]), timeout=10))
+        assert again == first and not first.HasField("error")
+        assert client.stats().num_opened_sequences == opened, "the re-sent step was applied twice"
+        release = pb.SessionRequest(session_id=client.session_id, request_id=42, releases=[pb.StepRelease(seq_ids=[first.opened[0].seq_id])])
+        responses = list(stub.Session(iter([release, release]), timeout=10))  # re-sent on the same stream too
+        assert [r.num_released_sequences for r in responses] == [1, 1] and not responses[1].HasField("error")
+        reused = pb.SessionRequest(session_id=client.session_id, request_id=42, pool="tiny", cache_seq_ids=[1])
+        [refused] = list(stub.Session(iter([reused]), timeout=10))
+        assert (refused.error.reason, refused.error.metadata["field"]) == ("INVALID_ARGUMENT", "request_id")
+        # The blocking client re-sends a step whose stream broke with the same id, once.
+        result = client.step(Step(opens=[(list(range(500, 505)), "resend")]))
+        client._drop_stream()  # the connection is gone: the next step opens a new stream
+        assert client.step(Step(releases=[([result.opened[0].seq_id], True)])).num_released_sequences == 1
+    debug.check()
