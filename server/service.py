@@ -206,6 +206,7 @@ class KVService:
                 self.check_num_sequences(pool, session, num_children)
                 num_blocks = ledger.num_table_blocks(seq_id)
                 ledger.check_quota(caller, max(num_children, 0) * num_blocks)
+                _commit_whole(pool, [seq_id])
                 children = pool.cache.fork(seq_id, num_children)
                 for child in children:
                     ledger.adopt(session, child, num_blocks)
@@ -218,6 +219,7 @@ class KVService:
 
             def apply() -> int:
                 pool.ledger.check_owner(session, seq_id)
+                _commit_whole(pool, [seq_id])
                 return pool.cache.cache(seq_id)
 
             return session.requests.once(request_id, f"CacheSequence {pool.name}", apply)
@@ -231,6 +233,8 @@ class KVService:
                 ledger = pool.ledger
                 ledger.check_owners(session, list(seq_ids))
                 if seq_ids:
+                    if cache:
+                        _commit_whole(pool, seq_ids)
                     pool.cache.release_many(seq_ids, cache)
                 for seq_id in seq_ids:
                     ledger.forget(seq_id)
@@ -370,6 +374,12 @@ class KVService:
         held = sum(1 for ns in roots if caller.owns(ns))
         if held + len(new) > share:
             raise LimitExceeded("max_namespaces_per_tenant", held + len(new), share)
+
+
+def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
+    """Until the wire carries `commit` (issue 19), a client's fork, cache and cached release vouch
+    for every token it appended, as they did before the core kept a computed watermark."""
+    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])
 
 
 def _num_tokens(token_ids: TokenIds) -> int:
