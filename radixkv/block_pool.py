@@ -6,7 +6,13 @@ from radixkv.errors import OutOfBlocks
 
 
 class BlockPool:
-    """`num_blocks` blocks, each with a `ref_count` (its holders: live sequences plus the radix tree).
+    """`num_blocks` blocks, each with a `ref_count`: its holders that hold it by count.
+
+    Those are the radix tree (one hold per cached block, exactly) and live sequences for the blocks
+    of their tables that the tree does not hold for them. A sequence holds the cached prefix of its
+    table through a path lock on the tree instead (`RadixTree.lock`: one walk of the path's nodes,
+    however many blocks), so a cached block shared by many live sequences still has ref_count 1 and
+    is reclaimable exactly when no lock covers it.
 
     Invariant: a block is on the free list exactly when its ref_count is 0, and at most once;
     free + used == num_blocks. Eviction is not the pool's business: the cache evicts before it
