@@ -118,10 +118,13 @@ class Orchestrator:
         namespace: str = "default",
         on_step: Callable[[StepRecord], None] | None = None,
         max_batch_tokens: int = 512,
+        prefix_caching: bool = True,
     ) -> None:
         self.client, self.worker, self.eos, self.namespace, self.on_step = client, worker, eos_token_ids, namespace, on_step
         self.block_size = client.get_pool().layout.block_size
-        self.admission = Admission(max_batch_tokens, self.block_size)
+        # Without prefix caching nothing is published to the tree (forks still share within a request).
+        self.prefix_caching = prefix_caching
+        self.admission = Admission(max_batch_tokens, self.block_size, defer_shared=prefix_caching)
         self.steps: list[StepRecord] = []
         self._waiting: list[_Request] = []
         self._live: list[_Request] = []
@@ -238,11 +241,11 @@ class Orchestrator:
                 continue
             going.append((index, token))
         if not going:
-            self.client.release(parent.seq_id, cache=True)
+            self.client.release(parent.seq_id, cache=self.prefix_caching)
             return []
         # The samples share the whole prompt: forks hold its blocks, the partial last one copied on first write.
         children = self.client.fork(parent.seq_id, len(going) - 1) if len(going) > 1 else []
-        if not children:
+        if not children and self.prefix_caching:
             self._to_cache.append(parent.seq_id)  # so requests admitted while this one runs hit its prompt
         appends = []
         for (index, token), seq_id in zip(going, [parent.seq_id, *children], strict=True):
@@ -266,7 +269,7 @@ class Orchestrator:
                 going.append(seq)
                 appends.append((request, seq, token))
         if finished:
-            self.client.release_many(finished, cache=True)
+            self.client.release_many(finished, cache=self.prefix_caching)
         request.seqs = going
         return appends
 
@@ -280,7 +283,7 @@ class Orchestrator:
         request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in finished]
         if len(generated[0]) + 1 == request.spec.max_new_tokens or not continuing:
             request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in continuing]
-            self.client.release_many([b.seq_id for b in beams], cache=True)
+            self.client.release_many([b.seq_id for b in beams], cache=self.prefix_caching)
             best = beam_search.best(request.hypotheses, width)
             request.result.outputs = [list(h.token_ids) for h in best]
             request.result.scores = [h.score for h in best]
@@ -349,7 +352,7 @@ class Orchestrator:
         if not victims:
             return None
         victim = max(victims, key=lambda r: r.arrived)
-        self.client.release(victim.seqs[0].seq_id, cache=True)
+        self.client.release(victim.seqs[0].seq_id, cache=self.prefix_caching)
         victim.seqs, victim.preempted = [], True
         victim.context = victim.result.prompt + victim.result.outputs[0]
         victim.result.num_preemptions += 1
