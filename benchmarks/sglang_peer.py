@@ -100,7 +100,11 @@ def load(target: Path = DEFAULT_TARGET) -> types.SimpleNamespace | None:
     source = target / "sglang" / "srt" / "mem_cache" / "radix_cache.py"
     if not source.exists():
         return None
-    import torch  # noqa: F401 - torch before the stubs, so none of its own imports meets one
+    import torch  # torch before the stubs, so none of its own imports meets one
+
+    # SGLang keeps these index tensors on the GPU; on CPU its small cats and slices must not wait on
+    # an intra-op thread pool (on a busy machine that costs 10-100x, and nothing here is parallel).
+    torch.set_num_threads(1)
 
     for name in _PACKAGES:
         package = types.ModuleType(name)
