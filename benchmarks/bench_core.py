@@ -270,7 +270,18 @@ def bench_memory(num_cached_blocks: int) -> dict:
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     cached = cache.stats().num_blocks_cached
-    return {"cached_blocks": cached, "bytes_per_cached_block": (after - before) / cached, "token_bytes_per_block": BLOCK_SIZE * 4}
+    gc.collect()
+    tracemalloc.start()
+    empty = KVCache(1 << 20, BLOCK_SIZE)
+    empty_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del empty
+    return {
+        "cached_blocks": cached,
+        "bytes_per_cached_block": (after - before) / cached,
+        "token_bytes_per_block": BLOCK_SIZE * 4,
+        "empty_pool_bytes_per_block": empty_bytes / (1 << 20),
+    }
 
 
 def peer_rows(results: dict) -> list[tuple[str, str]]:
@@ -335,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"match cached {int(n) // 1024}k tokens (us)", f"{s['match_us_int32_array']:.1f} int32 array, {s['match_us_python_list']:.0f} Python list"))
     rows.append((f"evict per block, {e['evictable_leaves']:,} leaves (us)", f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = {e['speedup']:.0f}x"))
     rows += peer_rows(results)
+    rows.append(("empty pool of 1M blocks, bytes per block", f"{mem['empty_pool_bytes_per_block']:.1f}  (target <= 8)"))
     rows.append(("bookkeeping bytes per cached block", f"{mem['bytes_per_cached_block']:.0f} (of which token ids {mem['token_bytes_per_block']})"))
     width = max(len(k) for k, _ in rows)
     print(f"bench_core (block_size {BLOCK_SIZE}{', quick' if args.quick else ''})")
