@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = sglang_peer.load()
     results["sglang"] = f"sglang {sglang_peer.SGLANG_VERSION}" if peer is not None else None
     pool_tokens = results["trace"]["pool_blocks"] * BLOCK_SIZE
-    results["peer"] = bench_peer(make_trace(trace_tokens, seed=0), pool_tokens, peer, rounds=1 if args.quick else 3)
+    results["peer"] = bench_peer(make_trace(trace_tokens, seed=0), pool_tokens, peer, rounds=2 if args.quick else 3)
     results["long_match"] = bench_long_match(131_072, peer)
     t, m, e, mem = results["trace"], results["match"], results["evict"], results["memory"]
     rows = [

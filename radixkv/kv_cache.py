@@ -237,7 +237,9 @@ class KVCache:
         while node.parent is not None:
             runs.append(node.block_ids)
             node = node.parent
-        blocks = [b for run in reversed(runs) for b in run]
+        blocks: list[int] = []
+        for run in reversed(runs):  # one C-level extend per node, never a Python step per block
+            blocks += run
         assert len(blocks) == num_blocks, "locked path and match length disagree"
         return blocks
 
