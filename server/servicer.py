@@ -2,6 +2,12 @@
 
 Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
 `KVService`; refusals become statuses in `status.translating_errors`.
+
+The caller (the tenant every call is made on behalf of) is `auth.current_caller()`: the auth
+interceptor maps the call's bearer token to its tenant and sets it for the call's thread before the
+method runs (without auth every caller is `ANONYMOUS`). The interceptors and their order are in
+`interceptors.py`; the call's deadline, which the service checks after waiting for a pool's lock,
+is recorded by `translating_errors` (`deadlines.py`).
 """
 
 from __future__ import annotations
