@@ -11,6 +11,11 @@ import numpy as np
 from radixkv.errors import OutOfBlocks
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: how many blocks of `denominator` tokens hold `numerator` tokens."""
+    return -(-numerator // denominator)
+
+
 class BlockPool:
     """`num_blocks` blocks, each with a `ref_count`: its holders that hold it by count.
 

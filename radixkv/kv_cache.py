@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import BlockPool, cdiv
 from radixkv.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -122,7 +122,7 @@ class KVCache:
         return self._evict(num_blocks) if num_blocks else 0
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         root = self.tree.roots.get(namespace)
@@ -327,7 +327,7 @@ class KVCache:
                 if ref_counts[last] - copied_away.get(last, 0) > 1:
                     copied_away[last] = copied_away.get(last, 0) + 1
                     cow = True
-            plans.append((-(-num_tokens // bs) - len(table) + cow, cow))
+            plans.append((cdiv(num_tokens, bs) - len(table) + cow, cow))
         return plans
 
     def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
@@ -363,7 +363,7 @@ class KVCache:
             seq.num_tokens = stop = start + count
             first = start // bs
             span_starts.append(len(span_blocks) * bs + start - first * bs)
-            span_blocks.extend(table[first : -(-stop // bs)])
+            span_blocks.extend(table[first : cdiv(stop, bs)])
             num_tokens_after.append(stop)
             offsets.append(offset)
             num_block_ids.append(len(table) - offset)
