@@ -68,12 +68,15 @@ class BlockTables:
                 self._tables[result.seq_id] = list(result.block_table)
 
     def appended(self, batch: AppendBatch) -> None:
+        # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
+        changed = [i for i, n in enumerate(batch.num_block_ids) if n]
         with self._lock:
             start = 0
-            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
-                table = self._tables.get(seq_id)
+            for i in changed:
+                num_blocks = batch.num_block_ids[i]
+                table = self._tables.get(batch.seq_ids[i])
                 if table is not None:
-                    table[offset:] = batch.block_ids[start : start + num_blocks]
+                    table[batch.table_offsets[i] :] = batch.block_ids[start : start + num_blocks]
                 start += num_blocks
 
     def forked(self, parent: int, children: Iterable[int]) -> None:
