@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import BlockPool, cdiv
 from radixkv.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -122,7 +122,7 @@ class KVCache:
         return self._evict(num_blocks) if num_blocks else 0
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         root = self.tree.roots.get(namespace)
@@ -237,7 +237,9 @@ class KVCache:
         while node.parent is not None:
             runs.append(node.block_ids)
             node = node.parent
-        blocks = [b for run in reversed(runs) for b in run]
+        blocks: list[int] = []
+        for run in reversed(runs):  # one C-level extend per node, never a Python step per block
+            blocks += run
         assert len(blocks) == num_blocks, "locked path and match length disagree"
         return blocks
 
@@ -325,7 +327,7 @@ class KVCache:
                 if ref_counts[last] - copied_away.get(last, 0) > 1:
                     copied_away[last] = copied_away.get(last, 0) + 1
                     cow = True
-            plans.append((-(-num_tokens // bs) - len(table) + cow, cow))
+            plans.append((cdiv(num_tokens, bs) - len(table) + cow, cow))
         return plans
 
     def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
@@ -361,7 +363,7 @@ class KVCache:
             seq.num_tokens = stop = start + count
             first = start // bs
             span_starts.append(len(span_blocks) * bs + start - first * bs)
-            span_blocks.extend(table[first : -(-stop // bs)])
+            span_blocks.extend(table[first : cdiv(stop, bs)])
             num_tokens_after.append(stop)
             offsets.append(offset)
             num_block_ids.append(len(table) - offset)
@@ -449,10 +451,11 @@ class KVCache:
         bb = self.block_size * TOKEN_BYTES
         new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
         key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
-        ref_counts = self.pool.ref_counts
-        if any(ref_counts[b] > 1 for b in new_blocks):
+        counts = self.pool.ref_counts[np.asarray(new_blocks, dtype=np.intp)]
+        if counts.max() > 1:
             num_known = self.tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
-            shared = next(i for i in range(num_known, len(new_blocks) + 1) if i == len(new_blocks) or ref_counts[new_blocks[i]] > 1)
+            held_by_others = np.flatnonzero(counts[num_known:] > 1)
+            shared = num_known + int(held_by_others[0]) if held_by_others.size else len(new_blocks)
             if shared == 0:
                 return
             new_blocks, key = new_blocks[:shared], key[: shared * bb]
@@ -489,18 +492,17 @@ class KVCache:
         its last holders. Changes nothing.
         """
         sequences = self._batch_sequences(list(seq_ids))
-        holds: collections.Counter[int] = collections.Counter()
         locks: collections.Counter[int] = collections.Counter()
         nodes: dict[int, Node] = {}
         for seq in sequences:
-            holds.update(seq.private_blocks())
             node = seq.lock_node
             while node.parent is not None:
                 locks[node.node_id] += 1
                 nodes[node.node_id] = node
                 node = node.parent
-        ref_counts = self.pool.ref_counts
-        freed = sum(1 for block_id, n in holds.items() if ref_counts[block_id] == n)
+        held = np.asarray([b for seq in sequences for b in seq.private_blocks()], dtype=np.intp)
+        block_ids, holds = np.unique(held, return_counts=True)
+        freed = int(np.count_nonzero(self.pool.ref_counts[block_ids] == holds))
         unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)
         return freed + unlocked
 
