@@ -86,8 +86,9 @@ def test_bad_kv_scales(layout, kv_scales):
 
 
 def test_fp8_layout_for_a_budget_fits_it():
-    layout = PoolLayout.for_budget(2**20, num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype="float8_e4m3fn")
-    fp16 = PoolLayout.for_budget(2**20, num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
+    shape = dict(num_layers=3, num_kv_heads=1, head_dim=64, block_size=16)
+    layout = PoolLayout.for_budget(2**20, **shape, dtype="float8_e4m3fn")
+    fp16 = PoolLayout.for_budget(2**20, **shape, dtype="float16")
     assert layout.total_bytes <= 2**20
     assert layout.num_blocks == (2**20 - 16 - 24) // 6144 == 2 * fp16.num_blocks  # the scales' 24 bytes (+16 align) off
 
