@@ -30,7 +30,8 @@ class SlotPlan:
         counts = np.asarray(self.counts, dtype=np.int64)
         firsts = np.cumsum(counts) - counts
         positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
-        return np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+        slots: npt.NDArray[np.int64] = np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+        return slots
 
 
 class _SlotsOnFirstRead:
