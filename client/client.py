@@ -273,6 +273,59 @@ class RadixKVClient:
             for seq_id in ids:
                 self._tables.pop(seq_id, None)
 
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """The K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` is written; see `KVCache.commit`.
+
+        Call it after the worker has written a step, before `cache`, `fork` or `release(cache=True)`
+        of a sequence whose last tokens it wrote: only full blocks below the watermark are cached.
+        """
+        ids, counts = list(seq_ids), list(num_tokens)
+        request = _checked(
+            lambda: pb.CommitTokensRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids, num_tokens=counts),
+            lambda: [("seq_ids", ids, _SEQ_ID_BOUND), ("num_tokens", counts, _TOKEN_BOUND)],
+        )
+        self._call(self._stub.CommitTokens, request)
+
+    def describe_sequences(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(num_tokens, num_computed_tokens) of each sequence, in one call."""
+        ids = list(seq_ids)
+        request = _checked(
+            lambda: pb.DescribeSequencesRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids),
+            lambda: [("seq_ids", ids, _SEQ_ID_BOUND)],
+        )
+        response = self._call(self._stub.DescribeSequences, request)
+        return list(zip(response.num_tokens, response.num_computed_tokens, strict=True))
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens the sequence holds."""
+        return self.describe_sequences([seq_id])[0][0]
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """The sequence's computed watermark: leading tokens whose K/V is written."""
+        return self.describe_sequences([seq_id])[0][1]
+
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could take now: free, or cached and evictable."""
+        return self._call(self._stub.Stats, pb.StatsRequest(pool=self.pool, session_id=self.session_id)).num_available_blocks
+
+    def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        """Would `append_batch(seq_ids, num_tokens, ...)` fit the pool now? Changes nothing."""
+        ids, counts = list(seq_ids), list(num_tokens)
+        request = _checked(
+            lambda: pb.CanAppendRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids, num_token_ids=counts),
+            lambda: [("seq_ids", ids, _SEQ_ID_BOUND), ("num_tokens", counts, _TOKEN_BOUND)],
+        )
+        return self._call(self._stub.CanAppend, request).can_append
+
+    def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
+        """How many blocks releasing `seq_ids` together would make available (for choosing whom to preempt)."""
+        ids = list(seq_ids)
+        request = _checked(
+            lambda: pb.FreeableBlocksRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids),
+            lambda: [("seq_ids", ids, _SEQ_ID_BOUND)],
+        )
+        return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
+
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""
         with self._lock:
@@ -350,7 +403,7 @@ def _token_list(token_ids: TokenIds) -> Sequence[int]:
 
 Request = TypeVar("Request")
 _TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself
-_SEQ_ID_BOUND = 2**64
+_SEQ_ID_BOUND = 2**63  # sequence ids are int64 end to end (uint64 on the wire, issued below 2^63)
 
 
 def _checked(

@@ -180,6 +180,54 @@ class KVService:
                 self._forget(pool, session, seq_id)
         return len(seq_ids)
 
+    def commit(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Advance the computed watermarks of the session's sequences (see `KVCache.commit`)."""
+        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        with pool.lock:
+            _check_live(session)
+            self._check_owners(pool, session, seq_ids)
+            pool.cache.commit(seq_ids, num_tokens)
+
+    def describe_sequences(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """(num_tokens, num_computed_tokens) of each of the session's sequences."""
+        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        with pool.lock:
+            _check_live(session)
+            self._check_owners(pool, session, seq_ids)
+            return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
+
+    def can_append(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]
+    ) -> tuple[bool, int]:
+        """(would this append fit the pool now, blocks available); changes nothing."""
+        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        with pool.lock:
+            _check_live(session)
+            self._check_owners(pool, session, seq_ids)
+            return pool.cache.can_append(seq_ids, num_token_ids), pool.cache.num_available_blocks()
+
+    def freeable_blocks(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]) -> int:
+        """Blocks releasing the session's `seq_ids` together would make available; changes nothing."""
+        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        with pool.lock:
+            _check_live(session)
+            self._check_owners(pool, session, seq_ids)
+            return pool.cache.freeable_blocks(seq_ids)
+
+    def num_available_blocks(self, pool_name: str) -> int:
+        pool = self.pool(pool_name)
+        with pool.lock:
+            return pool.cache.num_available_blocks()
+
+    @staticmethod
+    def _check_owners(pool: Pool, session: Session, seq_ids: Sequence[int]) -> None:
+        owners = pool.owners
+        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # check fast, name slowly
+            for i, seq_id in enumerate(seq_ids):
+                _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
+
     # -- prefixes ---------------------------------------------------------------------------------
 
     def match(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
