@@ -178,12 +178,12 @@ class Orchestrator:
             self.client.cache(r.seq_id)  # type: ignore[arg-type]  # committed above: its full blocks publish
         while waiting or running:
             self.report.num_steps += 1
-            if running:
-                self.decode(running, waiting)
             for r in [r for r in running if len(r.output) >= r.max_new_tokens]:
                 self.release(r, cache=True)
                 running.remove(r)
                 self.report.finished.append(r.name)
+            if running:
+                self.decode(running, waiting)
             running += self.admit(waiting, max_batch - len(running))
             if not running and waiting:
                 raise RuntimeError("the pool cannot hold even one waiting request")
