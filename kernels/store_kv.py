@@ -66,7 +66,7 @@ def store_kv(
     Args:
         key, value: `[num_tokens, num_kv_heads, head_dim]`, the caches' dtype.
         kv_layer: `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`, as
-            `KVStorage.layer(l)` returns them.
+            a worker's `PoolView.layer(l)` returns them.
         slots: int64 `[num_tokens]`; a negative slot skips its token (padding).
         backend: "triton" or "torch" to force one; None picks (see `radixkv.kernels.backend`).
         validate: False skips the check that reads `slots` (a device sync on CUDA); shapes are always checked.

@@ -100,3 +100,17 @@ def test_freeable_blocks_predicts_what_a_release_frees(server, debug):
         client.release_many([parent, child], cache=True)
         assert client.num_available_blocks() - before == both == 4
     debug.check()
+
+
+def test_close_releases_without_caching_even_what_is_committed(server, debug):
+    prompt = _tokens(9700, 9)
+    with RadixKVClient(server.address) as client:
+        seq = client.open(prompt).seq_id
+        client.commit([seq], [9])
+    with RadixKVClient(server.address) as probe:
+        assert probe.match(prompt) == 0, "close() ended the session: nothing it held was cached"
+        seq = probe.open(prompt).seq_id
+        probe.commit([seq], [9])
+        probe.release(seq, cache=True)
+        assert probe.match(prompt) == 8
+    debug.check()
