@@ -6,10 +6,13 @@ figures about it are read as differences; "tiny" (8 blocks) holds one test's seq
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks, PermissionDenied, UnknownSequence
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -114,3 +117,15 @@ def test_close_releases_without_caching_even_what_is_committed(server, debug):
         probe.release(seq, cache=True)
         assert probe.match(prompt) == 8
     debug.check()
+
+
+def test_an_expired_lease_caches_nothing_even_what_was_committed(server, debug, wait_until):
+    prompt = _tokens(9800, 12)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
+        baseline = debug.check().num_live_sequences
+        session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.3)).session_id
+        (opened,) = stub.OpenSequences(pb.OpenSequencesRequest(session_id=session, prompts=[pb.Prompt(token_ids=prompt)])).sequences
+        stub.CommitTokens(pb.CommitTokensRequest(session_id=session, seq_ids=[opened.seq_id], num_tokens=[12]))
+        assert wait_until(lambda: debug.check().num_live_sequences == baseline, timeout=5)
+        assert stub.Match(pb.MatchRequest(token_ids=prompt)).num_cached_tokens == 0
