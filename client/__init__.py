@@ -1,4 +1,4 @@
-"""radixkv's clients: `RadixKVClient` for orchestrators, `PoolView` for co-located workers.
+"""radixkv's clients: `RadixKVClient` for orchestrators, `PoolView` for co-located workers, `Router` for fleets.
 
 Importing this package never imports torch: an orchestrator needs none. `PoolView` imports it
 when a view is opened.
@@ -7,5 +7,17 @@ when a view is opened.
 from radixkv.client.client import RadixKVClient
 from radixkv.client.events import EventStream, KVEvent, KVEventKind
 from radixkv.client.pool_view import PoolInfo, PoolView
+from radixkv.client.router import Balance, InstanceStatus, NoInstanceAvailable, Router
 
-__all__ = ["EventStream", "KVEvent", "KVEventKind", "PoolInfo", "PoolView", "RadixKVClient"]
+__all__ = [
+    "Balance",
+    "EventStream",
+    "InstanceStatus",
+    "KVEvent",
+    "KVEventKind",
+    "NoInstanceAvailable",
+    "PoolInfo",
+    "PoolView",
+    "RadixKVClient",
+    "Router",
+]

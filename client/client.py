@@ -22,30 +22,29 @@ Failures and restarts:
 from __future__ import annotations
 
 import itertools
-import json
+import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
+from radixkv.client import messages as m
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.pool_view import PoolInfo
-from radixkv.errors import InvalidArgument, UnknownSequence, UnknownSession
+from radixkv.errors import UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.layout import PoolLayout
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
+from radixkv.step import Step, StepResult
 from radixkv.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
 Response = TypeVar("Response")
-_STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name]
 
 
 class RadixKVClient:
@@ -90,8 +89,10 @@ class RadixKVClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
         self.pool = pool
-        self._tables: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
+        self._tables = m.BlockTables()
+        self._stream_lock = threading.Lock()  # one step at a time on the stream
+        self._steps: _StepStream | None = None
+        self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
         try:
             self._open_session()
@@ -133,8 +134,9 @@ class RadixKVClient:
             self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
         except UnknownSession:  # ServerRestarted included: nothing of it is left to close
             pass
-        with self._lock:
-            self._tables.clear()
+        with self._stream_lock:
+            self._drop_stream()
+        self._tables.clear()
         self._open_session()
 
     def close(self) -> None:
@@ -148,8 +150,9 @@ class RadixKVClient:
             if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
                 raise  # the server is gone, and its sessions with it; anything else is news
         finally:
-            with self._lock:
-                self._tables.clear()
+            with self._stream_lock:
+                self._drop_stream()
+            self._tables.clear()
             self._channel.close()
 
     def __enter__(self) -> RadixKVClient:
@@ -168,26 +171,9 @@ class RadixKVClient:
 
     def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
         """Open several sequences, all or none."""
-        lists = [_token_list(t) for t, _ in prompts]
-        request = _checked(
-            lambda: pb.OpenSequencesRequest(
-                pool=self.pool,
-                session_id=self.session_id,
-                prompts=[pb.Prompt(token_ids=t, namespace=ns) for t, (_, ns) in zip(lists, prompts, strict=True)],
-            ),
-            lambda: [
-                (f"prompts[{i}].token_ids" if len(lists) > 1 else "token_ids", t, _TOKEN_BOUND)
-                for i, t in enumerate(lists)
-            ],
-        )
-        response = self._call(self._stub.OpenSequences, request)
-        results = [
-            OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
-            for s in response.sequences
-        ]
-        with self._lock:
-            for result in results:
-                self._tables[result.seq_id] = list(result.block_table)
+        request = m.open_request(self.pool, self.session_id, prompts)
+        results = m.open_results(self._call(self._stub.OpenSequences, request))
+        self._tables.opened(results)
         return results
 
     def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
@@ -196,65 +182,25 @@ class RadixKVClient:
 
     def append_many(self, items: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none (one decode step)."""
-        lists = [_token_list(t) for _, t in items]
-        return self.append_batch(
-            [seq_id for seq_id, _ in items], [len(t) for t in lists], list(itertools.chain.from_iterable(lists))
-        ).results()
+        return self.append_batch(*m.append_items(items)).results()
 
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns, as the wire carries it; see `KVCache.append_batch`."""
-        tokens = _token_list(token_ids)
-        request = _checked(
-            lambda: pb.AppendTokensRequest(
-                pool=self.pool, session_id=self.session_id, seq_ids=seq_ids, num_token_ids=num_token_ids, token_ids=tokens
-            ),
-            lambda: [
-                ("seq_ids", seq_ids, _SEQ_ID_BOUND),
-                ("num_token_ids", num_token_ids, _TOKEN_BOUND),
-                ("token_ids", tokens, _TOKEN_BOUND),
-            ],
-        )
-        response = self._call(self._stub.AppendTokens, request)
-        batch = AppendBatch(
-            list(seq_ids),
-            list(num_token_ids),
-            list(response.num_tokens),
-            list(response.table_offsets),
-            list(response.num_block_ids),
-            list(response.block_ids),
-            [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
-            np.array(response.slots, dtype=np.int64),
-        )
-        with self._lock:
-            start = 0
-            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
-                table = self._tables.get(seq_id)
-                if table is not None:
-                    table[offset:] = batch.block_ids[start : start + num_blocks]
-                start += num_blocks
+        request = m.append_request(self.pool, self.session_id, seq_ids, num_token_ids, token_ids)
+        batch = m.append_result(seq_ids, num_token_ids, self._call(self._stub.AppendTokens, request))
+        self._tables.appended(batch)
         return batch
 
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id`; returns their ids."""
-        request = _checked(
-            lambda: pb.ForkSequenceRequest(
-                pool=self.pool, session_id=self.session_id, seq_id=seq_id, num_children=num_children
-            ),
-            lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND), ("num_children", [num_children], _TOKEN_BOUND)],
-        )
+        request = m.fork_request(self.pool, self.session_id, seq_id, num_children)
         children = list(self._call(self._stub.ForkSequence, request).child_seq_ids)
-        with self._lock:
-            parent = self._tables.get(seq_id, [])
-            for child in children:
-                self._tables[child] = list(parent)
+        self._tables.forked(seq_id, children)
         return children
 
     def cache(self, seq_id: int) -> int:
         """Insert the sequence's full blocks into the prefix tree now; returns its tokens cached."""
-        request = _checked(
-            lambda: pb.CacheSequenceRequest(pool=self.pool, session_id=self.session_id, seq_id=seq_id),
-            lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND)],
-        )
+        request = m.cache_request(self.pool, self.session_id, seq_id)
         return self._call(self._stub.CacheSequence, request).num_cached_tokens
 
     def release(self, seq_id: int, cache: bool = True) -> None:
@@ -264,14 +210,48 @@ class RadixKVClient:
     def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
         """End several sequences, all or none."""
         ids = list(seq_ids)
-        request = _checked(
-            lambda: pb.ReleaseSequencesRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids, cache=cache),
-            lambda: [(f"seq_ids[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(ids)],
-        )
-        self._call(self._stub.ReleaseSequences, request)
-        with self._lock:
-            for seq_id in ids:
-                self._tables.pop(seq_id, None)
+        self._call(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
+        self._tables.released(ids)
+
+    def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
+        """One scheduler step in one round trip on the session's stream: all of it, or none (see `Step`).
+
+        A step whose stream broke (UNAVAILABLE) is re-sent once on a new stream with the same
+        request id, which the server answers without applying it twice. `request_id`: by default
+        the next of this session's own.
+
+        Raises:
+            RadixKVError: the exception the unary call of the refused item would raise; nothing was applied.
+        """
+        request = m.step_request(self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step)
+        with self._stream_lock:
+            try:
+                response = self._stream().send(request)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                    raise error_from_rpc(e) from e
+                self._drop_stream()
+                try:
+                    response = self._stream().send(request)
+                except grpc.RpcError as again:
+                    self._drop_stream()
+                    raise error_from_rpc(again) from again
+        result = m.step_result(step, response)
+        self._tables.stepped(step, result)
+        return result
+
+    def _stream(self) -> _StepStream:
+        if self._steps is None:
+            self._steps = _StepStream(self._stub, self._metadata)
+        return self._steps
+
+    def _drop_stream(self) -> None:
+        """End the stream (the server then lets the lease run again); the next step opens a new one."""
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+    # -- the computed watermark and scheduling queries ---------------------------------------------
 
     def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """The K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` is written; see `KVCache.commit`.
@@ -279,22 +259,13 @@ class RadixKVClient:
         Call it after the worker has written a step, before `cache`, `fork` or `release(cache=True)`
         of a sequence whose last tokens it wrote: only full blocks below the watermark are cached.
         """
-        ids, counts = list(seq_ids), list(num_tokens)
-        request = _checked(
-            lambda: pb.CommitTokensRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids, num_tokens=counts),
-            lambda: [("seq_ids", ids, _SEQ_ID_BOUND), ("num_tokens", counts, _TOKEN_BOUND)],
-        )
+        request = m.commit_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
         self._call(self._stub.CommitTokens, request)
 
     def describe_sequences(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(num_tokens, num_computed_tokens) of each sequence, in one call."""
-        ids = list(seq_ids)
-        request = _checked(
-            lambda: pb.DescribeSequencesRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids),
-            lambda: [("seq_ids", ids, _SEQ_ID_BOUND)],
-        )
-        response = self._call(self._stub.DescribeSequences, request)
-        return list(zip(response.num_tokens, response.num_computed_tokens, strict=True))
+        request = m.seq_ids_request(pb.DescribeSequencesRequest, self.pool, self.session_id, list(seq_ids))
+        return m.described(self._call(self._stub.DescribeSequences, request))
 
     def num_tokens(self, seq_id: int) -> int:
         """Tokens the sequence holds."""
@@ -306,80 +277,47 @@ class RadixKVClient:
 
     def num_available_blocks(self) -> int:
         """Blocks an allocation could take now: free, or cached and evictable."""
-        return self._call(self._stub.Stats, pb.StatsRequest(pool=self.pool, session_id=self.session_id)).num_available_blocks
+        request = pb.StatsRequest(pool=self.pool, session_id=self.session_id)
+        return self._call(self._stub.Stats, request).num_available_blocks
 
     def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
         """Would `append_batch(seq_ids, num_tokens, ...)` fit the pool now? Changes nothing."""
-        ids, counts = list(seq_ids), list(num_tokens)
-        request = _checked(
-            lambda: pb.CanAppendRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids, num_token_ids=counts),
-            lambda: [("seq_ids", ids, _SEQ_ID_BOUND), ("num_tokens", counts, _TOKEN_BOUND)],
-        )
+        request = m.can_append_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
         return self._call(self._stub.CanAppend, request).can_append
 
     def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
         """How many blocks releasing `seq_ids` together would make available (for choosing whom to preempt)."""
-        ids = list(seq_ids)
-        request = _checked(
-            lambda: pb.FreeableBlocksRequest(pool=self.pool, session_id=self.session_id, seq_ids=ids),
-            lambda: [("seq_ids", ids, _SEQ_ID_BOUND)],
-        )
+        request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
         return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""
-        with self._lock:
-            table = self._tables.get(seq_id)
-            if table is None:
-                raise UnknownSequence(seq_id)
-            return list(table)
+        return self._tables.get(seq_id)
 
     # -- prefixes ---------------------------------------------------------------------------------
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens are cached; changes nothing."""
-        tokens = _token_list(token_ids)
-        request = _checked(
-            lambda: pb.MatchRequest(pool=self.pool, session_id=self.session_id, token_ids=tokens, namespace=namespace),
-            lambda: [("token_ids", tokens, _TOKEN_BOUND)],
-        )
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
         return self._call(self._stub.Match, request).num_cached_tokens
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""
-        tokens = _token_list(token_ids)
-        request = _checked(
-            lambda: pb.PinRequest(pool=self.pool, session_id=self.session_id, token_ids=tokens, namespace=namespace),
-            lambda: [("token_ids", tokens, _TOKEN_BOUND)],
-        )
+        request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)
         return self._call(self._stub.Pin, request).num_pinned_tokens
 
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
-        tokens = _token_list(token_ids)
-        request = _checked(
-            lambda: pb.UnpinRequest(pool=self.pool, session_id=self.session_id, token_ids=tokens, namespace=namespace),
-            lambda: [("token_ids", tokens, _TOKEN_BOUND)],
-        )
+        request = m.prefix_request(pb.UnpinRequest, self.pool, self.session_id, token_ids, namespace)
         self._call(self._stub.Unpin, request)
 
     # -- pool -------------------------------------------------------------------------------------
 
     def stats(self) -> Stats:
-        response = self._call(self._stub.Stats, pb.StatsRequest(pool=self.pool, session_id=self.session_id))
-        return Stats(**{f: getattr(response.stats, f) for f in _STATS_FIELDS})
+        return m.stats_result(self._call(self._stub.Stats, pb.StatsRequest(pool=self.pool, session_id=self.session_id)))
 
     def get_pool(self) -> PoolInfo:
         """The pool's layout and the handle a co-located worker maps it with (see `PoolView`)."""
-        r = self._call(self._stub.GetPool, pb.GetPoolRequest(pool=self.pool, session_id=self.session_id))
-        layout = PoolLayout(
-            r.layout.num_layers,
-            r.layout.num_kv_heads,
-            r.layout.head_dim,
-            r.layout.block_size,
-            r.layout.num_blocks,
-            r.layout.dtype,
-        )
-        return PoolInfo(r.pool, layout, r.device, json.loads(r.handle_json))
+        return m.pool_info(self._call(self._stub.GetPool, pb.GetPoolRequest(pool=self.pool, session_id=self.session_id)))
 
     def watch_events(self, namespaces: Sequence[str] = (), *, include_snapshot: bool = False) -> EventStream:
         """Stream blocks stored into and removed from the prefix tree (all your namespaces when none named)."""
@@ -389,36 +327,33 @@ class RadixKVClient:
         return EventStream(self._stub.WatchEvents(request, metadata=self._metadata))
 
 
-def _token_list(token_ids: TokenIds) -> Sequence[int]:
-    if isinstance(token_ids, bytes):
-        return np.frombuffer(token_ids, dtype="<i4").tolist()
-    if isinstance(token_ids, np.ndarray):
-        return token_ids.tolist()
-    if not isinstance(token_ids, Sequence):
-        raise InvalidArgument(
-            "token_ids", f"must be a list, a numpy array or packed int32 bytes, got {type(token_ids).__name__}"
-        )
-    return token_ids
+class _StepStream:
+    """A Session stream driven from a blocking caller: a request goes in, its response comes out.
 
-
-Request = TypeVar("Request")
-_TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself
-_SEQ_ID_BOUND = 2**63  # sequence ids are int64 end to end (uint64 on the wire, issued below 2^63)
-
-
-def _checked(
-    build: Callable[[], Request], fields: Callable[[], Iterable[tuple[str, Sequence[object], int]]]
-) -> Request:
-    """Build a request; if protobuf refuses a value, raise InvalidArgument naming its field, as the server would.
-
-    `fields` lists (field name, values, exclusive upper bound); it is only called on failure.
+    gRPC's blocking API reads requests from an iterator on a thread of its own; a queue feeds it.
     """
-    try:
-        return build()
-    except (TypeError, ValueError):
-        for field, values, bound in fields():
-            if not isinstance(values, Sequence) or any(
-                not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound for v in values
-            ):
-                raise InvalidArgument(field, f"must be integers in [0, {bound})") from None
-        raise
+
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any) -> None:
+        self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+        self._responses = stub.Session(iter(self._requests.get, None), metadata=metadata)
+
+    def send(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        self._requests.put(request)
+        try:
+            return next(self._responses)
+        except StopIteration:  # the server ended the stream (it is stopping): as a broken connection
+            raise _StreamEnded() from None
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._responses.cancel()
+
+
+class _StreamEnded(grpc.RpcError):
+    """The server ended a Session stream without a status; the step is re-sent on a new stream."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the Session stream ended"

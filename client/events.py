@@ -66,6 +66,11 @@ def _event(e: pb.KVEvent, response: pb.WatchEventsResponse) -> KVEvent:
     )
 
 
+def event_batch(response: pb.WatchEventsResponse) -> EventBatch:
+    """One WatchEvents response as the clients hand it out."""
+    return EventBatch(response.epoch, response.seq, response.snapshot, [_event(e, response) for e in response.events])
+
+
 class EventStream:
     """An open WatchEvents stream: iterate it for events; `cancel()` (or leaving `with`) ends it."""
 
@@ -80,12 +85,7 @@ class EventStream:
         """One batch per response, empty ones included (an empty snapshot still names the epoch)."""
         try:
             for response in self._call:  # type: ignore[attr-defined]
-                yield EventBatch(
-                    response.epoch,
-                    response.seq,
-                    response.snapshot,
-                    [_event(e, response) for e in response.events],
-                )
+                yield event_batch(response)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
                 return

@@ -54,9 +54,13 @@ class PoolView:
     def data(self) -> torch.Tensor:
         return self._storage.data
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V caches, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s `kv_layer` `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K at 0, V at 1)."""
         return self._storage.layer(layer)
+
+    def kv_scales(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s fp32 `[2]` (k_scale, v_scale) for an fp8 pool, else None."""
+        return self._storage.kv_scales(layer)
 
     def close(self) -> None:
         """Drop this mapping (tensors still viewing it keep it alive until they go)."""

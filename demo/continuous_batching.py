@@ -79,12 +79,12 @@ def run_step(pool: PoolView, histories: list[list[int]], arrays: StepArrays) -> 
     new = [range(n - c, n) for n, c in zip(arrays.seq_lens.tolist(), arrays.num_new_tokens.tolist(), strict=True)]
     error = 0.0
     for layer in range(pool.layout.num_layers):
-        k_cache, v_cache = pool.layer(layer)
+        kv_layer = pool.layer(layer)  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         k, v = _stand_in_kv(histories, new, layer)  # [num_new_tokens, num_kv_heads, head_dim] each
-        store_kv(k, v, (k_cache, v_cache), t.slots)
+        store_kv(k, v, kv_layer, t.slots)
         q = torch.randn(len(histories), NUM_Q_HEADS, pool.layout.head_dim)  # [num_seqs, num_q_heads, head_dim]
         scale = pool.layout.head_dim**-0.5
-        out = paged_decode_attention(q, k_cache, v_cache, t.block_tables, t.seq_lens, scale)
+        out = paged_decode_attention(q, kv_layer, t.block_tables, t.seq_lens, scale)
         for i, tokens in enumerate(histories):
             k_all, v_all = _stand_in_kv([tokens], [range(len(tokens))], layer)  # what the cache must hold
             weights = torch.softmax(torch.einsum("hd,thd->ht", q[i], k_all.repeat_interleave(2, 1)) * scale, -1)

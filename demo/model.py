@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.demo.checkpoint import ModelConfig, load_checkpoint
+from radixkv.demo.gguf_checkpoint import is_gguf, load_gguf
 
 
 class Attention(Protocol):
@@ -133,17 +134,33 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-        """Load a HF-format checkpoint directory; every parameter must be present, and nothing else.
+        """Load a HF-format checkpoint directory or a Llama GGUF file; every parameter must be present, and nothing else.
 
         Raises:
             RuntimeError: missing or unexpected weights (the state dict does not fit a Llama).
         """
-        config, weights = load_checkpoint(path)
+        if is_gguf(path):
+            config, weights, _ = load_gguf(path)
+        else:
+            config, weights = load_checkpoint(path)
+        return cls.from_weights(config, weights, dtype)
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+        """The model holding `weights` (HF names); tied embeddings may leave `lm_head.weight` out.
+
+        Raises:
+            RuntimeError: missing or unexpected weights.
+        """
         weights = {name: w for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq")}
         if config.tie_word_embeddings:
             weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-        model = cls(config)
-        model.load_state_dict(weights, strict=True)
+        with torch.device("meta"):  # no random initialisation of weights about to be replaced
+            model = cls(config)
+        model.load_state_dict(weights, strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)  # its buffer is not in the state dict
         return model.to(dtype).eval()
 
     @property

@@ -1,10 +1,13 @@
 """The orchestrator: decides what every sequence does, through the radixkv client alone.
 
-Per scheduler step it admits a waiting request (open: the server matches the longest cached prefix),
-asks the worker to prefill the admitted prompt tails and decode every live sequence's newest token,
-then chooses next tokens: parallel samples fork from the prompt, beams fork where several survivors
-extend one beam and are released where none does, finished sequences are released with caching. Its
-appends come back with slots and copy-on-write pairs, which travel to the worker in the next step.
+Per scheduler step it admits waiting requests under a token budget (continuous batching, see
+`admission`; open: the server matches the longest cached prefix), asks the worker to prefill the
+admitted prompt tails and decode every live sequence's newest token, then chooses next tokens:
+parallel samples fork from the prompt, beams fork where several survivors extend one beam and are
+released where none does, finished sequences are released with caching. Its appends come back with
+slots and copy-on-write pairs, which travel to the worker in the next step. When the pool cannot hold
+a step's appends, the latest single-sequence request is preempted by recompute (vLLM's default): its
+computed blocks are published to the tree and it waits again, to re-open and hit them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch
 
 from radixkv.client import RadixKVClient
 from radixkv.demo import beam_search
+from radixkv.demo.admission import Admission
 from radixkv.demo.beam_search import Hypothesis
 from radixkv.demo.sampling import SamplingParams, sample_token
 from radixkv.demo.worker import DecodeInput, PrefillInput, Worker, WorkerStep
+from radixkv.errors import OutOfBlocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,7 +34,8 @@ class RequestSpec:
     """One request: `n` samples (`sampling`), or beam search when `beam_width` > 0.
 
     With `follows`, this is the next turn of that request's conversation: its prompt is the earlier
-    prompt, the earlier request's first output, then `prompt`.
+    prompt, the earlier request's first output (less an ending EOS, which the continuation restates
+    as a chat template does), then `prompt`. It arrives when the earlier request finishes.
     """
 
     name: str
@@ -50,7 +56,9 @@ class RequestResult:
     peak_blocks: int = 0  # most distinct blocks its sequences held at once
     num_cow_copies: int = 0
     num_generated_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from arrival to the last token
+    ttft: float = 0.0  # seconds from arrival to the first token
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,9 +68,13 @@ class StepRecord:
     step: int
     num_prefills: int
     num_cached_tokens: int  # of the prompts admitted this step
+    num_prefill_tokens: int  # computed this step: the admitted prompts' uncached tails
     num_decodes: int
     num_live_seqs: int
+    num_waiting: int  # arrived requests not yet admitted (preempted ones included)
+    num_preempted: int  # requests preempted this step
     num_copies: int
+    seconds: float  # the step's wall time: scheduling, the model, the appends
     blocks_radixkv: int  # the server's blocks in use: shared prefixes and forks count once
     blocks_unshared: int  # every live sequence its own blocks
     blocks_contiguous: float  # every live sequence a slab of prompt + max_new_tokens, in blocks
@@ -84,8 +96,11 @@ class _Request:
     generator: torch.Generator
     seqs: list[_Seq]
     hypotheses: list[Hypothesis]
-    started: float
-    prefill_slots: npt.NDArray[np.int64]  # [num_prompt - num_cached_tokens]
+    arrived: float
+    context: list[int]  # what it opens: the prompt, and after a preemption the tokens generated so far
+    num_cached_tokens: int = 0  # of `context`, at its latest open
+    prefill_slots: npt.NDArray[np.int64] = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    preempted: bool = False
 
     @property
     def num_prompt(self) -> int:
@@ -102,67 +117,104 @@ class Orchestrator:
         eos_token_ids: tuple[int, ...],
         namespace: str = "default",
         on_step: Callable[[StepRecord], None] | None = None,
+        max_batch_tokens: int = 512,
     ) -> None:
         self.client, self.worker, self.eos, self.namespace, self.on_step = client, worker, eos_token_ids, namespace, on_step
         self.block_size = client.get_pool().layout.block_size
+        self.admission = Admission(max_batch_tokens, self.block_size)
         self.steps: list[StepRecord] = []
+        self._waiting: list[_Request] = []
+        self._live: list[_Request] = []
+        self._to_cache: list[int] = []  # sequences to publish once this step's appends commit their prompt
+        self._num_preempted = 0  # in the current step
 
     def run(self, specs: list[RequestSpec]) -> list[RequestResult]:
-        """Admit one request per step (in order, a follow-up once its turn before has finished) until all finish.
+        """Run every request to completion: all arrive now, a follow-up when its turn before finishes.
 
         Raises:
             ValueError: a `follows` that names no earlier request (it could never be admitted).
+            OutOfBlocks: the pool cannot hold even one request's next step.
         """
         for i, spec in enumerate(specs):
             if spec.follows is not None and spec.follows not in {s.name for s in specs[:i]}:
                 raise ValueError(f"request {spec.name!r} follows {spec.follows!r}, which is not an earlier request")
-        waiting = list(specs)
+        later = [s for s in specs if s.follows is not None]
+        self._waiting = [self._arrive(s, []) for s in specs if s.follows is None]
+        self._live: list[_Request] = []
         done: dict[str, RequestResult] = {}
-        live: list[_Request] = []
         copies: list[tuple[int, int]] = []
-        while waiting or live:
-            admitted = []
-            ready = next((s for s in waiting if s.follows is None or s.follows in done), None)
-            if ready is not None:
-                waiting.remove(ready)
-                admitted.append(self._open(ready, done))
-            decoding = [(r, s) for r in live for s in r.seqs]
+        while self._waiting or self._live:
+            started = time.perf_counter()
+            self._num_preempted = 0
+            admitted = self._admit()
+            num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
+            decoding = [(r, s) for r in self._live for s in r.seqs]
             out = self.worker.execute(
                 WorkerStep(copies, [self._prefill_input(r) for r in admitted], [self._decode_input(s) for _, s in decoding])
             )
             appends: list[tuple[_Request, _Seq, int]] = []
             for request, logprobs in zip(admitted, out.prefill_logprobs, strict=True):
+                if not request.result.outputs[0]:
+                    request.result.ttft = time.perf_counter() - request.arrived
                 appends += self._after_prefill(request, logprobs)
             rows = iter(out.decode_logprobs)
-            for request in live:
+            for request in list(self._live):
                 logprobs = torch.stack([next(rows) for _ in request.seqs])  # [num_seqs, vocab_size]
                 appends += self._after_decode(request, logprobs)
+            self._live += admitted
             copies = self._append(appends)
-            for request in live + admitted:
-                if not request.seqs:
-                    request.result.seconds = time.perf_counter() - request.started
+            for request in self._live:
+                if not request.seqs and not request.preempted:
+                    request.result.seconds = time.perf_counter() - request.arrived
                     done[request.spec.name] = request.result
-            live = [r for r in live + admitted if r.seqs]
-            self._record(len(self.steps), admitted, len(decoding), live, len(copies))
+                    self._waiting += [self._arrive(s, request.result.prompt + self._answer(request)) for s in later if s.follows == request.spec.name]
+            self._live = [r for r in self._live if r.seqs]
+            self._record(admitted, num_prefill_tokens, len(decoding), len(copies), time.perf_counter() - started)
         return [done[s.name] for s in specs]
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _open(self, spec: RequestSpec, done: dict[str, RequestResult]) -> _Request:
-        prompt = list(spec.prompt)
-        if spec.follows is not None:
-            before = done[spec.follows]
-            prompt = before.prompt + before.outputs[0] + prompt
-        opened = self.client.open(prompt, self.namespace)
-        seq = _Seq(opened.seq_id, 0, prompt)
-        result = RequestResult(spec.name, prompt, opened.num_cached_tokens, [[] for _ in range(spec.sampling.n)], [])
-        result.peak_blocks = len(opened.block_table)
+    def _arrive(self, spec: RequestSpec, earlier_turn: list[int]) -> _Request:
+        prompt = earlier_turn + list(spec.prompt)
+        result = RequestResult(spec.name, prompt, 0, [[] for _ in range(spec.sampling.n)], [])
         generator = torch.Generator().manual_seed(spec.sampling.seed)
-        return _Request(spec, result, generator, [seq], [], time.perf_counter(), np.asarray(opened.slots, dtype=np.int64))
+        return _Request(spec, result, generator, [], [], time.perf_counter(), list(prompt))
+
+    def _answer(self, request: _Request) -> list[int]:
+        """The first output as the next turn's prompt carries it: an ending EOS is left to the continuation."""
+        output = request.result.outputs[0]
+        return output[:-1] if output and output[-1] in self.eos else list(output)
+
+    def _admit(self) -> list[_Request]:
+        """Open the requests the admission policy chooses; a request the pool cannot open yet keeps waiting."""
+        stats = self.client.stats()
+        num_decodes = sum(len(r.seqs) for r in self._live)
+        chosen = self.admission.choose(
+            [r.context for r in self._waiting], self.client, self.namespace, num_decodes,
+            stats.num_blocks_free + stats.num_blocks_evictable,
+        )
+        admitted = []
+        for request in [self._waiting[i] for i in chosen]:
+            try:
+                opened = self.client.open(request.context, self.namespace)
+            except OutOfBlocks:
+                if admitted or self._live:
+                    break  # blocks come back as live requests finish
+                raise
+            self._waiting.remove(request)
+            request.preempted = False
+            if not request.result.outputs[0] and not request.result.num_preemptions:
+                request.result.num_cached_tokens = opened.num_cached_tokens
+            request.num_cached_tokens = opened.num_cached_tokens
+            request.seqs = [_Seq(opened.seq_id, 0, list(request.context))]
+            request.prefill_slots = np.asarray(opened.slots, dtype=np.int64)
+            request.result.peak_blocks = max(request.result.peak_blocks, len(opened.block_table))
+            admitted.append(request)
+        return admitted
 
     def _prefill_input(self, request: _Request) -> PrefillInput:
         seq = request.seqs[0]
-        cached = request.result.num_cached_tokens
+        cached = request.num_cached_tokens
         return PrefillInput(seq.token_ids[cached:], cached, request.prefill_slots, self.client.block_table(seq.seq_id))
 
     def _decode_input(self, seq: _Seq) -> DecodeInput:
@@ -175,13 +227,14 @@ class Orchestrator:
         if request.spec.beam_width > 0:
             return self._beam_step(request, logprobs[None])
         parent = request.seqs[0]
-        tokens = [sample_token(logprobs, request.spec.sampling, request.generator) for _ in range(request.spec.sampling.n)]
+        outputs, n = request.result.outputs, request.spec.sampling.n
+        tokens = [sample_token(logprobs, request.spec.sampling, request.generator) for _ in range(n)]
         request.result.num_generated_tokens += len(tokens)
         request.seqs = []
         going: list[tuple[int, int]] = []  # (sample index, token) of samples that go on
         for index, token in enumerate(tokens):
-            request.result.outputs[index].append(token)
-            if token in self.eos or request.spec.max_new_tokens == 1:
+            outputs[index].append(token)
+            if token in self.eos or len(outputs[index]) == request.spec.max_new_tokens:
                 continue
             going.append((index, token))
         if not going:
@@ -190,7 +243,7 @@ class Orchestrator:
         # The samples share the whole prompt: forks hold its blocks, the partial last one copied on first write.
         children = self.client.fork(parent.seq_id, len(going) - 1) if len(going) > 1 else []
         if not children:
-            self.client.cache(parent.seq_id)  # so requests admitted while this one runs hit its prompt
+            self._to_cache.append(parent.seq_id)  # so requests admitted while this one runs hit its prompt
         appends = []
         for (index, token), seq_id in zip(going, [parent.seq_id, *children], strict=True):
             seq = _Seq(seq_id, index, list(parent.token_ids))
@@ -256,31 +309,73 @@ class Orchestrator:
     # -- appends and accounting ------------------------------------------------------------------
 
     def _append(self, appends: list[tuple[_Request, _Seq, int]]) -> list[tuple[int, int]]:
-        """One batched append for the whole step; returns the copy-on-write pairs for the worker."""
-        if not appends:
-            return []
-        results = self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends])
+        """One batched append for the whole step; returns the copy-on-write pairs for the worker.
+
+        When the pool runs out, preempts requests (latest first) until the rest fits.
+        """
+        while True:
+            try:
+                results = self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends]) if appends else []
+                break
+            except OutOfBlocks:
+                victim = self._preempt_one({id(r) for r, _, _ in appends})
+                if victim is None:
+                    raise  # forks and beams are not preempted: the pool is too small for them
+                appends = [a for a in appends if a[0] is not victim]
         copies = []
         for (request, seq, token), result in zip(appends, results, strict=True):
             seq.token_ids.append(token)
             seq.slot = int(np.asarray(result.slots)[0])
             copies += result.copies
             request.result.num_cow_copies += len(result.copies)
+        live = {s.seq_id for r in self._live for s in r.seqs}
+        for seq_id in self._to_cache:
+            if seq_id in live:  # its first append committed the prompt's K/V
+                self.client.cache(seq_id)
+        self._to_cache = []
         return copies
 
-    def _record(self, step: int, admitted: list[_Request], num_decodes: int, live: list[_Request], num_copies: int) -> None:
+    def _preempt_one(self, appending: set[int]) -> _Request | None:
+        """Preempt by recompute the latest single-sequence request of this step's appends.
+
+        Its K/V up to its newest appended token is computed, so releasing with caching publishes valid
+        blocks; it waits first in line and re-opens its prompt plus the tokens generated so far.
+        None when no request of the step can be.
+        """
+        victims = [
+            r for r in self._live
+            if id(r) in appending and len(r.seqs) == 1 and r.spec.beam_width == 0 and r.spec.sampling.n == 1
+        ]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda r: r.arrived)
+        self.client.release(victim.seqs[0].seq_id, cache=True)
+        victim.seqs, victim.preempted = [], True
+        victim.context = victim.result.prompt + victim.result.outputs[0]
+        victim.result.num_preemptions += 1
+        self._num_preempted += 1
+        self._waiting.insert(0, victim)
+        return victim
+
+    def _record(
+        self, admitted: list[_Request], num_prefill_tokens: int, num_decodes: int, num_copies: int, seconds: float
+    ) -> None:
         bs = self.block_size
-        seqs = [(r, s) for r in live for s in r.seqs]
-        for request in live:
+        seqs = [(r, s) for r in self._live for s in r.seqs]
+        for request in self._live:
             held = {b for s in request.seqs for b in self.client.block_table(s.seq_id)}
             request.result.peak_blocks = max(request.result.peak_blocks, len(held))
         record = StepRecord(
-            step=step,
+            step=len(self.steps),
             num_prefills=len(admitted),
-            num_cached_tokens=sum(r.result.num_cached_tokens for r in admitted),
+            num_cached_tokens=sum(r.num_cached_tokens for r in admitted),
+            num_prefill_tokens=num_prefill_tokens,
             num_decodes=num_decodes,
             num_live_seqs=len(seqs),
+            num_waiting=len(self._waiting),
+            num_preempted=self._num_preempted,
             num_copies=num_copies,
+            seconds=seconds,
             blocks_radixkv=self.client.stats().num_blocks_in_use,
             blocks_unshared=sum(-(-len(s.token_ids) // bs) for _, s in seqs),
             blocks_contiguous=sum(r.num_prompt + r.spec.max_new_tokens for r, _ in seqs) / bs,

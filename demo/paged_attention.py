@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels import paged_decode_attention, store_kv
+from radixkv.kernels import DecodePlan, paged_decode_attention, plan_decode, store_kv
 
 
 class PoolMemory(Protocol):
@@ -22,7 +22,14 @@ class PoolMemory(Protocol):
     @property
     def data(self) -> torch.Tensor: ...  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # k, v: [num_blocks, block_size, num_kv_heads, head_dim]
+    def layer(self, layer: int) -> torch.Tensor: ...  # kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+    def kv_scales(self, layer: int) -> torch.Tensor | None: ...  # fp32 [2] (k_scale, v_scale) of an fp8 pool
+
+
+def compute_dtype(kv_layer: torch.Tensor, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in: the cache's, unless the cache is fp8 (then the model's)."""
+    return model_dtype if kv_layer.element_size() == 1 else kv_layer.dtype
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,16 +72,19 @@ class PagedPrefill:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        k_cache, v_cache = self.pool.layer(layer)  # [num_blocks, block_size, num_kv_heads, head_dim] each
-        store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), (k_cache, v_cache), self.slots, backend=self.backend)
-        k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_slots, num_kv_heads, head_dim] each
+        kv_layer = self.pool.layer(layer)  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_scales = self.pool.kv_scales(layer)  # fp32 [2] for an fp8 pool, else None
+        dtype = compute_dtype(kv_layer, q.dtype)
+        store_kv(k.to(dtype), v.to(dtype), kv_layer, self.slots, kv_scales=kv_scales, backend=self.backend)
+        k_flat, v_flat = kv_layer.flatten(1, 2)  # [num_slots, num_kv_heads, head_dim] each
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)  # dequantize: stored x scale
         out = torch.empty_like(q)  # [num_tokens, num_q_heads, head_dim]
         start = 0
         for seq, context_slots, mask in zip(self.seqs, self.context_slots, self.masks, strict=True):
             stop = start + seq.num_new_tokens
             qs = q[start:stop].transpose(0, 1)  # [num_q_heads, num_new, head_dim]
-            ks = k_flat[context_slots].to(q.dtype).transpose(0, 1)  # [num_kv_heads, num_context, head_dim]
-            vs = v_flat[context_slots].to(q.dtype).transpose(0, 1)  # [num_kv_heads, num_context, head_dim]
+            ks = (k_flat[context_slots].to(q.dtype) * k_scale).transpose(0, 1)  # [num_kv_heads, num_context, head_dim]
+            vs = (v_flat[context_slots].to(q.dtype) * v_scale).transpose(0, 1)  # [num_kv_heads, num_context, head_dim]
             attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start:stop] = attended.transpose(0, 1)  # [num_new, num_q_heads, head_dim]
             start = stop
@@ -82,28 +92,44 @@ class PagedPrefill:
 
 
 class PagedDecode:
-    """Decode attention: one new token per sequence, attending to everything its block table holds."""
+    """Decode attention: one new token per sequence, attending to everything its block table holds.
+
+    The step's plan (split length, scratch) is made once from the host-side lengths and serves every
+    layer: no layer's call reads anything back from the device.
+    """
 
     def __init__(
         self,
         pool: PoolMemory,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
+        seq_lens: list[int],
         scale: float,
         sliding_window: int | None = None,
         backend: str | None = None,
+        *,
+        num_q_heads: int,
+        model_dtype: torch.dtype,
     ) -> None:
-        # slots: int64 [num_seqs]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: int32 [num_seqs], new token included
-        self.pool, self.slots, self.block_tables, self.seq_lens = pool, slots, block_tables, seq_lens
+        # slots: int64 [num_seqs]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: new token included
+        device = block_tables.device
+        self.pool, self.slots, self.block_tables = pool, slots, block_tables
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
         self.scale, self.sliding_window, self.backend = scale, sliding_window, backend
+        _, _, _, _, num_kv_heads, head_dim = pool.data.shape
+        self.plan: DecodePlan = plan_decode(
+            seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            cache_dtype=pool.data.dtype, device=device, sliding_window=sliding_window,
+        )
+        self.dtype = compute_dtype(pool.data, model_dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_seqs, num_q_heads, head_dim]; k, v: [num_seqs, num_kv_heads, head_dim]
-        k_cache, v_cache = self.pool.layer(layer)  # [num_blocks, block_size, num_kv_heads, head_dim] each
-        store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), (k_cache, v_cache), self.slots, backend=self.backend)
+        kv_layer = self.pool.layer(layer)  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_scales = self.pool.kv_scales(layer)  # fp32 [2] for an fp8 pool, else None
+        store_kv(k.to(self.dtype), v.to(self.dtype), kv_layer, self.slots, kv_scales=kv_scales, backend=self.backend)
         out = paged_decode_attention(
-            q.to(k_cache.dtype), k_cache, v_cache, self.block_tables, self.seq_lens, self.scale,
-            sliding_window=self.sliding_window, backend=self.backend,
+            q.to(self.dtype), kv_layer, self.block_tables, self.seq_lens, self.scale, kv_scales=kv_scales,
+            sliding_window=self.sliding_window, plan=self.plan, backend=self.backend,
         )  # [num_seqs, num_q_heads, head_dim]
         return out.to(q.dtype)

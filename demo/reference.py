@@ -70,14 +70,15 @@ def forward(model: LlamaForCausalLM, caches: list[DenseKV], new_tokens: list[lis
     return logprobs
 
 
-def greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of `prompt`: argmax each step, stopping early at EOS (included)."""
+def greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None) -> list[int]:
+    """Greedy continuation of `prompt`: argmax each step, stopping early at EOS (included; default: the model's)."""
+    eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     kv = DenseKV(model, len(prompt) + max_new_tokens)
     logprobs = forward(model, [kv], [prompt])[0]  # [vocab_size]
     generated: list[int] = []
     while True:
         generated.append(int(logprobs.argmax()))
-        if len(generated) == max_new_tokens or generated[-1] in model.config.eos_token_ids:
+        if len(generated) == max_new_tokens or generated[-1] in eos:
             return generated
         logprobs = forward(model, [kv], [generated[-1:]])[0]
 

@@ -11,9 +11,10 @@ MIB = 2**20
 
 
 def format_step(r: StepRecord) -> str:
-    prefill = f"prefill {r.num_prefills} ({r.num_cached_tokens:>3} cached)" if r.num_prefills else "prefill 0"
+    prefill = f"prefill {r.num_prefills} ({r.num_prefill_tokens:>3} new, {r.num_cached_tokens:>3} cached)" if r.num_prefills else "prefill 0"
+    preempted = f" | preempted {r.num_preempted}" if r.num_preempted else ""
     return (
-        f"step {r.step:>3} | {prefill:<22} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs | "
+        f"step {r.step:>3} | {prefill:<32} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs, {r.num_waiting} waiting{preempted} | "
         f"blocks: radixkv {r.blocks_radixkv:>3}, unshared {r.blocks_unshared:>3}, contiguous {r.blocks_contiguous:>5.1f} | "
         f"cow {r.num_copies}"
     )

@@ -100,6 +100,10 @@ class Worker:
         token_ids = torch.tensor([d.token_id for d in decodes], dtype=torch.int64)  # [num_seqs]
         positions = torch.tensor([d.position for d in decodes], dtype=torch.int64)  # [num_seqs]
         slots = torch.tensor([d.slot for d in decodes], dtype=torch.int64)  # [num_seqs]
-        seq_lens = (positions + 1).to(torch.int32)  # [num_seqs]
-        attention = PagedDecode(self.pool, slots, block_tables, seq_lens, self.scale, self.model.config.sliding_window, self.backend)
+        seq_lens = [d.position + 1 for d in decodes]  # host-side: the decode plan is made from them, no device read
+        c = self.model.config
+        attention = PagedDecode(
+            self.pool, slots, block_tables, seq_lens, self.scale, c.sliding_window, self.backend,
+            num_q_heads=c.num_q_heads, model_dtype=self.model.dtype,
+        )
         return self.model(token_ids, positions, attention, torch.arange(num_seqs))  # [num_seqs, vocab_size]

@@ -1,4 +1,7 @@
-"""copy_blocks: apply copy-on-write instructions `(src_block, dst_block)` to every layer's K and V in one launch."""
+"""copy_blocks: apply copy-on-write instructions `(src_block, dst_block)` to every layer's K and V in one launch.
+
+It copies bits (through an integer view of the pool), so every pool dtype, fp8 included, copies exactly.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ import triton
 import triton.language as tl
 
 from radixkv.kernels.backend import pick_backend
-from radixkv.kernels.validate import FLOAT_DTYPES, check_block_size, check_tensor
+from radixkv.kernels.validate import FLOAT_DTYPES, FP8_DTYPE, check_block_size, check_tensor, should_validate
 
 # Elements one program copies: a block of 16 tokens x 8 heads x 128 dims is two programs.
 _CHUNK = 8192
+_BITS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # an integer dtype of each element size
 
 
 @triton.jit
@@ -38,7 +42,7 @@ def copy_blocks(
     pairs: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
     *,
     backend: str | None = None,
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> None:
     """Copy block `src` onto block `dst` for each row of `pairs`, in every layer's K and V, in place.
 
@@ -50,7 +54,8 @@ def copy_blocks(
             `StepArrays.copies`. Destinations must be distinct and not also sources, so the result does
             not depend on the order programs run in.
         backend: "triton" or "torch" to force one; None picks (see `radixkv.kernels.backend`).
-        validate: False skips the checks that read `pairs` (a device sync on CUDA).
+        validate: read `pairs` to reject bad block ids; a device sync on CUDA, so None (the default) checks
+            CPU tensors only.
 
     Raises:
         ValueError: a malformed argument (the message starts with its name), or a block id out of range.
@@ -62,6 +67,7 @@ def copy_blocks(
     if pick_backend(kv_data.device, backend) == "torch":
         copy_blocks_reference(kv_data, pairs)
         return
+    kv_data = kv_data.view(_BITS[kv_data.element_size()])
     num_layers = kv_data.shape[0]
     block_numel = kv_data[0, 0, 0].numel()
     chunk = min(triton.next_power_of_2(block_numel), _CHUNK)
@@ -96,7 +102,7 @@ def _as_pairs(pairs: object, kv_data: object) -> torch.Tensor:
 
 
 def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: bool) -> None:
-    check_tensor("kv_data", kv_data, ndim=6, dtypes=FLOAT_DTYPES)
+    check_tensor("kv_data", kv_data, ndim=6, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     if kv_data.shape[1] != 2:
         raise ValueError(f"kv_data: axis 1 holds K and V and must be 2, got shape {tuple(kv_data.shape)}")
     num_blocks, block_size, num_kv_heads, head_dim = kv_data.shape[2:]
@@ -106,7 +112,7 @@ def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: boo
     check_tensor("pairs", pairs, ndim=2, dtypes=(torch.int64,), device=kv_data.device)
     if pairs.shape[1] != 2:
         raise ValueError(f"pairs: expected shape [num_pairs, 2] of (src_block, dst_block), got {tuple(pairs.shape)}")
-    if not validate or pairs.shape[0] == 0:
+    if not should_validate(validate, kv_data.device) or pairs.shape[0] == 0:
         return
     low, high = int(pairs.min()), int(pairs.max())
     if low < 0 or high >= num_blocks:

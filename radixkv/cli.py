@@ -7,7 +7,7 @@ import sys
 import time
 
 from radixkv.kv_cache import KVCache
-from radixkv.layout import DTYPE_BYTES
+from radixkv.layout import DTYPE_ALIASES, DTYPE_BYTES
 from radixkv.model_shape import MODEL_SHAPES, ModelShape, resolve_model
 from radixkv.plan import format_plan, parse_bytes, plan_capacity
 from radixkv.workload import make_trace, replay, working_set
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--layers", type=int, help="with --kv-heads and --head-dim: a shape instead of --model")
     plan.add_argument("--kv-heads", type=int)
     plan.add_argument("--head-dim", type=int)
-    plan.add_argument("--dtype", default="float16", choices=sorted(DTYPE_BYTES), help="KV cache dtype (default: %(default)s)")
+    plan.add_argument(
+        "--dtype", default="float16", choices=[*sorted(DTYPE_BYTES), *DTYPE_ALIASES],
+        help="KV cache dtype; fp8 = float8_e4m3fn (default: %(default)s)",
+    )
     plan.add_argument(
         "--gpu-memory",
         default="80GiB",

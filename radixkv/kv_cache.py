@@ -152,10 +152,11 @@ class KVCache:
         """
         return self.open_many([(token_ids, namespace)])[0]
 
-    def _plan_open(self, requests: Sequence[tuple[TokenIds, str]]) -> list[tuple[bytes, Node, Match]]:
-        """Validate a batch of opens and check capacity before anything changes.
+    def _plan_open(self, requests: Sequence[tuple[TokenIds, str]]) -> tuple[list[tuple[bytes, Node, Match]], int]:
+        """Validate a batch of opens and check capacity before anything changes; also returns the blocks it takes.
 
-        Blocks needed must fit in free blocks plus what stays evictable once every matched path is locked.
+        Blocks needed must fit in free blocks plus what stays evictable once every matched path is
+        locked; opening takes exactly that many (needed + newly locked) from `num_available_blocks`.
         """
         keys: list[tuple[bytes, Node]] = []
         for i, (token_ids, namespace) in enumerate(requests):
@@ -177,12 +178,12 @@ class KVCache:
         if needed > available:
             self.stats_counters.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
-        return planned
+        return planned, needed + sum(newly_locked.values())
 
     def open_many(self, requests: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
         """Open several sequences, all or none (one scheduler step's admissions)."""
         try:
-            keys = self._plan_open(requests)
+            keys, _ = self._plan_open(requests)
         except RadixKVError:
             self.tree.drop_empty_roots()  # namespaces this refused request created
             raise
@@ -239,6 +240,11 @@ class KVCache:
         All or none. Validation runs once for the batch and slots are computed only when read,
         so a step of hundreds of sequences costs a few microseconds each.
         """
+        return self._append_columns(seq_ids, *self._append_args(seq_ids, num_token_ids, token_ids))
+
+    @staticmethod
+    def _append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> tuple[list[int], bytes]:
+        """`append_batch`'s arguments checked: (the counts as ints, the tokens packed)."""
         if len(num_token_ids) != len(seq_ids):
             raise InvalidArgument("num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
         counts = [int(n) for n in num_token_ids]
@@ -247,11 +253,13 @@ class KVCache:
         key = to_token_bytes(token_ids, "token_ids")
         if sum(counts) * TOKEN_BYTES != len(key):
             raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {len(key) // TOKEN_BYTES}")
-        return self._append_columns(seq_ids, counts, key)
+        return counts, key
 
-    def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
-        """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
-        sequences = self._batch_sequences(seq_ids)
+    def _plan_append(self, sequences: list[_Sequence], counts: list[int]) -> list[tuple[int, bool]]:
+        """Per sequence: how many blocks its append takes and whether it copies its last block first.
+
+        Changes nothing; raises LimitExceeded for a sequence that would grow past the cap.
+        """
         bs, limit, ref_counts = self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts
         copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
         plans: list[tuple[int, bool]] = []
@@ -268,6 +276,13 @@ class KVCache:
                     copied_away[last] = copied_away.get(last, 0) + 1
                     cow = True
             plans.append((-(-num_tokens // bs) - len(table) + cow, cow))
+        return plans
+
+    def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
+        """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
+        sequences = self._batch_sequences(seq_ids)
+        plans = self._plan_append(sequences, counts)
+        bs = self.block_size
         new_blocks = self._allocate(sum(n for n, _ in plans))
         view = memoryview(key)
         num_tokens_after, offsets, num_block_ids, block_ids, copies = [], [], [], [], []
@@ -312,11 +327,7 @@ class KVCache:
         on the locked path they all hold or the partial last block, which no one writes while it is
         shared (a write copies it). Fork after the parent's K/V is written, as samplers do.
         """
-        seq = self._sequence(seq_id)
-        if not isinstance(num_children, int) or isinstance(num_children, bool) or num_children < 1:
-            raise InvalidArgument("num_children", f"must be a positive integer, got {num_children!r}")
-        if num_children > self.limits.max_fork_children:
-            raise LimitExceeded("max_fork_children", num_children, self.limits.max_fork_children)
+        seq = self._check_fork(seq_id, num_children)
         self._cache(seq)
         self.pool.incref(seq.private_blocks(), by=num_children)
         self.tree.lock(seq.lock_node, num_children)
@@ -330,6 +341,14 @@ class KVCache:
             children.append(child.seq_id)
         self.stats_counters.num_forked_sequences += num_children
         return children
+
+    def _check_fork(self, seq_id: int, num_children: int) -> _Sequence:
+        seq = self._sequence(seq_id)
+        if not isinstance(num_children, int) or isinstance(num_children, bool) or num_children < 1:
+            raise InvalidArgument("num_children", f"must be a positive integer, got {num_children!r}")
+        if num_children > self.limits.max_fork_children:
+            raise LimitExceeded("max_fork_children", num_children, self.limits.max_fork_children)
+        return seq
 
     # -- cache / release -------------------------------------------------------------------------
 
@@ -415,6 +434,31 @@ class KVCache:
             self._pins[pin_key] = (node, count - 1)
         self.tree.add_pin(node, -1)
         self.tree.unlock(node)
+
+    # -- dry runs: a multi-operation step checks every item before it applies any ----------------
+
+    def check_open(self, requests: Sequence[tuple[TokenIds, str]]) -> int:
+        """Raise what `open_many(requests)` would raise, else return the blocks it would take
+        from `num_available_blocks` (allocated plus newly locked). Changes nothing but the
+        allocation-failure counter, as the refused `open_many` would."""
+        try:
+            return self._plan_open(requests)[1]
+        finally:
+            self.tree.drop_empty_roots()  # namespaces the dry run created
+
+    def check_append(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds, num_blocks_taken: int = 0) -> None:
+        """Raise what `append_batch(...)` would raise once `num_blocks_taken` of the available blocks
+        are gone (to opens applied before it). Changes nothing but the allocation-failure counter."""
+        counts, _ = self._append_args(seq_ids, num_token_ids, token_ids)
+        needed = sum(n for n, _ in self._plan_append(self._batch_sequences(seq_ids), counts))
+        available = self.num_available_blocks - num_blocks_taken
+        if needed > available:
+            self.stats_counters.num_allocation_failures += 1
+            raise OutOfBlocks(needed, available)
+
+    def check_fork(self, seq_id: int, num_children: int) -> None:
+        """Raise what `fork(seq_id, num_children)` would raise; changes nothing."""
+        self._check_fork(seq_id, num_children)
 
     # -- introspection ---------------------------------------------------------------------------
 

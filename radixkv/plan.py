@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from radixkv.layout import DTYPE_BYTES
+from radixkv.layout import DTYPE_BYTES, canonical_dtype
 from radixkv.model_shape import MODEL_SHAPES, ModelShape
 
 GIB = 2**30
@@ -52,6 +52,7 @@ def plan_capacity(
         raise ValueError(f"memory_utilization must lie in (0, 1], got {memory_utilization}")
     if block_size < 1 or context_len < 1:
         raise ValueError("block_size and context_len must be positive")
+    dtype = canonical_dtype(dtype)  # "fp8" is e4m3: half fp16's bytes, twice its blocks
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]

@@ -83,38 +83,60 @@ class PoolHandle:
 
 
 class KVStorage:
-    """A pool's memory as one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """A pool's memory as one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, and for
+    fp8 pools the fp32 `[num_layers, 2]` K/V scales that follow it in the same allocation.
 
     The creator owns the memory (`create`); other processes map it (`open(handle)`). Closing drops this
     object's mapping; tensors still viewing it keep it mapped until they are freed, so no view ever
     points at unmapped memory. Exiting a `with` block closes, and the creator also unlinks.
     """
 
-    def __init__(self, layout: PoolLayout, data: torch.Tensor, shm: shared_memory.SharedMemory | None, owner: bool):
+    def __init__(
+        self,
+        layout: PoolLayout,
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        shm: shared_memory.SharedMemory | None,
+        owner: bool,
+    ):
         self.layout = layout
         self.device = data.device
         self._data: torch.Tensor | None = data  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self._scales = scales  # fp32 [num_layers, 2] (k_scale, v_scale) for fp8 pools, else None
         self._shm = shm
         self._owner = owner
         self._unlinked = False
         self.check_invariants()
 
     @classmethod
-    def create(cls, layout: PoolLayout, device: str | torch.device = "cpu", *, name: str | None = None) -> KVStorage:
+    def create(
+        cls,
+        layout: PoolLayout,
+        device: str | torch.device = "cpu",
+        *,
+        name: str | None = None,
+        kv_scales: list[tuple[float, float]] | None = None,
+    ) -> KVStorage:
         """Allocate a zero-filled pool: named shared memory on CPU, `torch.zeros` on CUDA.
 
         Args:
             name: the shared-memory segment (CPU only); None makes `radixkv-<pid>-<random>`.
+            kv_scales: fp8 pools only: each layer's (k_scale, v_scale); None gives 1.0 (as vLLM without
+                calibrated scales: values beyond +-448 saturate).
 
         Raises:
-            ValueError: an unsupported device, a name given for CUDA, or more bytes than /dev/shm has free.
+            ValueError: an unsupported device, a name given for CUDA, scales for a pool that is not fp8
+                or not one positive pair per layer, or more bytes than /dev/shm has free.
         """
         device = torch.device(device)
-        dtype = TORCH_DTYPES[layout.dtype]
+        scales = _initial_scales(layout, kv_scales)
         if device.type == "cuda":
             if name is not None:
                 raise ValueError("name: only CPU pools live in named shared memory")
-            return cls(layout, torch.zeros(layout.shape, dtype=dtype, device=device), None, owner=True)
+            storage = cls(layout, *_views(torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device), layout),
+                          None, owner=True)
+            storage._init_scales(scales)
+            return storage
         if device.type != "cpu":
             raise ValueError(f"device: expected cpu or cuda, got {device}")
         if os.path.isdir(SHM_DIR):
@@ -125,7 +147,9 @@ class KVStorage:
         # The OS zero-fills new shared memory; the creator stays registered with the resource tracker,
         # which unlinks the segment if the creator dies without unlinking it.
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, layout.total_bytes))
-        return cls(layout, _tensor_over(shm, layout), shm, owner=True)
+        storage = cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=True)
+        storage._init_scales(scales)
+        return storage
 
     @classmethod
     def open(cls, handle: PoolHandle) -> KVStorage:
@@ -142,7 +166,7 @@ class KVStorage:
             if shm.size < layout.total_bytes:
                 shm.close()
                 raise ValueError(f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}")
-            return cls(layout, _tensor_over(shm, layout), shm, owner=False)
+            return cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=False)
         if handle.kind != "cuda_ipc":
             raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         torch.cuda.init()
@@ -150,11 +174,9 @@ class KVStorage:
             handle.device_index, handle.ipc_handle, handle.storage_size_bytes, handle.storage_offset_bytes,
             handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required,
         )
-        dtype = TORCH_DTYPES[layout.dtype]
-        data = torch.empty(0, dtype=dtype, device=f"cuda:{handle.device_index}")
-        strides = torch.empty(layout.shape, device="meta").stride()  # contiguous, without allocating
-        data.set_(storage, 0, layout.shape, strides)
-        return cls(layout, data, None, owner=False)
+        buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
+        buffer.set_(storage, 0, (layout.total_bytes,), (1,))
+        return cls(layout, *_views(buffer, layout), None, owner=False)
 
     @property
     def data(self) -> torch.Tensor:
@@ -163,11 +185,22 @@ class KVStorage:
             raise ValueError("KVStorage: closed")
         return self._data
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V caches, views `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s K and V, the kernels' `kv_layer`: a view `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+        (`k_cache, v_cache = storage.layer(l)` unpacks it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
-        return self.data[layer, 0], self.data[layer, 1]
+        return self.data[layer]
+
+    def kv_scales(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s fp32 `[2]` (k_scale, v_scale), the kernels' `kv_scales`: a view, on the pool's device;
+        None unless the pool is fp8."""
+        self.layer(layer)  # checks the index
+        return None if self._scales is None else self._scales[layer]
+
+    def _init_scales(self, scales: list[tuple[float, float]] | None) -> None:
+        if self._scales is not None and scales is not None:
+            self._scales.copy_(torch.tensor(scales, dtype=torch.float32))
 
     def export_handle(self) -> PoolHandle:
         """The handle another process passes to `KVStorage.open`; for CUDA, one per opening process."""
@@ -192,6 +225,7 @@ class KVStorage:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._data = None
+        self._scales = None
 
     def unlink(self) -> None:
         """Creator only: free the shared-memory name (the memory goes with the last mapping). Idempotent; CUDA: no-op."""
@@ -206,6 +240,7 @@ class KVStorage:
             assert tuple(self._data.shape) == self.layout.shape, f"KVStorage: data shape {tuple(self._data.shape)} != layout"
             assert self._data.dtype == TORCH_DTYPES[self.layout.dtype], f"KVStorage: dtype {self._data.dtype} != layout"
             assert self._data.is_contiguous(), "KVStorage: pool tensor is not contiguous"
+            assert (self._scales is not None) == self.layout.is_scaled, "KVStorage: scales exist iff the dtype is fp8"
 
     def __enter__(self) -> KVStorage:
         return self
@@ -272,7 +307,31 @@ def free_memory_bytes(device: str | torch.device) -> int:
     return min(available, _shm_free_bytes()) if os.path.isdir(SHM_DIR) else available
 
 
-def _tensor_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Tensor:
+def _initial_scales(layout: PoolLayout, kv_scales: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+    """The scales a new pool starts with: one positive (k, v) pair per layer for fp8, none otherwise."""
+    if not layout.is_scaled:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales: only fp8 pools are scaled, this one is {layout.dtype}")
+        return None
+    scales = kv_scales if kv_scales is not None else [(1.0, 1.0)] * layout.num_layers
+    ok = len(scales) == layout.num_layers and all(
+        len(pair) == 2 and all(isinstance(x, (int, float)) and 0 < x < float("inf") for x in pair) for pair in scales
+    )
+    if not ok:
+        raise ValueError(f"kv_scales: expected {layout.num_layers} (k_scale, v_scale) pairs of positive numbers")
+    return [(float(k), float(v)) for k, v in scales]
+
+
+def _views(buffer: torch.Tensor, layout: PoolLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pool tensor and (fp8 only) the scales tensor, as views of the allocation's bytes."""
+    data = buffer[: layout.kv_bytes].view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
+    if not layout.is_scaled:
+        return data, None
+    scales = buffer[layout.scales_offset : layout.scales_offset + layout.scales_bytes]
+    return data, scales.view(torch.float32).view(layout.num_layers, 2)
+
+
+def _bytes_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Tensor:
     # Not torch.frombuffer: it holds no buffer export, so SharedMemory.close() would unmap the memory
     # under live tensors (a read then segfaults). numpy's array keeps a memoryview (its .base) that holds
     # the mapping's export; that memoryview dies with the last tensor viewing the pool, and only then,
@@ -280,7 +339,7 @@ def _tensor_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.T
     assert shm.buf is not None, "KVStorage: the segment is already closed"
     array = np.frombuffer(shm.buf, dtype=np.uint8, count=layout.total_bytes)
     weakref.finalize(array.base, shm.close).atexit = False
-    return torch.from_numpy(array).view(TORCH_DTYPES[layout.dtype]).view(layout.shape)
+    return torch.from_numpy(array)  # uint8 [total_bytes]
 
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:

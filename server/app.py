@@ -45,6 +45,7 @@ from radixkv.server.metrics import ServerMetrics
 from radixkv.server.pools import Pool, build_pool
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
+from radixkv.server.session_stream import SessionStreams
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger("radixkv.server")
@@ -114,13 +115,18 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared
+            # Ping idle connections, so a Session stream whose peer vanished ends (and its lease runs again).
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="radixkv-rpc"),
             interceptors=interceptors,
             options=options,
         )
-        kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(service), server)
+        session_streams = SessionStreams(config.max_session_streams or 0)
+        servicer = KVCacheServicer(service, session_streams, metrics.observe)
+        kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server)
         if config.debug_rpc:
             debug_pb2_grpc.add_DebugServicer_to_server(DebugServicer(service), server)
         health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -232,6 +238,9 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--max-pins-per-session", type=int, help="pins one session may hold in one pool (default 256)")
     parser.add_argument(
         "--max-watch-streams", type=int, help="open WatchEvents streams, server-wide; below --max-workers (default: half of them)"
+    )
+    parser.add_argument(
+        "--max-session-streams", type=int, help="open Session streams, server-wide (default: half the threads watch streams leave)"
     )
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
     parser.add_argument(

@@ -95,9 +95,14 @@ def _as_caller(tenant: Tenant) -> Callable[[Callable[..., Any]], Callable[..., A
 def _replace_behaviour(
     handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> grpc.RpcMethodHandler:
-    """The same handler with its unary-request behaviour wrapped (radixkv has no client-streaming RPCs)."""
+    """The same handler with its behaviour wrapped (radixkv has no client-streaming-only RPCs).
+
+    A streaming behaviour reads the caller before it returns its response iterator.
+    """
     if handler.unary_unary is not None:
         return handler._replace(unary_unary=wrap(handler.unary_unary))  # type: ignore[attr-defined]
     if handler.unary_stream is not None:
         return handler._replace(unary_stream=wrap(handler.unary_stream))  # type: ignore[attr-defined]
-    raise AssertionError(f"auth interceptor: no unary-request behaviour on {handler!r}")
+    if handler.stream_stream is not None:
+        return handler._replace(stream_stream=wrap(handler.stream_stream))  # type: ignore[attr-defined]
+    raise AssertionError(f"auth interceptor: no known behaviour on {handler!r}")

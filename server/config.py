@@ -112,6 +112,8 @@ class ServerConfig:
     max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
     # Server-wide. Each open stream holds an RPC thread, so fewer than max_workers; None: half of them.
     max_watch_streams: int | None = None
+    # Server-wide, open Session streams (each holds an RPC thread too); None: half the threads watch streams leave.
+    max_session_streams: int | None = None
     max_message_bytes: int = 64 * 2**20
     max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
     watch_queue_size: int = 10_000  # events buffered per watcher before it misses some
@@ -137,6 +139,11 @@ class ServerConfig:
             object.__setattr__(self, "max_watch_streams", self.max_workers // 2)
         elif not 0 <= self.max_watch_streams < self.max_workers:
             raise ValueError("max_watch_streams must lie in [0, max_workers): streams must leave threads for unary calls")
+        assert self.max_watch_streams is not None
+        if self.max_session_streams is None:
+            object.__setattr__(self, "max_session_streams", (self.max_workers - self.max_watch_streams) // 2)
+        elif not 0 <= self.max_session_streams < self.max_workers - self.max_watch_streams:
+            raise ValueError("max_session_streams must lie in [0, max_workers - max_watch_streams): streams must leave threads for unary calls")
         for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -5,7 +5,8 @@ request!") with no ErrorInfo, which reads as a server bug and which the client c
 exception class. `DecodingInterceptor` gives every unary-request method (radixkv's, health's) a
 deserializer that never raises: bytes that do not parse become an `Undecodable`, which the handler
 refuses before any other work. It is the innermost interceptor, so authentication still refuses an
-unauthenticated caller first. Reflection, the one streaming-request service, keeps gRPC's handling.
+unauthenticated caller first. radixkv's request-streaming methods (the Session stream) get the same
+deserializer and answer an `Undecodable` message themselves, in-band; reflection keeps gRPC's handling.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from google.protobuf.message import DecodeError
 
 from radixkv.errors import InvalidArgument
 from radixkv.server.status import abort
+
+RADIXKV_METHOD_PREFIX = "/radixkv."
 
 
 class Undecodable:
@@ -42,7 +45,9 @@ class DecodingInterceptor(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         method: str = details.method  # type: ignore[attr-defined]
-        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.request_streaming and not method.startswith(RADIXKV_METHOD_PREFIX):
             return handler
         cached = self._handlers.get(method)
         if cached is None or cached[0] is not handler:  # registered handlers are built once: wrap each once
@@ -68,6 +73,8 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 
         return call
 
+    if handler.request_streaming:  # the handler answers each Undecodable message itself
+        return handler._replace(request_deserializer=deserialize)  # type: ignore[attr-defined]
     if handler.unary_unary is not None:
         return handler._replace(request_deserializer=deserialize, unary_unary=refusing(handler.unary_unary))  # type: ignore[attr-defined]
     assert handler.unary_stream is not None, f"{method}: a unary request, yet no unary behaviour"

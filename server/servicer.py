@@ -13,8 +13,10 @@ import grpc
 import numpy as np
 
 from radixkv.server.auth import current_caller
+from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.service import KVService
+from radixkv.server.session_stream import Observe, SessionStreams
 from radixkv.server.status import translating_errors, translating_stream
 from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
@@ -27,8 +29,10 @@ _EVENT_KINDS = {
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
-    def __init__(self, service: KVService) -> None:
+    def __init__(self, service: KVService, session_streams: SessionStreams, observe: Observe) -> None:
         self._service = service
+        self._session_streams = session_streams
+        self._observe = observe
 
     @translating_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
@@ -207,6 +211,13 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             for events, snapshot in batches
         )
         return translating_stream(context, "WatchEvents", responses)
+
+    def Session(
+        self, request_iterator: Iterator[pb.SessionRequest | Undecodable], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionResponse]:
+        # The caller is read now: the responses are produced after this returns (see session_stream).
+        responses = self._session_streams.serve(self._service, current_caller(), request_iterator, self._observe)
+        return translating_stream(context, "Session", responses)
 
 
 def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:

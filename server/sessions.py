@@ -1,6 +1,7 @@
 """Sessions and their leases: every sequence belongs to a session, and a session that stops renewing ends.
 
-A session's lease runs `ttl` seconds from its last use (any RPC naming it, or KeepAlive). A reaper
+A session's lease runs `ttl` seconds from its last use (any RPC naming it, or KeepAlive), and never
+runs out while a Session stream is open on it (the stream's end starts the ttl again). A reaper
 thread ends sessions whose lease ran out; `on_end` then releases what they held. Session ids start
 with this server instance's id, so an id from before a restart is told apart (SERVER_RESTARTED)
 from one that never existed or has ended (UNKNOWN_SESSION).
@@ -38,6 +39,7 @@ class Session:
         default_factory=dict
     )  # pool -> (core namespace, pinned tokens)
     closed: bool = False  # set before its sequences are released; pool-locked code re-checks it
+    num_streams: int = 0  # open Session streams: while any is open the lease does not run out
 
     def renew(self) -> None:
         self.deadline = time.monotonic() + self.ttl
@@ -114,6 +116,17 @@ class SessionRegistry:
         session.renew()
         return session
 
+    def hold(self, session: Session) -> None:
+        """A Session stream opened on `session`: its lease stays alive until the matching `unhold`."""
+        with self._lock:
+            session.num_streams += 1
+
+    def unhold(self, session: Session) -> None:
+        """A Session stream ended: the lease runs its ttl from now."""
+        with self._lock:
+            session.num_streams -= 1
+            session.renew()
+
     def close(self, session_id: str, tenant: Tenant) -> int:
         """End a session now; returns what `on_end` released."""
         session = self.get(session_id, tenant)
@@ -140,7 +153,7 @@ class SessionRegistry:
         while not self._stopped.wait(REAP_INTERVAL_SECONDS):
             now = time.monotonic()
             with self._lock:
-                expired = [s for s in self._sessions.values() if s.deadline < now]
+                expired = [s for s in self._sessions.values() if s.deadline < now and not s.num_streams]
                 for session in expired:
                     del self._sessions[session.session_id]
             for session in expired:

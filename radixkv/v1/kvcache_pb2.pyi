@@ -439,3 +439,130 @@ class WatchEventsResponse(_message.Message):
     epoch: int
     seq: int
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool: str
+    request_id: int
+    opens: _containers.RepeatedCompositeFieldContainer[StepOpen]
+    append: StepAppend
+    forks: _containers.RepeatedCompositeFieldContainer[StepFork]
+    cache_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    releases: _containers.RepeatedCompositeFieldContainer[StepRelease]
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ...) -> None: ...
+
+class StepOpen(_message.Message):
+    __slots__ = ("token_ids", "namespace")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    namespace: str
+    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class StepAppend(_message.Message):
+    __slots__ = ("seq_ids", "num_token_ids", "token_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: bytes
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+
+class StepFork(_message.Message):
+    __slots__ = ("seq_id", "num_children")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_children: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_children: _Optional[int] = ...) -> None: ...
+
+class StepRelease(_message.Message):
+    __slots__ = ("seq_ids", "cache")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., cache: _Optional[bool] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_FIELD_NUMBER: _ClassVar[int]
+    FORKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    error: StepError
+    opened: _containers.RepeatedCompositeFieldContainer[StepOpened]
+    appended: StepAppended
+    forked: _containers.RepeatedCompositeFieldContainer[StepForked]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_released_sequences: int
+    session_id: str
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class StepOpened(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_cached_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ...) -> None: ...
+
+class StepAppended(_message.Message):
+    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    table_offsets: _containers.RepeatedScalarFieldContainer[int]
+    num_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: bytes
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class StepForked(_message.Message):
+    __slots__ = ("child_seq_ids",)
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...

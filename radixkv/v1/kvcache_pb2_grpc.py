@@ -125,6 +125,11 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/radixkv.v1.KVCache/Session',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -263,6 +268,15 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Session carries a session's scheduler steps, one request and one response per step: every
+        open, append, fork, cache and release a step needs, in one round trip, all or none. The
+        session's lease stays alive while the stream is open. See SessionRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -355,6 +369,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -844,6 +863,33 @@ class KVCache:
             '/radixkv.v1.KVCache/WatchEvents',
             radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixkv.v1.KVCache/Session',
+            radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

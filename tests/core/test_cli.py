@@ -10,6 +10,12 @@ def test_plan_prints_the_capacity_arithmetic(capsys):
     assert "28,672" in out and "458,752" in out and "112" in out
 
 
+def test_plan_fp8_shows_twice_the_blocks(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80GiB", "--weights", "16GiB", "--dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "57,344" in out and "917,504" in out  # 2 x 28,672 blocks, 2 x 458,752 tokens
+
+
 def test_plan_from_explicit_shape(capsys):
     assert main(["plan", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--context", "4096"]) == 0
     assert "1.250 GiB" in capsys.readouterr().out

@@ -69,3 +69,10 @@ def test_layout_rejects_non_positive(field):
 def test_layout_rejects_block_size_not_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         PoolLayout(2, 2, 64, 24, 8)
+
+
+def test_fp8_doubles_the_capacity_of_fp16():
+    fp16 = plan_capacity(MODEL_SHAPES["llama-3-8b"], device_memory_bytes=80 * GIB, weight_bytes=16 * GIB)
+    fp8 = plan_capacity(MODEL_SHAPES["llama-3-8b"], device_memory_bytes=80 * GIB, weight_bytes=16 * GIB, dtype="fp8")
+    assert fp8.bytes_per_token * 2 == fp16.bytes_per_token
+    assert fp8.num_blocks == 2 * fp16.num_blocks and fp8.max_sequences == 2 * fp16.max_sequences

@@ -9,8 +9,10 @@ import torch
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo import reference
+from radixkv.demo.chat_template import PLAIN_TEMPLATE, ChatTemplate
 from radixkv.demo.main import build_parser, demo_requests
 from radixkv.demo.model import LlamaForCausalLM
+from radixkv.demo.model_source import ChatModel
 from radixkv.demo.orchestrator import Orchestrator, RequestSpec
 from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.tokenizer import ByteTokenizer
@@ -88,7 +90,8 @@ def test_demo_scenario_leaves_blocks_free_or_cached_and_hits_every_prompt_block_
 ) -> None:
     args = build_parser().parse_args(["--max-new-tokens", "6", "--samples", "3", "--beam-width", "3"])
     c = model.config
-    specs = demo_requests(ByteTokenizer(c.bos_token_id, c.eos_token_ids), args)
+    chat = ChatModel("hf-llama", model, ByteTokenizer(c.bos_token_id, c.eos_token_ids), ChatTemplate(PLAIN_TEMPLATE), True)
+    specs = demo_requests(chat, args)
     first_run = orchestrator(client, view, model, "demo")
     first = first_run.run(specs)
     stats = client.stats()

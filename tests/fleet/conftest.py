@@ -26,8 +26,10 @@ def pool_flag(num_blocks: int) -> str:
 
 
 class FleetServer:
-    def __init__(self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True) -> None:
-        self.log_dir, self.name, self.num_blocks, self.replay = log_dir, name, num_blocks, replay
+    def __init__(
+        self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.log_dir, self.name, self.num_blocks, self.replay, self.extra = log_dir, name, num_blocks, replay, extra
         self.port = port
         self.num_starts = 0
         self.start()
@@ -38,7 +40,7 @@ class FleetServer:
             sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
             "--pool", pool_flag(self.num_blocks), "--debug-rpc",
             "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", self.topic,
-            *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []),
+            *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []), *self.extra,
         ]  # fmt: skip
         self.log_path = self.log_dir / f"{self.name}.{self.num_starts}.log"
         self.num_starts += 1

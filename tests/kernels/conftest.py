@@ -7,7 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from radixkv.kernels import quantize_fp8
 from radixkv.kernels.backend import INTERPRETED
+
+FP8 = torch.float8_e4m3fn
+# Per-layer (k_scale, v_scale) of the fp8 test caches: neither 1, so a scale left out or swapped shows.
+FP8_SCALES = (0.02, 0.005)
 
 # Per-dtype (atol, rtol) of a kernel against its fp32 torch reference.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -30,14 +35,15 @@ def device() -> str:
 @dataclasses.dataclass
 class PagedBatch:
     q: torch.Tensor  # [num_seqs, num_q_heads, head_dim]
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_layer: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     scale: float
+    kv_scales: torch.Tensor | None = None  # fp32 [2] with an fp8 kv_layer
+    original_kv: torch.Tensor | None = None  # fp8 only: the fp32 K/V before quantizing, [2, num_blocks, ...]
 
     def args(self) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale)
+        return (self.q, self.kv_layer, self.block_tables, self.seq_lens, self.scale)
 
 
 def build_paged_batch(
@@ -51,8 +57,11 @@ def build_paged_batch(
     device: str,
     table: str = "shuffled",
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """Random q and caches, and block tables whose ids are shuffled over the pool.
+
+    `kv_dtype` fp8 quantizes the caches with torch (`FP8_SCALES`); q and the output keep `dtype`.
 
     `table`: "shuffled" (contiguous table), "sliced" (a column slice of a wider table, so its rows are
     strided) or "shared" (every sequence starts with sequence 0's blocks, as after a fork). Entries past
@@ -74,18 +83,21 @@ def build_paged_batch(
     block_tables = wide.to(device)[:, 2 : 2 + max_blocks]  # sliced on the device: .to() would compact it
     if table != "sliced":
         block_tables = block_tables.contiguous()
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    kv = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen)  # [2, num_blocks, ...]
     q = torch.randn((len(seq_lens), num_q_heads, head_dim), generator=gen).to(dtype)
-    return PagedBatch(
+    batch = PagedBatch(
         q=q.to(device),
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
+        kv_layer=kv.to(dtype).to(device),
         block_tables=block_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         scale=head_dim**-0.5,
     )
+    if kv_dtype == FP8:
+        scales = torch.tensor(FP8_SCALES)
+        kv = kv * scales[:, None, None, None, None] * 3  # stored values ~ N(0, 3): e4m3's normal range, unsaturated
+        batch.kv_layer = torch.stack([quantize_fp8(kv[i], scales[i]) for i in range(2)]).to(device)
+        batch.kv_scales, batch.original_kv = scales.to(device), kv.to(device)
+    return batch
 
 
 @pytest.fixture

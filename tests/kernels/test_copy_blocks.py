@@ -14,7 +14,9 @@ def case_id(value: object) -> str | None:
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)], ids=case_id)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu), torch.float8_e4m3fn], ids=case_id
+)
 @pytest.mark.parametrize(
     "num_layers,block_size,num_kv_heads,head_dim",
     [(1, 1, 1, 64), (3, 4, 2, 80), (2, 16, 8, 128)],  # the last block is 16k elements: two programs per copy
@@ -23,16 +25,18 @@ def test_matches_reference(device, dtype, num_layers, block_size, num_kv_heads, 
     gen = torch.Generator().manual_seed(num_layers)
     num_blocks = 10
     kv_data = torch.randn(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    kv_data.view(torch.uint8)[..., 0, 0, 0] = 0x7F if dtype.itemsize == 1 else 0  # fp8 NaN codes: copied as bits
     before = kv_data.clone()
     pairs = torch.tensor([[1, 7], [3, 2], [9, 0], [1, 5]], device=device)  # one source copied twice
     copy_blocks(kv_data, pairs, backend="triton")
     expected = before.clone()
     copy_blocks_reference(expected, pairs)
-    assert torch.equal(kv_data, expected)
+    bits, before = kv_data.view(torch.uint8), before.view(torch.uint8)  # bitwise: NaN != NaN as values
+    assert torch.equal(bits, expected.view(torch.uint8))
     for src, dst in pairs.tolist():
-        assert torch.equal(kv_data[:, :, dst], before[:, :, src]), "every layer's K and V"
+        assert torch.equal(bits[:, :, dst], before[:, :, src]), "every layer's K and V"
     untouched = [b for b in range(num_blocks) if b not in pairs[:, 1].tolist()]
-    assert torch.equal(kv_data[:, :, untouched], before[:, :, untouched])
+    assert torch.equal(bits[:, :, untouched], before[:, :, untouched])
 
 
 def test_no_pairs_is_a_no_op(device):

@@ -43,7 +43,7 @@ class Worker:
         copy_blocks(self.kv_data, t.copies)
         k = torch.randn(len(arrays.slots), NUM_KV_HEADS, HEAD_DIM, generator=self.gen).to(self.device)
         v = torch.randn(len(arrays.slots), NUM_KV_HEADS, HEAD_DIM, generator=self.gen).to(self.device)
-        store_kv(k, v, (self.kv_data[0, 0], self.kv_data[0, 1]), t.slots)
+        store_kv(k, v, self.kv_data[0], t.slots)
         starts = arrays.query_starts
         for i, seq_id in enumerate(arrays.seq_ids.tolist()):
             old_k, old_v = self.dense.get(seq_id, (k[:0], v[:0]))
@@ -56,7 +56,7 @@ class Worker:
     def check_attention(self, arrays: StepArrays) -> None:
         t = step_tensors(arrays, self.device)
         q = torch.randn(len(arrays.seq_ids), 4, HEAD_DIM, generator=self.gen).to(self.device)
-        out = paged_decode_attention(q, self.kv_data[0, 0], self.kv_data[0, 1], t.block_tables, t.seq_lens, HEAD_DIM**-0.5)
+        out = paged_decode_attention(q, self.kv_data[0], t.block_tables, t.seq_lens, HEAD_DIM**-0.5)
         for i, seq_id in enumerate(arrays.seq_ids.tolist()):
             k, v = self.dense[seq_id]
             torch.testing.assert_close(out[i], _dense_attention(q[i], k, v, HEAD_DIM**-0.5), atol=2e-5, rtol=1e-4)

@@ -10,17 +10,14 @@ import sys
 import pytest
 import torch
 
-from radixkv.kernels import paged_decode_attention, paged_decode_attention_reference
+from radixkv.kernels import paged_decode_attention, paged_decode_attention_reference, plan_decode
 
 
 @pytest.fixture
 def args(paged_batch) -> dict:
     """A valid CPU call: 2 sequences (5 and 20 tokens), 4 query heads over 2 KV heads, blocks of 4, 10 blocks."""
     batch = paged_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32, device="cpu")
-    return dict(
-        q=batch.q, k_cache=batch.k_cache, v_cache=batch.v_cache, block_tables=batch.block_tables,
-        seq_lens=batch.seq_lens, scale=batch.scale,
-    )
+    return dict(q=batch.q, kv_layer=batch.kv_layer, block_tables=batch.block_tables, seq_lens=batch.seq_lens, scale=batch.scale)
 
 
 def _set(a: dict, name: str, index: tuple, value: int) -> dict:
@@ -30,26 +27,42 @@ def _set(a: dict, name: str, index: tuple, value: int) -> dict:
 
 
 def _caches(a: dict, block_size: int, head_dim: int) -> dict:
-    shape = (a["k_cache"].shape[0], block_size, a["k_cache"].shape[2], head_dim)
-    return a | {"k_cache": torch.randn(shape), "v_cache": torch.randn(shape)}
+    return a | {"kv_layer": torch.randn(2, a["kv_layer"].shape[1], block_size, a["kv_layer"].shape[3], head_dim)}
 
 
-def _strided_k_cache(a: dict) -> dict:
-    num_blocks, block_size, num_kv_heads, head_dim = a["k_cache"].shape
-    return a | {"k_cache": torch.randn(num_blocks, block_size, head_dim, num_kv_heads).transpose(2, 3)}
+def _strided_kv_layer(a: dict) -> dict:
+    _, num_blocks, block_size, num_kv_heads, head_dim = a["kv_layer"].shape
+    return a | {"kv_layer": torch.randn(2, num_blocks, block_size, head_dim, num_kv_heads).transpose(3, 4)}
+
+
+def _fp8(a: dict, **extra) -> dict:
+    return a | {"kv_layer": a["kv_layer"].to(torch.float8_e4m3fn)} | extra
+
+
+def _plan(a: dict, num_seqs: int) -> dict:
+    lens = [5] * num_seqs
+    return a | {"plan": plan_decode(lens, num_q_heads=4, num_kv_heads=2, head_dim=64, cache_dtype=torch.float32, device="cpu")}
 
 
 BAD = [
     ("q is not a tensor", lambda a: a | {"q": a["q"].tolist()}, "q"),
     ("q is 2-D", lambda a: a | {"q": a["q"][0]}, "q"),
     ("q is int", lambda a: a | {"q": a["q"].int()}, "q"),
-    ("k_cache dtype differs", lambda a: a | {"k_cache": a["k_cache"].half()}, "k_cache"),
-    ("v_cache shape differs", lambda a: a | {"v_cache": a["v_cache"][:-1]}, "v_cache"),
-    ("head_dim differs", lambda a: a | {"q": a["q"][..., :32]}, "k_cache"),
+    ("kv_layer dtype differs", lambda a: a | {"kv_layer": a["kv_layer"].half()}, "kv_layer"),
+    ("kv_layer a (k, v) pair", lambda a: a | {"kv_layer": tuple(a["kv_layer"])}, "kv_layer"),
+    ("kv_layer 4-D", lambda a: a | {"kv_layer": a["kv_layer"][0]}, "kv_layer"),
+    ("kv_layer axis 0 not 2", lambda a: a | {"kv_layer": a["kv_layer"][:1]}, "kv_layer"),
+    ("kv_layer fp8 e5m2", lambda a: a | {"kv_layer": a["kv_layer"].to(torch.float8_e5m2)}, "kv_layer"),
+    ("head_dim differs", lambda a: a | {"q": a["q"][..., :32]}, "kv_layer"),
     ("heads not a multiple", lambda a: a | {"q": torch.randn(2, 3, 64)}, "q"),
-    ("block_size not a power of two", lambda a: _caches(a, 3, 64), "k_cache"),
+    ("block_size not a power of two", lambda a: _caches(a, 3, 64), "kv_layer"),
     ("head_dim over 256", lambda a: _caches(a, 4, 320) | {"q": torch.randn(2, 4, 320)}, "q"),
-    ("k_cache head_dim strided", _strided_k_cache, "k_cache"),
+    ("kv_layer head_dim strided", _strided_kv_layer, "kv_layer"),
+    ("fp8 without kv_scales", _fp8, "kv_scales"),
+    ("kv_scales fp16", lambda a: _fp8(a, kv_scales=torch.ones(2).half()), "kv_scales"),
+    ("kv_scales shape", lambda a: _fp8(a, kv_scales=torch.ones(3)), "kv_scales"),
+    ("kv_scales device", lambda a: _fp8(a, kv_scales=torch.ones(2, device="meta")), "kv_scales"),
+    ("kv_scales on fp32 caches", lambda a: a | {"kv_scales": torch.ones(2)}, "kv_scales"),
     ("block_tables int64", lambda a: a | {"block_tables": a["block_tables"].long()}, "block_tables"),
     ("block_tables 1-D", lambda a: a | {"block_tables": a["block_tables"][0]}, "block_tables"),
     ("block_tables rows", lambda a: a | {"block_tables": a["block_tables"][:1]}, "block_tables"),
@@ -58,7 +71,7 @@ BAD = [
     ("seq_lens length", lambda a: a | {"seq_lens": a["seq_lens"][:1]}, "seq_lens"),
     ("seq_lens negative", lambda a: _set(a, "seq_lens", (0,), -1), "seq_lens"),
     ("seq_len beyond its table", lambda a: _set(a, "seq_lens", (1,), 21), "seq_lens"),
-    ("block id past the pool", lambda a: _set(a, "block_tables", (1, 2), a["k_cache"].shape[0]), "block_tables"),
+    ("block id past the pool", lambda a: _set(a, "block_tables", (1, 2), a["kv_layer"].shape[1]), "block_tables"),
     ("negative block id", lambda a: _set(a, "block_tables", (0, 1), -1), "block_tables"),
     ("scale zero", lambda a: a | {"scale": 0.0}, "scale"),
     ("scale NaN", lambda a: a | {"scale": float("nan")}, "scale"),
@@ -68,6 +81,9 @@ BAD = [
     ("num_splits zero", lambda a: a | {"num_splits": 0}, "num_splits"),
     ("num_splits over 64", lambda a: a | {"num_splits": 65}, "num_splits"),
     ("backend unknown", lambda a: a | {"backend": "cuda"}, "backend"),
+    ("plan for another batch", lambda a: _plan(a, 3), "plan"),
+    ("plan not a DecodePlan", lambda a: a | {"plan": {"num_splits": 2}}, "plan"),
+    ("plan and num_splits", lambda a: _plan(a, 2) | {"num_splits": 2}, "num_splits"),
 ]
 
 
@@ -79,7 +95,7 @@ def test_bad_argument_names_itself(args, change, name):
 
 def test_valid_call_passes_checks(args):
     # The fixture's tables hold out-of-range ids past each sequence's last block: never read, never rejected.
-    assert int(args["block_tables"][0, -1]) >= args["k_cache"].shape[0]
+    assert int(args["block_tables"][0, -1]) >= args["kv_layer"].shape[1]
     out = paged_decode_attention(**args, backend="torch")
     assert torch.isfinite(out).all()
 
@@ -95,9 +111,20 @@ def test_blocks_before_the_window_are_not_checked(device, args):
 
 def test_validate_false_gives_the_same_answer(device, args):
     args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    checked = paged_decode_attention(**args, backend="triton")
+    checked = paged_decode_attention(**args, backend="triton", validate=True)
     unchecked = paged_decode_attention(**args, backend="triton", validate=False)
-    assert torch.equal(checked, unchecked)
+    torch.testing.assert_close(checked, unchecked, atol=2e-5, rtol=1e-4)  # planned from read vs assumed lengths
+
+
+def test_validation_is_the_cpu_default_and_a_debug_option(args):
+    """Unchecked, a bad block id is the caller's bug (on CUDA the default, to spare the sync); asked, it is an error."""
+    bad = _set(args, "block_tables", (1, 2), 10**6)
+    with pytest.raises(ValueError, match="^block_tables"):
+        paged_decode_attention(**bad, backend="torch")  # CPU tensors: checked by default, no sync to spare
+    with pytest.raises(ValueError, match="^block_tables"):
+        paged_decode_attention(**bad, backend="torch", validate=True)
+    with pytest.raises(IndexError):
+        paged_decode_attention(**bad, backend="torch", validate=False)  # torch's own indexing error, unchecked
 
 
 # Runs in a child process: without the int64 casts the interpreter wraps the offsets and reads or
@@ -113,12 +140,12 @@ high = torch.tensor([num_blocks - 1, 530_000, 599_000, 524_289], device=device)
 key = torch.randn(64, 1, 256, device=device).half()
 value = torch.randn_like(key)
 slots = (high[:, None] * 16 + torch.arange(16, device=device)).flatten()
-store_kv(key, value, (k_cache, v_cache), slots, backend="triton")
+store_kv(key, value, kv[0], slots, backend="triton")
 assert torch.equal(k_cache[high].flatten(0, 1), key) and torch.equal(v_cache[high].flatten(0, 1), value), "store_kv"
 q = torch.randn(1, 4, 256, device=device).half()
 tables, lens = high[None].int(), torch.tensor([60], dtype=torch.int32, device=device)
-out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.0625, num_splits=2, backend="triton")
-ref = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.0625)
+out = paged_decode_attention(q, kv[0], tables, lens, 0.0625, num_splits=2, backend="triton")
+ref = paged_decode_attention_reference(q, kv[0], tables, lens, 0.0625)
 torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
 copy_blocks(kv, torch.tensor([[num_blocks - 1, 524_290], [530_000, 599_998]], device=device), backend="triton")
 bits = kv.view(torch.int16)

@@ -43,12 +43,53 @@ def test_create_is_zero_filled_and_shaped(dtype):
     layout = PoolLayout(2, 2, 16, 4, 8, dtype)
     with KVStorage.create(layout) as s:
         assert s.data.shape == layout.shape and s.data.dtype == TORCH_DTYPES[dtype] and s.data.is_contiguous()
-        assert s.data.numel() * s.data.element_size() == layout.total_bytes
+        assert s.data.numel() * s.data.element_size() == layout.kv_bytes
+        assert layout.total_bytes == (layout.scales_offset + 2 * 2 * 4 if layout.is_scaled else layout.kv_bytes)
+        assert (s.kv_scales(1) is not None) == dtype.startswith("float8")
         assert not s.data.view(torch.uint8).any()
+        assert s.layer(1).shape == (2, 8, 4, 2, 16)
         k, v = s.layer(1)
         assert k.shape == (8, 4, 2, 16)
         k.view(torch.uint8).fill_(1)
         assert s.data[1, 0].view(torch.uint8).all() and not s.data[1, 1].view(torch.uint8).any()
+
+
+def test_fp8_pool_carries_its_scales():
+    """Per-layer K and V scales live in the pool's own memory, after the blocks: a mapping process reads them."""
+    layout = PoolLayout(2, 1, 18, 1, 3, "float8_e4m3fn")  # 216 bytes of blocks: the scales start aligned, at 224
+    with KVStorage.create(layout, kv_scales=[(0.5, 0.25), (2.0, 4.0)]) as s:
+        assert layout.kv_bytes == 216 and layout.scales_offset == 224 and layout.total_bytes == 224 + 16
+        assert s.kv_scales(1).tolist() == [2.0, 4.0] and s.kv_scales(0).dtype == torch.float32
+        mapped_too = KVStorage.open(s.export_handle())
+        assert mapped_too.kv_scales(0).tolist() == [0.5, 0.25]
+        s.kv_scales(0)[1] = 8.0
+        assert mapped_too.kv_scales(0).tolist() == [0.5, 8.0], "one allocation, seen by every mapping"
+        assert not s.data.view(torch.uint8).any(), "the scales sit past the blocks"
+        mapped_too.close()
+    with KVStorage.create(layout) as s:
+        assert s.kv_scales(0).tolist() == [1.0, 1.0] and s.kv_scales(1).tolist() == [1.0, 1.0]
+    with KVStorage.create(LAYOUT) as s:
+        assert s.kv_scales(0) is None
+
+
+@pytest.mark.parametrize(
+    "layout,kv_scales",
+    [
+        (LAYOUT, [(1.0, 1.0), (1.0, 1.0)]),  # float16: nothing to scale
+        (PoolLayout(2, 1, 16, 4, 2, "float8_e4m3fn"), [(1.0, 1.0)]),  # one pair for two layers
+        (PoolLayout(2, 1, 16, 4, 2, "float8_e4m3fn"), [(1.0, 0.0), (1.0, 1.0)]),  # a zero scale
+    ],
+)
+def test_bad_kv_scales(layout, kv_scales):
+    with pytest.raises(ValueError, match="^kv_scales"):
+        KVStorage.create(layout, kv_scales=kv_scales)
+
+
+def test_fp8_layout_for_a_budget_fits_it():
+    layout = PoolLayout.for_budget(2**20, num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype="float8_e4m3fn")
+    fp16 = PoolLayout.for_budget(2**20, num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
+    assert layout.total_bytes <= 2**20
+    assert layout.num_blocks == (2**20 - 16 - 24) // 6144 == 2 * fp16.num_blocks  # the scales' 24 bytes (+16 align) off
 
 
 def test_layer_out_of_range(storage):

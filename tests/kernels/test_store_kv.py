@@ -1,4 +1,4 @@
-"""store_kv: the Triton kernel against the torch reference, padding slots, and argument checks."""
+"""store_kv: the Triton kernel against the torch reference, padding slots, fp8 quantizing stores, argument checks."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import re
 import pytest
 import torch
 
-from radixkv.kernels import store_kv, store_kv_reference
+from radixkv.kernels import quantize_fp8, store_kv, store_kv_reference
 
 gpu = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
 
 
 def case_id(value: object) -> str | None:
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
 
-def make_caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+def make_kv_layer(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
+    return torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu)], ids=case_id)
@@ -32,11 +32,12 @@ def test_matches_reference(device, dtype, block_size, num_kv_heads, head_dim):
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     slots = slots.to(device)
-    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv(key, value, (k_cache, v_cache), slots, backend="triton")
-    store_kv_reference(key, value, (k_ref, v_ref), slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    kv_layer = make_kv_layer(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    expected = kv_layer.clone()
+    store_kv(key, value, kv_layer, slots, backend="triton")
+    store_kv_reference(key, value, expected, slots)
+    assert torch.equal(kv_layer, expected)
+    k_cache, v_cache = kv_layer
     written = slots >= 0
     kept = slots[written]
     assert torch.equal(k_cache[kept // block_size, kept % block_size], key[written])
@@ -50,23 +51,70 @@ def test_strided_key_and_value(device):
     kv = torch.randn(5, 2, 4, 64, device=device)  # [num_tokens, K or V, num_kv_heads, head_dim]
     key, value = kv[:, 0], kv[:, 1]
     assert not key.is_contiguous()
-    k_cache, v_cache = make_caches(4, 2, 4, 64, torch.float32, device)
+    kv_layer = make_kv_layer(4, 2, 4, 64, torch.float32, device)
     slots = torch.tensor([7, 0, 3, -1, 4], device=device)
-    store_kv(key, value, (k_cache, v_cache), slots, backend="triton")
-    assert torch.equal(k_cache[3, 1], key[0]) and torch.equal(v_cache[2, 0], value[4])
+    store_kv(key, value, kv_layer, slots, backend="triton")
+    assert torch.equal(kv_layer[0, 3, 1], key[0]) and torch.equal(kv_layer[1, 2, 0], value[4])
 
 
 def test_no_tokens_is_a_no_op(device):
-    k_cache, v_cache = make_caches(2, 4, 1, 64, torch.float32, device)
+    kv_layer = make_kv_layer(2, 4, 1, 64, torch.float32, device)
     empty = torch.empty(0, 1, 64, device=device)
-    store_kv(empty, empty, (k_cache, v_cache), torch.empty(0, dtype=torch.int64, device=device), backend="triton")
-    assert not k_cache.any()
+    store_kv(empty, empty, kv_layer, torch.empty(0, dtype=torch.int64, device=device), backend="triton")
+    assert not kv_layer.any()
+
+
+def _fp8_store(dtype, device, scales=(0.5, 0.05)):
+    """Keys often beyond +-448 x k_scale (saturated), values never beyond 448 x v_scale, stored into a zeroed fp8 layer."""
+    gen = torch.Generator().manual_seed(7)
+    key = (torch.randn(40, 2, 64, generator=gen) * 100).to(dtype).to(device)
+    value = (torch.randn(40, 2, 64, generator=gen) * 2).to(dtype).to(device)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 224.0, 0.0])  # beyond 448 x 0.5 both ways, exactly 448, zero
+    kv_scales = torch.tensor(scales, device=device)
+    slots = torch.randperm(16 * 4, generator=gen)[:40].to(device)
+    slots[3] = -1
+    kv_layer = torch.zeros(2, 16, 4, 2, 64, dtype=FP8, device=device)
+    return key, value, kv_layer, slots, kv_scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp8_store_quantizes_with_saturation(dtype):
+    """The torch path (what CPU always runs for fp8): value / scale, saturated to +-448, one rounding."""
+    key, value, kv_layer, slots, kv_scales = _fp8_store(dtype, "cpu")
+    store_kv(key, value, kv_layer, slots, kv_scales=kv_scales)  # the default backend under the interpreter too
+    assert not torch.isnan(kv_layer.float()).any(), "saturated, never NaN"
+    written = slots >= 0
+    kept = slots[written]
+    k_stored = kv_layer[0, kept // 4, kept % 4].float()  # [num_kept, 2, 64]
+    v_stored = kv_layer[1, kept // 4, kept % 4].float()
+    assert k_stored[0, 0, :4].tolist() == [448.0, -448.0, 448.0, 0.0]
+    assert torch.equal(k_stored, quantize_fp8(key[written], 0.5).float())
+    # Dequantized, an unsaturated value is within e4m3's half-ulp (2^-4 relative) or its subnormal step (2^-10).
+    exact = value[written].float()
+    assert ((v_stored * 0.05 - exact).abs() <= exact.abs() * 2**-4 + 0.05 * 2**-10).all()
+    with pytest.raises(ValueError, match="^backend"):
+        store_kv(key, value, kv_layer, slots, kv_scales=kv_scales, backend="triton")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_fp8_store_matches_torch(device, dtype):
+    """The Triton quantizing store (GPU only: the interpreter's fp8 conversion is wrong) against torch's."""
+    key, value, kv_layer, slots, kv_scales = _fp8_store(dtype, device)
+    expected = kv_layer.clone()
+    store_kv(key, value, kv_layer, slots, kv_scales=kv_scales, backend="triton")
+    store_kv_reference(key, value, expected, slots, kv_scales=kv_scales)
+    assert not torch.isnan(kv_layer.float()).any()
+    # Both divide in fp32 and round once to nearest-even; allow a neighbouring code on a rare tie, nothing more.
+    codes, want = kv_layer.view(torch.int8).long(), expected.view(torch.int8).long()
+    assert (codes == want).float().mean() > 0.999
+    assert ((codes - want).abs() <= 1).all()
 
 
 @pytest.fixture
 def args() -> dict:
-    k_cache, v_cache = make_caches(4, 4, 2, 64, torch.float32, "cpu")
-    return dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64), kv_layer=(k_cache, v_cache), slots=torch.tensor([0, 5, 15]))
+    kv_layer = make_kv_layer(4, 4, 2, 64, torch.float32, "cpu")
+    return dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64), kv_layer=kv_layer, slots=torch.tensor([0, 5, 15]))
 
 
 BAD = [
@@ -77,10 +125,12 @@ BAD = [
     ("value dtype", lambda a: a | {"value": a["value"].half()}, "value"),
     ("key 2-D", lambda a: a | {"key": a["key"][0]}, "key"),
     ("key heads differ", lambda a: a | {"key": torch.randn(3, 1, 64), "value": torch.randn(3, 1, 64)}, "key"),
-    ("cache dtype", lambda a: a | {"kv_layer": tuple(c.half() for c in a["kv_layer"])}, "kv_layer[0]"),
-    ("v cache shape", lambda a: a | {"kv_layer": (a["kv_layer"][0], a["kv_layer"][1][:2])}, "kv_layer[1]"),
-    ("kv_layer not a pair", lambda a: a | {"kv_layer": a["kv_layer"][0]}, "kv_layer"),
-    ("block_size not a power of two", lambda a: a | {"kv_layer": make_caches(4, 3, 2, 64, torch.float32, "cpu")}, "kv_layer[0]"),
+    ("cache dtype", lambda a: a | {"kv_layer": a["kv_layer"].half()}, "kv_layer"),
+    ("kv_layer a (k, v) pair", lambda a: a | {"kv_layer": tuple(a["kv_layer"])}, "kv_layer"),
+    ("kv_layer axis 0 not 2", lambda a: a | {"kv_layer": a["kv_layer"][:1]}, "kv_layer"),
+    ("block_size not a power of two", lambda a: a | {"kv_layer": make_kv_layer(4, 3, 2, 64, torch.float32, "cpu")}, "kv_layer"),
+    ("fp8 without kv_scales", lambda a: a | {"kv_layer": a["kv_layer"].to(FP8)}, "kv_scales"),
+    ("kv_scales on fp32 caches", lambda a: a | {"kv_scales": torch.ones(2)}, "kv_scales"),
     ("slots device", lambda a: a | {"slots": a["slots"].to("meta")}, "slots"),
     ("backend unknown", lambda a: a | {"backend": "gpu"}, "backend"),
 ]
@@ -90,4 +140,4 @@ BAD = [
 def test_bad_argument_names_itself(args, change, name):
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}(?![\w\[])"):
         store_kv(**change(args))
-    assert not args["kv_layer"][0].any(), "nothing may be written before the checks pass"
+    assert not args["kv_layer"].any(), "nothing may be written before the checks pass"

@@ -1,0 +1,324 @@
+"""Requests built and responses read for both clients: `RadixKVClient` (blocking) and `AsyncRadixKVClient`.
+
+The two clients differ only in how they wait; everything they send and every record they return
+is made here, so they cannot drift apart. A value protobuf refuses (a negative id, a token id past
+uint32) raises `InvalidArgument` naming its field, as the server would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from radixkv.client.pool_view import PoolInfo
+from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
+from radixkv.layout import PoolLayout
+from radixkv.results import AppendBatch, OpenResult
+from radixkv.stats import Stats
+from radixkv.step import Step, StepResult
+from radixkv.token_ids import TokenIds
+from radixkv.v1 import kvcache_pb2 as pb
+
+_STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name]
+_TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself
+_SEQ_ID_BOUND = 2**64
+_INT32 = np.dtype("<i4")
+_INT64 = np.dtype("<i8")
+
+Request = TypeVar("Request")
+
+
+class BlockTables:
+    """Each open sequence's block table as the server's deltas built it here; thread-safe."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, seq_id: int) -> list[int]:
+        with self._lock:
+            table = self._tables.get(seq_id)
+            if table is None:
+                raise UnknownSequence(seq_id)
+            return list(table)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._tables.clear()
+
+    def opened(self, results: Iterable[OpenResult]) -> None:
+        with self._lock:
+            for result in results:
+                self._tables[result.seq_id] = list(result.block_table)
+
+    def appended(self, batch: AppendBatch) -> None:
+        with self._lock:
+            start = 0
+            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
+                table = self._tables.get(seq_id)
+                if table is not None:
+                    table[offset:] = batch.block_ids[start : start + num_blocks]
+                start += num_blocks
+
+    def forked(self, parent: int, children: Iterable[int]) -> None:
+        with self._lock:
+            table = self._tables.get(parent, [])
+            for child in children:
+                self._tables[child] = list(table)
+
+    def released(self, seq_ids: Iterable[int]) -> None:
+        with self._lock:
+            for seq_id in seq_ids:
+                self._tables.pop(seq_id, None)
+
+    def stepped(self, step: Step, result: StepResult) -> None:
+        """A step's changes, in the order the server applied them."""
+        self.opened(result.opened)
+        if result.appended is not None:
+            self.appended(result.appended)
+        for (parent, _), children in zip(step.forks, result.forked, strict=True):
+            self.forked(parent, children)
+        for seq_ids, _ in step.releases:
+            self.released(seq_ids)
+
+
+# -- unary requests and their results ------------------------------------------------------------
+
+
+def open_request(pool: str, session_id: str, prompts: Sequence[tuple[TokenIds, str]]) -> pb.OpenSequencesRequest:
+    lists = [token_list(t) for t, _ in prompts]
+    return checked(
+        lambda: pb.OpenSequencesRequest(
+            pool=pool,
+            session_id=session_id,
+            prompts=[pb.Prompt(token_ids=t, namespace=ns) for t, (_, ns) in zip(lists, prompts, strict=True)],
+        ),
+        lambda: [
+            (f"prompts[{i}].token_ids" if len(lists) > 1 else "token_ids", t, _TOKEN_BOUND) for i, t in enumerate(lists)
+        ],
+    )
+
+
+def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
+    return [
+        OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
+        for s in response.sequences
+    ]
+
+
+def append_request(
+    pool: str, session_id: str, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds
+) -> pb.AppendTokensRequest:
+    tokens = token_list(token_ids)
+    return checked(
+        lambda: pb.AppendTokensRequest(
+            pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_token_ids, token_ids=tokens
+        ),
+        lambda: [
+            ("seq_ids", seq_ids, _SEQ_ID_BOUND),
+            ("num_token_ids", num_token_ids, _TOKEN_BOUND),
+            ("token_ids", tokens, _TOKEN_BOUND),
+        ],
+    )
+
+
+def append_result(seq_ids: Sequence[int], num_token_ids: Sequence[int], response: pb.AppendTokensResponse) -> AppendBatch:
+    return AppendBatch(
+        list(seq_ids),
+        list(num_token_ids),
+        list(response.num_tokens),
+        list(response.table_offsets),
+        list(response.num_block_ids),
+        list(response.block_ids),
+        [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
+        np.array(response.slots, dtype=np.int64),
+    )
+
+
+def append_items(items: Sequence[tuple[int, TokenIds]]) -> tuple[list[int], list[int], list[int]]:
+    """`append_many`'s (seq_id, tokens) pairs as `append_batch`'s columns."""
+    lists = [token_list(t) for _, t in items]
+    return [seq_id for seq_id, _ in items], [len(t) for t in lists], list(itertools.chain.from_iterable(lists))
+
+
+def fork_request(pool: str, session_id: str, seq_id: int, num_children: int) -> pb.ForkSequenceRequest:
+    return checked(
+        lambda: pb.ForkSequenceRequest(pool=pool, session_id=session_id, seq_id=seq_id, num_children=num_children),
+        lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND), ("num_children", [num_children], _TOKEN_BOUND)],
+    )
+
+
+def cache_request(pool: str, session_id: str, seq_id: int) -> pb.CacheSequenceRequest:
+    return checked(
+        lambda: pb.CacheSequenceRequest(pool=pool, session_id=session_id, seq_id=seq_id),
+        lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND)],
+    )
+
+
+def release_request(pool: str, session_id: str, seq_ids: list[int], cache: bool) -> pb.ReleaseSequencesRequest:
+    return checked(
+        lambda: pb.ReleaseSequencesRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, cache=cache),
+        lambda: [(f"seq_ids[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(seq_ids)],
+    )
+
+
+def commit_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CommitTokensRequest:
+    return checked(
+        lambda: pb.CommitTokensRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, num_tokens=num_tokens),
+        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND), ("num_tokens", num_tokens, _TOKEN_BOUND)],
+    )
+
+
+def seq_ids_request(message: Callable[..., Request], pool: str, session_id: str, seq_ids: list[int]) -> Request:
+    """A DescribeSequences or FreeableBlocks request."""
+    return checked(
+        lambda: message(pool=pool, session_id=session_id, seq_ids=seq_ids),
+        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND)],
+    )
+
+
+def can_append_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CanAppendRequest:
+    return checked(
+        lambda: pb.CanAppendRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_tokens),
+        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND), ("num_tokens", num_tokens, _TOKEN_BOUND)],
+    )
+
+
+def described(response: pb.DescribeSequencesResponse) -> list[tuple[int, int]]:
+    """(num_tokens, num_computed_tokens) per sequence."""
+    return list(zip(response.num_tokens, response.num_computed_tokens, strict=True))
+
+
+def prefix_request(
+    message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str
+) -> Request:
+    """A Match, Pin or Unpin request."""
+    tokens = token_list(token_ids)
+    return checked(
+        lambda: message(pool=pool, session_id=session_id, token_ids=tokens, namespace=namespace),
+        lambda: [("token_ids", tokens, _TOKEN_BOUND)],
+    )
+
+
+def stats_result(response: pb.StatsResponse) -> Stats:
+    return Stats(**{f: getattr(response.stats, f) for f in _STATS_FIELDS})
+
+
+def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
+    layout = PoolLayout(
+        r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim, r.layout.block_size, r.layout.num_blocks, r.layout.dtype
+    )
+    return PoolInfo(r.pool, layout, r.device, json.loads(r.handle_json))
+
+
+# -- steps on the Session stream -----------------------------------------------------------------
+
+
+def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.SessionRequest:
+    """The step as one SessionRequest: token ids packed as int32 bytes, ids checked as the unary builders do."""
+    request = pb.SessionRequest(session_id=session_id, pool=pool, request_id=request_id)
+    for i, (token_ids, namespace) in enumerate(step.opens):
+        field = f"prompts[{i}].token_ids" if len(step.opens) > 1 else "token_ids"
+        request.opens.add(token_ids=packed_tokens(token_ids, field), namespace=namespace)
+    if step.append is not None:
+        a = step.append
+        appended = checked(
+            lambda: pb.StepAppend(seq_ids=a.seq_ids, num_token_ids=a.num_token_ids),
+            lambda: [("seq_ids", a.seq_ids, _SEQ_ID_BOUND), ("num_token_ids", a.num_token_ids, _TOKEN_BOUND)],
+        )
+        appended.token_ids = packed_tokens(a.token_ids, "token_ids")
+        request.append.CopyFrom(appended)
+    for seq_id, num_children in step.forks:
+        checked(
+            lambda s=seq_id, n=num_children: request.forks.add(seq_id=s, num_children=n),
+            lambda s=seq_id, n=num_children: [("seq_id", [s], _SEQ_ID_BOUND), ("num_children", [n], _TOKEN_BOUND)],
+        )
+    checked(
+        lambda: request.cache_seq_ids.extend(step.caches),
+        lambda: [(f"seq_id[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(step.caches)],
+    )
+    for seq_ids, cache in step.releases:
+        ids = list(seq_ids)
+        checked(
+            lambda ids=ids, cache=cache: request.releases.add(seq_ids=ids, cache=cache),
+            lambda ids=ids: [(f"seq_ids[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(ids)],
+        )
+    return request
+
+
+def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
+    """The step's results, or its refusal raised as the exception the unary call would have raised."""
+    if response.HasField("error"):
+        raise step_error(response.error)
+    opened = [
+        OpenResult(o.seq_id, o.num_cached_tokens, list(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        for o in response.opened
+    ]
+    appended = None
+    if step.append is not None:
+        a, r = step.append, response.appended
+        appended = AppendBatch(
+            list(a.seq_ids),
+            [int(n) for n in a.num_token_ids],
+            list(r.num_tokens),
+            list(r.table_offsets),
+            list(r.num_block_ids),
+            list(r.block_ids),
+            [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
+            np.frombuffer(r.slots, dtype=_INT64),
+        )
+    forked = [list(f.child_seq_ids) for f in response.forked]
+    return StepResult(opened, appended, forked, list(response.num_cached_tokens), response.num_released_sequences)
+
+
+def step_error(error: pb.StepError) -> RadixKVError:
+    cls = ERRORS_BY_REASON.get(error.reason, RadixKVError)
+    return cls.from_wire(error.message, dict(error.metadata))
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+
+def token_list(token_ids: TokenIds) -> Sequence[int]:
+    if isinstance(token_ids, bytes):
+        return np.frombuffer(token_ids, dtype=_INT32).tolist()
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.tolist()
+    if not isinstance(token_ids, Sequence):
+        raise InvalidArgument(
+            "token_ids", f"must be a list, a numpy array or packed int32 bytes, got {type(token_ids).__name__}"
+        )
+    return token_ids
+
+
+def packed_tokens(token_ids: TokenIds, field: str) -> bytes:
+    """Token ids as the stream carries them: little-endian int32 bytes (the server checks their range)."""
+    if isinstance(token_ids, bytes):
+        return token_ids
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT32:
+        return token_ids.tobytes()
+    array = np.asarray(token_list(token_ids))
+    if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or array.min() < 0 or array.max() >= _TOKEN_BOUND)):
+        raise InvalidArgument(field, f"must be integers in [0, {_TOKEN_BOUND})")
+    return array.astype(_INT32).tobytes()  # ids >= 2^31 wrap negative: the server refuses them, as uint32 on unary
+
+
+def checked(build: Callable[[], Request], fields: Callable[[], Iterable[tuple[str, Sequence[object], int]]]) -> Request:
+    """Build a request; if protobuf refuses a value, raise InvalidArgument naming its field, as the server would.
+
+    `fields` lists (field name, values, exclusive upper bound); it is only called on failure.
+    """
+    try:
+        return build()
+    except (TypeError, ValueError):
+        for field, values, bound in fields():
+            if not isinstance(values, Sequence) or any(
+                not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound for v in values
+            ):
+                raise InvalidArgument(field, f"must be integers in [0, {bound})") from None
+        raise

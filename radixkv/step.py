@@ -1,0 +1,49 @@
+"""A scheduler step as one request: its items (opens, an append, forks, caches, releases) and its results.
+
+The records the Session stream carries, shared by the server (which applies a step all or none,
+items in this order) and the clients (`step(...)`). Items refer to sequences live before the step;
+what the step opens or forks comes back in its `StepResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from radixkv.results import AppendBatch, OpenResult
+from radixkv.token_ids import TokenIds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Append:
+    """One decode step in columns, as `append_batch` takes it: sequence i appends the next `num_token_ids[i]` tokens."""
+
+    seq_ids: Sequence[int]
+    num_token_ids: Sequence[int]
+    token_ids: TokenIds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """What one step asks for, applied in field order.
+
+    `opens`: (token_ids, namespace) prompts; `forks`: (seq_id, num_children); `caches`: seq ids;
+    `releases`: (seq_ids, cache) batches.
+    """
+
+    opens: Sequence[tuple[TokenIds, str]] = ()
+    append: Append | None = None
+    forks: Sequence[tuple[int, int]] = ()
+    caches: Sequence[int] = ()
+    releases: Sequence[tuple[Sequence[int], bool]] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s."""
+
+    opened: list[OpenResult]
+    appended: AppendBatch | None
+    forked: list[list[int]]
+    num_cached_tokens: list[int]
+    num_released_sequences: int

@@ -1,0 +1,174 @@
+"""The Session stream: one session's scheduler steps, a request and a response each, on one open stream.
+
+Errors: a refused step is answered in-band, and the stream stays open. Its response carries a
+`StepError` with the code, reason and metadata the unary call for the refused item would have
+ended with (plus `item`), so the clients raise the same exception class; nothing of the step was
+applied. A scheduler refused for lack of blocks retries a smaller step on the same stream, with no
+reconnect (which would cost more than the step). Bytes that do not parse as a SessionRequest are a
+refused step too (INVALID_ARGUMENT naming `request`). Only what concerns the stream itself ends it
+with a status, as a unary call ends: no valid token (UNAUTHENTICATED, before the stream starts),
+too many streams open (LIMIT_EXCEEDED when it starts), a server bug (INTERNAL), shutdown.
+
+The stream serves the session its first request names; later requests may leave `session_id`
+empty. While the stream is open the session's lease does not run out (`SessionRegistry.hold`), and
+the server's keepalive pings end the streams of peers that vanished. A step with a `request_id`
+that this session already answered (re-sent after a reconnect) is answered again, not re-applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import grpc
+import numpy as np
+
+from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
+from radixkv.server.decoding import Undecodable
+from radixkv.server.service import KVService
+from radixkv.server.sessions import Session
+from radixkv.server.status import STATUS_BY_REASON
+from radixkv.server.step import run_step
+from radixkv.server.tenants import Tenant
+from radixkv.step import Append, Step, StepResult
+from radixkv.v1 import kvcache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Observe = Callable[[str, str, grpc.StatusCode, float], None]  # (method, pool, code, seconds), as the metrics take
+
+
+class SessionStreams:
+    """Counts the open Session streams of a server: each holds an RPC thread while open."""
+
+    def __init__(self, max_streams: int) -> None:
+        self.max_streams = max_streams
+        self._num_open = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._num_open
+
+    def serve(
+        self, service: KVService, caller: Tenant, requests: Iterable[pb.SessionRequest | Undecodable], observe: Observe
+    ) -> Iterator[pb.SessionResponse]:
+        """A response per request until the client half-closes. A generator: the slot is taken when it starts.
+
+        Raises:
+            LimitExceeded: `max_session_streams` streams are open already.
+        """
+        with self._lock:
+            if self._num_open >= self.max_streams:
+                raise LimitExceeded("max_session_streams", self._num_open + 1, self.max_streams)
+            self._num_open += 1
+        stream = _Stream(service, caller)
+        incoming = iter(requests)
+        try:
+            while True:
+                try:
+                    request = next(incoming)
+                except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
+                    return
+                start = time.perf_counter()
+                response, pool = stream.answer(request)
+                code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
+                observe("Session", pool, code, time.perf_counter() - start)
+                yield response
+        finally:
+            stream.close()
+            with self._lock:
+                self._num_open -= 1
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Stream:
+    """One stream's state: the session it serves (held alive while the stream is open)."""
+
+    def __init__(self, service: KVService, caller: Tenant) -> None:
+        self._service, self._caller = service, caller
+        self._session: Session | None = None
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._service.sessions.unhold(self._session)
+
+    def answer(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, str]:
+        """The step's response (its results, or the refusal), and the pool it named."""
+        if isinstance(request, Undecodable):
+            error = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
+            return pb.SessionResponse(error=_step_error(error)), ""
+        try:
+            session = self._bind(request.session_id)
+            result = run_step(self._service, self._caller, session, request.pool, _step(request))
+        except RadixKVError as e:
+            log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
+            bound = self._session.session_id if self._session is not None else ""
+            return pb.SessionResponse(request_id=request.request_id, session_id=bound, error=_step_error(e)), request.pool
+        return _response(request.request_id, session.session_id, result), request.pool
+
+    def _bind(self, session_id: str) -> Session:
+        """The stream's session: the first request names it; later ones leave it empty or repeat it."""
+        bound = self._session
+        if bound is not None and session_id in ("", bound.session_id):
+            return self._service.sessions.get(bound.session_id, self._caller)  # live, and renewed
+        if bound is not None:
+            raise InvalidArgument("session_id", f"this stream serves session {bound.session_id!r}: one stream per session")
+        session = self._service.sessions.get(session_id, self._caller)
+        self._service.sessions.hold(session)
+        self._session = session
+        return session
+
+
+def _step(request: pb.SessionRequest) -> Step:
+    append = None
+    if request.HasField("append"):
+        a = request.append
+        append = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
+    return Step(
+        opens=[(o.token_ids, o.namespace) for o in request.opens],
+        append=append,
+        forks=[(f.seq_id, f.num_children) for f in request.forks],
+        caches=list(request.cache_seq_ids),
+        releases=[(list(r.seq_ids), r.cache if r.HasField("cache") else True) for r in request.releases],
+    )
+
+
+def _response(request_id: int, session_id: str, result: StepResult) -> pb.SessionResponse:
+    response = pb.SessionResponse(
+        request_id=request_id,
+        session_id=session_id,
+        opened=[
+            pb.StepOpened(
+                seq_id=r.seq_id,
+                num_cached_tokens=r.num_cached_tokens,
+                block_ids=r.block_table,
+                slots=np.asarray(r.slots, dtype="<i8").tobytes(),
+            )
+            for r in result.opened
+        ],
+        forked=[pb.StepForked(child_seq_ids=children) for children in result.forked],
+        num_cached_tokens=result.num_cached_tokens,
+        num_released_sequences=result.num_released_sequences,
+    )
+    b = result.appended
+    if b is not None:
+        response.appended.CopyFrom(
+            pb.StepAppended(
+                num_tokens=b.num_tokens,
+                table_offsets=b.table_offsets,
+                num_block_ids=b.num_block_ids,
+                block_ids=b.block_ids,
+                slots=np.asarray(b.slots, dtype="<i8").tobytes(),
+                copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
+            )
+        )
+    return response
+
+
+def _step_error(error: RadixKVError) -> pb.StepError:
+    code = STATUS_BY_REASON.get(error.reason, grpc.StatusCode.INTERNAL)
+    return pb.StepError(code=code.value[0], message=error.message, reason=error.reason, metadata=error.metadata)

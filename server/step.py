@@ -1,0 +1,195 @@
+"""One scheduler step: opens, an append, forks, caches and releases applied in that order, all or none.
+
+A step must change nothing when any of its items is refused, yet its items are separate core
+calls, and some of them cannot be undone (an allocation may evict cached blocks; a release
+publishes blocks to the tree). So nothing is applied until every item is known to succeed: under
+the pool's lock, each item is checked in order against the state the items before it will leave
+(ownership, session and quota counts, and the blocks the opens take from what the append may use),
+and only then applied in order. The order is what makes the plan exact and small: only opens and
+the append allocate, and they come first; forks, caches and releases need no blocks, and their
+checks do not depend on which blocks the opens and the append get. A refusal names its item
+(`item` in the error's metadata) and otherwise carries what the unary call would have raised.
+
+Items refer to sequences live before the step: the ids a step opens or forks come back in its
+result, for the steps after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from radixkv.errors import InvalidArgument, LimitExceeded, QuotaExceeded, RadixKVError, UnknownSequence
+from radixkv.results import OpenResult
+from radixkv.server.pools import Pool
+from radixkv.server.service import KVService, _check_live, _check_owner, _num_tokens
+from radixkv.server.sessions import Session
+from radixkv.server.tenants import Tenant
+from radixkv.step import Step, StepResult
+from radixkv.token_ids import TokenIds
+
+
+@contextlib.contextmanager
+def _item(name: str) -> Iterator[None]:
+    """Name the step item a refusal comes from."""
+    try:
+        yield
+    except RadixKVError as e:
+        e.metadata.setdefault("item", name)
+        raise
+
+
+def run_step(service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step) -> StepResult:
+    """Check every item of `step`, then apply them all (see the module docstring).
+
+    Raises:
+        RadixKVError: an item was refused (its `item` metadata names it); nothing changed.
+    """
+    pool = service.pool(pool_name)
+    requests: list[tuple[TokenIds, str]] = []
+    if step.opens:
+        with _item("opens"):  # as OpenSequences does before it takes the lock
+            num_tokens, allowed = sum(_num_tokens(t) for t, _ in step.opens), pool.cache.limits.max_tokens_per_request
+            if num_tokens > allowed:
+                raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
+            batch = len(step.opens) > 1
+            requests = [
+                (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
+                for i, (tokens, ns) in enumerate(step.opens)
+            ]
+    with pool.lock:
+        _check_live(session)
+        _StepPlan(service, pool, session, caller).check(step, requests)
+        return _apply(service, pool, session, step, requests)
+
+
+class _StepPlan:
+    """The checks of each item against the counts the items before it leave; changes nothing."""
+
+    def __init__(self, service: KVService, pool: Pool, session: Session, caller: Tenant) -> None:
+        self.service, self.pool, self.session, self.caller = service, pool, session, caller
+        self.num_sequences = len(session.sequences.get(pool.name, ()))
+        self.held_blocks = pool.tenant_blocks.get(caller.name, 0)
+        self.table_blocks: dict[int, int] = {}  # block-table lengths the append leaves (quota only)
+
+    def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
+        pool, cache, bs = self.pool, self.pool.cache, self.pool.layout.block_size
+        num_taken = 0  # available blocks the opens take before the append runs
+        # The core checks an item when it is applied; an item that others follow is checked now,
+        # so that the first item refused in order is the one reported. A step of one item (a
+        # decode step) is checked once.
+        after_append = bool(step.forks or step.caches or step.releases)
+        if requests:
+            with _item("opens"):
+                self._add_sequences(len(requests))
+                self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
+                if step.append is not None or after_append:
+                    num_taken = cache.check_open(requests)
+        if step.append is not None:
+            with _item("append"):
+                append = step.append
+                self._own_all(append.seq_ids, "seq_ids")
+                if self.caller.max_blocks is not None:  # as AppendTokens counts growth
+                    growth = 0
+                    for s, n in zip(append.seq_ids, append.num_token_ids, strict=False):
+                        after = -(-(cache.num_tokens(s) + n) // bs)
+                        growth += max(0, after - pool.num_table_blocks[s])
+                        self.table_blocks[s] = max(after, pool.num_table_blocks[s])
+                    self._charge(growth)
+                if requests or after_append:
+                    cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
+        for i, (seq_id, num_children) in enumerate(step.forks):
+            with _item(f"forks[{i}]"):
+                _check_owner(pool, self.session, seq_id, "seq_id")
+                self._add_sequences(num_children)
+                if self.caller.max_blocks is not None:
+                    self._charge(max(num_children, 0) * self.table_blocks.get(seq_id, pool.num_table_blocks.get(seq_id, 0)))
+                cache.check_fork(seq_id, num_children)
+        for i, seq_id in enumerate(step.caches):
+            with _item(f"caches[{i}]"):
+                _check_owner(pool, self.session, seq_id, "seq_id")
+        released: set[int] = set()
+        for i, (seq_ids, _) in enumerate(step.releases):
+            with _item(f"releases[{i}]"):
+                for j, seq_id in enumerate(seq_ids):
+                    if seq_id in released:  # an earlier release of this step ends it
+                        raise UnknownSequence(seq_id)
+                    _check_owner(pool, self.session, seq_id, f"seq_ids[{j}]")
+                if len(set(seq_ids)) != len(seq_ids):
+                    raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+                released.update(seq_ids)
+
+    def _own_all(self, seq_ids: Sequence[int], field: str) -> None:
+        owners, session = self.pool.owners, self.session
+        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # check fast, name slowly
+            for i, seq_id in enumerate(seq_ids):
+                _check_owner(self.pool, session, seq_id, f"{field}[{i}]")
+
+    def _add_sequences(self, num_new: int) -> None:
+        allowed = self.service._max_sequences
+        if self.num_sequences + num_new > allowed:
+            raise LimitExceeded("max_sequences_per_session", self.num_sequences + num_new, allowed)
+        self.num_sequences += num_new
+
+    def _charge(self, num_blocks: int) -> None:
+        quota = self.caller.max_blocks
+        if quota is None:
+            return
+        if self.held_blocks + num_blocks > quota:
+            raise QuotaExceeded(self.caller.name, num_blocks, max(0, quota - self.held_blocks))
+        self.held_blocks += num_blocks
+
+
+def _apply(
+    service: KVService, pool: Pool, session: Session, step: Step, requests: list[tuple[TokenIds, str]]
+) -> StepResult:
+    """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
+    cache, quota = pool.cache, session.tenant.max_blocks is not None
+    applied = False
+
+    @contextlib.contextmanager
+    def applying(name: str) -> Iterator[None]:
+        nonlocal applied
+        try:
+            with _item(name):
+                yield
+        except RadixKVError as e:
+            if applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
+                raise AssertionError(f"step item {name} refused after the step began applying: {e!r}") from e
+            raise
+        applied = True
+
+    opened: list[OpenResult] = []
+    if requests:
+        with applying("opens"):
+            opened = cache.open_many(requests)
+            for result in opened:
+                service._adopt(pool, session, result.seq_id, len(result.block_table))
+    appended = None
+    if step.append is not None:
+        with applying("append"):
+            a = step.append
+            appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
+            if quota:
+                for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
+                    service._resize(pool, session.tenant, seq_id, offset + n)
+    forked = []
+    for i, (seq_id, num_children) in enumerate(step.forks):
+        with applying(f"forks[{i}]"):
+            children = cache.fork(seq_id, num_children)
+            num_blocks = pool.num_table_blocks.get(seq_id, 0)
+            for child in children:
+                service._adopt(pool, session, child, num_blocks)
+            forked.append(children)
+    num_cached = []
+    for i, seq_id in enumerate(step.caches):
+        with applying(f"caches[{i}]"):
+            num_cached.append(cache.cache(seq_id))
+    num_released = 0
+    for i, (seq_ids, keep) in enumerate(step.releases):
+        with applying(f"releases[{i}]"):
+            cache.release_many(seq_ids, keep)
+            for seq_id in seq_ids:
+                service._forget(pool, session, seq_id)
+            num_released += len(seq_ids)
+    return StepResult(opened, appended, forked, num_cached, num_released)

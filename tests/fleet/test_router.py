@@ -1,0 +1,99 @@
+"""`radixkv.client.Router` against real server processes: routing by cached prefix, gaps, restarts and kills."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+from radixkv.client import RadixKVClient, Router
+
+_spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
+assert _spec is not None and _spec.loader is not None
+fleet = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fleet)
+BLOCK_SIZE, wait_until = fleet.BLOCK_SIZE, fleet.wait_until
+
+HEALTH_INTERVAL = 0.5
+
+
+def _cache_on(address: str, tokens: list[int], namespace: str = "") -> None:
+    with RadixKVClient(address) as client:
+        client.release(client.open(tokens, namespace).seq_id)
+
+
+def test_routes_to_the_instance_holding_the_prefix_and_hashes_match_the_server(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+    servers = [start_fleet_server() for _ in range(3)]
+    prompt = list(range(1, 6 * BLOCK_SIZE + 2))
+    with Router([s.address for s in servers], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL, seed=0) as router:
+        assert router.wait_ready()
+        _cache_on(servers[1].address, prompt)
+        _cache_on(servers[2].address, prompt[: 2 * BLOCK_SIZE])
+        assert wait_until(lambda: router.num_cached_blocks(servers[1].address, prompt) == 6)
+        assert wait_until(lambda: router.num_cached_blocks(servers[2].address, prompt) == 2)
+        assert router.route(prompt) == servers[1].address  # cost 0 uncached + 0 load, against 6 and 4
+        # Dynamo's cost counts the load routed there: 7 blocks per route soon outweigh 6 uncached ones.
+        assert servers[1].address != router.route(prompt)
+        # The same tokens in another namespace share no hash: nothing is cached for them anywhere.
+        assert all(router.num_cached_blocks(s.address, prompt, "chat") == 0 for s in servers)
+        with RadixKVClient(servers[1].address) as client, client.watch_events(include_snapshot=True) as stream:
+            snapshot = next(stream.batches())
+        assert {h for e in snapshot.events for h in e.block_hashes} == set(router.chain(prompt)[:6])
+        assert all(t > 0 for t in router.decision_seconds())
+
+
+def test_a_gap_resyncs_from_a_snapshot(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "small_queue.toml"
+    config.write_text("watch_queue_size = 2\n")  # a watcher that falls 3 events behind misses some
+    server = start_fleet_server(num_blocks=256, extra=("--config", str(config)))
+    prompts = [[i] * (2 * BLOCK_SIZE + 1) for i in range(1, 21)]
+    with Router([server.address], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL) as router:
+        assert router.wait_ready()
+        with RadixKVClient(server.address) as client:
+            seq_ids = [r.seq_id for r in client.open_many([(p, "") for p in prompts])]
+            client.release_many(seq_ids)  # 20 events under one lock hold: the watcher's queue overflows
+            client.release(client.open([99] * (BLOCK_SIZE + 1)).seq_id)  # the next event shows the jump
+        assert wait_until(lambda: router.status()[0].num_resyncs >= 1)
+        assert wait_until(lambda: all(router.num_cached_blocks(server.address, p) == 2 for p in prompts))
+        assert router.num_cached_blocks(server.address, [99] * (BLOCK_SIZE + 1)) == 1
+
+
+def test_a_restart_is_a_new_epoch_and_a_fresh_index(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+    server = start_fleet_server()
+    old_prompt, new_prompt = [5] * (3 * BLOCK_SIZE + 1), [6] * (3 * BLOCK_SIZE + 1)
+    with Router([server.address], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL) as router:
+        assert router.wait_ready()
+        _cache_on(server.address, old_prompt)
+        assert wait_until(lambda: router.num_cached_blocks(server.address, old_prompt) == 3)
+        first_epoch = router.status()[0].epoch
+        server.kill()
+        server.start()  # same port, a new incarnation, an empty cache
+        assert wait_until(lambda: router.status()[0].num_rebuilds == 1 and router.status()[0].healthy, timeout=20)
+        assert router.wait_ready()
+        status = router.status()[0]
+        assert status.epoch not in (0, first_epoch)
+        assert router.num_cached_blocks(server.address, old_prompt) == 0, "nothing survives into the new index"
+        _cache_on(server.address, new_prompt)
+        assert wait_until(lambda: router.num_cached_blocks(server.address, new_prompt) == 3)
+
+
+def test_a_killed_instance_leaves_within_a_health_interval_and_returns_after_restart(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+    servers = [start_fleet_server() for _ in range(3)]
+    victim = servers[0]
+    prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 1))
+    with Router([s.address for s in servers], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL) as router:
+        assert router.wait_ready()
+        _cache_on(victim.address, prompt)
+        assert wait_until(lambda: router.route(prompt) == victim.address)
+        victim.kill()
+        killed_at = time.monotonic()
+        assert wait_until(lambda: not router.status()[0].healthy, timeout=HEALTH_INTERVAL + 1.0)
+        left_after = time.monotonic() - killed_at
+        assert left_after <= HEALTH_INTERVAL + 0.5, f"left the candidates {left_after:.2f}s after the kill"
+        routed = {router.route(prompt) for _ in range(50)}
+        assert victim.address not in routed, "no request routed to an instance that failed its health check"
+        victim.start()
+        assert wait_until(lambda: router.status()[0].healthy and router.status()[0].epoch != 0, timeout=20)
+        assert router.num_cached_blocks(victim.address, prompt) == 0, "it comes back with a fresh index"
+        _cache_on(victim.address, prompt)
+        assert wait_until(lambda: router.route(prompt) == victim.address)
