@@ -45,6 +45,13 @@ class WholeLeafTree(RadixTree):
         return freed
 
 
+def cache_prompt(cache: KVCache, tokens: np.ndarray) -> None:
+    """Open `tokens`, write their K/V (commit) and release them cached."""
+    seq_id = cache.open(tokens).seq_id
+    cache.commit([seq_id], [len(tokens)])
+    cache.release(seq_id)
+
+
 def percentile_us(samples: list[float], q: float) -> float:
     return float(np.percentile(samples, q) * 1e6) if samples else 0.0
 
@@ -105,7 +112,7 @@ def bench_match(lengths: list[int]) -> dict:
     for n in lengths:
         cache = KVCache(n // BLOCK_SIZE + 8, BLOCK_SIZE)
         tokens = np.random.default_rng(n).integers(0, 32000, n, dtype=np.int32)
-        cache.release(cache.open(tokens).seq_id)
+        cache_prompt(cache, tokens)
         assert cache.match(tokens) == n
         as_list = tokens.tolist()
         array_s = best_of(lambda: cache.match(tokens), reps=50)  # noqa: B023 - called before the loop moves on
@@ -120,7 +127,7 @@ def bench_evict(num_leaves: int) -> dict:
     for i in range(num_leaves):
         tokens = rng.integers(0, 32000, BLOCK_SIZE + 1, dtype=np.int32)
         tokens[0] = i % 30000  # distinct first tokens spread the leaves over the root
-        cache.release(cache.open(tokens).seq_id)
+        cache_prompt(cache, tokens)
     leaves = cache.tree.evictable_leaves()
     assert len(leaves) >= num_leaves * 0.99, "leaves collided"
     n = min(10_000, num_leaves // 2)
@@ -151,7 +158,7 @@ def bench_memory(num_cached_blocks: int) -> dict:
     for i in range(num_cached_blocks // prompt_blocks):
         tokens = rng.integers(0, 32000, prompt_blocks * BLOCK_SIZE + 1, dtype=np.int32)
         tokens[0] = i
-        cache.release(cache.open(tokens).seq_id)
+        cache_prompt(cache, tokens)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     cached = cache.stats().num_blocks_cached

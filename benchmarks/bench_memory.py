@@ -116,6 +116,7 @@ def replay(requests: list[Request], mode: str, width: int, block_size: int, max_
             opened = kv.open(request.prompt)
             parent = _Seq(opened.seq_id, len(request.prompt), opened.block_table[-1], 0)
             # The prompt's K/V are written by the prefill; then the samples (or the first beams) fork from it.
+            kv.commit([opened.seq_id], [len(request.prompt)])
             forks = kv.fork(parent.seq_id, width - 1) if width > 1 else []
             seqs = [parent] + [dataclasses.replace(parent, seq_id=s) for s in forks]
             lens = request.output_lens if mode == "sample" else request.output_lens * width

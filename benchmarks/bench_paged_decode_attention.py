@@ -159,12 +159,13 @@ def flashinfer_decode(inputs: Inputs) -> Callable[[], torch.Tensor] | None:
     blocks = [math.ceil(n / BLOCK_SIZE) for n in lens]
     indptr = torch.tensor([0, *itertools.accumulate(blocks)], dtype=torch.int32, device=device)
     indices = torch.cat([inputs.block_tables[i, :n] for i, n in enumerate(blocks)])
-    last = torch.tensor([n - (b - 1) * BLOCK_SIZE for n, b in zip(lens, blocks, strict=True)], dtype=torch.int32, device=device)
+    last = [n - (b - 1) * BLOCK_SIZE for n, b in zip(lens, blocks, strict=True)]  # tokens in each last block
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(128 * 2**20, dtype=torch.uint8, device=device), "NHD", use_tensor_cores=True
     )
     wrapper.plan(
-        indptr, indices, last, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+        indptr, indices, torch.tensor(last, dtype=torch.int32, device=device),
+        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
         q_data_type=inputs.q.dtype, kv_data_type=inputs.kv_layer.dtype, sm_scale=inputs.scale,
     )
     return lambda: wrapper.run(inputs.q, (inputs.kv_layer[0], inputs.kv_layer[1]))
@@ -196,8 +197,8 @@ def bench_shape(name: str, lens: list[int], kv_name: str, device: torch.device, 
     kv_bytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     on_cuda = device.type == "cuda"
     plan = plan_decode(
-        lens, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, cache_dtype=kv_dtype, device="meta",
-        num_sms=torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 132,
+        lens, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, cache_dtype=kv_dtype,
+        device="meta", num_sms=torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 132,
     )
     row: dict = dict(
         shape=name, kv_dtype=kv_name, num_seqs=len(lens), tokens=sum(lens), path="triton" if on_cuda else "torch",
@@ -256,7 +257,8 @@ def print_table(rows: list[dict]) -> None:
     print(head)
     fp16_us = {r["shape"]: r["radixkv_us"] for r in rows if r["kv_dtype"] == "float16"}
     for r in rows:
-        line = f"{r['shape']:<21}{r['kv_dtype']:>9}{r['num_splits']:>7}{r['radixkv_us']:>10.1f}{r['radixkv_GBps']:>9.1f}"
+        line = f"{r['shape']:<21}{r['kv_dtype']:>9}{r['num_splits']:>7}"
+        line += f"{r['radixkv_us']:>10.1f}{r['radixkv_GBps']:>9.1f}"
         line += f"{fmt(r['peak_fraction'] and 100 * r['peak_fraction'], '.1f'):>7}"
         line += f"{fmt(r.get('batch_only_over_radixkv'), '.2f'):>8}"
         if r["kv_dtype"] == "fp8" and r["shape"] in fp16_us:
@@ -265,7 +267,8 @@ def print_table(rows: list[dict]) -> None:
         line += "".join(f"{fmt(r.get(f'{name}_over_radixkv'), '.2f'):>13}" for name in extra)
         print(line)
     print("old/new = time with the batch-size-only splits of before / time with length-aware splits (> 1: better now)")
-    print("fp8 x = fp8 tokens/s / fp16 tokens/s at the shape; <alt> x = alternative's time / radixkv's (> 1: radixkv faster)")
+    print("fp8 x = fp8 tokens/s / fp16 tokens/s at the shape")
+    print("<alt> x = alternative's time / radixkv's (> 1: radixkv faster)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-dtypes", default="float16,bfloat16,fp8", help="comma-separated, of float16 bfloat16 fp8")
     parser.add_argument("--quick", action="store_true", help="CPU: the tiny shapes, fp16 and fp8 only (under 30 s)")
-    parser.add_argument("--configs", action="store_true", help=f"also time tile/stages/warps neighbours on {CONFIG_SHAPES}")
+    parser.add_argument(
+        "--configs", action="store_true", help=f"also time tile/stages/warps neighbours on {CONFIG_SHAPES}"
+    )
     parser.add_argument("--out", help="write every row as JSON to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -305,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     config_rows: list[dict] = []
     if args.configs and on_cuda:
         config_kvs = [kv for kv in kv_names if kv != "bfloat16"]  # bf16 moves fp16's bytes: the same choice
-        config_rows = [r for shape in CONFIG_SHAPES for kv in config_kvs for r in bench_configs(shape, SHAPES[shape], kv, device)]
+        for shape in CONFIG_SHAPES:
+            for kv in config_kvs:
+                config_rows += bench_configs(shape, SHAPES[shape], kv, device)
         print(f"\n{'shape':<10}{'kv':>9}{'tile':>6}{'warps':>6}{'stages':>7}{'us':>10}{'/default':>9}")
         for r in config_rows:
             print(f"{r['shape']:<10}{r['kv_dtype']:>9}{r['tile_n']:>6}{r['num_warps']:>6}{r['num_stages']:>7}"

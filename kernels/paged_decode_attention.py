@@ -119,7 +119,8 @@ def _decode_split_kernel(
         pos = tile_start + tokens  # [TILE_N]
         tok_mask = pos < end
         # int64 before multiplying: block_id * stride overflows int32 in pools of ~1M blocks.
-        block_ids = tl.load(block_tables_ptr + seq * stride_bt_s + (pos // BLOCK_SIZE) * stride_bt_b, mask=tok_mask, other=0)
+        table_ptrs = block_tables_ptr + seq * stride_bt_s + (pos // BLOCK_SIZE) * stride_bt_b  # [TILE_N]
+        block_ids = tl.load(table_ptrs, mask=tok_mask, other=0)
         block_ids = block_ids.to(tl.int64)  # [TILE_N]
         offsets = pos % BLOCK_SIZE  # [TILE_N]
         k_ptrs = k_head_ptr + (block_ids * stride_kv_b + offsets * stride_kv_t)[None, :] + dims[:, None]
@@ -148,7 +149,8 @@ def _decode_split_kernel(
         num_parts = tl.num_programs(0) * num_q_heads * num_splits
         tl.store(part_ml_ptr + part, m_i, mask=live_rows)
         tl.store(part_ml_ptr + num_parts + part, l_i, mask=live_rows)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live_rows[:, None] & dim_mask[None, :])
+        acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(acc_ptrs, acc, mask=live_rows[:, None] & dim_mask[None, :])
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence has l_i == 0 and writes zeros
         out_ptrs = out_ptr + seq * stride_out_s + heads[:, None] * stride_out_h + dims[None, :]
@@ -273,11 +275,11 @@ def plan_decode(
     num_splits = max(1, math.ceil(longest / split_len))
     split = num_splits > 1 and len(lens) > 0
     num_seqs = len(lens)
-    return DecodePlan(
-        num_seqs, num_q_heads, head_dim, split_len, num_splits, config,
-        torch.empty((2, num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device) if split else None,
-        torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device) if split else None,
-    )
+    part_ml = part_acc = None
+    if split:
+        part_ml = torch.empty((2, num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+        part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    return DecodePlan(num_seqs, num_q_heads, head_dim, split_len, num_splits, config, part_ml, part_acc)
 
 
 def choose_split_len(seq_lens: Sequence[int], num_kv_heads: int, num_sms: int, tile_n: int) -> int:
@@ -291,7 +293,8 @@ def choose_split_len(seq_lens: Sequence[int], num_kv_heads: int, num_sms: int, t
     if longest < 2 * MIN_TOKENS_PER_SPLIT:
         return _round_up(max(1, longest), tile_n)  # too short to cut in two worthwhile splits
     work = sum(seq_lens) * num_kv_heads
-    split_len = max(math.ceil(work / (PROGRAMS_PER_SM * num_sms)), MIN_TOKENS_PER_SPLIT, math.ceil(longest / MAX_SPLITS))
+    even_share = math.ceil(work / (PROGRAMS_PER_SM * num_sms))
+    split_len = max(even_share, MIN_TOKENS_PER_SPLIT, math.ceil(longest / MAX_SPLITS))
     return _round_up(split_len, tile_n)
 
 
@@ -336,16 +339,16 @@ def _check_args(
     check_kv_scales(kv_scales, kv_layer)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
     if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: expected {num_seqs} rows (q's num_seqs), got shape {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables: expected {num_seqs} rows (q's num_seqs), got shape {tuple(block_tables.shape)}"
+        )
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
     check_shape("seq_lens", seq_lens, (num_seqs,), "[num_seqs]")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if not _is_positive_number(scale):
         raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
     if sliding_window is not None and (not is_int(sliding_window) or sliding_window < 1):
         raise ValueError(f"sliding_window: expected None or a positive int, got {sliding_window!r}")
-    if soft_cap is not None and (
-        isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not math.isfinite(soft_cap) or soft_cap <= 0
-    ):
+    if soft_cap is not None and not _is_positive_number(soft_cap):
         raise ValueError(f"soft_cap: expected None or a positive finite number, got {soft_cap!r}")
     if num_splits is not None and (not is_int(num_splits) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
@@ -356,11 +359,15 @@ def _check_args(
             raise ValueError(f"plan: expected a DecodePlan from plan_decode, got {type(plan).__name__}")
         if (plan.num_seqs, plan.num_q_heads, plan.head_dim) != (num_seqs, num_q_heads, head_dim):
             raise ValueError(
-                f"plan: made for (num_seqs, num_q_heads, head_dim) = {(plan.num_seqs, plan.num_q_heads, plan.head_dim)}, "
-                f"q is {tuple(q.shape)}"
+                f"plan: made for (num_seqs, num_q_heads, head_dim) = "
+                f"{(plan.num_seqs, plan.num_q_heads, plan.head_dim)}, q is {tuple(q.shape)}"
             )
         if plan.part_ml is not None and plan.part_ml.device != device:
             raise ValueError(f"plan: its scratch is on {plan.part_ml.device}, q on {device}")
+
+
+def _is_positive_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def _check_contents(
@@ -507,7 +514,7 @@ def paged_decode_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """The torch version (no argument checks): gather each sequence's K/V through its block table, dequantize, fp32 math.
+    """The torch version (no argument checks): gather each sequence's K/V by its block table, dequantize, fp32 math.
 
     What the Triton kernel is tested against and what CPU serving runs, so it stays plain: one sequence
     at a time, no splits, no online softmax. Shapes and meaning as `paged_decode_attention`.

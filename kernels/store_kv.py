@@ -46,7 +46,8 @@ def _store_kv_kernel(
     num_heads_written = tl.where(slot >= 0, num_kv_heads, 0)  # a padding token (slot < 0) writes nothing
     mask = (heads[:, None] < num_heads_written) & (dims[None, :] < HEAD_DIM)  # [HEADS_PER_PROGRAM, HEAD_DIM_PAD]
 
-    key = tl.load(key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :] * stride_key_d, mask=mask)
+    key_ptrs = key_ptr + token * stride_key_t + heads[:, None] * stride_key_h + dims[None, :] * stride_key_d
+    key = tl.load(key_ptrs, mask=mask)
     value = tl.load(
         value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :] * stride_value_d, mask=mask
     )
@@ -125,7 +126,8 @@ def store_kv_reference(
     keep = slots >= 0  # [num_tokens]
     kept = slots[keep]  # [num_kept]
     for i, x in enumerate((key[keep], value[keep])):  # [num_kept, num_kv_heads, head_dim] each
-        kv_layer[i, kept // block_size, kept % block_size] = quantize_fp8(x, kv_scales[i]) if kv_scales is not None else x
+        stored = quantize_fp8(x, kv_scales[i]) if kv_scales is not None else x
+        kv_layer[i, kept // block_size, kept % block_size] = stored
 
 
 def _check_store_kv(

@@ -32,7 +32,7 @@ def check_tensor(
 
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
-    """Raise unless `t.shape == expected`; `meaning` spells the expected axes, e.g. "[num_tokens, num_kv_heads, head_dim]"."""
+    """Raise unless `t.shape == expected`; `meaning` spells the axes, e.g. "[num_tokens, num_kv_heads, head_dim]"."""
     if tuple(t.shape) != tuple(expected):
         raise ValueError(f"{name}: expected shape {tuple(expected)} {meaning}, got {tuple(t.shape)}")
 

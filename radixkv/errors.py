@@ -146,6 +146,16 @@ class FailedPrecondition(RadixKVError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class DeadlineExceeded(RadixKVError):
+    """The call's deadline passed before it was applied (waiting for the pool): nothing changed."""
+
+    reason = "DEADLINE_EXCEEDED"
+    grpc_code = "DEADLINE_EXCEEDED"
+
+    def __init__(self) -> None:
+        super().__init__("the deadline passed before the call was applied; nothing changed")
+
+
 class ServerRestarted(UnknownSession):
     """The session is from an earlier run of the server: it, its sequences and its pins are gone.
 
@@ -169,5 +179,6 @@ ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
     for cls in (
         InvalidArgument, OutOfBlocks, LimitExceeded, QuotaExceeded, UnknownSequence, NotPinned,
         UnknownSession, UnknownPool, PermissionDenied, Unauthenticated, FailedPrecondition, ServerRestarted,
+        DeadlineExceeded,
     )
 }

@@ -7,10 +7,13 @@ write would land in a shared block, the caller gets a `(src_block, dst_block)` c
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import re
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from radixkv.block_pool import BlockPool
 from radixkv.errors import (
@@ -55,6 +58,9 @@ class _Sequence:
     # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
     private_prefix: list[int]
     num_tokens: int
+    # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
+    # full blocks below this watermark are ever published to the tree.
+    num_computed_tokens: int
 
     def private_blocks(self) -> list[int]:
         return self.private_prefix + self.block_table[self.num_tree_blocks :]
@@ -86,21 +92,34 @@ class KVCache:
 
     # -- sizing ----------------------------------------------------------------------------------
 
-    @property
     def num_available_blocks(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""
         return self.pool.num_free + self.tree.num_evictable_blocks
 
     def _allocate(self, n: int) -> list[int]:
-        if n > self.num_available_blocks:
+        if n > self.num_available_blocks():
             self.stats_counters.num_allocation_failures += 1
-            raise OutOfBlocks(n, self.num_available_blocks)
+            raise OutOfBlocks(n, self.num_available_blocks())
         shortfall = n - self.pool.num_free
         if shortfall > 0:
-            evicted = self.tree.evict(shortfall)
-            self.stats_counters.num_evicted_blocks += len(evicted)
-            self.pool.free_exclusive(evicted)  # the tree was their only holder
+            self._evict(shortfall)
         return self.pool.allocate(n)
+
+    def _evict(self, num_blocks: int) -> int:
+        evicted = self.tree.evict(num_blocks)
+        self.stats_counters.num_evicted_blocks += len(evicted)
+        self.pool.free_exclusive(evicted)  # the tree was their only holder
+        return len(evicted)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` unlocked cached blocks now, least recently used first; returns how many.
+
+        Allocation evicts by itself when it runs short: this is for a caller that wants free blocks
+        ahead of time (an integration mirroring another engine's `evict`).
+        """
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
+        return self._evict(num_blocks) if num_blocks else 0
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -174,7 +193,7 @@ class KVCache:
                 if node.lock_ref == 0:
                     in_node = match.num_blocks_in_node if node is match.node else len(node.block_ids)
                     newly_locked[node.node_id] = max(newly_locked.get(node.node_id, 0), in_node)
-        available = self.num_available_blocks - sum(newly_locked.values())
+        available = self.num_available_blocks() - sum(newly_locked.values())
         if needed > available:
             self.stats_counters.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
@@ -201,9 +220,9 @@ class KVCache:
             table = self._path_blocks(node, num_matched_blocks)
             table += self._allocate(self._blocks_for(num_tokens) - num_matched_blocks)
             tail = bytearray(key[num_matched_blocks * self.block_size * TOKEN_BYTES :])
-            seq = _Sequence(next(self._seq_ids), namespace, tail, table, node, num_matched_blocks, [], num_tokens)
-            self._sequences[seq.seq_id] = seq
             num_cached = num_matched_blocks * self.block_size
+            seq = _Sequence(next(self._seq_ids), namespace, tail, table, node, num_matched_blocks, [], num_tokens, num_cached)
+            self._sequences[seq.seq_id] = seq
             self.stats_counters.num_requested_tokens += num_tokens
             self.stats_counters.num_hit_tokens += num_cached
             self.stats_counters.num_opened_sequences += 1
@@ -225,8 +244,16 @@ class KVCache:
     # -- append ----------------------------------------------------------------------------------
 
     def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
-        """Reserve slots for new tokens; copy-on-write the last block if another sequence shares it."""
-        return self.append_many([(seq_id, token_ids)])[0]
+        """Reserve slots for new tokens; copy-on-write the last block if another sequence shares it.
+
+        Appending also says the K/V of every earlier token is written (see `commit`). Slots are
+        computed when first read, as for `append_batch`.
+        """
+        key = to_token_bytes(token_ids, "token_ids")
+        batch = self._append_columns([seq_id], [len(key) // TOKEN_BYTES], key)
+        return AppendResult(
+            seq_id, batch.num_tokens[0], batch.table_offsets[0], batch.block_ids, [(src, dst) for src, dst, _ in batch.copies], batch.slot_source
+        )
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
@@ -238,26 +265,50 @@ class KVCache:
         """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
 
         All or none. Validation runs once for the batch and slots are computed only when read,
-        so a step of hundreds of sequences costs a few microseconds each.
+        so a step of hundreds of sequences costs a few microseconds each. Each sequence's earlier
+        tokens count as computed from now on (see `commit`).
         """
         return self._append_columns(seq_ids, *self._append_args(seq_ids, num_token_ids, token_ids))
 
     @staticmethod
     def _append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> tuple[list[int], bytes]:
         """`append_batch`'s arguments checked: (the counts as ints, the tokens packed)."""
-        if len(num_token_ids) != len(seq_ids):
-            raise InvalidArgument("num_token_ids", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
-        counts = [int(n) for n in num_token_ids]
-        if counts and min(counts) < 1:
-            raise InvalidArgument("num_token_ids", "every sequence appends at least one token")
+        counts = KVCache._append_counts(seq_ids, num_token_ids, "num_token_ids")
         key = to_token_bytes(token_ids, "token_ids")
         if sum(counts) * TOKEN_BYTES != len(key):
             raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {len(key) // TOKEN_BYTES}")
         return counts, key
 
+    @staticmethod
+    def _append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: str) -> list[int]:
+        if len(num_token_ids) != len(seq_ids):
+            raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
+        counts = [int(n) for n in num_token_ids]
+        if counts and min(counts) < 1:
+            raise InvalidArgument(field, "every sequence appends at least one token")
+        return counts
+
+    def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        """Would appending `num_tokens[i]` tokens to each `seq_ids[i]` (one `append_batch`) succeed?
+
+        Changes nothing. Counts new blocks, copy-on-write copies and what eviction could free exactly
+        as `append_batch` does; False where it would raise OutOfBlocks or LimitExceeded.
+
+        Raises:
+            InvalidArgument, UnknownSequence: the query itself is malformed.
+        """
+        counts = self._append_counts(seq_ids, num_tokens, "num_tokens")
+        sequences = self._batch_sequences(seq_ids)
+        try:
+            plans = self._plan_append(sequences, counts)
+        except LimitExceeded:
+            return False
+        return sum(n for n, _ in plans) <= self.num_available_blocks()
+
     def _plan_append(self, sequences: list[_Sequence], counts: list[int]) -> list[tuple[int, bool]]:
         """Per sequence: how many blocks its append takes and whether it copies its last block first.
 
+        The last holder of a shared partial block writes in place once the others have copied.
         Changes nothing; raises LimitExceeded for a sequence that would grow past the cap.
         """
         bs, limit, ref_counts = self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts
@@ -268,7 +319,6 @@ class KVCache:
             if num_tokens > limit:
                 raise LimitExceeded("max_tokens_per_request", num_tokens, limit)
             table = seq.block_table
-            # The last holder of a shared partial block writes in place once the others have copied.
             cow = False
             if seq.num_tokens % bs:
                 last = table[-1]
@@ -307,6 +357,7 @@ class KVCache:
                     table.extend(mine)
             seq.tail_bytes += view[byte : byte + count * TOKEN_BYTES]
             byte += count * TOKEN_BYTES
+            seq.num_computed_tokens = max(seq.num_computed_tokens, start)  # the model has seen every earlier token
             seq.num_tokens = stop = start + count
             first = start // bs
             span_starts.append(len(span_blocks) * bs + start - first * bs)
@@ -318,14 +369,42 @@ class KVCache:
         plan = SlotPlan(bs, span_blocks, span_starts, counts)
         return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
 
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Mark the K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` as written, all or none.
+
+        Only full blocks below this watermark are ever cached (by `cache`, `release(cache=True)`
+        and `fork`), so a later request never hits K/V the worker has not written. `append` implies
+        it for the tokens before the appended ones; call `commit` for the rest (after a prefill,
+        before caching, forking or releasing a sequence whose last tokens are written).
+
+        Raises:
+            InvalidArgument: `num_tokens[i]` below the watermark or past the sequence's length.
+            UnknownSequence: nothing changes.
+        """
+        if len(num_tokens) != len(seq_ids):
+            raise InvalidArgument("num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}")
+        sequences = self._batch_sequences(seq_ids)
+        for i, (seq, n) in enumerate(zip(sequences, num_tokens, strict=True)):
+            if not isinstance(n, int | np.integer) or isinstance(n, bool):
+                raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
+            if n < seq.num_computed_tokens:
+                raise InvalidArgument(f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed")
+            if n > seq.num_tokens:
+                raise InvalidArgument(f"num_tokens[{i}]", f"{n} is past the sequence's {seq.num_tokens} tokens")
+        for seq, n in zip(sequences, num_tokens, strict=True):
+            seq.num_computed_tokens = int(n)
+
     # -- fork ------------------------------------------------------------------------------------
 
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
 
-        The parent's full blocks enter the tree first, so every block the family shares is either
-        on the locked path they all hold or the partial last block, which no one writes while it is
-        shared (a write copies it). Fork after the parent's K/V is written, as samplers do.
+        The parent's computed full blocks enter the tree first (fork after committing the parent's
+        K/V, as samplers do), so the family shares them through the locked path. Any other block
+        the family shares is held by count: full blocks not yet computed (no one appends into a
+        full block, and none is cached while another holder shares it) and the partial last block,
+        which no one writes while it is shared (a write copies it). Children inherit the parent's
+        computed watermark.
         """
         seq = self._check_fork(seq_id, num_children)
         self._cache(seq)
@@ -335,7 +414,7 @@ class KVCache:
         for _ in range(num_children):
             child = _Sequence(
                 next(self._seq_ids), seq.namespace, bytearray(seq.tail_bytes), list(seq.block_table), seq.lock_node, seq.num_tree_blocks,
-                list(seq.private_prefix), seq.num_tokens,
+                list(seq.private_prefix), seq.num_tokens, seq.num_computed_tokens,
             )
             self._sequences[child.seq_id] = child
             children.append(child.seq_id)
@@ -353,18 +432,31 @@ class KVCache:
     # -- cache / release -------------------------------------------------------------------------
 
     def cache(self, seq_id: int) -> int:
-        """Insert the sequence's full blocks into the tree now, so the next turn hits; returns tokens cached."""
+        """Insert the sequence's computed full blocks into the tree now, so the next turn hits.
+
+        Returns the tokens of the sequence the tree now holds for it.
+        """
         seq = self._sequence(seq_id)
         self._cache(seq)
         return seq.num_tree_blocks * self.block_size
 
     def _cache(self, seq: _Sequence) -> None:
-        num_full = seq.num_tokens // self.block_size
+        """Publish the full blocks below the computed watermark, stopping at a block another sequence
+        of the fork family still holds by count (the tree's blocks have exactly one holder)."""
+        num_full = min(seq.num_tokens, seq.num_computed_tokens) // self.block_size
         if num_full <= seq.num_tree_blocks:
             return
         bb = self.block_size * TOKEN_BYTES
-        key = bytes(seq.tail_bytes[: (num_full - seq.num_tree_blocks) * bb])
         new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
+        key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
+        ref_counts = self.pool.ref_counts
+        if any(ref_counts[b] > 1 for b in new_blocks):
+            num_known = self.tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
+            shared = next(i for i in range(num_known, len(new_blocks) + 1) if i == len(new_blocks) or ref_counts[new_blocks[i]] > 1)
+            if shared == 0:
+                return
+            new_blocks, key = new_blocks[:shared], key[: shared * bb]
+            num_full = seq.num_tree_blocks + shared
         node, num_taken = self.tree.insert(seq.lock_node, key, new_blocks)
         # The tree takes over this sequence's hold on the blocks it took (the lock now covers them);
         # where it already held the prefix, the sequence keeps its duplicates privately.
@@ -388,7 +480,51 @@ class KVCache:
             del self._sequences[seq.seq_id]
             self.stats_counters.num_released_sequences += 1
 
+    def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
+        """How much `num_available_blocks()` would grow if `seq_ids` were released together.
+
+        The same for `cache=True` and `cache=False`: a block the release caches becomes evictable
+        and one it does not cache becomes free, and both count as available. What the sequences
+        share with others (blocks held by count, locked tree nodes) is counted only where they are
+        its last holders. Changes nothing.
+        """
+        sequences = self._batch_sequences(list(seq_ids))
+        holds: collections.Counter[int] = collections.Counter()
+        locks: collections.Counter[int] = collections.Counter()
+        nodes: dict[int, Node] = {}
+        for seq in sequences:
+            holds.update(seq.private_blocks())
+            node = seq.lock_node
+            while node.parent is not None:
+                locks[node.node_id] += 1
+                nodes[node.node_id] = node
+                node = node.parent
+        ref_counts = self.pool.ref_counts
+        freed = sum(1 for block_id, n in holds.items() if ref_counts[block_id] == n)
+        unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)
+        return freed + unlocked
+
     # -- probes and pins -------------------------------------------------------------------------
+
+    def lock_prefix(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
+        """Lock the cached prefix of `token_ids` (whole blocks) without allocating anything.
+
+        Returns a sequence holding just that prefix: `num_cached_tokens` tokens, all computed, its
+        `block_table` the cached blocks, no slots. It keeps them from eviction until `release`,
+        and may be appended to like any sequence. Unlike `open`, the match may cover every token:
+        pass `token_ids[:-1]` to keep the last token for the model. A miss gives an empty sequence.
+        """
+        key = self._key(token_ids, "token_ids")
+        root = self._root(namespace)
+        match = self.tree.match(root, key)
+        node, num_blocks = self.tree.split(match), match.num_blocks
+        self.tree.lock(node)
+        table = self._path_blocks(node, num_blocks)
+        num_cached = num_blocks * self.block_size
+        seq = _Sequence(next(self._seq_ids), namespace, bytearray(), table, node, num_blocks, [], num_cached, num_cached)
+        self._sequences[seq.seq_id] = seq
+        self.stats_counters.num_opened_sequences += 1
+        return OpenResult(seq.seq_id, num_cached, list(table), SlotPlan(self.block_size, [], [0], [0]))
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens are cached (whole blocks); locks and refreshes nothing."""
@@ -451,7 +587,7 @@ class KVCache:
         are gone (to opens applied before it). Changes nothing but the allocation-failure counter."""
         counts, _ = self._append_args(seq_ids, num_token_ids, token_ids)
         needed = sum(n for n, _ in self._plan_append(self._batch_sequences(seq_ids), counts))
-        available = self.num_available_blocks - num_blocks_taken
+        available = self.num_available_blocks() - num_blocks_taken
         if needed > available:
             self.stats_counters.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
@@ -467,6 +603,10 @@ class KVCache:
 
     def num_tokens(self, seq_id: int) -> int:
         return self._sequence(seq_id).num_tokens
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """The computed watermark: leading tokens whose K/V is written (see `commit`)."""
+        return self._sequence(seq_id).num_computed_tokens
 
     def sequence_ids(self) -> list[int]:
         return list(self._sequences)
@@ -495,6 +635,8 @@ class KVCache:
         for seq in self._sequences.values():
             assert len(seq.block_table) == self._blocks_for(seq.num_tokens), f"seq {seq.seq_id}: table length wrong"
             assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block twice in one table"
+            assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id}: computed past its length"
+            assert seq.num_tree_blocks * self.block_size <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"
             for block_id in seq.private_blocks():
                 expected[block_id] += 1
             path_tokens = sum(len(run) for run in _path_runs(seq.lock_node)) // TOKEN_BYTES

@@ -60,19 +60,19 @@ class OpenResult(_SlotsOnFirstRead):
         return StepArrays.from_opens([self])
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AppendResult:
+@dataclasses.dataclass(slots=True)
+class AppendResult(_SlotsOnFirstRead):
     """What one append changed: `block_table[table_offset:]` is now `block_ids`.
 
-    Apply `copies` (copy-on-write of a shared partial block) before writing `slots`.
+    Apply `copies` (copy-on-write of a shared partial block) before writing `slots` ([num_appended]).
     """
 
     seq_id: int
     num_tokens: int  # sequence length after the append
     table_offset: int
     block_ids: list[int]
-    slots: npt.NDArray[np.int64]  # [num_appended]
     copies: list[tuple[int, int]]
+    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,7 +109,7 @@ class AppendBatch(_SlotsOnFirstRead):
             per_seq_copies.setdefault(index, []).append((src, dst))
         for i, seq_id in enumerate(self.seq_ids):
             n_blocks, n_new = self.num_block_ids[i], self.num_appended[i]
-            out.append(AppendResult(seq_id, self.num_tokens[i], self.table_offsets[i], self.block_ids[b : b + n_blocks], self.slots[t : t + n_new], per_seq_copies.get(i, [])))
+            out.append(AppendResult(seq_id, self.num_tokens[i], self.table_offsets[i], self.block_ids[b : b + n_blocks], per_seq_copies.get(i, []), self.slots[t : t + n_new]))
             b += n_blocks
             t += n_new
         return out

@@ -94,12 +94,14 @@ def replay(
     for request in trace:
         t0 = clock()
         opened = cache.open(request.prompt, request.namespace)
+        cache.commit([opened.seq_id], [len(request.prompt)])  # the prefill wrote the prompt's K/V
         t1 = clock()
         seq_ids = [opened.seq_id]
         if len(request.outputs) > 1:
             seq_ids += cache.fork(opened.seq_id, len(request.outputs) - 1)
         t2 = clock()
-        cache.append_batch(seq_ids, [len(o) for o in request.outputs], np.concatenate(request.outputs))
+        step = cache.append_batch(seq_ids, [len(o) for o in request.outputs], np.concatenate(request.outputs))
+        cache.commit(seq_ids, [n - 1 for n in step.num_tokens])  # decoding wrote all but the last token's K/V
         t3 = clock()
         cache.cache(seq_ids[0])
         t4 = clock()

@@ -46,6 +46,7 @@ from radixkv.server.pools import Pool, build_pool
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
+from radixkv.server.stream_gate import StreamGate
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 log = logging.getLogger("radixkv.server")
@@ -106,10 +107,20 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size)
         service = KVService(config, pools)
         metrics = ServerMetrics(service)
-        interceptors = [
+        assert config.max_streams is not None and config.max_streams_per_peer is not None
+        assert config.max_public_streams is not None
+        gate = StreamGate(
+            config.max_streams,
+            config.max_streams_per_peer,
+            service.shares.of(config.max_streams),
+            config.max_public_streams,
+        )
+        metrics.watch_streams(gate)
+        interceptors = [  # outermost first; why this order: server/interceptors.py
             metrics.interceptor(),
             *([AuthInterceptor(config.tenants)] if config.tenants else []),
-            DecodingInterceptor(),  # innermost: refuses undecodable requests after authentication
+            gate,
+            DecodingInterceptor(),
         ]
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -225,7 +236,11 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     )
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TLS")
     parser.add_argument("--tls-key", help="PEM private key")
-    parser.add_argument("--max-message-bytes", type=int, help="largest request or response (default 64 MiB)")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest request or response (default: enough for the largest request the pools allow)",
+    )
     parser.add_argument("--session-ttl", type=float, dest="session_ttl_seconds", help="default session lease, seconds")
     parser.add_argument(
         "--max-session-ttl", type=float, dest="max_session_ttl_seconds", help="longest lease a client may ask for"
@@ -237,11 +252,17 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     )
     parser.add_argument("--max-pins-per-session", type=int, help="pins one session may hold in one pool (default 256)")
     parser.add_argument(
-        "--max-watch-streams", type=int, help="open WatchEvents streams, server-wide; below --max-workers (default: half of them)"
+        "--max-streams",
+        type=int,
+        help="open long-lived streams (WatchEvents, health Watch, reflection), below --max-workers (default: half)",
     )
+    parser.add_argument("--max-streams-per-peer", type=int, help="open streams per connection (default: half of --max-streams)")
     parser.add_argument(
-        "--max-session-streams", type=int, help="open Session streams, server-wide (default: half the threads watch streams leave)"
+        "--max-public-streams", type=int, help="open streams that need no token: health, reflection (default: a quarter)"
     )
+    parser.add_argument("--max-sequences", type=int, help="live sequences per pool, all sessions (default 262144)")
+    parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
+    parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
     parser.add_argument(
         "--kv-events-endpoint",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import grpc
 
 from radixkv.errors import Unauthenticated
 from radixkv.server.config import TenantConfig
+from radixkv.server.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import abort
 from radixkv.server.tenants import ANONYMOUS, Tenant
 
@@ -39,12 +40,12 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
+class AuthInterceptor(WrappingInterceptor):
     """Maps each call's bearer token to a tenant; refuses unknown or missing tokens."""
 
     def __init__(self, tenants: Iterable[TenantConfig]) -> None:
+        super().__init__()
         self._tenants = {_digest(t.token): Tenant.from_config(t) for t in tenants}
-        self._handlers: dict[tuple[str, bytes], grpc.RpcMethodHandler] = {}
 
     def _tenant(self, metadata: Iterable[tuple[str, Any]] | None) -> tuple[bytes, Tenant] | None:
         for key, value in metadata or ():
@@ -54,21 +55,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 return (digest, tenant) if tenant is not None else None
         return None
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(PUBLIC_METHOD_PREFIXES):  # type: ignore[attr-defined]
-            return handler
+    def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
+        if is_public(method_of(details)):
+            return None
         found = self._tenant(details.invocation_metadata)  # type: ignore[attr-defined]
-        # One handler object per (method, tenant) and per method for refusals, built once.
-        key = (details.method, found[0] if found else b"")  # type: ignore[attr-defined]
-        wrapped = self._handlers.get(key)
-        if wrapped is None:
-            wrapped = self._handlers[key] = _replace_behaviour(handler, _as_caller(found[1]) if found else _refuse)
-        return wrapped
+        return found if found is not None else b""  # one copy per tenant, and one for refusals
+
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+        return wrap_handler(handler, _as_caller(key[1]) if isinstance(key, tuple) else _refuse)
+
+
+def is_public(method: str) -> bool:
+    """Health checking and reflection: open without a token (probes carry none)."""
+    return method.startswith(PUBLIC_METHOD_PREFIXES)
 
 
 def _refuse(behaviour: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,19 +89,3 @@ def _as_caller(tenant: Tenant) -> Callable[[Callable[..., Any]], Callable[..., A
         return call
 
     return wrap
-
-
-def _replace_behaviour(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-) -> grpc.RpcMethodHandler:
-    """The same handler with its behaviour wrapped (radixkv has no client-streaming-only RPCs).
-
-    A streaming behaviour reads the caller before it returns its response iterator.
-    """
-    if handler.unary_unary is not None:
-        return handler._replace(unary_unary=wrap(handler.unary_unary))  # type: ignore[attr-defined]
-    if handler.unary_stream is not None:
-        return handler._replace(unary_stream=wrap(handler.unary_stream))  # type: ignore[attr-defined]
-    if handler.stream_stream is not None:
-        return handler._replace(stream_stream=wrap(handler.stream_stream))  # type: ignore[attr-defined]
-    raise AssertionError(f"auth interceptor: no known behaviour on {handler!r}")

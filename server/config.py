@@ -14,6 +14,7 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     namespaces = ["chat", "code"]   # "*": any namespace
     max_blocks = 2048               # per pool; absent: no quota
     map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
+    admin = false                   # may call the Debug service (--debug-rpc): it reads every tenant's blocks
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -30,6 +31,7 @@ from typing import Any
 from radixkv.kv_cache import Limits
 from radixkv.layout import DTYPE_BYTES, PoolLayout
 from radixkv.model_shape import ModelShape
+from radixkv.server.sizes import message_bytes_needed
 
 DEFAULT_POOL = "default"
 ANY_NAMESPACE = "*"
@@ -81,6 +83,7 @@ class TenantConfig:
     namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
     max_blocks: int | None = None
     map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
+    admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
 
     def __post_init__(self) -> None:
         if not _TENANT_NAME_RE.fullmatch(self.name):
@@ -110,11 +113,17 @@ class ServerConfig:
     # Per session and pool: each live sequence costs server memory even when its blocks are shared (forks).
     max_sequences_per_session: int = 4096
     max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
-    # Server-wide. Each open stream holds an RPC thread, so fewer than max_workers; None: half of them.
-    max_watch_streams: int | None = None
-    # Server-wide, open Session streams (each holds an RPC thread too); None: half the threads watch streams leave.
-    max_session_streams: int | None = None
-    max_message_bytes: int = 64 * 2**20
+    max_sequences: int = 1 << 18  # live sequences per pool, all sessions together
+    # Every long-lived stream (Session, WatchEvents, health Watch, reflection) holds an RPC thread
+    # while open, so streams are bounded below max_workers (None: half of them), per connection
+    # (None: half of max_streams), and for the calls that need no token (None: a quarter).
+    max_streams: int | None = None
+    max_streams_per_peer: int | None = None
+    max_public_streams: int | None = None
+    max_watch_streams: int | None = None  # WatchEvents streams, server-wide; None: max_streams
+    max_session_streams: int | None = None  # Session streams, server-wide; None: max_streams
+    # None: what the largest max_tokens_per_request needs (its request and its response, see sizes.py).
+    max_message_bytes: int | None = None
     max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
     watch_queue_size: int = 10_000  # events buffered per watcher before it misses some
     grace_seconds: float = 5.0
@@ -135,16 +144,25 @@ class ServerConfig:
             raise ValueError("give both tls_cert and tls_key, or neither")
         if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
             raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
-        if self.max_watch_streams is None:
-            object.__setattr__(self, "max_watch_streams", self.max_workers // 2)
-        elif not 0 <= self.max_watch_streams < self.max_workers:
-            raise ValueError("max_watch_streams must lie in [0, max_workers): streams must leave threads for unary calls")
-        assert self.max_watch_streams is not None
-        if self.max_session_streams is None:
-            object.__setattr__(self, "max_session_streams", (self.max_workers - self.max_watch_streams) // 2)
-        elif not 0 <= self.max_session_streams < self.max_workers - self.max_watch_streams:
-            raise ValueError("max_session_streams must lie in [0, max_workers - max_watch_streams): streams must leave threads for unary calls")
-        for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session"):
+        if self.max_message_bytes is None:
+            needed = max(message_bytes_needed(p.limits.max_tokens_per_request, self.max_sequences_per_session) for p in self.pools)
+            object.__setattr__(self, "max_message_bytes", needed)
+        if self.max_streams is None:
+            object.__setattr__(self, "max_streams", self.max_workers // 2)
+        assert self.max_streams is not None
+        if not 0 <= self.max_streams < self.max_workers:
+            raise ValueError("max_streams must lie in [0, max_workers): streams must leave threads for unary calls")
+        for name, default in (
+            ("max_streams_per_peer", max(1, self.max_streams // 2)),
+            ("max_public_streams", max(1, self.max_streams // 4)),
+            ("max_watch_streams", self.max_streams),
+            ("max_session_streams", self.max_streams),
+        ):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, min(default, self.max_streams))
+            elif not 0 <= getattr(self, name) <= self.max_streams:
+                raise ValueError(f"{name} must lie in [0, max_streams]: streams must leave threads for unary calls")
+        for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -273,7 +291,7 @@ def _scalar(raw: str) -> int | float | str:
 def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
     tenants = []
     for name, values in tables.items():
-        unknown = set(values) - {"token", "namespaces", "max_blocks", "map_pools"}
+        unknown = set(values) - {"token", "namespaces", "max_blocks", "map_pools", "admin"}
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
         namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
@@ -284,6 +302,7 @@ def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
                 namespaces,
                 values.get("max_blocks"),
                 bool(values.get("map_pools", False)),
+                bool(values.get("admin", False)),
             )
         )
     return tuple(tenants)

@@ -10,7 +10,8 @@ import hashlib
 
 import grpc
 
-from radixkv.errors import InvalidArgument
+from radixkv.errors import InvalidArgument, PermissionDenied
+from radixkv.server.auth import current_caller
 from radixkv.server.pools import Pool
 from radixkv.server.service import KVService
 from radixkv.server.status import translating_errors
@@ -31,15 +32,28 @@ def checksum_blocks(pool: Pool, block_ids: list[int]) -> str:
 
 
 class DebugServicer(debug_pb2_grpc.DebugServicer):
+    """Only for admin tenants (with auth on): a checksum reads any tenant's blocks."""
+
     def __init__(self, service: KVService) -> None:
         self._service = service
+
+    @staticmethod
+    def _check_admin() -> None:
+        caller = current_caller()
+        if not caller.admin:
+            raise PermissionDenied(f"tenant {caller.name!r} may not call the Debug service (admin)", tenant=caller.name)
 
     @translating_errors
     def CheckInvariants(
         self, request: pb.CheckInvariantsRequest, context: grpc.ServicerContext
     ) -> pb.CheckInvariantsResponse:
-        violation = self._service.check_invariants(request.pool)
+        self._check_admin()
         pool = self._service.pool(request.pool)
+        try:
+            self._service.check_invariants(request.pool)
+            violation = ""
+        except AssertionError as e:
+            violation = str(e) or "assertion failed"
         with pool.lock:
             num_live = len(pool.cache.sequence_ids())
         return pb.CheckInvariantsResponse(
@@ -53,6 +67,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
     def ChecksumBlocks(
         self, request: pb.ChecksumBlocksRequest, context: grpc.ServicerContext
     ) -> pb.ChecksumBlocksResponse:
+        self._check_admin()
         return pb.ChecksumBlocksResponse(
             sha256=checksum_blocks(self._service.pool(request.pool), list(request.block_ids))
         )

@@ -11,13 +11,14 @@ deserializer and answer an `Undecodable` message themselves, in-band; reflection
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from radixkv.errors import InvalidArgument
+from radixkv.server.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import abort
 
 RADIXKV_METHOD_PREFIX = "/radixkv."
@@ -32,50 +33,40 @@ class Undecodable:
         self.error = error
 
 
-class DecodingInterceptor(grpc.ServerInterceptor):
-    """Swaps each unary-request method's deserializer for one that turns a parse failure into `Undecodable`."""
+class DecodingInterceptor(WrappingInterceptor):
+    """Swaps each method's deserializer for one that turns a parse failure into `Undecodable`.
 
-    def __init__(self) -> None:
-        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+    A unary request is then refused before the handler runs; radixkv's request streams (Session)
+    get the `Undecodable` as one of their messages and answer it themselves, keeping the stream open.
+    """
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method: str = details.method  # type: ignore[attr-defined]
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        if handler.request_streaming and not method.startswith(RADIXKV_METHOD_PREFIX):
-            return handler
-        cached = self._handlers.get(method)
-        if cached is None or cached[0] is not handler:  # registered handlers are built once: wrap each once
-            cached = self._handlers[method] = (handler, _tolerant(handler, method))
-        return cached[1]
+    def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
+        if handler.request_deserializer is None:
+            return None
+        if handler.request_streaming and not method_of(details).startswith(RADIXKV_METHOD_PREFIX):
+            return None  # reflection keeps gRPC's handling
+        return method_of(details)
 
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+        method = method_of(details)
+        parse = handler.request_deserializer
+        assert parse is not None
 
-def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    parse = handler.request_deserializer
-    assert parse is not None
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except (DecodeError, ValueError) as e:  # ValueError: a string field that is not UTF-8, on some runtimes
+                return Undecodable(str(e) or type(e).__name__)
 
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except (DecodeError, ValueError) as e:  # ValueError: a string field that is not UTF-8, on some runtimes
-            return Undecodable(str(e) or type(e).__name__)
+        def refusing(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+            if handler.request_streaming:
+                return behaviour  # the handler answers each Undecodable message itself
 
-    def refusing(behaviour: Callable[..., Any]) -> Callable[..., Any]:
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, Undecodable):
-                abort(context, InvalidArgument("request", f"not a valid {method} request: {request.error}"))
-            return behaviour(request, context)
+            def call(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, Undecodable):
+                    abort(context, InvalidArgument("request", f"not a valid {method} request: {request.error}"))
+                return behaviour(request, context)
 
-        return call
+            return call
 
-    if handler.request_streaming:  # the handler answers each Undecodable message itself
-        return handler._replace(request_deserializer=deserialize)  # type: ignore[attr-defined]
-    if handler.unary_unary is not None:
-        return handler._replace(request_deserializer=deserialize, unary_unary=refusing(handler.unary_unary))  # type: ignore[attr-defined]
-    assert handler.unary_stream is not None, f"{method}: a unary request, yet no unary behaviour"
-    return handler._replace(request_deserializer=deserialize, unary_stream=refusing(handler.unary_stream))  # type: ignore[attr-defined]
+        return wrap_handler(handler, refusing, deserialize)

@@ -87,7 +87,8 @@ class ZmqEventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self.replay_endpoint: str | None = _bind(self._replay, replay_endpoint)
+                self._replay.bind(replay_endpoint)  # always bound: consumers ask this pod for what they missed
+                self.replay_endpoint: str | None = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 self.replay_endpoint = None
         except zmq.ZMQError as e:
@@ -173,9 +174,17 @@ class ZmqEventPublisher:
 
 
 def _bind(socket: zmq.Socket, endpoint: str) -> str:
-    """Bind `endpoint` (port 0 or `*`: any free port) and return the endpoint actually bound."""
+    """Bind or connect as vLLM does; returns the endpoint actually used.
+
+    A wildcard (`tcp://*:5557`, `::`), ipc:// or inproc:// binds: consumers connect to this pod. Any
+    other address connects out, as llm-d's endpoint picker expects (its subscriber binds and every
+    model server connects to it). Port 0 binds any free port (tests, benchmarks).
+    """
     if endpoint.endswith(":0"):
         port = socket.bind_to_random_port(endpoint[: -len(":0")])
         return f"{endpoint[: -len(':0')]}:{port}"
-    socket.bind(endpoint)
-    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        socket.bind(endpoint)
+        return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    socket.connect(endpoint)
+    return endpoint

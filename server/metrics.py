@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -17,11 +17,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixkv.server.config import DEFAULT_POOL
+from radixkv.server.interceptors import Behaviour, WrappingInterceptor, method_of, wrap_handler
+from radixkv.server.status import forget_refusal, last_refusal
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from radixkv.server.service import KVService
+    from radixkv.server.stream_gate import StreamGate
 
 # (metric name, Stats field, help)
 _GAUGES = (
@@ -72,6 +75,16 @@ class _PoolCollector:
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
 
+class _StreamCollector:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        gate = self._metrics._gate
+        if gate is not None:
+            yield GaugeMetricFamily("radixkv_open_streams", "Open long-lived streams (all kinds).", value=len(gate))
+
+
 class ServerMetrics:
     """The registry, the RPC interceptor feeding it, and the HTTP endpoint serving it."""
 
@@ -86,8 +99,16 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self._calls = Counter(
-            "radixkv_rpcs", "RPCs by final status code.", ["method", "pool", "code"], registry=self.registry
+            "radixkv_rpcs", "RPCs (streams included) by final status code.", ["method", "pool", "code"], registry=self.registry
         )
+        self._refusals = Counter(
+            "radixkv_refusals",
+            "Calls refused, by reason and by the limit that refused them (empty when not a limit).",
+            ["method", "reason", "limit"],
+            registry=self.registry,
+        )
+        self._gate: StreamGate | None = None
+        self.registry.register(_StreamCollector(self))
         self._children: dict[tuple[str, ...], Any] = {}
         self._pool_names = frozenset(service.pools)
         self._http: WSGIServer | None = None
@@ -107,61 +128,84 @@ class ServerMetrics:
     def interceptor(self) -> grpc.ServerInterceptor:
         return _MetricsInterceptor(self)
 
-    def observe(self, method: str, pool: str, code: grpc.StatusCode, seconds: float) -> None:
+    def observe(self, method: str, pool: str, code: grpc.StatusCode, seconds: float | None) -> None:
+        """One finished call: its code, its time (unary calls), and what refused it, if anything did."""
         if pool and pool not in self._pool_names:
             pool = "unknown"  # a label per name a client makes up would grow without bound
         children = self._children
-        latency = children.get((method, pool))
-        if latency is None:
-            latency = children[(method, pool)] = self._latency.labels(method, pool)
+        if seconds is not None:
+            latency = children.get((method, pool))
+            if latency is None:
+                latency = children[(method, pool)] = self._latency.labels(method, pool)
+            latency.observe(seconds)
         calls = children.get((method, pool, code.name))
         if calls is None:
             calls = children[(method, pool, code.name)] = self._calls.labels(method, pool, code.name)
-        latency.observe(seconds)
         calls.inc()
+        refusal = last_refusal()
+        if refusal is not None:
+            # Reasons and limit names come from the code, never from a request: a bounded label set.
+            self._refusals.labels(method, refusal.reason, refusal.metadata.get("limit", "")).inc()
+
+    def watch_streams(self, gate: StreamGate) -> None:
+        """Report the open streams `gate` counts."""
+        self._gate = gate
 
 
-class _MetricsInterceptor(grpc.ServerInterceptor):
-    """Times unary handlers (outermost, so refusals by auth are counted too). Streams pass through."""
+class _MetricsInterceptor(WrappingInterceptor):
+    """Times unary calls and counts every call, streams included, by final code; counts refusals by reason
+    and limit. Outermost, so refusals by auth and the stream gate are counted too."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
+        super().__init__()
         self._metrics = metrics
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        # Inner interceptors hand back one handler object per method (and tenant): wrap each once.
-        cached = self._wrapped.get(id(handler))
-        if cached is None or cached[0] is not handler:
-            method = details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
-            cached = self._wrapped[id(handler)] = (
-                handler,
-                handler._replace(unary_unary=self._timed(method, handler.unary_unary)),
-            )  # type: ignore[attr-defined]
-        return cached[1]
+    def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
+        return method_of(details).rsplit("/", 1)[-1]
 
-    def _timed(
-        self, method: str, behaviour: Callable[[Any, grpc.ServicerContext], Any]
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+        method = str(key)
+        if handler.response_streaming:
+            return wrap_handler(handler, lambda behaviour: self._counted(method, behaviour))
+        return wrap_handler(handler, lambda behaviour: self._timed(method, behaviour))
+
+    def _timed(self, method: str, behaviour: Behaviour) -> Behaviour:
         observe = self._metrics.observe
 
         def timed(request: Any, context: grpc.ServicerContext) -> Any:
             start = time.perf_counter()
+            forget_refusal()
             try:
                 return behaviour(request, context)
             finally:
-                pool = getattr(request, "pool", None)
-                observe(
-                    method,
-                    (pool or DEFAULT_POOL) if pool is not None else "",
-                    context.code() or grpc.StatusCode.OK,
-                    time.perf_counter() - start,
-                )
+                observe(method, _pool_of(request), context.code() or grpc.StatusCode.OK, time.perf_counter() - start)
 
         return timed
+
+    def _counted(self, method: str, behaviour: Behaviour) -> Behaviour:
+        """A stream is counted when it ends (its final code), or when it is refused before it starts."""
+        observe = self._metrics.observe
+
+        def counted(request: Any, context: grpc.ServicerContext) -> Any:
+            forget_refusal()
+            pool = _pool_of(request)
+            try:
+                responses = behaviour(request, context)
+            except BaseException:
+                observe(method, pool, context.code() or grpc.StatusCode.UNKNOWN, None)
+                raise
+            return _counted_stream(responses, lambda: observe(method, pool, context.code() or grpc.StatusCode.OK, None))
+
+        return counted
+
+
+def _counted_stream(responses: Iterator[Any], done: Callable[[], None]) -> Iterator[Any]:
+    try:
+        yield from responses
+    finally:
+        done()
+
+
+def _pool_of(request: Any) -> str:
+    pool = getattr(request, "pool", None)
+    return (pool or DEFAULT_POOL) if isinstance(pool, str) else ""

@@ -1,7 +1,7 @@
 """A served pool: the core's bookkeeping, the KV memory it describes, and the lock that serialises them.
 
 `KVCache` is not thread-safe, so every call into it, and every piece of server bookkeeping that must
-agree with it (which session owns a sequence, a tenant's block count, the event hub), happens under
+agree with it (the ledger: who owns each sequence, each tenant's blocks and pins; the event hub), happens under
 `Pool.lock`. Pools are independent: calls on different pools never wait for each other's lock.
 """
 
@@ -15,10 +15,10 @@ from radixkv.kv_cache import KVCache, Limits
 from radixkv.layout import PoolLayout
 from radixkv.server.config import PoolConfig
 from radixkv.server.events import EventHub
+from radixkv.server.ledger import PoolLedger
 
 if TYPE_CHECKING:
     from radixkv.server.kv_events import ZmqEventPublisher
-    from radixkv.server.sessions import Session
     from radixkv.storage import KVStorage
 
 
@@ -34,10 +34,7 @@ class Pool:
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1)
         self.events = EventHub(self.cache, watch_queue_size)
-        self.owners: dict[int, Session] = {}
-        # Block-table lengths of sequences whose tenant has a quota, and each such tenant's total.
-        self.num_table_blocks: dict[int, int] = {}
-        self.tenant_blocks: dict[str, int] = {}
+        self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None
 
     def publish_kv_events(self, config: PoolConfig) -> None:

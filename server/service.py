@@ -2,17 +2,24 @@
 
 Threading model: gRPC runs each RPC on a thread of a fixed pool (`max_workers`); the lease reaper
 is one more thread. Each pool has one lock (`Pool.lock`), held around every call into its `KVCache`
-together with the bookkeeping that must agree with the core: which session owns each sequence,
-each tenant's block count, the pool's event hub. So calls on one pool run one at a time, whole
-(a batch is never interleaved with another call), and calls on different pools do not wait for
-each other. The session registry has its own lock, never held while a pool lock is taken. Ending
-a session marks it closed first and then takes each pool's lock to release what it holds; every
-pool-locked section re-checks the mark, so no sequence can join a session that is being torn
-down. The other locks (the stream count, each watcher's queue) are leaves: nothing is taken while
-one is held. Nothing changes before a request is known to be allowed: ownership, limits and quota
-are checked, then the core (which changes nothing when it refuses) is called, then the bookkeeping
-follows its result. An open WatchEvents stream holds a thread, so at most `max_watch_streams`
-(fewer than `max_workers`) are open at once.
+together with the bookkeeping that must agree with the core (`Pool.ledger`: which session owns
+each sequence, each tenant's blocks, each session's pins) and the pool's event hub. So calls on
+one pool run one at a time, whole (a batch is never interleaved with another call), and calls on
+different pools do not wait for each other. The session registry has its own lock, never held
+while a pool lock is taken. Ending a session marks it closed first and then takes each pool's
+lock to release what it holds; every pool-locked section re-checks the mark (`_in_session`), so
+no sequence can join a session that is being torn down. The other locks (the stream counts, each
+watcher's queue, each session's request window) are leaves: nothing is taken while one is held.
+
+A call either applies and its response can reach the client, or it changes nothing:
+  - sizes are checked first, before any token list is converted and outside the pool's lock:
+    the pool's `max_tokens_per_request`, and the response the call would produce against the
+    server's `max_message_bytes` (a response over it would be lost after the call applied);
+  - after taking the pool's lock, a call whose deadline has passed is refused (`check_deadline`);
+  - then ownership, limits, tenant shares and quota are checked, then the core (which changes
+    nothing when it refuses) is called, then the ledger follows its result;
+  - a mutating call with a `request_id` runs once per session (`RequestWindow.once`): a retry is
+    answered with the first result.
 
 Sessions that end (closed, expired, server shutdown) release their sequences with cache=False:
 the server cannot know whether a dead client's workers finished writing those blocks' K/V, and a
@@ -21,23 +28,21 @@ cached block with unwritten K/V would serve garbage to the next prompt that hits
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
-from radixkv.errors import (
-    LimitExceeded,
-    NotPinned,
-    PermissionDenied,
-    QuotaExceeded,
-    UnknownPool,
-    UnknownSequence,
-    UnknownSession,
-)
-from radixkv.kv_cache import DEFAULT_NAMESPACE
+import numpy as np
+
+from radixkv.errors import LimitExceeded, PermissionDenied, UnknownPool, UnknownSession
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
+from radixkv.server.deadlines import check_deadline
 from radixkv.server.events import BlockEvent
+from radixkv.server.ledger import Pin
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session, SessionRegistry
+from radixkv.server.shares import Shares
+from radixkv.server.sizes import append_response_bytes, check_request_size, open_response_bytes
 from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
 from radixkv.stats import Stats
@@ -49,12 +54,20 @@ class KVService:
 
     def __init__(self, config: ServerConfig, pools: dict[str, Pool]) -> None:
         self.pools = pools
+        self.shares = Shares(len(config.tenants))
         self.sessions = SessionRegistry(
-            config.session_ttl_seconds, config.max_session_ttl_seconds, config.max_sessions, self._end_session
+            config.session_ttl_seconds,
+            config.max_session_ttl_seconds,
+            config.max_sessions,
+            self._end_session,
+            self.shares.of(config.max_sessions),
         )
-        self.streams = WatchStreams(config.max_watch_streams or 0)
+        assert config.max_watch_streams is not None
+        self.streams = WatchStreams(config.max_watch_streams, self.shares.of(config.max_watch_streams))
+        self.max_message_bytes = config.max_message_bytes
         self._max_sequences = config.max_sequences_per_session
         self._max_pins = config.max_pins_per_session
+        self._max_pool_sequences = config.max_sequences
 
     def start(self) -> None:
         self.sessions.start()
@@ -70,6 +83,17 @@ class KVService:
         if pool is None:
             raise UnknownPool(name or DEFAULT_POOL)
         return pool
+
+    @contextlib.contextmanager
+    def _in_session(self, caller: Tenant, session_id: str, pool_name: str) -> Iterator[tuple[Pool, Session]]:
+        """The preamble of every session call: find the pool and session, take the pool's lock, and
+        refuse a session ended meanwhile or a call whose deadline passed while it waited."""
+        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        with pool.lock:
+            if session.closed:
+                raise UnknownSession(session.session_id)
+            check_deadline()
+            yield pool, session
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -87,133 +111,163 @@ class KVService:
         num_released = 0
         for pool in self.pools.values():  # all pools: one may gain its first sequence of this session meanwhile
             with pool.lock:
-                seq_ids = list(session.sequences.pop(pool.name, ()))
+                seq_ids, pins = pool.ledger.take_session(session)
                 if seq_ids:
                     pool.cache.release_many(seq_ids, cache=False)
-                for seq_id in seq_ids:
-                    self._forget(pool, session, seq_id)
-                for namespace, prefix in session.pins.pop(pool.name, ()):
-                    pool.cache.unpin(prefix, namespace)
+                for pin in pins:
+                    pool.cache.unpin(pin.token_bytes, pin.namespace)
                 num_released += len(seq_ids)
         return num_released
 
     # -- sequences --------------------------------------------------------------------------------
 
     def open_sequences(
-        self, caller: Tenant, session_id: str, pool_name: str, prompts: Sequence[tuple[TokenIds, str]]
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        prompts: Sequence[tuple[TokenIds, str]],
+        request_id: int = 0,
     ) -> list[OpenResult]:
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        # The whole request against the pool's token limit before any prompt is converted: a batch of
-        # prompts each under the limit must not add up to one request the size of the message limit.
-        num_tokens, allowed = sum(_num_tokens(t) for t, _ in prompts), pool.cache.limits.max_tokens_per_request
-        if num_tokens > allowed:
-            raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
+        """Open a batch of prompts, all or none (the whole batch counts against the request limits)."""
+        pool = self.pool(pool_name)
+        counts = [_num_tokens(t) for t, _ in prompts]
+        check_request_size(pool, sum(counts), open_response_bytes(pool, counts), self.max_message_bytes)
         batch = len(prompts) > 1
         requests = [
-            (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
-            for i, (tokens, ns) in enumerate(prompts)
-        ]
-        with pool.lock:
-            _check_live(session)
-            self._check_num_sequences(pool, session, len(requests))
-            if caller.max_blocks is not None:
-                block_size = pool.layout.block_size
-                self._check_quota(pool, caller, sum(-(-_num_tokens(tokens) // block_size) for tokens, _ in requests))
-            results = pool.cache.open_many(requests)
-            for result in results:
-                self._adopt(pool, session, result.seq_id, len(result.block_table))
-        return results
+            (to_token_bytes(t, f"prompts[{i}].token_ids" if batch else "token_ids"),
+             caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
+            for i, (t, ns) in enumerate(prompts)
+        ]  # fmt: skip
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> list[OpenResult]:
+                if not requests:
+                    return []
+                ledger = pool.ledger
+                self.check_num_sequences(pool, session, len(requests))
+                self.check_namespaces(pool, caller, {ns for _, ns in requests})
+                ledger.check_quota(caller, sum(ledger.blocks_for(len(t) // TOKEN_BYTES) for t, _ in requests))
+                results = pool.cache.open_many(requests)
+                for result in results:
+                    ledger.adopt(session, result.seq_id, len(result.block_table))
+                return results
+
+            return session.requests.once(
+                request_id, f"OpenSequences {pool.name}", apply, lambda rs: sum(len(r.block_table) + 1 for r in rs) + sum(counts)
+            )
 
     def append_tokens(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        seq_ids: Sequence[int],
+        num_token_ids: Sequence[int],
+        token_ids: TokenIds,
+        request_id: int = 0,
     ) -> AppendBatch:
         """One decode step, in columns (see `KVCache.append_batch`)."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            owners = pool.owners
-            if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # a decode step: check fast, name slowly
-                for i, seq_id in enumerate(seq_ids):
-                    _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
-            if caller.max_blocks is None:
-                return pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-            block_size, tables = pool.layout.block_size, pool.num_table_blocks
-            growth = sum(
-                max(0, -(-(pool.cache.num_tokens(s) + n) // block_size) - tables[s])
-                for s, n in zip(seq_ids, num_token_ids, strict=False)
+        pool = self.pool(pool_name)
+        num_tokens = _num_tokens(token_ids)
+        check_request_size(pool, num_tokens, append_response_bytes(pool, len(seq_ids), num_tokens), self.max_message_bytes)
+        if not isinstance(token_ids, bytes | np.ndarray):
+            token_ids = np.array(token_ids, dtype=np.int64)  # any int: the core's range check names a bad one
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> AppendBatch:
+                if not seq_ids and not num_token_ids and not num_tokens:
+                    return AppendBatch([], [], [], [], [], [], [], np.empty(0, dtype=np.int64))  # an empty step: a no-op
+                ledger = pool.ledger
+                ledger.check_owners(session, list(seq_ids))
+                if caller.max_blocks is not None:
+                    growth = sum(
+                        max(0, ledger.blocks_for(pool.cache.num_tokens(s) + n) - ledger.num_table_blocks(s))
+                        for s, n in zip(seq_ids, num_token_ids, strict=False)
+                    )
+                    ledger.check_quota(caller, growth)
+                batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
+                for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
+                    ledger.resize(seq_id, offset + num_blocks)
+                return batch
+
+            return session.requests.once(
+                request_id, f"AppendTokens {pool.name}", apply, lambda b: len(b.block_ids) + len(b.seq_ids) + num_tokens
             )
-            self._check_quota(pool, caller, growth)
-            batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
-                self._resize(pool, caller, seq_id, offset + num_blocks)
-            return batch
 
-    def fork(self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, num_children: int) -> list[int]:
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            _check_owner(pool, session, seq_id, "seq_id")
-            self._check_num_sequences(pool, session, num_children)
-            num_blocks = pool.num_table_blocks.get(seq_id, 0)
-            if caller.max_blocks is not None:
-                self._check_quota(pool, caller, max(num_children, 0) * num_blocks)
-            children = pool.cache.fork(seq_id, num_children)
-            for child in children:
-                self._adopt(pool, session, child, num_blocks)
-        return children
+    def fork(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, num_children: int, request_id: int = 0
+    ) -> list[int]:
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
 
-    def cache_sequence(self, caller: Tenant, session_id: str, pool_name: str, seq_id: int) -> int:
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            _check_owner(pool, session, seq_id, "seq_id")
-            return pool.cache.cache(seq_id)
+            def apply() -> list[int]:
+                ledger = pool.ledger
+                ledger.check_owner(session, seq_id)
+                self.check_num_sequences(pool, session, num_children)
+                num_blocks = ledger.num_table_blocks(seq_id)
+                ledger.check_quota(caller, max(num_children, 0) * num_blocks)
+                children = pool.cache.fork(seq_id, num_children)
+                for child in children:
+                    ledger.adopt(session, child, num_blocks)
+                return children
 
-    def release(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], cache: bool) -> int:
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            for i, seq_id in enumerate(seq_ids):
-                _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
-            pool.cache.release_many(seq_ids, cache)
-            for seq_id in seq_ids:
-                self._forget(pool, session, seq_id)
-        return len(seq_ids)
+            return session.requests.once(request_id, f"ForkSequence {pool.name}", apply, len)
 
-    def commit(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
-        """Advance the computed watermarks of the session's sequences (see `KVCache.commit`)."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            self._check_owners(pool, session, seq_ids)
+    def cache_sequence(self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, request_id: int = 0) -> int:
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> int:
+                pool.ledger.check_owner(session, seq_id)
+                return pool.cache.cache(seq_id)
+
+            return session.requests.once(request_id, f"CacheSequence {pool.name}", apply)
+
+    def release(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], cache: bool, request_id: int = 0
+    ) -> int:
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> int:
+                ledger = pool.ledger
+                ledger.check_owners(session, list(seq_ids))
+                if seq_ids:
+                    pool.cache.release_many(seq_ids, cache)
+                for seq_id in seq_ids:
+                    ledger.forget(seq_id)
+                return len(seq_ids)
+
+            return session.requests.once(request_id, f"ReleaseSequences {pool.name}", apply)
+
+    def commit(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_tokens: Sequence[int]
+    ) -> None:
+        """Advance the computed watermarks of the session's sequences (see `KVCache.commit`).
+
+        Needs no request window: committing the same watermark again changes nothing."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
             pool.cache.commit(seq_ids, num_tokens)
 
     def describe_sequences(
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]
     ) -> list[tuple[int, int]]:
         """(num_tokens, num_computed_tokens) of each of the session's sequences."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            self._check_owners(pool, session, seq_ids)
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
             return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
 
     def can_append(
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]
     ) -> tuple[bool, int]:
         """(would this append fit the pool now, blocks available); changes nothing."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            self._check_owners(pool, session, seq_ids)
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.can_append(seq_ids, num_token_ids), pool.cache.num_available_blocks()
 
     def freeable_blocks(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]) -> int:
         """Blocks releasing the session's `seq_ids` together would make available; changes nothing."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
-        with pool.lock:
-            _check_live(session)
-            self._check_owners(pool, session, seq_ids)
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.freeable_blocks(seq_ids)
 
     def num_available_blocks(self, pool_name: str) -> int:
@@ -221,50 +275,59 @@ class KVService:
         with pool.lock:
             return pool.cache.num_available_blocks()
 
-    @staticmethod
-    def _check_owners(pool: Pool, session: Session, seq_ids: Sequence[int]) -> None:
-        owners = pool.owners
-        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # check fast, name slowly
-            for i, seq_id in enumerate(seq_ids):
-                _check_owner(pool, session, seq_id, f"seq_ids[{i}]")
-
     # -- prefixes ---------------------------------------------------------------------------------
 
     def match(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
         """Read-only; a session is optional (routers probe without one)."""
         pool = self.pool(pool_name)
+        check_request_size(pool, _num_tokens(token_ids))
         if session_id:
             self.sessions.get(session_id, caller)
-        core_namespace = caller.scope(namespace)
-        with pool.lock:
-            return pool.cache.match(token_ids, core_namespace)
-
-    def pin(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
-        """Pin the cached prefix until Unpin or the session's end; returns tokens pinned."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
-            _check_live(session)
-            pins = session.pins.setdefault(pool.name, [])
-            if len(pins) >= self._max_pins:
-                raise LimitExceeded("max_pins_per_session", len(pins) + 1, self._max_pins)
-            num_pinned = pool.cache.pin(key, core_namespace)
-            pins.append((core_namespace, key[: num_pinned * TOKEN_BYTES]))
-        return num_pinned
+            return pool.cache.match(key, core_namespace)
 
-    def unpin(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> None:
+    def pin(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str, request_id: int = 0
+    ) -> int:
+        """Pin the cached prefix until Unpin or the session's end; returns tokens pinned.
+
+        The prefix's blocks count against the tenant's block quota and its share of the pinned blocks.
+        """
+        check_request_size(self.pool(pool_name), _num_tokens(token_ids))
+        core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> int:
+                ledger = pool.ledger
+                num_pins = len(ledger.pins(session))
+                if num_pins >= self._max_pins:
+                    raise LimitExceeded("max_pins_per_session", num_pins + 1, self._max_pins)
+                num_blocks = pool.cache.match(key, core_namespace) // pool.layout.block_size
+                ledger.check_quota(caller, num_blocks)
+                share = self.shares.of(int(pool.cache.limits.max_pinned_fraction * pool.layout.num_blocks))
+                pinned = ledger.tenant_pinned_blocks(caller)
+                if self.shares.num_tenants > 1 and pinned + num_blocks > share:
+                    raise LimitExceeded("pinned_blocks_per_tenant", pinned + num_blocks, share)
+                num_pinned = pool.cache.pin(key, core_namespace)
+                ledger.add_pin(session, Pin(core_namespace, key[: num_pinned * TOKEN_BYTES], num_pinned // pool.layout.block_size))
+                return num_pinned
+
+            return session.requests.once(request_id, f"Pin {pool.name}", apply)
+
+    def unpin(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str, request_id: int = 0
+    ) -> None:
         """Drop this session's longest pin on a prefix of `token_ids` (pins are the session's own)."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        check_request_size(self.pool(pool_name), _num_tokens(token_ids))
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
-        with pool.lock:
-            _check_live(session)
-            pins = session.pins.get(pool.name, [])
-            held = [p for p in pins if p[0] == core_namespace and key.startswith(p[1])]
-            if not held:
-                raise NotPinned(namespace or DEFAULT_NAMESPACE)
-            pin = max(held, key=lambda p: len(p[1]))
-            pool.cache.unpin(pin[1], core_namespace)
-            pins.remove(pin)
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> None:
+                pin = pool.ledger.take_pin(session, core_namespace, key)
+                pool.cache.unpin(pin.token_bytes, core_namespace)
+
+            session.requests.once(request_id, f"Unpin {pool.name}", apply)
 
     # -- pool-wide --------------------------------------------------------------------------------
 
@@ -304,86 +367,46 @@ class KVService:
         if session_id:
             self.sessions.get(session_id, caller)
         scoped = frozenset(caller.scope(ns, f"namespaces[{i}]") for i, ns in enumerate(namespaces))
-        return self.streams.stream(pool, scoped.__contains__ if scoped else caller.owns, include_snapshot, is_active)
+        accepts = scoped.__contains__ if scoped else caller.owns
+        return self.streams.stream(pool, caller, accepts, include_snapshot, is_active)
 
-    def check_invariants(self, pool_name: str) -> str:
-        """The first broken invariant of the core or of this layer's bookkeeping; "" when all hold."""
+    def check_invariants(self, pool_name: str) -> None:
+        """Raises AssertionError naming the first broken invariant of the core or of the server's bookkeeping."""
         pool = self.pool(pool_name)
         with pool.lock:
-            try:
-                pool.cache.check_invariants()
-                assert set(pool.owners) == set(pool.cache.sequence_ids()), (
-                    "owned sequences != the core's live sequences"
-                )
-                tenant_blocks: dict[str, int] = {}
-                for seq_id, owner in pool.owners.items():
-                    assert seq_id in owner.sequences.get(pool.name, ()), f"sequence {seq_id} missing from its session"
-                    if seq_id in pool.num_table_blocks:
-                        assert pool.num_table_blocks[seq_id] == len(pool.cache.block_table(seq_id)), (
-                            f"sequence {seq_id}: quota count stale"
-                        )
-                        name = owner.tenant.name
-                        tenant_blocks[name] = tenant_blocks.get(name, 0) + pool.num_table_blocks[seq_id]
-                assert set(pool.num_table_blocks) <= set(pool.owners), "a quota count outlived its sequence"
-                held = {name: n for name, n in pool.tenant_blocks.items() if n}
-                assert held == tenant_blocks, f"tenant block counts {held} != their sequences' {tenant_blocks}"
-                for session in self.sessions.live():
-                    for seq_id in session.sequences.get(pool.name, ()):
-                        assert pool.owners.get(seq_id) is session, f"session holds sequence {seq_id} it does not own"
-                    assert len(session.pins.get(pool.name, ())) <= self._max_pins, "a session holds too many pins"
-            except AssertionError as e:
-                return str(e) or "assertion failed"
-        return ""
+            pool.cache.check_invariants()
+            pool.ledger.check_invariants(pool.cache)
+            for session in self.sessions.live():
+                assert len(pool.ledger.pins(session)) <= self._max_pins, "a session holds too many pins"
+                session.requests.check_invariants()
 
-    # -- bookkeeping (under pool.lock) -------------------------------------------------------------
+    # -- limits (under pool.lock) ------------------------------------------------------------------
 
-    def _check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
-        held = len(session.sequences.get(pool.name, ()))
+    def check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
+        ledger = pool.ledger
+        held = ledger.num_sequences(session)
         if held + num_new > self._max_sequences:
             raise LimitExceeded("max_sequences_per_session", held + num_new, self._max_sequences)
+        held = ledger.num_tenant_sequences(session.tenant)
+        share = self.shares.of(self._max_pool_sequences)
+        if held + num_new > share:
+            raise LimitExceeded("max_sequences_per_tenant", held + num_new, share)
+        held = ledger.num_sequences_total()
+        if held + num_new > self._max_pool_sequences:
+            raise LimitExceeded("max_sequences", held + num_new, self._max_pool_sequences)
 
-    @staticmethod
-    def _check_quota(pool: Pool, tenant: Tenant, needed: int) -> None:
-        assert tenant.max_blocks is not None
-        held = pool.tenant_blocks.get(tenant.name, 0)
-        if held + needed > tenant.max_blocks:
-            raise QuotaExceeded(tenant.name, needed, max(0, tenant.max_blocks - held))
-
-    @staticmethod
-    def _adopt(pool: Pool, session: Session, seq_id: int, num_blocks: int) -> None:
-        pool.owners[seq_id] = session
-        session.sequences.setdefault(pool.name, set()).add(seq_id)
-        if session.tenant.max_blocks is not None:
-            pool.num_table_blocks[seq_id] = num_blocks
-            pool.tenant_blocks[session.tenant.name] = pool.tenant_blocks.get(session.tenant.name, 0) + num_blocks
-
-    @staticmethod
-    def _resize(pool: Pool, tenant: Tenant, seq_id: int, num_blocks: int) -> None:
-        pool.tenant_blocks[tenant.name] += num_blocks - pool.num_table_blocks[seq_id]
-        pool.num_table_blocks[seq_id] = num_blocks
-
-    @staticmethod
-    def _forget(pool: Pool, session: Session, seq_id: int) -> None:
-        del pool.owners[seq_id]
-        seq_ids = session.sequences.get(pool.name)
-        if seq_ids is not None:
-            seq_ids.discard(seq_id)
-        num_blocks = pool.num_table_blocks.pop(seq_id, None)
-        if num_blocks is not None:
-            pool.tenant_blocks[session.tenant.name] -= num_blocks
-
-
-def _check_live(session: Session) -> None:
-    if session.closed:
-        raise UnknownSession(session.session_id)
-
-
-def _check_owner(pool: Pool, session: Session, seq_id: int, field: str) -> None:
-    owner = pool.owners.get(seq_id)
-    if owner is not session:
-        if owner is None:
-            raise UnknownSequence(seq_id)
-        raise PermissionDenied(f"sequence {seq_id} belongs to another session", field=field, seq_id=seq_id)
+    def check_namespaces(self, pool: Pool, caller: Tenant, namespaces: set[str]) -> None:
+        """The tenant's share of the pool's namespaces: those it has cached or holds, plus these new ones."""
+        if self.shares.num_tenants <= 1:
+            return  # one tenant: the core's max_namespaces is its share
+        roots = pool.cache.tree.roots
+        new = [ns for ns in namespaces if ns not in roots]
+        if not new:
+            return
+        share = self.shares.of(pool.cache.limits.max_namespaces)
+        held = sum(1 for ns in roots if caller.owns(ns))
+        if held + len(new) > share:
+            raise LimitExceeded("max_namespaces_per_tenant", held + len(new), share)
 
 
 def _num_tokens(token_ids: TokenIds) -> int:

@@ -58,7 +58,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # The repeated fields go to the core as they are: numpy reads them in one pass, where a list
         # would cost a Python int per token (and memory to match) before any limit is checked.
         prompts = [(p.token_ids, p.namespace) for p in request.prompts]
-        results = self._service.open_sequences(current_caller(), request.session_id, request.pool, prompts)
+        results = self._service.open_sequences(
+            current_caller(), request.session_id, request.pool, prompts, request.request_id
+        )
         return pb.OpenSequencesResponse(
             sequences=[
                 pb.OpenedSequence(
@@ -73,10 +75,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.ServicerContext) -> pb.AppendTokensResponse:
-        # Ids >= 2^31 wrap negative as int32 and are refused by the core's range check.
-        token_ids = np.array(request.token_ids, dtype=np.uint32).view(np.int32)
         batch = self._service.append_tokens(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_token_ids), token_ids
+            current_caller(),
+            request.session_id,
+            request.pool,
+            list(request.seq_ids),
+            list(request.num_token_ids),
+            request.token_ids,
+            request.request_id,
         )
         return pb.AppendTokensResponse(
             num_tokens=batch.num_tokens,
@@ -90,7 +96,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def ForkSequence(self, request: pb.ForkSequenceRequest, context: grpc.ServicerContext) -> pb.ForkSequenceResponse:
         children = self._service.fork(
-            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children
+            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children, request.request_id
         )
         return pb.ForkSequenceResponse(child_seq_ids=children)
 
@@ -98,7 +104,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def CacheSequence(
         self, request: pb.CacheSequenceRequest, context: grpc.ServicerContext
     ) -> pb.CacheSequenceResponse:
-        num_cached = self._service.cache_sequence(current_caller(), request.session_id, request.pool, request.seq_id)
+        num_cached = self._service.cache_sequence(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.request_id
+        )
         return pb.CacheSequenceResponse(num_cached_tokens=num_cached)
 
     @translating_errors
@@ -106,7 +114,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self, request: pb.ReleaseSequencesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseSequencesResponse:
         cache = request.cache if request.HasField("cache") else True
-        num = self._service.release(current_caller(), request.session_id, request.pool, list(request.seq_ids), cache)
+        num = self._service.release(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), cache, request.request_id
+        )
         return pb.ReleaseSequencesResponse(num_released_sequences=num)
 
     @translating_errors
@@ -147,14 +157,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         num = self._service.pin(
-            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, request.request_id
         )
         return pb.PinResponse(num_pinned_tokens=num)
 
     @translating_errors
     def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
         self._service.unpin(
-            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, request.request_id
         )
         return pb.UnpinResponse()
 

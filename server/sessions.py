@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from radixkv.errors import InvalidArgument, LimitExceeded, PermissionDenied, ServerRestarted, UnknownSession
+from radixkv.server.idempotency import RequestWindow
 from radixkv.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -28,18 +29,15 @@ REAP_INTERVAL_SECONDS = 0.05
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Session:
-    """A client's lease. `sequences` and `pins` of pool p are read and written under p's lock only."""
+    """A client's lease. What it holds in each pool is that pool's `PoolLedger`'s to know."""
 
     session_id: str
     tenant: Tenant
     ttl: float
     deadline: float
-    sequences: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # pool -> seq ids
-    pins: dict[str, list[tuple[str, bytes]]] = dataclasses.field(
-        default_factory=dict
-    )  # pool -> (core namespace, pinned tokens)
     closed: bool = False  # set before its sequences are released; pool-locked code re-checks it
     num_streams: int = 0  # open Session streams: while any is open the lease does not run out
+    requests: RequestWindow = dataclasses.field(default_factory=RequestWindow)  # recent results by request id
 
     def renew(self) -> None:
         self.deadline = time.monotonic() + self.ttl
@@ -49,12 +47,19 @@ class SessionRegistry:
     """Live sessions by id, with a reaper thread for expired leases. Never held while a pool lock is taken."""
 
     def __init__(
-        self, default_ttl: float, max_ttl: float, max_sessions: int, on_end: Callable[[Session, str], int]
+        self,
+        default_ttl: float,
+        max_ttl: float,
+        max_sessions: int,
+        on_end: Callable[[Session, str], int],
+        max_sessions_per_tenant: int | None = None,
     ) -> None:
         self.instance_id = secrets.token_hex(_INSTANCE_ID_CHARS // 2)
         self._default_ttl = default_ttl
         self._max_ttl = max_ttl
         self._max_sessions = max_sessions
+        self._max_per_tenant = max_sessions if max_sessions_per_tenant is None else max_sessions_per_tenant
+        self._per_tenant: dict[str, int] = {}  # live sessions by tenant name
         self._on_end = on_end
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -80,6 +85,7 @@ class SessionRegistry:
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
+            self._per_tenant.clear()
         for session in sessions:
             self._end(session, "shutdown")
 
@@ -92,7 +98,11 @@ class SessionRegistry:
         with self._lock:
             if len(self._sessions) >= self._max_sessions:
                 raise LimitExceeded("max_sessions", len(self._sessions) + 1, self._max_sessions)
+            held = self._per_tenant.get(tenant.name, 0)
+            if held >= self._max_per_tenant:
+                raise LimitExceeded("max_sessions_per_tenant", held + 1, self._max_per_tenant)
             self._sessions[session.session_id] = session
+            self._per_tenant[tenant.name] = held + 1
         log.info("session opened", extra={"session_id": session.session_id, "tenant": tenant.name, "ttl_seconds": ttl})
         return session
 
@@ -133,7 +143,15 @@ class SessionRegistry:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:
                 raise UnknownSession(session_id)  # closed or expired by another thread meanwhile
+            self._uncount(session)
         return self._end(session, "closed")
+
+    def _uncount(self, session: Session) -> None:
+        """Under `_lock`: the session left `_sessions`."""
+        name = session.tenant.name
+        self._per_tenant[name] -= 1
+        if not self._per_tenant[name]:
+            del self._per_tenant[name]
 
     def _end(self, session: Session, why: str) -> int:
         session.closed = True
@@ -156,6 +174,7 @@ class SessionRegistry:
                 expired = [s for s in self._sessions.values() if s.deadline < now and not s.num_streams]
                 for session in expired:
                     del self._sessions[session.session_id]
+                    self._uncount(session)
             for session in expired:
                 try:
                     self._end(session, "expired")

@@ -8,6 +8,7 @@ server bug: it is logged with its traceback and leaves as INTERNAL with no detai
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from radixkv.errors import ERRORS_BY_REASON, RadixKVError
+from radixkv.server.deadlines import call_deadline
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,40 @@ STATUS_BY_REASON: dict[str, grpc.StatusCode] = {
 }
 
 
+MAX_ECHO_CHARS = 200  # an echoed value (a session id, a pool name) is cut here: the status must fit in metadata
+
+
+def truncated(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
 def to_status(error: RadixKVError) -> grpc.Status:
+    """The error as a status; every echoed value truncated, so a 4 KB field cannot push it past the metadata limit."""
     code = STATUS_BY_REASON.get(error.reason, grpc.StatusCode.INTERNAL)
     detail = any_pb2.Any()
-    detail.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=error.metadata))
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=error.message, details=[detail]))
+    metadata = {truncated(k, 64): truncated(v) for k, v in error.metadata.items()}
+    detail.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata))
+    message = truncated(error.message, 4 * MAX_ECHO_CHARS)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
+_REFUSAL: contextvars.ContextVar[RadixKVError | None] = contextvars.ContextVar("radixkv_refusal", default=None)
 
 
 def abort(context: grpc.ServicerContext, error: RadixKVError) -> None:
-    """End the RPC with `error` (raises, as `context.abort_with_status` does)."""
+    """End the RPC with `error` (raises, as `context.abort_with_status` does); metrics read it back (`last_refusal`)."""
+    _REFUSAL.set(error)
     context.abort_with_status(to_status(error))
+
+
+def last_refusal() -> RadixKVError | None:
+    """The error this thread's current call was refused with, if any (set by `abort`)."""
+    return _REFUSAL.get()
+
+
+def forget_refusal() -> None:
+    """A new call starts on this thread."""
+    _REFUSAL.set(None)
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])
@@ -52,7 +78,7 @@ def _translated(context: grpc.ServicerContext, method: str) -> Iterator[None]:
     try:
         yield
     except RadixKVError as e:
-        log.debug("refused", extra={"method": method, "reason": e.reason, **e.metadata})
+        log.debug("refused", extra={"method": method, "reason": e.reason, **{k: truncated(v) for k, v in e.metadata.items()}})
         abort(context, e)
     except Exception:
         log.exception("internal error", extra={"method": method})
@@ -64,7 +90,7 @@ def translating_errors(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     def wrapper(self: object, request: object, context: grpc.ServicerContext) -> Any:
-        with _translated(context, handler.__name__):
+        with _translated(context, handler.__name__), call_deadline(context):
             return handler(self, request, context)
 
     return wrapper  # type: ignore[return-value]

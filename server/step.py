@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from radixkv.errors import InvalidArgument, LimitExceeded, QuotaExceeded, RadixKVError, UnknownSequence
+from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
 from radixkv.results import OpenResult
+from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
-from radixkv.server.service import KVService, _check_live, _check_owner, _num_tokens
+from radixkv.server.service import KVService, _num_tokens
 from radixkv.server.sessions import Session
+from radixkv.server.sizes import check_request_size, open_response_bytes
 from radixkv.server.tenants import Tenant
 from radixkv.step import Step, StepResult
 from radixkv.token_ids import TokenIds
@@ -49,16 +51,17 @@ def run_step(service: KVService, caller: Tenant, session: Session, pool_name: st
     requests: list[tuple[TokenIds, str]] = []
     if step.opens:
         with _item("opens"):  # as OpenSequences does before it takes the lock
-            num_tokens, allowed = sum(_num_tokens(t) for t, _ in step.opens), pool.cache.limits.max_tokens_per_request
-            if num_tokens > allowed:
-                raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
+            counts = [_num_tokens(t) for t, _ in step.opens]
+            check_request_size(pool, sum(counts), open_response_bytes(pool, counts), service.max_message_bytes)
             batch = len(step.opens) > 1
             requests = [
                 (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
                 for i, (tokens, ns) in enumerate(step.opens)
             ]
     with pool.lock:
-        _check_live(session)
+        if session.closed:
+            raise UnknownSession(session.session_id)
+        check_deadline()
         _StepPlan(service, pool, session, caller).check(step, requests)
         return _apply(service, pool, session, step, requests)
 
@@ -68,8 +71,8 @@ class _StepPlan:
 
     def __init__(self, service: KVService, pool: Pool, session: Session, caller: Tenant) -> None:
         self.service, self.pool, self.session, self.caller = service, pool, session, caller
-        self.num_sequences = len(session.sequences.get(pool.name, ()))
-        self.held_blocks = pool.tenant_blocks.get(caller.name, 0)
+        self.num_new_sequences = 0  # opened and forked by the items checked so far
+        self.held_blocks = pool.ledger.tenant_blocks(caller)
         self.table_blocks: dict[int, int] = {}  # block-table lengths the append leaves (quota only)
 
     def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
@@ -82,6 +85,7 @@ class _StepPlan:
         if requests:
             with _item("opens"):
                 self._add_sequences(len(requests))
+                self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
                 self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
                 if step.append is not None or after_append:
                     num_taken = cache.check_open(requests)
@@ -93,43 +97,38 @@ class _StepPlan:
                     growth = 0
                     for s, n in zip(append.seq_ids, append.num_token_ids, strict=False):
                         after = -(-(cache.num_tokens(s) + n) // bs)
-                        growth += max(0, after - pool.num_table_blocks[s])
-                        self.table_blocks[s] = max(after, pool.num_table_blocks[s])
+                        growth += max(0, after - pool.ledger.num_table_blocks(s))
+                        self.table_blocks[s] = max(after, pool.ledger.num_table_blocks(s))
                     self._charge(growth)
                 if requests or after_append:
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
             with _item(f"forks[{i}]"):
-                _check_owner(pool, self.session, seq_id, "seq_id")
+                pool.ledger.check_owner(self.session, seq_id)
                 self._add_sequences(num_children)
                 if self.caller.max_blocks is not None:
-                    self._charge(max(num_children, 0) * self.table_blocks.get(seq_id, pool.num_table_blocks.get(seq_id, 0)))
+                    self._charge(max(num_children, 0) * self.table_blocks.get(seq_id, pool.ledger.num_table_blocks(seq_id)))
                 cache.check_fork(seq_id, num_children)
         for i, seq_id in enumerate(step.caches):
             with _item(f"caches[{i}]"):
-                _check_owner(pool, self.session, seq_id, "seq_id")
+                pool.ledger.check_owner(self.session, seq_id)
         released: set[int] = set()
         for i, (seq_ids, _) in enumerate(step.releases):
             with _item(f"releases[{i}]"):
                 for j, seq_id in enumerate(seq_ids):
                     if seq_id in released:  # an earlier release of this step ends it
                         raise UnknownSequence(seq_id)
-                    _check_owner(pool, self.session, seq_id, f"seq_ids[{j}]")
+                    pool.ledger.check_owner(self.session, seq_id, f"seq_ids[{j}]")
                 if len(set(seq_ids)) != len(seq_ids):
                     raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
                 released.update(seq_ids)
 
     def _own_all(self, seq_ids: Sequence[int], field: str) -> None:
-        owners, session = self.pool.owners, self.session
-        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # check fast, name slowly
-            for i, seq_id in enumerate(seq_ids):
-                _check_owner(self.pool, session, seq_id, f"{field}[{i}]")
+        self.pool.ledger.check_owners(self.session, list(seq_ids), field)
 
     def _add_sequences(self, num_new: int) -> None:
-        allowed = self.service._max_sequences
-        if self.num_sequences + num_new > allowed:
-            raise LimitExceeded("max_sequences_per_session", self.num_sequences + num_new, allowed)
-        self.num_sequences += num_new
+        self.service.check_num_sequences(self.pool, self.session, self.num_new_sequences + num_new)
+        self.num_new_sequences += num_new
 
     def _charge(self, num_blocks: int) -> None:
         quota = self.caller.max_blocks
@@ -144,7 +143,7 @@ def _apply(
     service: KVService, pool: Pool, session: Session, step: Step, requests: list[tuple[TokenIds, str]]
 ) -> StepResult:
     """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
-    cache, quota = pool.cache, session.tenant.max_blocks is not None
+    cache, ledger = pool.cache, pool.ledger
     applied = False
 
     @contextlib.contextmanager
@@ -164,32 +163,41 @@ def _apply(
         with applying("opens"):
             opened = cache.open_many(requests)
             for result in opened:
-                service._adopt(pool, session, result.seq_id, len(result.block_table))
+                ledger.adopt(session, result.seq_id, len(result.block_table))
     appended = None
     if step.append is not None:
         with applying("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            if quota:
-                for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
-                    service._resize(pool, session.tenant, seq_id, offset + n)
+            for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
+                ledger.resize(seq_id, offset + n)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying(f"forks[{i}]"):
+            _commit_whole(pool, [seq_id])
             children = cache.fork(seq_id, num_children)
-            num_blocks = pool.num_table_blocks.get(seq_id, 0)
+            num_blocks = ledger.num_table_blocks(seq_id)
             for child in children:
-                service._adopt(pool, session, child, num_blocks)
+                ledger.adopt(session, child, num_blocks)
             forked.append(children)
     num_cached = []
     for i, seq_id in enumerate(step.caches):
         with applying(f"caches[{i}]"):
+            _commit_whole(pool, [seq_id])
             num_cached.append(cache.cache(seq_id))
     num_released = 0
     for i, (seq_ids, keep) in enumerate(step.releases):
         with applying(f"releases[{i}]"):
+            if keep:
+                _commit_whole(pool, seq_ids)
             cache.release_many(seq_ids, keep)
             for seq_id in seq_ids:
-                service._forget(pool, session, seq_id)
+                ledger.forget(seq_id)
             num_released += len(seq_ids)
     return StepResult(opened, appended, forked, num_cached, num_released)
+
+
+def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
+    """Until Step carries commits (SessionRequest field 9 is kept for them), a step's fork, cache and
+    cached release vouch for every token it appended. Unary calls commit with CommitTokens."""
+    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])

@@ -22,10 +22,11 @@ class Tenant:
     namespaces: frozenset[str]
     max_blocks: int | None  # per pool, over the block tables of the tenant's live sequences
     map_pools: bool  # may receive pool handles: mapped memory holds every tenant's K/V
+    admin: bool = False  # may call the Debug service
 
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
-        return cls(config.name, frozenset(config.namespaces), config.max_blocks, config.map_pools)
+        return cls(config.name, frozenset(config.namespaces), config.max_blocks, config.map_pools, config.admin)
 
     @property
     def prefix(self) -> str:
@@ -56,4 +57,4 @@ class Tenant:
         return core_namespace.startswith(self.prefix)
 
 
-ANONYMOUS = Tenant("", frozenset({ANY_NAMESPACE}), None, True)  # auth off: every caller is trusted
+ANONYMOUS = Tenant("", frozenset({ANY_NAMESPACE}), None, True, True)  # auth off: every caller is trusted

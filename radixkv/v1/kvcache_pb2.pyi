@@ -65,14 +65,16 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class OpenSequencesRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "prompts")
+    __slots__ = ("pool", "session_id", "prompts", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class OpenedSequence(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
@@ -93,18 +95,20 @@ class OpenSequencesResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[OpenedSequence, _Mapping]]] = ...) -> None: ...
 
 class AppendTokensRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "seq_ids", "num_token_ids", "token_ids")
+    __slots__ = ("pool", "session_id", "seq_ids", "num_token_ids", "token_ids", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src_block_id", "dst_block_id", "sequence_index")
@@ -133,16 +137,18 @@ class AppendTokensResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class ForkSequenceRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "seq_id", "num_children")
+    __slots__ = ("pool", "session_id", "seq_id", "num_children", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     seq_id: int
     num_children: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., num_children: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., num_children: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ForkSequenceResponse(_message.Message):
     __slots__ = ("child_seq_ids",)
@@ -151,14 +157,16 @@ class ForkSequenceResponse(_message.Message):
     def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CacheSequenceRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "seq_id")
+    __slots__ = ("pool", "session_id", "seq_id", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     seq_id: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class CacheSequenceResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)
@@ -167,16 +175,18 @@ class CacheSequenceResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseSequencesRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "seq_ids", "cache")
+    __slots__ = ("pool", "session_id", "seq_ids", "cache", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     cache: bool
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., cache: _Optional[bool] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., cache: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseSequencesResponse(_message.Message):
     __slots__ = ("num_released_sequences",)
@@ -203,16 +213,18 @@ class MatchResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    __slots__ = ("pool", "session_id", "token_ids", "namespace", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("num_pinned_tokens",)
@@ -221,16 +233,18 @@ class PinResponse(_message.Message):
     def __init__(self, num_pinned_tokens: _Optional[int] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    __slots__ = ("pool", "session_id", "token_ids", "namespace", "request_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ()

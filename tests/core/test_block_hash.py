@@ -89,7 +89,9 @@ def test_table_follows_splits_trims_and_evictions(seed: int) -> None:
         if action < 0.55:
             tokens = rng.choice(prefixes)[: rng.randrange(1, 25)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             try:
-                live.append(cache.open(tokens or [1], rng.choice([DEFAULT_NAMESPACE, "chat"])).seq_id)
+                tokens = tokens or [1]
+                live.append(cache.open(tokens, rng.choice([DEFAULT_NAMESPACE, "chat"])).seq_id)
+                cache.commit(live[-1:], [len(tokens)])  # its K/V is written: a cached release stores it
             except OutOfBlocks:
                 pass
         elif live:

@@ -13,6 +13,20 @@ def counts(cache):
     return (s.num_blocks_free, s.num_blocks_cached, s.num_blocks_evictable, s.num_live_sequences, list(cache.pool.ref_counts))
 
 
+def cache_written(cache, token_ids, namespace="default"):
+    """Open `token_ids`, write all their K/V (commit), release with caching: the prefix is now cached."""
+    r = cache.open(token_ids, namespace)
+    cache.commit([r.seq_id], [len(token_ids)])
+    cache.release(r.seq_id)
+
+
+def opened_written(cache, token_ids, namespace="default"):
+    """Open `token_ids` and commit them all: a prefill whose K/V is written."""
+    r = cache.open(token_ids, namespace)
+    cache.commit([r.seq_id], [len(token_ids)])
+    return r
+
+
 @pytest.fixture
 def cache():
     c = KVCache(num_blocks=32, block_size=4)
@@ -36,13 +50,12 @@ def test_prompt_shorter_than_a_block(cache):
 
 
 def test_exact_block_multiple_is_cached_whole(cache):
-    r = cache.open(list(range(8)))
-    cache.release(r.seq_id)
+    cache_written(cache, list(range(8)))
     assert cache.match(list(range(8))) == 8
 
 
 def test_fully_cached_prompt_recomputes_last_token(cache):
-    cache.release(cache.open(list(range(8))).seq_id)
+    cache_written(cache, list(range(8)))
     r = cache.open(list(range(8)))
     assert r.num_cached_tokens == 4, "the last block is recomputed so the model gets the last logits"
     assert len(r.slots) == 4
@@ -53,6 +66,8 @@ def test_fully_cached_prompt_recomputes_last_token(cache):
 def test_second_turn_hits_first_turn(cache):
     first = cache.open(list(range(6)))
     cache.append(first.seq_id, [6, 7, 8, 9])
+    assert cache.cache(first.seq_id) == 4, "the appended tokens' K/V is not written yet"
+    cache.commit([first.seq_id], [10])
     assert cache.cache(first.seq_id) == 8
     second = cache.open(list(range(10)) + [42, 43])
     assert second.num_cached_tokens == 8
@@ -87,7 +102,7 @@ def test_fork_then_append_into_shared_partial_block_copies_on_write(cache):
 
 
 def test_fork_shares_full_blocks_through_the_tree(cache):
-    r = cache.open(list(range(9)))
+    r = opened_written(cache, list(range(9)))
     children = cache.fork(r.seq_id, 3)
     assert all(cache.block_table(c) == r.block_table for c in children)
     assert cache.stats().num_blocks_cached == 2, "fork publishes the parent's full blocks"
@@ -117,8 +132,8 @@ def test_beam_style_fork_release_churn_leaks_nothing(cache):
 
 
 def test_duplicate_prefix_keeps_one_copy_and_frees_the_other(cache):
-    a = cache.open(list(range(8)) + [1])
-    b = cache.open(list(range(8)) + [2])
+    a = opened_written(cache, list(range(8)) + [1])
+    b = opened_written(cache, list(range(8)) + [2])
     assert set(a.block_table[:2]).isdisjoint(b.block_table[:2])
     cache.release(a.seq_id)
     cache.release(b.seq_id)
@@ -129,8 +144,8 @@ def test_duplicate_prefix_keeps_one_copy_and_frees_the_other(cache):
 
 def test_allocation_evicts_lru_cached_blocks_before_failing():
     cache = KVCache(num_blocks=4, block_size=4)
-    cache.release(cache.open(list(range(8))).seq_id)
-    cache.release(cache.open(list(range(100, 108))).seq_id)
+    cache_written(cache, list(range(8)))
+    cache_written(cache, list(range(100, 108)))
     r = cache.open(list(range(200, 208)))
     assert cache.stats().num_evicted_blocks == 2
     assert cache.match(list(range(8))) == 0, "the older prefix went first"
@@ -142,7 +157,7 @@ def test_allocation_evicts_lru_cached_blocks_before_failing():
 def test_out_of_blocks_changes_nothing():
     cache = KVCache(num_blocks=4, block_size=4)
     keep = cache.open(list(range(8)))
-    cache.release(cache.open(list(range(50, 54))).seq_id)
+    cache_written(cache, list(range(50, 54)))
     before = counts(cache)
     with pytest.raises(OutOfBlocks) as info:
         cache.open(list(range(100, 113)))
@@ -169,8 +184,8 @@ def test_pool_exhausted_mid_batch_fails_whole():
 
 def test_batch_does_not_evict_its_own_hits():
     cache = KVCache(num_blocks=6, block_size=4)
-    cache.release(cache.open(list(range(8)) + [9]).seq_id)  # the hit, least recently used
-    cache.release(cache.open(list(range(50, 58)) + [9]).seq_id)  # newer, unrelated
+    cache_written(cache, list(range(8)) + [9])  # the hit, least recently used
+    cache_written(cache, list(range(50, 58)) + [9])  # newer, unrelated
     assert cache.stats().num_blocks_cached == 4
     # The first request must evict; the LRU prefix is the second request's hit, so it must be spared.
     results = cache.open_many([(list(range(20, 32)), "default"), (list(range(8)) + [7], "default")])
@@ -182,7 +197,7 @@ def test_batch_does_not_evict_its_own_hits():
 @pytest.mark.parametrize("block_size", [1, 64])
 def test_extreme_block_sizes(block_size):
     cache = KVCache(num_blocks=300, block_size=block_size)
-    a = cache.open(list(range(130)))
+    a = opened_written(cache, list(range(130)))
     cache.append(a.seq_id, list(range(5)))
     [child] = cache.fork(a.seq_id, 1)
     cache.append(child, [1])
@@ -193,14 +208,14 @@ def test_extreme_block_sizes(block_size):
 
 
 def test_namespaces_never_share_hits(cache):
-    cache.release(cache.open(list(range(8)), "tenant-a").seq_id)
+    cache_written(cache, list(range(8)), "tenant-a")
     assert cache.open(list(range(8)) + [1], "tenant-b").num_cached_tokens == 0
     assert cache.match(list(range(8)), "tenant-b") == 0
     assert cache.match(list(range(8)), "tenant-a") == 8
 
 
 def test_match_locks_nothing(cache):
-    cache.release(cache.open(list(range(8))).seq_id)
+    cache_written(cache, list(range(8)))
     before = counts(cache)
     assert cache.match(list(range(8))) == 8
     assert counts(cache) == before
@@ -208,7 +223,7 @@ def test_match_locks_nothing(cache):
 
 def test_pin_keeps_prefix_resident_under_pressure():
     cache = KVCache(num_blocks=8, block_size=4, limits=Limits(max_pinned_fraction=0.5))
-    cache.release(cache.open(list(range(8))).seq_id)
+    cache_written(cache, list(range(8)))
     assert cache.pin(list(range(8))) == 8
     assert cache.stats().num_blocks_pinned == 2
     with pytest.raises(OutOfBlocks):
@@ -225,7 +240,7 @@ def test_pin_keeps_prefix_resident_under_pressure():
 
 def test_pin_is_bounded_by_its_share_of_the_pool():
     cache = KVCache(num_blocks=8, block_size=4, limits=Limits(max_pinned_fraction=0.25))
-    cache.release(cache.open(list(range(13))).seq_id)
+    cache_written(cache, list(range(13)))
     with pytest.raises(LimitExceeded) as info:
         cache.pin(list(range(12)))
     assert info.value.limit == "pinned_blocks"
@@ -287,14 +302,14 @@ def test_limits_refuse_long_requests():
 
 def test_token_ids_accept_lists_arrays_and_packed_bytes(cache):
     tokens = np.arange(9, dtype=np.int32)
-    cache.release(cache.open(tokens).seq_id)
+    cache_written(cache, tokens)
     assert cache.match(tokens.tolist()) == 8
     assert cache.match(tokens.astype(np.int64)) == 8
     assert cache.match(tokens.tobytes()) == 8
 
 
 def test_stats_count_hits_and_requests(cache):
-    cache.release(cache.open(list(range(9))).seq_id)
+    cache_written(cache, list(range(9)))
     cache.open(list(range(9)))
     s = cache.stats()
     assert (s.num_requested_tokens, s.num_hit_tokens) == (18, 8)
@@ -336,9 +351,9 @@ def test_append_batch_reports_columns_that_match_per_sequence_appends():
 
 def test_unpin_after_more_of_the_prefix_was_cached():
     cache = KVCache(16, 4, limits=Limits(max_pinned_fraction=0.5))
-    cache.release(cache.open(list(range(9))).seq_id)
+    cache_written(cache, list(range(9)))
     assert cache.pin(list(range(16))) == 8
-    cache.release(cache.open(list(range(17))).seq_id)  # the tree now holds more of those tokens
+    cache_written(cache, list(range(17)))  # the tree now holds more of those tokens
     cache.unpin(list(range(16)))
     assert cache.stats().num_blocks_pinned == 0
     cache.check_invariants()

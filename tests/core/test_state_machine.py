@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from radixkv import KVCache
-from radixkv.errors import OutOfBlocks
+from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.kv_cache import Limits
 
 BLOCK_SIZE = 2
@@ -17,9 +17,14 @@ tails = st.lists(st.integers(0, 60), max_size=6)
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Model: live sequences' tokens, and every prefix ever cached per namespace (with the eviction
-    count at that time). A hit must be a cached prefix of the same namespace, and no shorter than
-    the longest such prefix while nothing has been evicted since it was cached."""
+    """Model: live sequences' tokens and computed watermarks, and every prefix ever cached per
+    namespace (with the eviction count at that time). A hit must be a prefix some sequence of the
+    same namespace cached with all its tokens computed (never unwritten K/V), and no shorter than
+    the longest such prefix while nothing has been evicted since it was cached.
+
+    Where a fork shares not-yet-computed full blocks by count, publishing them waits for their other
+    holders to go; the model does not track who holds what, so past `sure` it only allows those hits.
+    """
 
     seqs = Bundle("seqs")
 
@@ -28,16 +33,33 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = KVCache(NUM_BLOCKS, BLOCK_SIZE, Limits(max_pinned_fraction=0.25))
         self.tokens: dict[int, list[int]] = {}
         self.namespace: dict[int, str] = {}
-        self.published: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.computed: dict[int, int] = {}  # the watermark
+        self.sure: dict[int, int] = {}  # leading full blocks certainly published by this sequence
+        self.shared_upto: dict[int, int] = {}  # full blocks a fork may still share by count
+        self.published: dict[str, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}  # must hit
+        self.allowed: dict[str, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}  # may hit
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def track(self, seq_id, tokens, namespace, computed, sure=0, shared_upto=0):
+        self.tokens[seq_id], self.namespace[seq_id], self.computed[seq_id] = tokens, namespace, computed
+        self.sure[seq_id], self.shared_upto[seq_id] = sure, shared_upto
+
+    def forget(self, seq_id):
+        for table in (self.tokens, self.namespace, self.computed, self.sure, self.shared_upto):
+            del table[seq_id]
+
     def publish(self, seq_id):
-        tokens = self.tokens[seq_id]
-        full = len(tokens) // BLOCK_SIZE * BLOCK_SIZE
+        tokens, namespace = self.tokens[seq_id], self.namespace[seq_id]
+        num_full = min(self.computed[seq_id], len(tokens)) // BLOCK_SIZE
+        if self.shared_upto[seq_id] <= self.sure[seq_id]:
+            self.sure[seq_id] = max(self.sure[seq_id], num_full)
         evicted = self.cache.stats().num_evicted_blocks
-        for end in range(BLOCK_SIZE, full + 1, BLOCK_SIZE):
-            self.published[self.namespace[seq_id]][tuple(tokens[:end])] = evicted
+        for blocks in range(1, num_full + 1):
+            prefix = tuple(tokens[: blocks * BLOCK_SIZE])
+            self.allowed[namespace].add(prefix)
+            if blocks <= self.sure[seq_id]:
+                self.published[namespace][prefix] = evicted
 
     def evictable_snapshot(self):
         return {b: (n.last_access, n.lock_ref) for _, n in self.cache.tree.nodes() for b in n.block_ids}
@@ -65,21 +87,59 @@ class CacheMachine(RuleBasedStateMachine):
         cached = result.num_cached_tokens
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
         if cached:
-            assert tuple(tokens[:cached]) in self.published[namespace], "a hit on a prefix never cached in this namespace"
-        self.tokens[result.seq_id] = tokens
-        self.namespace[result.seq_id] = namespace
+            assert tuple(tokens[:cached]) in self.allowed[namespace], "a hit on a prefix never cached written in this namespace"
+        self.track(result.seq_id, tokens, namespace, cached, cached // BLOCK_SIZE)
         return result.seq_id
+
+    @rule(target=seqs, base=st.sampled_from(BASES), cut=st.integers(1, 10), namespace=st.sampled_from(NAMESPACES))
+    def lock_prefix(self, base, cut, namespace):
+        tokens = base[:cut]
+        free = self.cache.stats().num_blocks_free
+        result = self.cache.lock_prefix(tokens, namespace)
+        cached = result.num_cached_tokens
+        assert self.cache.stats().num_blocks_free == free, "locking a prefix allocates nothing"
+        if cached:
+            assert tuple(tokens[:cached]) in self.allowed[namespace], "locked a prefix never cached written"
+        self.track(result.seq_id, tokens[:cached], namespace, cached, cached // BLOCK_SIZE)
+        return result.seq_id
+
+    @rule(seq=seqs, data=st.data())
+    def commit(self, seq, data):
+        if seq not in self.tokens:
+            return
+        n = data.draw(st.integers(0, len(self.tokens[seq])))
+        if n < self.computed[seq]:
+            try:
+                self.cache.commit([seq], [n])
+            except InvalidArgument as e:
+                assert e.field == "num_tokens[0]"
+            else:
+                raise AssertionError("commit moved the watermark backwards")
+            return
+        self.cache.commit([seq], [n])
+        self.computed[seq] = n
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        before = self.evictable_snapshot()
+        evictable = self.cache.stats().num_blocks_evictable
+        assert self.cache.evict(n) == min(n, evictable)
+        self.check_lru(before)
 
     @rule(seq=seqs, tail=st.lists(st.integers(0, 60), min_size=1, max_size=5))
     def append(self, seq, tail):
         if seq not in self.tokens:
             return
         before = self.evictable_snapshot()
+        fits = self.cache.can_append([seq], [len(tail)])
         try:
             result = self.cache.append(seq, tail)
         except OutOfBlocks:
+            assert not fits, "can_append said yes, append ran out of blocks"
             return
+        assert fits, "can_append said no, append succeeded"
         self.check_lru(before)
+        self.computed[seq] = max(self.computed[seq], len(self.tokens[seq]))
         self.tokens[seq] = self.tokens[seq] + tail
         assert result.num_tokens == len(self.tokens[seq])
         for src, dst in result.copies:
@@ -91,10 +151,12 @@ class CacheMachine(RuleBasedStateMachine):
             return None
         children = self.cache.fork(seq, n)
         self.publish(seq)
+        shared = len(self.tokens[seq]) // BLOCK_SIZE if self.sure[seq] < len(self.tokens[seq]) // BLOCK_SIZE else 0
+        self.shared_upto[seq] = max(self.shared_upto[seq], shared)
         for child in children:
-            self.tokens[child] = list(self.tokens[seq])
-            self.namespace[child] = self.namespace[seq]
+            self.track(child, list(self.tokens[seq]), self.namespace[seq], self.computed[seq], self.sure[seq], self.shared_upto[seq])
             assert self.cache.block_table(child) == self.cache.block_table(seq)
+            assert self.cache.num_computed_tokens(child) == self.computed[seq]
         return children[0]
 
     @rule(seq=seqs)
@@ -103,14 +165,21 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.cache(seq)
             self.publish(seq)
 
-    @rule(seq=consumes(seqs), keep=st.booleans())
-    def release(self, seq, keep):
-        if seq not in self.tokens:
+    @rule(seq=consumes(seqs), other=seqs, both=st.booleans(), keep=st.booleans())
+    def release(self, seq, other, both, keep):
+        """Release one sequence or two together; `freeable_blocks` must have predicted the gain."""
+        batch = [s for s in ([seq, other] if both else [seq]) if s in self.tokens]
+        batch = list(dict.fromkeys(batch))
+        if not batch:
             return
-        self.cache.release(seq, cache=keep)
-        if keep:
-            self.publish(seq)
-        del self.tokens[seq], self.namespace[seq]
+        expected = self.cache.freeable_blocks(batch)
+        available = self.cache.num_available_blocks()
+        self.cache.release_many(batch, cache=keep)
+        assert self.cache.num_available_blocks() - available == expected, "freeable_blocks mispredicted the release"
+        for s in batch:
+            if keep:
+                self.publish(s)
+            self.forget(s)
 
     @rule(base=st.sampled_from(BASES), cut=st.integers(0, 10), namespace=st.sampled_from(NAMESPACES))
     def match(self, base, cut, namespace):
@@ -147,6 +216,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.num_blocks_free + stats.num_blocks_in_use + stats.num_blocks_evictable == NUM_BLOCKS
         for seq, tokens in self.tokens.items():
             assert self.cache.num_tokens(seq) == len(tokens)
+            assert self.cache.num_computed_tokens(seq) == self.computed[seq]
 
     def teardown(self):
         if not hasattr(self, "cache"):

@@ -54,6 +54,7 @@ HARDENED_FLAGS = [
     "--max-sequences-per-session", str(LIMITS["max_sequences_per_session"]),
     "--max-pins-per-session", str(LIMITS["max_pins_per_session"]),
     "--max-watch-streams", str(LIMITS["max_watch_streams"]),
+    "--max-streams", "6", "--max-streams-per-peer", "6",
     "--max-sessions", str(LIMITS["max_sessions"]),
     "--max-workers", "12",
     "--max-message-bytes", str(1 << 20),
@@ -70,6 +71,7 @@ max_blocks = {ACME_QUOTA}
 
 [tenants.globex]
 token = "{TOKENS["globex"]}"
+admin = true
 """
 
 

@@ -21,6 +21,7 @@ def test_a_namespace_with_nothing_left_in_it_does_not_count_against_max_namespac
 def test_fork_does_not_copy_the_token_history_into_every_child() -> None:
     cache = KVCache(num_blocks=5000, block_size=16)
     parent = cache.open(list(range(65_536)) + [1])  # 4097 blocks, 256 KiB of int32 tokens
+    cache.commit([parent.seq_id], [65_537])  # its K/V is written: fork caches it and shares the tree's copy
     tracemalloc.start()
     try:
         cache.fork(parent.seq_id, 64)

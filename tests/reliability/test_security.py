@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.client import KVEventKind, RadixKVClient
-from radixkv.errors import PermissionDenied, QuotaExceeded
+from radixkv.errors import PermissionDenied, QuotaExceeded, UnknownSequence
 from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -75,7 +75,7 @@ def test_another_tenants_session_and_sequences_are_refused_and_left_untouched(co
         lambda: globex.cache(theirs),
         lambda: globex.release(theirs),
     ):
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(UnknownSequence):  # another tenant's sequence is answered as an absent one
             trespass()
     stolen = {"session_id": acme.session_id}
     with grpc.secure_channel(secure.address, credentials) as channel:

@@ -3,7 +3,7 @@
 `server`: no auth; pools "default" (256 blocks) and "tiny" (8 blocks, for refusals and eviction);
 the test-only Debug service on, so tests can ask the server to check its own invariants.
 `auth_server`: bearer tokens for tenants acme (namespaces chat, code; an 8-block quota) and globex
-(any namespace, no quota, may map pools), served over TLS with a self-signed certificate made here.
+(any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed certificate made here.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ max_blocks = 8
 [tenants.globex]
 token = "{GLOBEX_TOKEN}"
 map_pools = true
+admin = true
 """
 
 

@@ -114,7 +114,7 @@ def test_a_session_belongs_to_its_tenant(connect: Connect, tokens: dict[str, str
     own, globex.session_id = globex.session_id, acme.session_id  # a stolen session id
     try:
         with pytest.raises(PermissionDenied):
-            globex.append(opened.seq_id, [8])
+            globex.append(opened.seq_id, [8])  # the session check comes first
         with pytest.raises(PermissionDenied):
             globex.keep_alive()
     finally:

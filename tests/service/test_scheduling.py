@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from radixkv.client import RadixKVClient
-from radixkv.errors import InvalidArgument, OutOfBlocks, PermissionDenied, UnknownSequence
+from radixkv.errors import InvalidArgument, OutOfBlocks, UnknownSequence
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -66,12 +66,15 @@ def test_commit_refusals_name_the_field_and_change_nothing(server, debug):
             client.commit([seq], [4, 5])  # one count per sequence
         with pytest.raises(UnknownSequence):
             client.commit([seq, 2**62], [5, 1])
-        with pytest.raises(PermissionDenied):
+        # Another session's sequence is answered exactly as an absent one (ids are not probed).
+        with pytest.raises(UnknownSequence):
             other.commit([seq], [5])
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(UnknownSequence):
             other.describe_sequences([seq])
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(UnknownSequence):
             other.freeable_blocks([seq])
+        with pytest.raises(UnknownSequence):
+            other.can_append([seq], [1])
         assert client.describe_sequences([seq]) == [(6, 4)], "every refusal left the watermark alone"
     debug.check()
 

@@ -95,15 +95,22 @@ def test_tenants_scope_namespaces_so_names_never_collide() -> None:
     assert ANONYMOUS.scope("") == "default" and ANONYMOUS.scope("x") == "x" and ANONYMOUS.owns("anything")
 
 
+def cache_written(cache: KVCache, token_ids: list[int], namespace: str) -> None:
+    """Open, write every token's K/V (commit) and release cached: the prefix is now in the tree."""
+    seq_id = cache.open(token_ids, namespace).seq_id
+    cache.commit([seq_id], [len(token_ids)])
+    cache.release(seq_id)
+
+
 def test_events_are_numbered_per_namespace_and_a_slow_watcher_sees_the_gap() -> None:
     cache = KVCache(num_blocks=8, block_size=2)
     hub = EventHub(cache, max_events_per_watcher=2)
     slow = hub.watch(lambda ns: ns == "a")
     for i in range(4):  # four 1-block prompts: four stored events in "a"
-        cache.release(cache.open([10 * i, 10 * i + 1, 5], "a").seq_id)
-    cache.release(cache.open([90, 91, 5], "b").seq_id)  # not watched
+        cache_written(cache, [10 * i, 10 * i + 1, 5], "a")
+    cache_written(cache, [90, 91, 5], "b")  # not watched
     assert [e.sequence_number for e in slow.take(0)] == [1, 2]  # 3 and 4 were dropped: the queue held 2
-    cache.release(cache.open(list(range(100, 112)), "a").seq_id)  # 6 blocks: evicts the LRU cached ones
+    cache_written(cache, list(range(100, 112)), "a")  # 6 blocks: evicts the LRU cached ones
     later = slow.take(0)
     assert [e.sequence_number for e in later] == [5, 6]  # the jump from 2 to 5 tells the watcher to resync
     assert [e.kind for e in later] == [EventKind.BLOCKS_REMOVED, EventKind.BLOCKS_STORED]

@@ -1,0 +1,190 @@
+"""What the server keeps beside the core for one pool: whose each sequence is, what each tenant holds, each session's pins.
+
+The core knows blocks and sequences; it does not know sessions or tenants. `PoolLedger` is the one
+place that does, for one pool: the session owning each live sequence, each sequence's block-table
+length and each tenant's total (the block quota), and each session's pins with the blocks they
+charge. It is read and changed only under the pool's lock, and only after the core call it
+mirrors succeeded, so it always agrees with the core; `check_invariants` recounts and proves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from radixkv.errors import NotPinned, QuotaExceeded, UnknownSequence
+
+if TYPE_CHECKING:
+    from radixkv.kv_cache import KVCache
+    from radixkv.server.sessions import Session
+    from radixkv.server.tenants import Tenant
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pin:
+    """One Pin call's hold: the core namespace, the pinned tokens (int32 bytes), the blocks it charges its tenant."""
+
+    namespace: str
+    token_bytes: bytes
+    num_blocks: int
+
+
+class PoolLedger:
+    """Ownership and quota for one pool: sequences by session, blocks by tenant, pins by session.
+
+    A tenant's blocks are the block tables of its live sequences plus the prefixes its sessions
+    pin: a pin keeps blocks resident as surely as a sequence does, so it counts against the same quota.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._owners: dict[int, Session] = {}
+        self._num_table_blocks: dict[int, int] = {}
+        self._sequences: dict[Session, set[int]] = {}
+        self._pins: dict[Session, list[Pin]] = {}
+        self._tenant_blocks: dict[str, int] = {}
+        self._tenant_sequences: dict[str, int] = {}
+        self._tenant_pinned: dict[str, int] = {}
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def owner(self, seq_id: int) -> Session | None:
+        return self._owners.get(seq_id)
+
+    def check_owner(self, session: Session, seq_id: int, field: str = "seq_id") -> None:
+        """Raises UnknownSequence for a sequence that is absent *or another session's*: the two answers are the
+        same, so probing ids tells a caller nothing about other sessions' sequences."""
+        if self._owners.get(seq_id) is not session:
+            raise UnknownSequence(seq_id)
+
+    def check_owners(self, session: Session, seq_ids: list[int], field: str = "seq_ids") -> None:
+        owners = self._owners
+        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # a decode step: check fast, name slowly
+            for i, seq_id in enumerate(seq_ids):
+                self.check_owner(session, seq_id, f"{field}[{i}]")
+
+    def num_sequences(self, session: Session) -> int:
+        return len(self._sequences.get(session, ()))
+
+    def num_tenant_sequences(self, tenant: Tenant) -> int:
+        return self._tenant_sequences.get(tenant.name, 0)
+
+    def num_table_blocks(self, seq_id: int) -> int:
+        return self._num_table_blocks.get(seq_id, 0)
+
+    def tenant_blocks(self, tenant: Tenant) -> int:
+        return self._tenant_blocks.get(tenant.name, 0)
+
+    def num_sequences_total(self) -> int:
+        return len(self._owners)
+
+    def tenant_pinned_blocks(self, tenant: Tenant) -> int:
+        return self._tenant_pinned.get(tenant.name, 0)
+
+    def pins(self, session: Session) -> list[Pin]:
+        return list(self._pins.get(session, ()))
+
+    def check_quota(self, tenant: Tenant, needed: int) -> None:
+        """Raises QuotaExceeded when `needed` more blocks would take the tenant past its quota."""
+        if tenant.max_blocks is None:
+            return
+        held = self._tenant_blocks.get(tenant.name, 0)
+        if held + needed > tenant.max_blocks:
+            raise QuotaExceeded(tenant.name, needed, max(0, tenant.max_blocks - held))
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- changing (after the core call succeeded) --------------------------------------------------
+
+    def adopt(self, session: Session, seq_id: int, num_blocks: int) -> None:
+        tenant = session.tenant.name
+        self._owners[seq_id] = session
+        self._sequences.setdefault(session, set()).add(seq_id)
+        self._num_table_blocks[seq_id] = num_blocks
+        self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + num_blocks
+        self._tenant_sequences[tenant] = self._tenant_sequences.get(tenant, 0) + 1
+
+    def resize(self, seq_id: int, num_blocks: int) -> None:
+        tenant = self._owners[seq_id].tenant.name
+        self._tenant_blocks[tenant] += num_blocks - self._num_table_blocks[seq_id]
+        self._num_table_blocks[seq_id] = num_blocks
+
+    def forget(self, seq_id: int) -> None:
+        session = self._owners.pop(seq_id)
+        tenant = session.tenant.name
+        held = self._sequences[session]
+        held.discard(seq_id)
+        if not held:
+            del self._sequences[session]
+        self._charge(tenant, -self._num_table_blocks.pop(seq_id))
+        self._tenant_sequences[tenant] -= 1
+        if not self._tenant_sequences[tenant]:
+            del self._tenant_sequences[tenant]
+
+    def add_pin(self, session: Session, pin: Pin) -> None:
+        self._pins.setdefault(session, []).append(pin)
+        self._charge(session.tenant.name, pin.num_blocks, pinned=True)
+
+    def take_pin(self, session: Session, namespace: str, token_bytes: bytes) -> Pin:
+        """Remove and return the session's longest pin on a prefix of `token_bytes`.
+
+        Raises:
+            NotPinned: the session holds no such pin.
+        """
+        held = [p for p in self._pins.get(session, ()) if p.namespace == namespace and token_bytes.startswith(p.token_bytes)]
+        if not held:
+            raise NotPinned(session.tenant.unscope(namespace))
+        pin = max(held, key=lambda p: len(p.token_bytes))
+        self._pins[session].remove(pin)
+        if not self._pins[session]:
+            del self._pins[session]
+        self._charge(session.tenant.name, -pin.num_blocks, pinned=True)
+        return pin
+
+    def take_session(self, session: Session) -> tuple[list[int], list[Pin]]:
+        """Everything `session` holds in this pool, forgotten here: (its sequence ids, its pins) for the core to drop."""
+        seq_ids = sorted(self._sequences.get(session, ()))
+        for seq_id in seq_ids:
+            self.forget(seq_id)
+        pins = self._pins.pop(session, [])
+        for pin in pins:
+            self._charge(session.tenant.name, -pin.num_blocks, pinned=True)
+        return seq_ids, pins
+
+    def _charge(self, tenant: str, num_blocks: int, pinned: bool = False) -> None:
+        for counts in (self._tenant_blocks, self._tenant_pinned) if pinned else (self._tenant_blocks,):
+            total = counts.get(tenant, 0) + num_blocks
+            if total:
+                counts[tenant] = total
+            else:
+                counts.pop(tenant, None)
+
+    # -- checking ----------------------------------------------------------------------------------
+
+    def check_invariants(self, cache: KVCache) -> None:
+        """Recount from the core and compare; raises AssertionError naming what broke."""
+        assert set(self._owners) == set(cache.sequence_ids()), "owned sequences != the core's live sequences"
+        assert set(self._num_table_blocks) == set(self._owners), "a block count without its sequence, or the reverse"
+        blocks: dict[str, int] = {}
+        sequences: dict[str, int] = {}
+        for seq_id, session in self._owners.items():
+            assert seq_id in self._sequences.get(session, ()), f"sequence {seq_id} missing from its session"
+            assert self._num_table_blocks[seq_id] == len(cache.block_table(seq_id)), f"sequence {seq_id}: block count stale"
+            name = session.tenant.name
+            blocks[name] = blocks.get(name, 0) + self._num_table_blocks[seq_id]
+            sequences[name] = sequences.get(name, 0) + 1
+        for session, seq_ids in self._sequences.items():
+            assert seq_ids, "a session kept with no sequences"
+            for seq_id in seq_ids:
+                assert self._owners.get(seq_id) is session, f"session holds sequence {seq_id} it does not own"
+        pinned: dict[str, int] = {}
+        for session, pins in self._pins.items():
+            assert pins, "a session kept with no pins"
+            name = session.tenant.name
+            pinned[name] = pinned.get(name, 0) + sum(p.num_blocks for p in pins)
+            blocks[name] = blocks.get(name, 0) + sum(p.num_blocks for p in pins)
+        assert self._tenant_pinned == {n: b for n, b in pinned.items() if b}, "tenant pinned-block counts stale"
+        blocks = {name: n for name, n in blocks.items() if n}
+        assert self._tenant_blocks == blocks, f"tenant block counts {self._tenant_blocks} != recounted {blocks}"
+        assert self._tenant_sequences == sequences, f"tenant sequence counts {self._tenant_sequences} != {sequences}"
