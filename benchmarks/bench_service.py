@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.kv_cache import KVCache
+from radixkv.results import OpenResult
 
 NUM_BLOCKS = 65536
 BLOCK_SIZE = 16
@@ -148,7 +149,7 @@ def _client_process(address: str, seconds: float, batch: int, ready: Any, go: An
 
     with RadixKVClient(address) as client:
         for i in range(3):  # warm-up
-            client.release(client.open(prompt(i)).seq_id)
+            client.release(_written(client, client.open(prompt(i))))
         ready.put(os.getpid())
         go.wait()
         n, deadline = 0, time.perf_counter() + seconds
@@ -289,3 +290,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _written(client: Any, opened: OpenResult) -> int:
+    """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
+    client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
+    return opened.seq_id
