@@ -108,7 +108,7 @@ def test_a_bad_configuration_exits_2_naming_the_problem(tmp_path) -> None:  # ty
     bad = [
         ["--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8,num_blocks=8,colour=blue"],
         ["--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8"],  # no size
-        [],  # no pool at all
+        ["--model", "no-such-model"],  # the default pool's shape from a model neither known nor on disk
     ]
     for args in bad:
         result = subprocess.run(
