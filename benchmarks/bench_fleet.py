@@ -1,7 +1,7 @@
 """A fleet of 4 radixkv servers: random vs round-robin vs `radixkv.client.Router`, on one multi-tenant trace.
 
-Four real server processes on 127.0.0.1 (and a fifth, one cache with the whole fleet's capacity, as
-the ceiling). The trace: tenants, each with a shared system prompt (its own namespace), and many
+Four real server processes on 127.0.0.1, and as the ceiling one cache with the whole fleet's
+capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with a shared system prompt (its own namespace), and many
 multi-turn chats; each turn's prompt is the system prompt plus the whole conversation so far plus
 a new user message, and a turn runs for a while (appends its reply) before it is released and
 cached, so about `running` requests are in flight at once. Each policy replays the same trace in
@@ -186,10 +186,34 @@ class Fleet:
                 pass
 
 
+class _CommittingCache:
+    """A `KVCache` releasing as the server does: a cached release vouches for every token's K/V."""
+
+    def __init__(self, num_blocks: int) -> None:
+        from radixkv.kv_cache import KVCache
+
+        self.cache = KVCache(num_blocks, BLOCK_SIZE)
+        self.open, self.append = self.cache.open, self.cache.append
+
+    def release(self, seq_id: int) -> None:
+        self.cache.commit([seq_id], [self.cache.num_tokens(seq_id)])
+        self.cache.release(seq_id)
+
+
+class LocalFleet:
+    """One in-process cache behind the same calls as `Fleet` (open, append, release)."""
+
+    ADDRESS = "in-process"
+
+    def __init__(self, num_blocks: int) -> None:
+        self.addresses = [self.ADDRESS]
+        self.clients = {self.ADDRESS: _CommittingCache(num_blocks)}
+
+
 def run_policy(
     name: str,
     trace: list[Request],
-    fleet: Fleet,
+    fleet: Fleet | LocalFleet,
     choose: Callable[[Request, str], str],
     shape: TraceShape,
     router: Router | None = None,
@@ -260,6 +284,47 @@ def run_policy(
     return result
 
 
+# -- what hashing costs the server -------------------------------------------------------------------
+
+
+def bench_hash_cost(total_tokens: int, num_blocks: int = 4096) -> dict[str, Any]:
+    """The core's trace replayed in-process with and without the server's event hub (which hashes
+    every block entering the tree and builds its events), best of three each; and one block_hash."""
+    from radixkv.block_hash import block_hash
+    from radixkv.kv_cache import KVCache
+    from radixkv.server.events import EventHub
+    from radixkv.workload import make_trace as make_core_trace
+    from radixkv.workload import replay
+
+    trace = make_core_trace(total_tokens, seed=0)
+    seconds = {}
+    num_hashed = 0
+    for name in ("plain", "hashed"):
+        best = float("inf")
+        for _ in range(3):
+            cache = KVCache(num_blocks, BLOCK_SIZE)
+            hub = EventHub(cache, 16) if name == "hashed" else None
+            best = min(best, replay(cache, trace).seconds)
+            if hub is not None:
+                num_hashed = hub.num_events and len(hub.hashes) + cache.stats().num_evicted_blocks
+        seconds[name] = best
+    tokens = list(range(BLOCK_SIZE))
+    reps = 20_000
+    start = time.perf_counter()
+    for _ in range(reps):
+        block_hash(None, tokens)
+    per_hash_us = (time.perf_counter() - start) / reps * 1e6
+    return {
+        "trace_tokens": sum(len(r.prompt) for r in trace),
+        "hashed_blocks": num_hashed,
+        "replay_s_plain": round(seconds["plain"], 3),
+        "replay_s_hashed": round(seconds["hashed"], 3),
+        "hashed_over_plain": round(seconds["hashed"] / seconds["plain"], 3),
+        "us_per_hashed_block_in_replay": round((seconds["hashed"] - seconds["plain"]) / max(1, num_hashed) * 1e6, 2),
+        "us_per_block_hash": round(per_hash_us, 2),
+    }
+
+
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -283,19 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     balance = Balance(int(args.balance.split(",")[0]), float(args.balance.split(",")[1])) if args.balance else None
     trace = make_trace(shape)
     started = time.monotonic()
-    with ThreadPoolExecutor(NUM_INSTANCES + 1) as pool:
+    with ThreadPoolExecutor(NUM_INSTANCES) as pool:
         servers = list(pool.map(lambda s: s.start(), [Server(shape.blocks_per_instance) for _ in range(NUM_INSTANCES)]))
-        single = Server(shape.blocks_per_instance * NUM_INSTANCES).start()
     startup_s = time.monotonic() - started
     addresses = [s.address for s in servers]
     fleet = Fleet(addresses)
-    single_fleet = Fleet([single.address])
+    # The ceiling: one cache with the fleet's capacity. In-process: its hit ratio is the cache's, not the wire's.
+    single_fleet = LocalFleet(shape.blocks_per_instance * NUM_INSTANCES)
     results: list[RunResult] = []
     router = Router(addresses, block_size=BLOCK_SIZE, prefill_weight=args.prefill_weight, health_interval=0.5,
                     load_interval=0.05, balance=balance, seed=0)  # fmt: skip
     try:
         assert router.wait_ready(60), "router never saw every instance healthy"
-        results.append(run_policy("single", trace, single_fleet, lambda r, ns: single.address, shape))
+        results.append(run_policy("single", trace, single_fleet, lambda r, ns: LocalFleet.ADDRESS, shape))
         rng = random.Random(2)
         results.append(run_policy("random", trace, fleet, lambda r, ns: rng.choice(addresses), shape))
         counter = iter(range(10**9))
@@ -315,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         router.close()
         fleet.close()
-        single_fleet.close()
-        for s in [*servers, single]:
+        for s in servers:
             s.stop()
 
+    hash_cost = bench_hash_cost(200_000 if args.quick else 1_000_000)
     rows = {r.policy: r.summary() for r in results}
     single_hit, random_hit, router_hit = (rows[p]["hit_ratio"] for p in ("single", "random", "router"))
     report = {
@@ -332,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "router_decision_us_p99": round(float(np.percentile(decisions, 99)) * 1e6, 1),
         "router_hit_over_single": round(router_hit / single_hit, 3),
         "router_hit_over_random": round(router_hit / random_hit, 3),
+        "hash_cost": hash_cost,
     }
     report["targets"] = {
         "router_hit >= 0.9 x single": report["router_hit_over_single"] >= 0.9,
@@ -409,6 +475,12 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"router decision time p50 {report['router_decision_us_p50']} us, p99 {report['router_decision_us_p99']} us")
     print(f"router hit / single cache {report['router_hit_over_single']}, router hit / random {report['router_hit_over_random']}")
     print(f"kill and restart: {report['policies']['router_kill']['kill']}")
+    h = report["hash_cost"]
+    print(
+        f"hashing (in-process core trace, {h['trace_tokens']:,} prompt tokens, {h['hashed_blocks']:,} blocks hashed): "
+        f"replay {h['replay_s_plain']} s plain, {h['replay_s_hashed']} s with the event hub = {h['hashed_over_plain']}x; "
+        f"{h['us_per_hashed_block_in_replay']} us per hashed block with its event, {h['us_per_block_hash']} us per block_hash"
+    )
     for target, met in report["targets"].items():
         print(f"  [{'met' if met else 'MISSED'}] {target}")
 

@@ -104,6 +104,18 @@ class AsyncRadixKVClient:
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
 
+    async def _apply(self, method: Callable[..., Awaitable[Response]], request: Any) -> Response:
+        """A mutating call with a request id, retried as `RadixKVClient._apply` retries it."""
+        request.request_id = next(self._request_ids)
+        for attempt in itertools.count():
+            try:
+                return await method(request, metadata=self._metadata, timeout=self._timeout)
+            except grpc.RpcError as e:
+                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:  # type: ignore[attr-defined]
+                    raise error_from_rpc(e) from e
+            await asyncio.sleep(m.retry_delay(attempt))
+        raise AssertionError("unreachable")
+
     # -- session ----------------------------------------------------------------------------------
 
     async def keep_alive(self) -> float:
@@ -170,7 +182,7 @@ class AsyncRadixKVClient:
 
     async def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
         request = m.open_request(self.pool, self.session_id, prompts)
-        results = m.open_results(await self._call(self._stub.OpenSequences, request))
+        results = m.open_results(await self._apply(self._stub.OpenSequences, request))
         self._tables.opened(results)
         return results
 
@@ -182,26 +194,26 @@ class AsyncRadixKVClient:
 
     async def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         request = m.append_request(self.pool, self.session_id, seq_ids, num_token_ids, token_ids)
-        batch = m.append_result(seq_ids, num_token_ids, await self._call(self._stub.AppendTokens, request))
+        batch = m.append_result(seq_ids, num_token_ids, await self._apply(self._stub.AppendTokens, request))
         self._tables.appended(batch)
         return batch
 
     async def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         request = m.fork_request(self.pool, self.session_id, seq_id, num_children)
-        children = list((await self._call(self._stub.ForkSequence, request)).child_seq_ids)
+        children = list((await self._apply(self._stub.ForkSequence, request)).child_seq_ids)
         self._tables.forked(seq_id, children)
         return children
 
     async def cache(self, seq_id: int) -> int:
         request = m.cache_request(self.pool, self.session_id, seq_id)
-        return (await self._call(self._stub.CacheSequence, request)).num_cached_tokens
+        return (await self._apply(self._stub.CacheSequence, request)).num_cached_tokens
 
     async def release(self, seq_id: int, cache: bool = True) -> None:
         await self.release_many([seq_id], cache)
 
     async def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
         ids = list(seq_ids)
-        await self._call(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
+        await self._apply(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
         self._tables.released(ids)
 
     async def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
@@ -277,11 +289,11 @@ class AsyncRadixKVClient:
 
     async def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)
-        return (await self._call(self._stub.Pin, request)).num_pinned_tokens
+        return (await self._apply(self._stub.Pin, request)).num_pinned_tokens
 
     async def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         request = m.prefix_request(pb.UnpinRequest, self.pool, self.session_id, token_ids, namespace)
-        await self._call(self._stub.Unpin, request)
+        await self._apply(self._stub.Unpin, request)
 
     # -- pool -------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -114,6 +115,19 @@ class RadixKVClient:
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
 
+    def _apply(self, method: Callable[..., Response], request: Any) -> Response:
+        """A mutating call, sent with a fresh request id and re-sent with the same id after UNAVAILABLE
+        or DEADLINE_EXCEEDED: the server answers a repeat with its first result, so it applies once."""
+        request.request_id = next(self._request_ids)
+        for attempt in itertools.count():
+            try:
+                return method(request, metadata=self._metadata, timeout=self._timeout)
+            except grpc.RpcError as e:
+                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:  # type: ignore[attr-defined]
+                    raise error_from_rpc(e) from e
+            time.sleep(m.retry_delay(attempt))
+        raise AssertionError("unreachable")
+
     # -- session ----------------------------------------------------------------------------------
 
     def keep_alive(self) -> float:
@@ -172,7 +186,7 @@ class RadixKVClient:
     def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
         """Open several sequences, all or none."""
         request = m.open_request(self.pool, self.session_id, prompts)
-        results = m.open_results(self._call(self._stub.OpenSequences, request))
+        results = m.open_results(self._apply(self._stub.OpenSequences, request))
         self._tables.opened(results)
         return results
 
@@ -187,21 +201,21 @@ class RadixKVClient:
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns, as the wire carries it; see `KVCache.append_batch`."""
         request = m.append_request(self.pool, self.session_id, seq_ids, num_token_ids, token_ids)
-        batch = m.append_result(seq_ids, num_token_ids, self._call(self._stub.AppendTokens, request))
+        batch = m.append_result(seq_ids, num_token_ids, self._apply(self._stub.AppendTokens, request))
         self._tables.appended(batch)
         return batch
 
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id`; returns their ids."""
         request = m.fork_request(self.pool, self.session_id, seq_id, num_children)
-        children = list(self._call(self._stub.ForkSequence, request).child_seq_ids)
+        children = list(self._apply(self._stub.ForkSequence, request).child_seq_ids)
         self._tables.forked(seq_id, children)
         return children
 
     def cache(self, seq_id: int) -> int:
         """Insert the sequence's full blocks into the prefix tree now; returns its tokens cached."""
         request = m.cache_request(self.pool, self.session_id, seq_id)
-        return self._call(self._stub.CacheSequence, request).num_cached_tokens
+        return self._apply(self._stub.CacheSequence, request).num_cached_tokens
 
     def release(self, seq_id: int, cache: bool = True) -> None:
         """End a sequence; with `cache`, its full blocks stay cached for later prompts."""
@@ -210,7 +224,7 @@ class RadixKVClient:
     def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
         """End several sequences, all or none."""
         ids = list(seq_ids)
-        self._call(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
+        self._apply(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
         self._tables.released(ids)
 
     def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
@@ -304,11 +318,11 @@ class RadixKVClient:
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)
-        return self._call(self._stub.Pin, request).num_pinned_tokens
+        return self._apply(self._stub.Pin, request).num_pinned_tokens
 
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         request = m.prefix_request(pb.UnpinRequest, self.pool, self.session_id, token_ids, namespace)
-        self._call(self._stub.Unpin, request)
+        self._apply(self._stub.Unpin, request)
 
     # -- pool -------------------------------------------------------------------------------------
 

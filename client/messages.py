@@ -8,12 +8,13 @@ uint32) raises `InvalidArgument` naming its field, as the server would.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+import grpc
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
 
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
@@ -26,11 +27,20 @@ from radixkv.v1 import kvcache_pb2 as pb
 
 _STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name]
 _TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself
-_SEQ_ID_BOUND = 2**64
 _INT32 = np.dtype("<i4")
 _INT64 = np.dtype("<i8")
 
 Request = TypeVar("Request")
+
+# Mutating calls carry a request id, so these failures, after which the client cannot know whether
+# the call was applied, are retried with the same id (the server answers a repeat with its first result).
+RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+MAX_ATTEMPTS = 3
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds before re-sending after failed attempt `attempt` (0-based): 0.1, 0.2, ..."""
+    return 0.1 * 2**attempt
 
 
 class BlockTables:
@@ -57,12 +67,15 @@ class BlockTables:
                 self._tables[result.seq_id] = list(result.block_table)
 
     def appended(self, batch: AppendBatch) -> None:
+        # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
+        changed = [i for i, n in enumerate(batch.num_block_ids) if n]
         with self._lock:
             start = 0
-            for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
-                table = self._tables.get(seq_id)
+            for i in changed:
+                num_blocks = batch.num_block_ids[i]
+                table = self._tables.get(batch.seq_ids[i])
                 if table is not None:
-                    table[offset:] = batch.block_ids[start : start + num_blocks]
+                    table[batch.table_offsets[i] :] = batch.block_ids[start : start + num_blocks]
                 start += num_blocks
 
     def forked(self, parent: int, children: Iterable[int]) -> None:
@@ -91,15 +104,14 @@ class BlockTables:
 
 
 def open_request(pool: str, session_id: str, prompts: Sequence[tuple[TokenIds, str]]) -> pb.OpenSequencesRequest:
-    lists = [token_list(t) for t, _ in prompts]
-    return checked(
-        lambda: pb.OpenSequencesRequest(
-            pool=pool,
-            session_id=session_id,
-            prompts=[pb.Prompt(token_ids=t, namespace=ns) for t, (_, ns) in zip(lists, prompts, strict=True)],
-        ),
-        lambda: [
-            (f"prompts[{i}].token_ids" if len(lists) > 1 else "token_ids", t, _TOKEN_BOUND) for i, t in enumerate(lists)
+    batch = len(prompts) > 1
+    return build(
+        pb.OpenSequencesRequest,
+        pool=pool,
+        session_id=session_id,
+        prompts=[
+            build(pb.Prompt, field_prefix=f"prompts[{i}]." if batch else "", token_ids=token_list(t), namespace=ns)
+            for i, (t, ns) in enumerate(prompts)
         ],
     )
 
@@ -114,16 +126,13 @@ def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
 def append_request(
     pool: str, session_id: str, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds
 ) -> pb.AppendTokensRequest:
-    tokens = token_list(token_ids)
-    return checked(
-        lambda: pb.AppendTokensRequest(
-            pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_token_ids, token_ids=tokens
-        ),
-        lambda: [
-            ("seq_ids", seq_ids, _SEQ_ID_BOUND),
-            ("num_token_ids", num_token_ids, _TOKEN_BOUND),
-            ("token_ids", tokens, _TOKEN_BOUND),
-        ],
+    return build(
+        pb.AppendTokensRequest,
+        pool=pool,
+        session_id=session_id,
+        seq_ids=seq_ids,
+        num_token_ids=num_token_ids,
+        token_ids=token_list(token_ids),
     )
 
 
@@ -147,46 +156,28 @@ def append_items(items: Sequence[tuple[int, TokenIds]]) -> tuple[list[int], list
 
 
 def fork_request(pool: str, session_id: str, seq_id: int, num_children: int) -> pb.ForkSequenceRequest:
-    return checked(
-        lambda: pb.ForkSequenceRequest(pool=pool, session_id=session_id, seq_id=seq_id, num_children=num_children),
-        lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND), ("num_children", [num_children], _TOKEN_BOUND)],
-    )
+    return build(pb.ForkSequenceRequest, pool=pool, session_id=session_id, seq_id=seq_id, num_children=num_children)
 
 
 def cache_request(pool: str, session_id: str, seq_id: int) -> pb.CacheSequenceRequest:
-    return checked(
-        lambda: pb.CacheSequenceRequest(pool=pool, session_id=session_id, seq_id=seq_id),
-        lambda: [("seq_id", [seq_id], _SEQ_ID_BOUND)],
-    )
+    return build(pb.CacheSequenceRequest, pool=pool, session_id=session_id, seq_id=seq_id)
 
 
 def release_request(pool: str, session_id: str, seq_ids: list[int], cache: bool) -> pb.ReleaseSequencesRequest:
-    return checked(
-        lambda: pb.ReleaseSequencesRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, cache=cache),
-        lambda: [(f"seq_ids[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(seq_ids)],
-    )
+    return build(pb.ReleaseSequencesRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, cache=cache)
 
 
 def commit_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CommitTokensRequest:
-    return checked(
-        lambda: pb.CommitTokensRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, num_tokens=num_tokens),
-        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND), ("num_tokens", num_tokens, _TOKEN_BOUND)],
-    )
+    return build(pb.CommitTokensRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, num_tokens=num_tokens)
 
 
 def seq_ids_request(message: Callable[..., Request], pool: str, session_id: str, seq_ids: list[int]) -> Request:
     """A DescribeSequences or FreeableBlocks request."""
-    return checked(
-        lambda: message(pool=pool, session_id=session_id, seq_ids=seq_ids),
-        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND)],
-    )
+    return build(message, pool=pool, session_id=session_id, seq_ids=seq_ids)
 
 
 def can_append_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CanAppendRequest:
-    return checked(
-        lambda: pb.CanAppendRequest(pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_tokens),
-        lambda: [("seq_ids", seq_ids, _SEQ_ID_BOUND), ("num_tokens", num_tokens, _TOKEN_BOUND)],
-    )
+    return build(pb.CanAppendRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_tokens)
 
 
 def described(response: pb.DescribeSequencesResponse) -> list[tuple[int, int]]:
@@ -198,11 +189,7 @@ def prefix_request(
     message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str
 ) -> Request:
     """A Match, Pin or Unpin request."""
-    tokens = token_list(token_ids)
-    return checked(
-        lambda: message(pool=pool, session_id=session_id, token_ids=tokens, namespace=namespace),
-        lambda: [("token_ids", tokens, _TOKEN_BOUND)],
-    )
+    return build(message, pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace)
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:
@@ -213,7 +200,7 @@ def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
     layout = PoolLayout(
         r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim, r.layout.block_size, r.layout.num_blocks, r.layout.dtype
     )
-    return PoolInfo(r.pool, layout, r.device, json.loads(r.handle_json))
+    return PoolInfo(r.pool, layout, r.device, r.handle)
 
 
 # -- steps on the Session stream -----------------------------------------------------------------
@@ -227,27 +214,12 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
         request.opens.add(token_ids=packed_tokens(token_ids, field), namespace=namespace)
     if step.append is not None:
         a = step.append
-        appended = checked(
-            lambda: pb.StepAppend(seq_ids=a.seq_ids, num_token_ids=a.num_token_ids),
-            lambda: [("seq_ids", a.seq_ids, _SEQ_ID_BOUND), ("num_token_ids", a.num_token_ids, _TOKEN_BOUND)],
-        )
+        appended = build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)
         appended.token_ids = packed_tokens(a.token_ids, "token_ids")
         request.append.CopyFrom(appended)
-    for seq_id, num_children in step.forks:
-        checked(
-            lambda s=seq_id, n=num_children: request.forks.add(seq_id=s, num_children=n),
-            lambda s=seq_id, n=num_children: [("seq_id", [s], _SEQ_ID_BOUND), ("num_children", [n], _TOKEN_BOUND)],
-        )
-    checked(
-        lambda: request.cache_seq_ids.extend(step.caches),
-        lambda: [(f"seq_id[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(step.caches)],
-    )
-    for seq_ids, cache in step.releases:
-        ids = list(seq_ids)
-        checked(
-            lambda ids=ids, cache=cache: request.releases.add(seq_ids=ids, cache=cache),
-            lambda ids=ids: [(f"seq_ids[{i}]", [s], _SEQ_ID_BOUND) for i, s in enumerate(ids)],
-        )
+    request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
+    request.MergeFrom(build(pb.SessionRequest, cache_seq_ids=step.caches))
+    request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
     return request
 
 
@@ -308,17 +280,29 @@ def packed_tokens(token_ids: TokenIds, field: str) -> bytes:
     return array.astype(_INT32).tobytes()  # ids >= 2^31 wrap negative: the server refuses them, as uint32 on unary
 
 
-def checked(build: Callable[[], Request], fields: Callable[[], Iterable[tuple[str, Sequence[object], int]]]) -> Request:
-    """Build a request; if protobuf refuses a value, raise InvalidArgument naming its field, as the server would.
+_INTEGER_BOUNDS = {
+    FieldDescriptor.TYPE_UINT32: 2**32,
+    FieldDescriptor.TYPE_UINT64: 2**64,
+    FieldDescriptor.TYPE_INT32: 2**31,
+    FieldDescriptor.TYPE_INT64: 2**63,
+}
 
-    `fields` lists (field name, values, exclusive upper bound); it is only called on failure.
+
+def build(message_cls: Callable[..., Request], field_prefix: str = "", **fields: object) -> Request:
+    """`message_cls(**fields)`; a value protobuf refuses raises InvalidArgument naming its field, as the server would.
+
+    `field_prefix` names where the message sits in its request (`prompts[2].`), for the error.
     """
     try:
-        return build()
+        return message_cls(**fields)
     except (TypeError, ValueError):
-        for field, values, bound in fields():
-            if not isinstance(values, Sequence) or any(
-                not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound for v in values
-            ):
-                raise InvalidArgument(field, f"must be integers in [0, {bound})") from None
-        raise
+        pass
+    descriptor = message_cls.DESCRIPTOR  # type: ignore[attr-defined]
+    for name, value in fields.items():
+        try:
+            message_cls(**{name: value})
+        except (TypeError, ValueError):
+            bound = _INTEGER_BOUNDS.get(descriptor.fields_by_name[name].type)
+            why = f"must be integers in [0, {bound})" if bound is not None else f"not a valid {name}"
+            raise InvalidArgument(field_prefix + name, why) from None
+    return message_cls(**fields)  # each field alone was fine: raise protobuf's own error

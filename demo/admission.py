@@ -4,9 +4,10 @@ A step computes its decodes (one token per live sequence) and the uncached tails
 admits, up to `max_batch_tokens` in all (vLLM's `max_num_batched_tokens`). Three rules on top:
 
 - First come, first served: a request that does not fit stops admission for this step; none jumps it.
-- In-batch prefix sharing (SGLang's rule): a request that shares more full blocks with a prompt admitted
-  in this very step than the cache holds waits one step, and then hits that prompt's blocks instead of
-  computing them twice.
+- In-batch prefix sharing (after SGLang's rule): a request that shares more full blocks with a prompt
+  admitted in this very step than the cache holds, by at least half of what it would compute, waits one
+  step and then hits that prompt's blocks instead of computing them twice. (A smaller share is not worth
+  a step's delay.)
 - Memory: a request is admitted only while the pool keeps a block of headroom per live sequence
   (their next appends), so admission does not force the preemptions it could foresee.
 """
@@ -27,6 +28,7 @@ class Admission:
 
     max_batch_tokens: int
     block_size: int
+    defer_shared: bool = True  # the in-batch sharing rule; off when nothing is ever cached
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:
@@ -51,9 +53,9 @@ class Admission:
         chosen: list[int] = []
         for i, tokens in enumerate(contexts):
             cached = prober.match(tokens, namespace)
-            if any(self._shared_full_blocks(tokens, contexts[j]) > cached for j in chosen):
-                continue  # its prefix is being computed now: next step it hits
             num_new = len(tokens) - max(cached, 0)
+            if self.defer_shared and any(2 * (self._shared_full_blocks(tokens, contexts[j]) - cached) >= num_new for j in chosen):
+                continue  # most of its prefix is being computed now: next step it hits
             num_blocks = -(-len(tokens) // self.block_size) - cached // self.block_size
             alone = not chosen and num_decodes == 0  # nothing else runs: admit it whatever it costs
             if not alone and (num_new > budget or num_blocks + 1 > headroom):

@@ -108,13 +108,18 @@ class EventHub:
         """A new leaf of the tree: all its blocks are newly cached (hashed here, once)."""
         self.hashes.store(node)
         self.num_events += 1
-        self._publish(self._stored_event(self._next_number(node.namespace), node))
+        number = self._next_number(node.namespace)
+        if self.sinks or self._watchers:  # nobody listening: the table and the numbers are all that must move
+            self._publish(self._stored_event(number, node))
 
     def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
-        hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
-        ids = tuple(int(b) for b in block_ids)
+        removed = self.hashes.remove(block_ids)
         self.num_events += 1
         number = self._next_number(namespace)
+        if not (self.sinks or self._watchers):
+            return
+        hashes = tuple(wire_hash(h) for h in removed)
+        ids = tuple(int(b) for b in block_ids)
         kind = EventKind.BLOCKS_REMOVED
         self._publish(BlockEvent(number, namespace, kind, ids, block_hashes=hashes, pool_sequence_number=self.num_events))
 

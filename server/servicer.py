@@ -2,6 +2,12 @@
 
 Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
 `KVService`; refusals become statuses in `status.translating_errors`.
+
+The caller (the tenant every call is made on behalf of) is `auth.current_caller()`: the auth
+interceptor maps the call's bearer token to its tenant and sets it for the call's thread before the
+method runs (without auth every caller is `ANONYMOUS`). The interceptors and their order are in
+`interceptors.py`; the call's deadline, which the service checks after waiting for a pool's lock,
+is recorded by `translating_errors` (`deadlines.py`).
 """
 
 from __future__ import annotations
@@ -182,6 +188,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
         pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
         layout = pool.layout
+        handle = pool.storage.export_handle()
         return pb.GetPoolResponse(
             pool=pool.name,
             layout=pb.PoolLayout(
@@ -193,7 +200,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 dtype=layout.dtype,
             ),
             device=pool.device,
-            handle_json=json.dumps(pool.storage.export_handle().to_dict()),
+            handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
+            handle=handle.to_proto(),
         )
 
     @translating_errors

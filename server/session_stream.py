@@ -83,6 +83,7 @@ class SessionStreams:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_INT64 = np.dtype("<i8")
 
 
 class _Stream:
@@ -103,7 +104,7 @@ class _Stream:
             return pb.SessionResponse(error=_step_error(error)), ""
         try:
             session = self._bind(request.session_id)
-            result = run_step(self._service, self._caller, session, request.pool, _step(request))
+            result = run_step(self._service, self._caller, session, request.pool, _step(request), request.request_id)
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""
@@ -124,49 +125,52 @@ class _Stream:
 
 
 def _step(request: pb.SessionRequest) -> Step:
-    append = None
+    """The request as a Step; empty item lists are left at their defaults (a decode step reads one field)."""
+    items: dict[str, object] = {}
+    if request.opens:
+        items["opens"] = [(o.token_ids, o.namespace) for o in request.opens]
     if request.HasField("append"):
         a = request.append
-        append = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
-    return Step(
-        opens=[(o.token_ids, o.namespace) for o in request.opens],
-        append=append,
-        forks=[(f.seq_id, f.num_children) for f in request.forks],
-        caches=list(request.cache_seq_ids),
-        releases=[(list(r.seq_ids), r.cache if r.HasField("cache") else True) for r in request.releases],
-    )
+        items["append"] = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
+    if request.forks:
+        items["forks"] = [(f.seq_id, f.num_children) for f in request.forks]
+    if request.cache_seq_ids:
+        items["caches"] = list(request.cache_seq_ids)
+    if request.releases:
+        items["releases"] = [(list(r.seq_ids), r.cache if r.HasField("cache") else True) for r in request.releases]
+    return Step(**items)  # type: ignore[arg-type]
 
 
 def _response(request_id: int, session_id: str, result: StepResult) -> pb.SessionResponse:
-    response = pb.SessionResponse(
-        request_id=request_id,
-        session_id=session_id,
-        opened=[
+    """Only the fields the step has results for are set (protobuf costs per field given, even empty ones)."""
+    fields: dict[str, object] = {"request_id": request_id, "session_id": session_id}
+    if result.opened:
+        fields["opened"] = [
             pb.StepOpened(
                 seq_id=r.seq_id,
                 num_cached_tokens=r.num_cached_tokens,
                 block_ids=r.block_table,
-                slots=np.asarray(r.slots, dtype="<i8").tobytes(),
+                slots=r.slots.astype(_INT64, copy=False).tobytes(),
             )
             for r in result.opened
-        ],
-        forked=[pb.StepForked(child_seq_ids=children) for children in result.forked],
-        num_cached_tokens=result.num_cached_tokens,
-        num_released_sequences=result.num_released_sequences,
-    )
+        ]
     b = result.appended
     if b is not None:
-        response.appended.CopyFrom(
-            pb.StepAppended(
-                num_tokens=b.num_tokens,
-                table_offsets=b.table_offsets,
-                num_block_ids=b.num_block_ids,
-                block_ids=b.block_ids,
-                slots=np.asarray(b.slots, dtype="<i8").tobytes(),
-                copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
-            )
+        fields["appended"] = pb.StepAppended(
+            num_tokens=b.num_tokens,
+            table_offsets=b.table_offsets,
+            num_block_ids=b.num_block_ids,
+            block_ids=b.block_ids,
+            slots=b.slots.astype(_INT64, copy=False).tobytes(),
+            copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
         )
-    return response
+    if result.forked:
+        fields["forked"] = [pb.StepForked(child_seq_ids=children) for children in result.forked]
+    if result.num_cached_tokens:
+        fields["num_cached_tokens"] = result.num_cached_tokens
+    if result.num_released_sequences:
+        fields["num_released_sequences"] = result.num_released_sequences
+    return pb.SessionResponse(**fields)  # type: ignore[arg-type]
 
 
 def _step_error(error: RadixKVError) -> pb.StepError:

@@ -16,8 +16,8 @@ result, for the steps after it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from types import TracebackType
 
 from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
 from radixkv.results import OpenResult
@@ -31,18 +31,30 @@ from radixkv.step import Step, StepResult
 from radixkv.token_ids import TokenIds
 
 
-@contextlib.contextmanager
-def _item(name: str) -> Iterator[None]:
+class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper than a generator per item
     """Name the step item a refusal comes from."""
-    try:
-        yield
-    except RadixKVError as e:
-        e.metadata.setdefault("item", name)
-        raise
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if isinstance(error, RadixKVError):
+            error.metadata.setdefault("item", self.name)
+        return False
 
 
-def run_step(service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step) -> StepResult:
+def run_step(
+    service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step, request_id: int = 0
+) -> StepResult:
     """Check every item of `step`, then apply them all (see the module docstring).
+
+    With a `request_id` this session already stepped with (a step re-sent after a reconnect), the
+    first result is returned and nothing is checked or applied again.
 
     Raises:
         RadixKVError: an item was refused (its `item` metadata names it); nothing changed.
@@ -62,8 +74,25 @@ def run_step(service: KVService, caller: Tenant, session: Session, pool_name: st
         if session.closed:
             raise UnknownSession(session.session_id)
         check_deadline()
-        _StepPlan(service, pool, session, caller).check(step, requests)
-        return _apply(service, pool, session, step, requests)
+
+        def check_and_apply() -> StepResult:
+            _StepPlan(service, pool, session, caller).check(step, requests)
+            return _apply(service, pool, session, step, requests)
+
+        num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
+        return session.requests.once(
+            request_id, f"Session {pool.name}", check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens
+        )
+
+
+def _result_cost(result: StepResult) -> int:
+    """What a kept result holds alive, in ids (the request window's unit, as the unary calls count it)."""
+    cost = 1 + len(result.num_cached_tokens) + sum(len(children) for children in result.forked)
+    cost += sum(len(r.block_table) + 1 for r in result.opened)
+    if result.appended is not None:
+        a = result.appended
+        cost += len(a.block_ids) + len(a.seq_ids) + sum(a.num_appended)
+    return cost
 
 
 class _StepPlan:
@@ -144,36 +173,23 @@ def _apply(
 ) -> StepResult:
     """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
     cache, ledger = pool.cache, pool.ledger
-    applied = False
-
-    @contextlib.contextmanager
-    def applying(name: str) -> Iterator[None]:
-        nonlocal applied
-        try:
-            with _item(name):
-                yield
-        except RadixKVError as e:
-            if applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
-                raise AssertionError(f"step item {name} refused after the step began applying: {e!r}") from e
-            raise
-        applied = True
-
+    applying = _Applying()
     opened: list[OpenResult] = []
     if requests:
-        with applying("opens"):
+        with applying.item("opens"):
             opened = cache.open_many(requests)
             for result in opened:
                 ledger.adopt(session, result.seq_id, len(result.block_table))
     appended = None
     if step.append is not None:
-        with applying("append"):
+        with applying.item("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
             for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
                 ledger.resize(seq_id, offset + n)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
-        with applying(f"forks[{i}]"):
+        with applying.item(f"forks[{i}]"):
             _commit_whole(pool, [seq_id])
             children = cache.fork(seq_id, num_children)
             num_blocks = ledger.num_table_blocks(seq_id)
@@ -182,12 +198,12 @@ def _apply(
             forked.append(children)
     num_cached = []
     for i, seq_id in enumerate(step.caches):
-        with applying(f"caches[{i}]"):
+        with applying.item(f"caches[{i}]"):
             _commit_whole(pool, [seq_id])
             num_cached.append(cache.cache(seq_id))
     num_released = 0
     for i, (seq_ids, keep) in enumerate(step.releases):
-        with applying(f"releases[{i}]"):
+        with applying.item(f"releases[{i}]"):
             if keep:
                 _commit_whole(pool, seq_ids)
             cache.release_many(seq_ids, keep)
@@ -195,6 +211,32 @@ def _apply(
                 ledger.forget(seq_id)
             num_released += len(seq_ids)
     return StepResult(opened, appended, forked, num_cached, num_released)
+
+
+class _Applying:
+    """`with applying.item(name)`: names a refusal, and turns one after an earlier item applied into a bug."""
+
+    __slots__ = ("applied", "name")
+
+    def __init__(self) -> None:
+        self.applied, self.name = False, ""
+
+    def item(self, name: str) -> _Applying:
+        self.name = name
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        if error is None:
+            self.applied = True
+            return False
+        if isinstance(error, RadixKVError):
+            error.metadata.setdefault("item", self.name)
+            if self.applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
+                raise AssertionError(f"step item {self.name} refused after the step began applying: {error!r}") from error
+        return False
 
 
 def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:

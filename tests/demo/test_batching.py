@@ -46,6 +46,8 @@ def test_admission_defers_a_prompt_whose_prefix_is_computed_in_this_step() -> No
     prompts = [system + [1, 2], system + [3, 4], [7, 8, 9]]
     assert policy.choose(prompts, CachedPrefixes({}), "ns", 0, 1000) == [0, 2]  # the second waits a step, then hits
     assert policy.choose(prompts, CachedPrefixes({100: 12}), "ns", 0, 1000) == [0, 1, 2]  # cached: nothing to wait for
+    mostly_own = [system[:4] + [1] * 20, system[:4] + [2] * 20]  # one shared block of 24 tokens: not worth a step
+    assert policy.choose(mostly_own, CachedPrefixes({}), "ns", 0, 1000) == [0, 1]
 
 
 def test_admission_keeps_a_block_of_headroom_per_live_sequence() -> None:

@@ -22,7 +22,10 @@ from radixkv.demo.worker import Worker
 from radixkv.layout import PoolLayout
 
 transformers = pytest.importorskip("transformers")
-SYSTEM = "You are a concise assistant for people who run language model servers."
+SYSTEM = (
+    "You are a concise assistant for people who run language model servers. You know about batching, caching, memory "
+    "and latency, and you answer in one or two plain sentences without lists."
+)  # several blocks long: requests admitted together wait a step to hit it rather than compute it twice
 QUESTIONS = ["What is a KV cache?", "Why do servers batch requests?", "What is prefix caching good for?"]
 BLOCK_SIZE = 16
 

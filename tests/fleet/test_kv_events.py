@@ -192,6 +192,33 @@ def test_a_split_reannounces_nothing_and_a_fork_nothing_until_cached(start_fleet
     assert [e["type"] for e in stored] == ["BlockStored"] and stored[0]["parent_block_hash"] is not None
 
 
+def test_kv_events_flags_configure_the_one_pool_and_refuse_ambiguity() -> None:
+    from radixkv.server.app import parse_args
+
+    pool = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8"
+    config, _ = parse_args(
+        ["serve", "--pool", f"default:{pool}", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-topic", "kv@x@m"]
+    )
+    assert config.pools[0].kv_events_endpoint == "tcp://*:5557" and config.pools[0].kv_events_topic == "kv@x@m"
+    with pytest.raises(ValueError, match="exactly one pool"):
+        parse_args(["--pool", f"a:{pool}", "--pool", f"b:{pool}", "--kv-events-endpoint", "tcp://*:5557"])
+    with pytest.raises(ValueError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+        parse_args(["--pool", f"default:{pool}", "--kv-events-replay-endpoint", "tcp://*:5558"])
+
+
+def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
+    from radixkv.server.kv_events import ZmqEventPublisher
+
+    with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):
+        ZmqEventPublisher("tcp://*:not-a-port", "kv@x@m", block_size=4)
+    first = ZmqEventPublisher("tcp://127.0.0.1:0", "kv@x@m", block_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):
+            ZmqEventPublisher(first.endpoint.replace("127.0.0.1", "*"), "kv@x@m", block_size=4)  # port in use
+    finally:
+        first.close()
+
+
 def _release_written(client: RadixKVClient, seq_ids: list[int]) -> None:
     """Release as a worker that wrote every token would: commit them all, then release cached."""
     client.commit(seq_ids, [n for n, _ in client.describe_sequences(seq_ids)])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +28,8 @@ from hypothesis import strategies as st
 from radixkv.client import RadixKVClient
 from radixkv.errors import RadixKVError
 from radixkv.step import Append, Step, StepResult
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
 
 
 def _load_conftest() -> ModuleType:
@@ -249,12 +253,61 @@ def test_stream_slots_are_the_unary_slots_for_a_prompt_longer_than_a_block(serve
 
 
 def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: ServerProcess, tls_files) -> None:  # type: ignore[no-untyped-def]
-    from radixkv.v1 import kvcache_pb2 as pb
-    from radixkv.v1 import kvcache_pb2_grpc
-
     credentials = grpc.ssl_channel_credentials(tls_files[0].read_bytes())
     with grpc.secure_channel(auth_server.address, credentials) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Session(iter([pb.SessionRequest(session_id="x")]), timeout=10))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+
+
+def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server("--session-ttl", "0.4", "--max-workers", "6", "--max-watch-streams", "2", "--max-session-streams", "1")
+    with grpc.insecure_channel(srv.address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
+        streamed, idle = (stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(2))
+        requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+        responses = stub.Session(iter(requests.get, None), timeout=30)
+        requests.put(pb.SessionRequest(session_id=streamed))
+        assert not next(responses).HasField("error")
+        with pytest.raises(grpc.RpcError) as refused:  # the one stream allowed is open
+            list(stub.Session(iter([pb.SessionRequest(session_id=idle)]), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        time.sleep(1.2)  # three leases long, with no message on the stream
+        with pytest.raises(grpc.RpcError) as expired:
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=idle), timeout=10)
+        assert expired.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        requests.put(pb.SessionRequest())
+        assert not next(responses).HasField("error"), "the stream kept its session alive"
+        requests.put(None)
+        assert list(responses) == []
+        time.sleep(1.2)  # the stream ended: the lease runs again
+        with pytest.raises(grpc.RpcError) as ended:
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=streamed), timeout=10)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, debug) -> None:  # type: ignore[no-untyped-def]
+    with RadixKVClient(server.address) as client:
+        stub = kvcache_pb2_grpc.KVCacheStub(grpc.insecure_channel(server.address))
+        step = pb.SessionRequest(
+            session_id=client.session_id,
+            request_id=41,
+            opens=[pb.StepOpen(token_ids=np.arange(300, 310, dtype="<i4").tobytes(), namespace="resend")],
+        )
+        [first] = list(stub.Session(iter([step]), timeout=10))  # the stream then ends: a client that reconnects
+        opened = client.stats().num_opened_sequences
+        [again] = list(stub.Session(iter([step]), timeout=10))
+        assert again == first and not first.HasField("error")
+        assert client.stats().num_opened_sequences == opened, "the re-sent step was applied twice"
+        release = pb.SessionRequest(session_id=client.session_id, request_id=42, releases=[pb.StepRelease(seq_ids=[first.opened[0].seq_id])])
+        responses = list(stub.Session(iter([release, release]), timeout=10))  # re-sent on the same stream too
+        assert [r.num_released_sequences for r in responses] == [1, 1] and not responses[1].HasField("error")
+        reused = pb.SessionRequest(session_id=client.session_id, request_id=42, pool="tiny", cache_seq_ids=[1])
+        [refused] = list(stub.Session(iter([reused]), timeout=10))
+        assert (refused.error.reason, refused.error.metadata["field"]) == ("INVALID_ARGUMENT", "request_id")
+        # The blocking client re-sends a step whose stream broke with the same id, once.
+        result = client.step(Step(opens=[(list(range(500, 505)), "resend")]))
+        client._drop_stream()  # the connection is gone: the next step opens a new stream
+        assert client.step(Step(releases=[([result.opened[0].seq_id], True)])).num_released_sequences == 1
+    debug.check()

@@ -1,0 +1,70 @@
+"""The server's event hub in-process: hashes beside block ids, the snapshot in hash form, epochs."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from radixkv.block_hash import chain_hashes, wire_hash
+from radixkv.errors import OutOfBlocks
+from radixkv.kv_cache import KVCache
+from radixkv.server.events import EventHub, EventKind
+
+
+def _workload(cache: KVCache, seed: int) -> None:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(60) for _ in range(rng.randrange(4, 28))] for _ in range(5)]
+    live: list[int] = []
+    for _ in range(120):
+        if rng.random() < 0.55 or not live:
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 29)] + [rng.randrange(60) for _ in range(rng.randrange(6))]
+            try:
+                live.append(cache.open(tokens or [3], rng.choice(["default", "chat"])).seq_id)
+            except OutOfBlocks:
+                pass
+        else:
+            cache.release(live.pop(rng.randrange(len(live))))
+
+
+def _expected_snapshot_hashes(cache: KVCache) -> set[int]:
+    expected = set()
+    for namespace, node in cache.tree.nodes():
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n)
+            n = n.parent
+        tokens = np.frombuffer(b"".join(p.token_bytes for p in reversed(path)), dtype="<i4").tolist()
+        expected.update(wire_hash(h) for h in chain_hashes(tokens, cache.block_size, namespace))
+    return expected
+
+
+def test_an_unwatched_hub_keeps_hashes_and_a_late_snapshot_is_the_tree_in_hash_form() -> None:
+    cache = KVCache(40, 4)
+    hub = EventHub(cache, 100)
+    _workload(cache, 0)  # nobody watching: no events built, but every block hashed as it is cached
+    hub.hashes.check_against(cache.tree.tree_block_ids())
+    snapshot = hub.snapshot(lambda namespace: True)
+    assert {h for e in snapshot for h in e.block_hashes} == _expected_snapshot_hashes(cache)
+    for event in snapshot:
+        assert event.pool_sequence_number == hub.num_events and len(event.block_hashes) == len(event.block_ids)
+
+
+def test_watched_events_carry_hashes_parents_and_pool_wide_numbers() -> None:
+    cache = KVCache(40, 4)
+    hub = EventHub(cache, 10_000)
+    watcher = hub.watch(lambda namespace: True)
+    _workload(cache, 1)
+    events = watcher.take(0)
+    assert [e.pool_sequence_number for e in events] == list(range(1, hub.num_events + 1))
+    held: set[int] = set()
+    for e in events:
+        assert len(e.block_hashes) == len(e.block_ids)
+        if e.kind is EventKind.BLOCKS_STORED:
+            assert e.parent_block_hash is None or e.parent_block_hash in held, "parent before child"
+            held.update(e.block_hashes)
+        else:
+            assert set(e.block_hashes) <= held
+            held.difference_update(e.block_hashes)
+    assert held == _expected_snapshot_hashes(cache)
+    assert EventHub(KVCache(8, 4), 1).epoch != hub.epoch, "each incarnation draws its own epoch"

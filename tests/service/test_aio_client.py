@@ -1,0 +1,87 @@
+"""`AsyncRadixKVClient` against a real server, inside a running event loop (pytest-asyncio, and plain asyncio.run)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from radixkv.client import RadixKVClient
+from radixkv.client.aio import AsyncRadixKVClient
+from radixkv.errors import InvalidArgument, OutOfBlocks, UnknownSequence
+from radixkv.step import Append, Step
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_mirrors_the_blocking_one(server, debug) -> None:  # type: ignore[no-untyped-def]
+    async with AsyncRadixKVClient(server.address) as client:
+        # gRPC's own poller aside, nothing runs beside the loop (the blocking client renews its lease on a thread).
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("radixkv")]
+        first = await client.open(list(range(40, 49)), "aio")
+        assert first.num_cached_tokens == 0 and len(first.slots) == 9
+        [appended] = await client.append_many([(first.seq_id, [7])])
+        assert appended.num_tokens == 10 and client.block_table(first.seq_id) == first.block_table
+        children = await client.fork(first.seq_id, 2)
+        assert [client.block_table(c) for c in children] == [client.block_table(first.seq_id)] * 2
+        assert await client.cache(first.seq_id) == 8
+        await client.release_many([first.seq_id, *children])
+        assert await client.match(list(range(40, 49)), "aio") == 8
+        again = await client.open(list(range(40, 49)), "aio")
+        assert again.num_cached_tokens == 8
+        assert await client.pin(list(range(40, 48)), "aio") == 8
+        await client.unpin(list(range(40, 48)), "aio")
+        stats = await client.stats()
+        assert stats.num_live_sequences >= 1
+        assert (await client.get_pool()).layout.block_size == 4
+        with pytest.raises(UnknownSequence):
+            await client.release(first.seq_id)
+        with pytest.raises(InvalidArgument):
+            await client.open([])
+        await client.release(again.seq_id)
+    debug.check()
+
+
+@pytest.mark.asyncio
+async def test_async_steps_run_concurrently_with_other_coroutines(server, debug) -> None:  # type: ignore[no-untyped-def]
+    async with AsyncRadixKVClient(server.address) as client:
+        opened = (await client.step(Step(opens=[(list(range(100, 106)), "aio-step"), (list(range(200, 203)), "aio-step")]))).opened
+        ids = [o.seq_id for o in opened]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        for i in range(20):
+            result = await client.step(Step(append=Append(ids, [1, 1], np.array([i, i], dtype=np.int32))))
+            assert result.appended is not None and result.appended.num_tokens == [7 + i, 4 + i]
+        task.cancel()
+        assert ticks > 0, "the loop ran other coroutines while steps were in flight"
+        with pytest.raises(OutOfBlocks) as refused:
+            await client.step(Step(opens=[(list(range(5000)), "aio-step")], releases=[(ids, False)]))
+        assert refused.value.metadata["item"] == "opens"
+        assert (await client.stats()).num_live_sequences >= 2  # the refused step released nothing
+        done = await client.step(Step(releases=[(ids, False)]))
+        assert done.num_released_sequences == 2
+    debug.check()
+
+
+def test_the_async_client_under_plain_asyncio_run(server) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[int]:
+        client = await AsyncRadixKVClient(server.address).connect()
+        try:
+            result = await client.step(Step(opens=[([1, 2, 3, 4, 5], "plain")]))
+            seq_id = result.opened[0].seq_id
+            await client.step(Step(releases=[([seq_id], True)]))
+            return [seq_id]
+        finally:
+            await client.close()
+
+    [seq_id] = asyncio.run(main())
+    with RadixKVClient(server.address) as check:  # the session ended with the client
+        assert check.match([1, 2, 3, 4, 5], "plain") == 4
