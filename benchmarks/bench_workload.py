@@ -58,7 +58,7 @@ class Sizes:
     document_words: int
 
 
-QUICK = Sizes(8, 120, 4, 16, 4, 2, 3, 2, 100)
+QUICK = Sizes(6, 80, 3, 8, 3, 2, 2, 2, 80)  # the smallest matrix that still shows each effect (13 server runs)
 FULL = Sizes(12, 300, 8, 64, 8, 3, 4, 3, 220)
 
 
