@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the server shares the CPU)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: each run's server process is stopped, not orphaned
     torch.set_num_threads(args.threads)
     chat = load_chat_model(args.model)
     sizes = QUICK if args.quick else FULL
