@@ -1,7 +1,7 @@
 """A fleet of 4 radixkv servers: random vs round-robin vs `radixkv.client.Router`, on one multi-tenant trace.
 
-Four real server processes on 127.0.0.1 (and a fifth, one cache with the whole fleet's capacity, as
-the ceiling). The trace: tenants, each with a shared system prompt (its own namespace), and many
+Four real server processes on 127.0.0.1, and as the ceiling one cache with the whole fleet's
+capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with a shared system prompt (its own namespace), and many
 multi-turn chats; each turn's prompt is the system prompt plus the whole conversation so far plus
 a new user message, and a turn runs for a while (appends its reply) before it is released and
 cached, so about `running` requests are in flight at once. Each policy replays the same trace in
@@ -186,10 +186,34 @@ class Fleet:
                 pass
 
 
+class _CommittingCache:
+    """A `KVCache` releasing as the server does: a cached release vouches for every token's K/V."""
+
+    def __init__(self, num_blocks: int) -> None:
+        from radixkv.kv_cache import KVCache
+
+        self.cache = KVCache(num_blocks, BLOCK_SIZE)
+        self.open, self.append = self.cache.open, self.cache.append
+
+    def release(self, seq_id: int) -> None:
+        self.cache.commit([seq_id], [self.cache.num_tokens(seq_id)])
+        self.cache.release(seq_id)
+
+
+class LocalFleet:
+    """One in-process cache behind the same calls as `Fleet` (open, append, release)."""
+
+    ADDRESS = "in-process"
+
+    def __init__(self, num_blocks: int) -> None:
+        self.addresses = [self.ADDRESS]
+        self.clients = {self.ADDRESS: _CommittingCache(num_blocks)}
+
+
 def run_policy(
     name: str,
     trace: list[Request],
-    fleet: Fleet,
+    fleet: Fleet | LocalFleet,
     choose: Callable[[Request, str], str],
     shape: TraceShape,
     router: Router | None = None,
@@ -324,19 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     balance = Balance(int(args.balance.split(",")[0]), float(args.balance.split(",")[1])) if args.balance else None
     trace = make_trace(shape)
     started = time.monotonic()
-    with ThreadPoolExecutor(NUM_INSTANCES + 1) as pool:
+    with ThreadPoolExecutor(NUM_INSTANCES) as pool:
         servers = list(pool.map(lambda s: s.start(), [Server(shape.blocks_per_instance) for _ in range(NUM_INSTANCES)]))
-        single = Server(shape.blocks_per_instance * NUM_INSTANCES).start()
     startup_s = time.monotonic() - started
     addresses = [s.address for s in servers]
     fleet = Fleet(addresses)
-    single_fleet = Fleet([single.address])
+    # The ceiling: one cache with the fleet's capacity. In-process: its hit ratio is the cache's, not the wire's.
+    single_fleet = LocalFleet(shape.blocks_per_instance * NUM_INSTANCES)
     results: list[RunResult] = []
     router = Router(addresses, block_size=BLOCK_SIZE, prefill_weight=args.prefill_weight, health_interval=0.5,
                     load_interval=0.05, balance=balance, seed=0)  # fmt: skip
     try:
         assert router.wait_ready(60), "router never saw every instance healthy"
-        results.append(run_policy("single", trace, single_fleet, lambda r, ns: single.address, shape))
+        results.append(run_policy("single", trace, single_fleet, lambda r, ns: LocalFleet.ADDRESS, shape))
         rng = random.Random(2)
         results.append(run_policy("random", trace, fleet, lambda r, ns: rng.choice(addresses), shape))
         counter = iter(range(10**9))
@@ -356,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         router.close()
         fleet.close()
-        single_fleet.close()
-        for s in [*servers, single]:
+        for s in servers:
             s.stop()
 
     hash_cost = bench_hash_cost(200_000 if args.quick else 1_000_000)

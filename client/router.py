@@ -116,6 +116,8 @@ class Router:
         load_interval: seconds between Stats readings.
         balance: SGLang's balance thresholds; None: always by cost.
         token: bearer token, for servers with auth on.
+        tenant: the token's tenant: with auth on, a server salts a tenant's namespace `chat` as
+            `<tenant>/chat`, so the router must hash the same name to find anything.
     """
 
     def __init__(
@@ -129,12 +131,14 @@ class Router:
         load_interval: float = 0.25,
         balance: Balance | None = None,
         token: str | None = None,
+        tenant: str = "",
         seed: int | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a router needs at least one endpoint")
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.block_size = block_size
+        self.namespace_prefix = f"{tenant}/" if tenant else ""
         self.prefill_weight = prefill_weight
         self.health_interval = health_interval
         self.load_interval = load_interval
@@ -156,7 +160,8 @@ class Router:
 
     def chain(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> list[int]:
         """The wire hashes of a prompt's full blocks, as every instance computes them."""
-        return [wire_hash(h) for h in chain_hashes(list(token_ids), self.block_size, namespace or DEFAULT_NAMESPACE)]
+        scoped = self.namespace_prefix + (namespace or DEFAULT_NAMESPACE)
+        return [wire_hash(h) for h in chain_hashes(list(token_ids), self.block_size, scoped)]
 
     def route(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> str:
         """The endpoint to serve this prompt: no RPC, only the local indexes.

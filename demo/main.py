@@ -25,7 +25,11 @@ from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.layout import PoolLayout, canonical_dtype
 
-SYSTEM_PROMPT = "You are the radixkv demo assistant. You answer questions about serving large language models in one or two sentences."
+SYSTEM_PROMPT = (
+    "You are the radixkv demo assistant. You answer questions about serving large language models: batching, "
+    "KV caches, prefix sharing, memory and latency. Answer in one or two plain sentences, without lists, and say "
+    "so when you are not sure."
+)  # several blocks long, as system prompts are: every request hits it
 QUESTIONS = {
     "greedy": "What is a KV cache in a language model server?",
     "samples": "Give one reason to cache prompt prefixes.",
@@ -54,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per scheduler step, prefills and decodes (default 512)")
     p.add_argument("--samples", type=int, default=4, help="parallel samples of the sampling request (default 4)")
     p.add_argument("--beam-width", type=int, default=4, help="beams of the beam-search request (default 4)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampling request (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus of the sampling request (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--backend", choices=["torch", "triton"], help="kernel backend (default: Triton on CUDA, torch on CPU)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the server process shares the CPU, and "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from radixkv.demo.orchestrator import RequestResult, RequestSpec, StepRecord
+from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
 from radixkv.layout import PoolLayout
 
 MIB = 2**20

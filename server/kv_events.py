@@ -107,10 +107,6 @@ class ZmqEventPublisher:
         else:
             self._queue.put(removed_event(event))
 
-    def clear(self) -> None:
-        """The pool was reset: tell consumers to drop everything they hold for it."""
-        self._queue.put(_ALL_BLOCKS_CLEARED)
-
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
         if self._thread.is_alive():

@@ -6,6 +6,8 @@ import importlib.util
 import time
 from pathlib import Path
 
+import pytest
+
 from radixkv.client import RadixKVClient, Router
 
 _spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
@@ -97,3 +99,28 @@ def test_a_killed_instance_leaves_within_a_health_interval_and_returns_after_res
         assert router.num_cached_blocks(victim.address, prompt) == 0, "it comes back with a fresh index"
         _cache_on(victim.address, prompt)
         assert wait_until(lambda: router.route(prompt) == victim.address)
+
+
+def test_with_auth_the_router_hashes_the_tenants_scoped_namespaces(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token"\nnamespaces = ["chat"]\n')
+    server = start_fleet_server(extra=("--auth-tokens", str(tokens)))
+    prompt = list(range(40, 40 + 3 * BLOCK_SIZE + 1))
+    with RadixKVClient(server.address, token="acme-token") as client:
+        client.release(client.open(prompt, "chat").seq_id)
+    with Router([server.address], block_size=BLOCK_SIZE, token="acme-token", tenant="acme") as router:
+        assert router.wait_ready()
+        assert wait_until(lambda: router.num_cached_blocks(server.address, prompt, "chat") == 3)
+    with Router([server.address], block_size=BLOCK_SIZE, token="acme-token") as unscoped:
+        assert unscoped.wait_ready()
+        assert unscoped.num_cached_blocks(server.address, prompt, "chat") == 0, "another tenant's salt: no hit"
+
+
+def test_with_no_instance_reachable_route_says_so() -> None:
+    from radixkv.client import NoInstanceAvailable
+
+    with Router(["127.0.0.1:1"], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL) as router:
+        assert not router.wait_ready(timeout=1.0)
+        with pytest.raises(NoInstanceAvailable, match="none of the 1 instances"):
+            router.route([1, 2, 3, 4, 5])
+        assert router.status()[0].healthy is False
