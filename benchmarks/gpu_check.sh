@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_check.sh [--smoke] [--out FILE]      FILE defaults to gpu_check.json
 #
-# On one H200 it takes about 3 minutes, most of it compiling the ~60 kernel variants the tests cover.
+# On one H200 it should take about 3 minutes (not yet run on one), most of it compiling kernel variants.
 # --smoke runs the same steps on CPU in seconds (the gpu tests skip, the sweep runs tiny shapes through
 # the torch path), so the script itself is tested without a GPU. Exit status: 0 when the tests and the
 # sweep both succeeded (targets missed are reported, not failed), 1 otherwise, 2 on a usage error.

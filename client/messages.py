@@ -8,7 +8,6 @@ uint32) raises `InvalidArgument` naming its field, as the server would.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -183,7 +182,7 @@ def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
     layout = PoolLayout(
         r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim, r.layout.block_size, r.layout.num_blocks, r.layout.dtype
     )
-    return PoolInfo(r.pool, layout, r.device, json.loads(r.handle_json))
+    return PoolInfo(r.pool, layout, r.device, r.handle)
 
 
 # -- steps on the Session stream -----------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A co-located worker's view of a server pool's KV memory: the same bytes, mapped, never copied.
 
 The server allocates each pool (named shared memory on CPU, an IPC-exported allocation on CUDA)
-and hands out a plain-field handle through GetPool; `PoolView` maps it with `KVStorage.open`.
+and hands out a typed handle through GetPool (`PoolHandle`: shared memory or CUDA IPC); `PoolView` maps
+it with `KVStorage.open`.
 torch is imported only when a view is opened, so `import radixkv.client` stays torch-free.
 """
 
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixkv.layout import PoolLayout
+from radixkv.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +28,7 @@ class PoolInfo:
     name: str
     layout: PoolLayout
     device: str
-    handle: dict[str, Any]  # PoolHandle.to_dict(): JSON values, never pickled
+    handle: pb.PoolHandle  # oneof memory: shared_memory (CPU) or cuda_ipc
 
 
 class PoolView:
@@ -35,11 +37,8 @@ class PoolView:
     def __init__(self, info: PoolInfo) -> None:
         from radixkv.storage import KVStorage, PoolHandle
 
-        handle = PoolHandle.from_dict(info.handle)
-        if handle.layout != info.layout:
-            raise ValueError(f"pool {info.name!r}: handle layout {handle.layout} != announced {info.layout}")
         self.info = info
-        self._storage = KVStorage.open(handle)
+        self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))
 
     @classmethod
     def from_client(cls, client: RadixKVClient) -> PoolView:

@@ -101,7 +101,7 @@ def _as_pairs(pairs: object, kv_data: object) -> torch.Tensor:
     return torch.tensor([(p[0], p[1]) for p in pairs], dtype=torch.int64, device=device).reshape(-1, 2)
 
 
-def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: bool) -> None:
+def _check_copy_blocks(kv_data: torch.Tensor, pairs: torch.Tensor, validate: bool | None) -> None:
     check_tensor("kv_data", kv_data, ndim=6, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     if kv_data.shape[1] != 2:
         raise ValueError(f"kv_data: axis 1 holds K and V and must be 2, got shape {tuple(kv_data.shape)}")

@@ -199,11 +199,12 @@ class DecodeConfig:
     num_stages: int
 
 
-# By (head_dim padded to 64/128/256, cache element bytes). Each K or V tile is about 16 KiB, so one stage
-# of both is 32 KiB and four or five stages leave room for two programs in an H100/H200 SM's 228 KiB.
-# Stages: the block-id load and the K load that depends on it each take a stage, so 3 stages leave K and
-# V a single buffer (no overlap of the next tile's loads with this tile's math); 5 double-buffer them.
-# Reasoned defaults, not yet measured: `bench_paged_decode_attention.py --configs` times the neighbours.
+# By (head_dim padded to 64/128/256, cache element bytes). Each K or V tile is 16 KiB (8 for fp8 at head_dim
+# 64), so one stage of both is 32 KiB: even at 5 stages the buffers (at most 4 x 32 KiB) fit an H100/H200
+# SM's 228 KiB. Stages: the block-id load and the K load that depends on it each take one, so 3 stages
+# leave K and V a single buffer each (the next tile's loads never overlap this tile's math, as the sm_90a
+# review found) and 5 double-buffer them. Reasoned defaults, not yet measured on a GPU:
+# `bench_paged_decode_attention.py --configs` (run by benchmarks/gpu_check.sh) times each neighbour.
 DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
     (64, 4): DecodeConfig(tile_n=64, num_warps=4, num_stages=4),
     (64, 2): DecodeConfig(tile_n=128, num_warps=4, num_stages=5),
@@ -230,7 +231,8 @@ class DecodePlan:
     """One decode step's launch decisions and scratch, made on the host once and shared by every layer's call.
 
     `num_splits * split_len` need not cover the longest sequence (the last split runs to the end), so a
-    plan made from stale or assumed lengths costs speed, never correctness.
+    plan made from stale or assumed lengths costs speed, never correctness. Every call reuses the scratch:
+    calls sharing a plan run in order on one stream, as a model's layers do.
     """
 
     num_seqs: int
@@ -263,7 +265,12 @@ def plan_decode(
         num_splits: force this many splits of the longest sequence (tests, benchmarks); None sizes them.
         num_sms: the device's SM count (default: read once from the device; tests pass a small one).
         config: tile/warps/stages (default: `DECODE_CONFIGS` for head_dim and cache_dtype).
+
+    Raises:
+        ValueError: num_splits outside [1, MAX_SPLITS].
     """
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     device = torch.device(device)
     config = config or decode_config(head_dim, cache_dtype)
     lens = [min(n, sliding_window) if sliding_window else n for n in seq_lens]

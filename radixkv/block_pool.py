@@ -1,12 +1,29 @@
-"""Block bookkeeping over plain ints: reference counts and a free list. No memory, no tensors."""
+"""Block bookkeeping as int32 arrays: reference counts and a free stack. No memory, no tensors.
+
+Every operation is a slice or a fancy-indexed update: allocating n blocks costs the same few
+microseconds for 1 block or 8,000 (a 128k-token prompt at block 16), with no Python loop per block.
+"""
 
 from __future__ import annotations
+
+import numpy as np
 
 from radixkv.errors import OutOfBlocks
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: how many blocks of `denominator` tokens hold `numerator` tokens."""
+    return -(-numerator // denominator)
+
+
 class BlockPool:
-    """`num_blocks` blocks, each with a `ref_count` (its holders: live sequences plus the radix tree).
+    """`num_blocks` blocks, each with a `ref_count`: its holders that hold it by count.
+
+    Those are the radix tree (one hold per cached block, exactly) and live sequences for the blocks
+    of their tables that the tree does not hold for them. A sequence holds the cached prefix of its
+    table through a path lock on the tree instead (`RadixTree.lock`: one walk of the path's nodes,
+    however many blocks), so a cached block shared by many live sequences still has ref_count 1 and
+    is reclaimable exactly when no lock covers it.
 
     Invariant: a block is on the free list exactly when its ref_count is 0, and at most once;
     free + used == num_blocks. Eviction is not the pool's business: the cache evicts before it
@@ -16,60 +33,66 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks > np.iinfo(np.int32).max:
+            raise ValueError(f"num_blocks must fit in int32, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.ref_counts: list[int] = [0] * num_blocks
-        # Popped from the end; reversed so block 0 is handed out first (readable tables in tests).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # 4 bytes per block each: an empty pool of 1M blocks costs 8 MB, whatever it caches later.
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        # A stack: _free[:_num_free] are the free blocks, popped from the top. It starts reversed so
+        # block 0 is handed out first (readable tables in tests).
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks with ref_count 1 each; all or nothing."""
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
+        if n > self._num_free:
+            raise OutOfBlocks(n, self._num_free)
         if n <= 0:
             return []
-        taken = self._free[: -n - 1 : -1]
-        del self._free[-n:]
-        ref_counts = self.ref_counts
-        for block_id in taken:
-            ref_counts[block_id] = 1
-        return taken
+        top = self._num_free
+        taken = self._free[top - n : top][::-1]
+        self._num_free = top - n
+        self.ref_counts[taken] = 1
+        return taken.tolist()
 
     def incref(self, block_ids: list[int], by: int = 1) -> None:
-        """Add `by` holds to each of `block_ids` (all currently held)."""
-        ref_counts = self.ref_counts
-        for block_id in block_ids:
-            assert ref_counts[block_id] > 0, f"incref of free block {block_id}: caller holds a stale id"
-            ref_counts[block_id] += by
+        """Add `by` holds to each of `block_ids` (distinct, all currently held)."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        assert ids.size == 0 or self.ref_counts[ids].min() > 0, "incref of a free block: caller holds a stale id"
+        self.ref_counts[ids] += by
 
     def decref(self, block_ids: list[int]) -> None:
-        """Drop one hold on each of `block_ids`; blocks that reach 0 return to the free list."""
-        ref_counts = self.ref_counts
-        free = self._free
-        for block_id in block_ids:
-            count = ref_counts[block_id] - 1
-            assert count >= 0, f"decref of free block {block_id}: double release by the caller"
-            ref_counts[block_id] = count
-            if count == 0:
-                free.append(block_id)
+        """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        if ids.size == 0:
+            return
+        counts = self.ref_counts[ids] - 1
+        assert counts.min() >= 0, "decref of a free block: double release by the caller"
+        self.ref_counts[ids] = counts
+        self._push(ids[counts == 0])
 
     def free_exclusive(self, block_ids: list[int]) -> None:
         """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""
-        ref_counts = self.ref_counts
-        for block_id in block_ids:
-            ref_counts[block_id] = 0  # check_invariants verifies the caller's claim (tree blocks have count 1)
-        self._free.extend(block_ids)
+        ids = np.asarray(block_ids, dtype=np.intp)
+        self.ref_counts[ids] = 0  # check_invariants verifies the caller's claim (tree blocks have count 1)
+        self._push(ids)
+
+    def _push(self, ids: np.ndarray) -> None:
+        top = self._num_free
+        self._free[top : top + ids.size] = ids
+        self._num_free = top + ids.size
 
     def free_block_ids(self) -> list[int]:
-        return list(self._free)
+        return self._free[: self._num_free].tolist()
 
     def check_invariants(self) -> None:
-        free = self._free
-        assert len(set(free)) == len(free), "free list holds a block twice"
-        assert not any(self.ref_counts[b] for b in free), "a block on the free list has a holder"
-        assert min(self.ref_counts) >= 0, "negative ref_count"
-        num_used = sum(1 for count in self.ref_counts if count)
-        assert num_used + len(free) == self.num_blocks, f"free {len(free)} + used {num_used} != {self.num_blocks}"
+        free = self._free[: self._num_free]
+        assert np.unique(free).size == free.size, "free list holds a block twice"
+        assert not self.ref_counts[free].any(), "a block on the free list has a holder"
+        assert self.ref_counts.min() >= 0, "negative ref_count"
+        num_used = int(np.count_nonzero(self.ref_counts))
+        assert num_used + free.size == self.num_blocks, f"free {free.size} + used {num_used} != {self.num_blocks}"

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import BlockPool, cdiv
 from radixkv.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -28,7 +28,7 @@ from radixkv.errors import (
 from radixkv.radix_tree import Match, Node, RadixTree
 from radixkv.results import AppendBatch, AppendResult, OpenResult, SlotPlan
 from radixkv.stats import Stats
-from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
+from radixkv.token_ids import TokenIds, TokenKey
 
 DEFAULT_NAMESPACE = "default"
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")
@@ -122,7 +122,7 @@ class KVCache:
         return self._evict(num_blocks) if num_blocks else 0
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         root = self.tree.roots.get(namespace)
@@ -133,10 +133,10 @@ class KVCache:
             raise LimitExceeded("max_namespaces", len(self.tree.roots) + 1, self.limits.max_namespaces)
         return self.tree.root(namespace)
 
-    def _key(self, token_ids: TokenIds, field: str) -> bytes:
-        key = to_token_bytes(token_ids, field)
-        if len(key) // TOKEN_BYTES > self.limits.max_tokens_per_request:
-            raise LimitExceeded("max_tokens_per_request", len(key) // TOKEN_BYTES, self.limits.max_tokens_per_request)
+    def _key(self, token_ids: TokenIds, field: str) -> TokenKey:
+        key = TokenKey.of(token_ids, field)
+        if key.num_tokens > self.limits.max_tokens_per_request:
+            raise LimitExceeded("max_tokens_per_request", key.num_tokens, self.limits.max_tokens_per_request)
         return key
 
     def _batch_sequences(self, seq_ids: Sequence[int]) -> list[_Sequence]:
@@ -171,22 +171,22 @@ class KVCache:
         """
         return self.open_many([(token_ids, namespace)])[0]
 
-    def _plan_open(self, requests: Sequence[tuple[TokenIds, str]]) -> tuple[list[tuple[bytes, Node, Match]], int]:
+    def _plan_open(self, requests: Sequence[tuple[TokenIds, str]]) -> tuple[list[tuple[TokenKey, Node, Match]], int]:
         """Validate a batch of opens and check capacity before anything changes; also returns the blocks it takes.
 
         Blocks needed must fit in free blocks plus what stays evictable once every matched path is
         locked; opening takes exactly that many (needed + newly locked) from `num_available_blocks`.
         """
-        keys: list[tuple[bytes, Node]] = []
+        keys: list[tuple[TokenKey, Node]] = []
         for i, (token_ids, namespace) in enumerate(requests):
             prefix = f"requests[{i}]." if len(requests) > 1 else ""
             keys.append((self._key(token_ids, prefix + "token_ids"), self._root(namespace, prefix + "namespace")))
         needed = 0
         newly_locked: dict[int, int] = {}
-        planned: list[tuple[bytes, Node, Match]] = []
+        planned: list[tuple[TokenKey, Node, Match]] = []
         for key, root in keys:
-            num_tokens = len(key) // TOKEN_BYTES
-            match = self.tree.match(root, key, (num_tokens - 1) // self.block_size)
+            num_tokens = key.num_tokens
+            match = self.tree.match(root, key.data, (num_tokens - 1) // self.block_size)
             planned.append((key, root, match))
             needed += self._blocks_for(num_tokens) - match.num_blocks
             for node in match.path:
@@ -207,20 +207,19 @@ class KVCache:
             self.tree.drop_empty_roots()  # namespaces this refused request created
             raise
         # Lock every matched prefix first, so one request's allocation cannot evict another's hit.
-        locked: list[tuple[bytes, Node, int]] = []
+        locked: list[tuple[TokenKey, Node, int]] = []
         for i, (key, root, match) in enumerate(keys):
             if i:  # an earlier item's split may have moved this item's match
-                match = self.tree.match(root, key, (len(key) // TOKEN_BYTES - 1) // self.block_size)
+                match = self.tree.match(root, key.data, (key.num_tokens - 1) // self.block_size)
             node = self.tree.split(match)
             self.tree.lock(node)
             locked.append((key, node, match.num_blocks))
         results = []
         for (key, node, num_matched_blocks), (_, namespace) in zip(locked, requests, strict=True):
-            num_tokens = len(key) // TOKEN_BYTES
+            num_tokens, num_cached = key.num_tokens, num_matched_blocks * self.block_size
             table = self._path_blocks(node, num_matched_blocks)
             table += self._allocate(self._blocks_for(num_tokens) - num_matched_blocks)
-            tail = bytearray(key[num_matched_blocks * self.block_size * TOKEN_BYTES :])
-            num_cached = num_matched_blocks * self.block_size
+            tail = bytearray(key.tail_after(num_cached))
             seq = _Sequence(next(self._seq_ids), namespace, tail, table, node, num_matched_blocks, [], num_tokens, num_cached)
             self._sequences[seq.seq_id] = seq
             self.stats_counters.num_requested_tokens += num_tokens
@@ -237,7 +236,9 @@ class KVCache:
         while node.parent is not None:
             runs.append(node.block_ids)
             node = node.parent
-        blocks = [b for run in reversed(runs) for b in run]
+        blocks: list[int] = []
+        for run in reversed(runs):  # one C-level extend per node, never a Python step per block
+            blocks += run
         assert len(blocks) == num_blocks, "locked path and match length disagree"
         return blocks
 
@@ -249,17 +250,17 @@ class KVCache:
         Appending also says the K/V of every earlier token is written (see `commit`). Slots are
         computed when first read, as for `append_batch`.
         """
-        key = to_token_bytes(token_ids, "token_ids")
-        batch = self._append_columns([seq_id], [len(key) // TOKEN_BYTES], key)
+        key = TokenKey.of(token_ids)
+        batch = self._append_columns([seq_id], [key.num_tokens], key.data)
         return AppendResult(
             seq_id, batch.num_tokens[0], batch.table_offsets[0], batch.block_ids, [(src, dst) for src, dst, _ in batch.copies], batch.slot_source
         )
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
-        keys = [to_token_bytes(t, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids") for i, (_, t) in enumerate(requests)]
-        counts = [len(k) // TOKEN_BYTES for k in keys]
-        return self._append_columns([seq_id for seq_id, _ in requests], counts, b"".join(keys)).results()
+        keys = [TokenKey.of(t, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids") for i, (_, t) in enumerate(requests)]
+        counts = [k.num_tokens for k in keys]
+        return self._append_columns([seq_id for seq_id, _ in requests], counts, b"".join(k.data for k in keys)).results()
 
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
@@ -274,10 +275,10 @@ class KVCache:
     def _append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> tuple[list[int], bytes]:
         """`append_batch`'s arguments checked: (the counts as ints, the tokens packed)."""
         counts = KVCache._append_counts(seq_ids, num_token_ids, "num_token_ids")
-        key = to_token_bytes(token_ids, "token_ids")
-        if sum(counts) * TOKEN_BYTES != len(key):
-            raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {len(key) // TOKEN_BYTES}")
-        return counts, key
+        key = TokenKey.of(token_ids)
+        if sum(counts) != key.num_tokens:
+            raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {key.num_tokens}")
+        return counts, key.data
 
     @staticmethod
     def _append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: str) -> list[int]:
@@ -325,7 +326,7 @@ class KVCache:
                 if ref_counts[last] - copied_away.get(last, 0) > 1:
                     copied_away[last] = copied_away.get(last, 0) + 1
                     cow = True
-            plans.append((-(-num_tokens // bs) - len(table) + cow, cow))
+            plans.append((cdiv(num_tokens, bs) - len(table) + cow, cow))
         return plans
 
     def _append_columns(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
@@ -355,13 +356,13 @@ class KVCache:
                     table.extend(mine[1:])
                 else:
                     table.extend(mine)
-            seq.tail_bytes += view[byte : byte + count * TOKEN_BYTES]
-            byte += count * TOKEN_BYTES
+            seq.tail_bytes += view[byte : byte + TokenKey.num_bytes(count)]
+            byte += TokenKey.num_bytes(count)
             seq.num_computed_tokens = max(seq.num_computed_tokens, start)  # the model has seen every earlier token
             seq.num_tokens = stop = start + count
             first = start // bs
             span_starts.append(len(span_blocks) * bs + start - first * bs)
-            span_blocks.extend(table[first : -(-stop // bs)])
+            span_blocks.extend(table[first : cdiv(stop, bs)])
             num_tokens_after.append(stop)
             offsets.append(offset)
             num_block_ids.append(len(table) - offset)
@@ -446,13 +447,14 @@ class KVCache:
         num_full = min(seq.num_tokens, seq.num_computed_tokens) // self.block_size
         if num_full <= seq.num_tree_blocks:
             return
-        bb = self.block_size * TOKEN_BYTES
+        bb = TokenKey.num_bytes(self.block_size)
         new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
         key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
-        ref_counts = self.pool.ref_counts
-        if any(ref_counts[b] > 1 for b in new_blocks):
+        counts = self.pool.ref_counts[np.asarray(new_blocks, dtype=np.intp)]
+        if counts.max() > 1:
             num_known = self.tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
-            shared = next(i for i in range(num_known, len(new_blocks) + 1) if i == len(new_blocks) or ref_counts[new_blocks[i]] > 1)
+            held_by_others = np.flatnonzero(counts[num_known:] > 1)
+            shared = num_known + int(held_by_others[0]) if held_by_others.size else len(new_blocks)
             if shared == 0:
                 return
             new_blocks, key = new_blocks[:shared], key[: shared * bb]
@@ -489,18 +491,17 @@ class KVCache:
         its last holders. Changes nothing.
         """
         sequences = self._batch_sequences(list(seq_ids))
-        holds: collections.Counter[int] = collections.Counter()
         locks: collections.Counter[int] = collections.Counter()
         nodes: dict[int, Node] = {}
         for seq in sequences:
-            holds.update(seq.private_blocks())
             node = seq.lock_node
             while node.parent is not None:
                 locks[node.node_id] += 1
                 nodes[node.node_id] = node
                 node = node.parent
-        ref_counts = self.pool.ref_counts
-        freed = sum(1 for block_id, n in holds.items() if ref_counts[block_id] == n)
+        held = np.asarray([b for seq in sequences for b in seq.private_blocks()], dtype=np.intp)
+        block_ids, holds = np.unique(held, return_counts=True)
+        freed = int(np.count_nonzero(self.pool.ref_counts[block_ids] == holds))
         unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)
         return freed + unlocked
 
@@ -516,7 +517,7 @@ class KVCache:
         """
         key = self._key(token_ids, "token_ids")
         root = self._root(namespace)
-        match = self.tree.match(root, key)
+        match = self.tree.match(root, key.data)
         node, num_blocks = self.tree.split(match), match.num_blocks
         self.tree.lock(node)
         table = self._path_blocks(node, num_blocks)
@@ -533,7 +534,7 @@ class KVCache:
         if root is None:
             _check_namespace(namespace)
             return 0
-        return self.tree.match(root, key).num_blocks * self.block_size
+        return self.tree.match(root, key.data).num_blocks * self.block_size
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix of `token_ids` resident however cold it gets; returns tokens pinned.
@@ -544,7 +545,7 @@ class KVCache:
         root = self.tree.roots.get(namespace)
         if root is None:
             _check_namespace(namespace)
-        match = self.tree.match(root, key) if root is not None else None
+        match = self.tree.match(root, key.data) if root is not None else None
         if match is None or match.num_blocks == 0:
             raise FailedPrecondition("nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace)
         added = self.tree.blocks_to_pin(match.path, match.num_blocks_in_node)
@@ -552,7 +553,7 @@ class KVCache:
         if self.tree.num_pinned_blocks + added > allowed:
             raise LimitExceeded("pinned_blocks", self.tree.num_pinned_blocks + added, allowed)
         node = self.tree.split(match)
-        pin_key = (namespace, key[: len(key) // (self.block_size * TOKEN_BYTES) * self.block_size * TOKEN_BYTES])
+        pin_key = (namespace, key.whole_block_prefix(self.block_size))
         _, count = self._pins.get(pin_key, (node, 0))
         self._pins[pin_key] = (node, count + 1)
         self.tree.lock(node)
@@ -562,7 +563,7 @@ class KVCache:
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Drop one pin taken by `pin` with the same tokens (in whole blocks)."""
         key = self._key(token_ids, "token_ids")
-        pin_key = (namespace, key[: len(key) // (self.block_size * TOKEN_BYTES) * self.block_size * TOKEN_BYTES])
+        pin_key = (namespace, key.whole_block_prefix(self.block_size))
         if pin_key not in self._pins:
             raise NotPinned(namespace)
         node, count = self._pins.pop(pin_key)
@@ -639,9 +640,9 @@ class KVCache:
             assert seq.num_tree_blocks * self.block_size <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"
             for block_id in seq.private_blocks():
                 expected[block_id] += 1
-            path_tokens = sum(len(run) for run in _path_runs(seq.lock_node)) // TOKEN_BYTES
+            path_tokens = sum(TokenKey.count(run) for run in _path_runs(seq.lock_node))
             assert path_tokens == seq.num_tree_blocks * self.block_size, f"seq {seq.seq_id}: locked path length wrong"
-            assert len(seq.tail_bytes) == (seq.num_tokens - path_tokens) * TOKEN_BYTES, f"seq {seq.seq_id}: tail tokens lost"
+            assert TokenKey.count(seq.tail_bytes) == seq.num_tokens - path_tokens, f"seq {seq.seq_id}: tail tokens lost"
             assert self.tree.roots[seq.namespace] is _root_of(seq.lock_node), f"seq {seq.seq_id}: locked path in another namespace"
             path_blocks = self._path_blocks(seq.lock_node, seq.num_tree_blocks)
             private = set(seq.private_prefix)

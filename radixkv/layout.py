@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from radixkv.block_pool import cdiv
+
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 # Dtypes stored as value / scale: the pool carries fp32 (k_scale, v_scale) per layer after the blocks.
@@ -71,7 +73,7 @@ class PoolLayout:
     @property
     def scales_offset(self) -> int:
         """Where the fp32 scales start: after the blocks, aligned to 16 bytes."""
-        return -(-self.kv_bytes // _SCALES_ALIGN) * _SCALES_ALIGN
+        return cdiv(self.kv_bytes, _SCALES_ALIGN) * _SCALES_ALIGN
 
     @property
     def scales_bytes(self) -> int:

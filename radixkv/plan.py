@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from radixkv.block_pool import cdiv
 from radixkv.layout import DTYPE_BYTES, canonical_dtype
 from radixkv.model_shape import MODEL_SHAPES, ModelShape
 
@@ -61,7 +62,7 @@ def plan_capacity(
     if budget <= 0:
         raise ValueError(f"no memory left for KV: {device_memory_bytes} x {memory_utilization} - {weight_bytes} weights")
     num_blocks = budget // bytes_per_block
-    blocks_per_sequence = -(-context_len // block_size)
+    blocks_per_sequence = cdiv(context_len, block_size)
     return CapacityPlan(
         shape=shape,
         dtype=dtype,

@@ -23,15 +23,15 @@ _node_ids = itertools.count()
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Node:
-    token_bytes: bytes
-    block_ids: list[int]
-    parent: Node | None
-    namespace: str
-    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
-    lock_ref: int = 0  # live sequences and pins whose path runs through here
-    pin_ref: int = 0
-    last_access: int = 0
-    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))
+    token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
+    block_ids: list[int]  # the blocks holding them, one per block_size tokens; the tree's hold on each
+    parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
+    namespace: str  # the root's namespace: hits never cross namespaces
+    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
+    lock_ref: int = 0  # live sequences and pins whose locked path runs through here (root: of the namespace)
+    pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
+    last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
+    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
 
     @property
     def is_root(self) -> bool:
@@ -69,6 +69,12 @@ class RadixTree:
     every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access);
     `num_evictable_blocks` is the number of blocks in unlocked nodes; parents are accessed no earlier
     than their children, so evicting leaves in LRU order never skips an older block.
+
+    The SortedList is keyed on `last_access`, which changes; it stays ordered because only `lock`
+    and `unlock` write it, and never on a listed node: `lock` removes an unlocked leaf from the list
+    before writing, `unlock` writes a node that is still locked and lists it (with the new key) only
+    once its count reaches 0. A split gives the new upper node its child's key and leaves the listed
+    child as it is; trimming a leaf's tail keeps its key. `check_invariants` verifies the order.
     """
 
     def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
@@ -315,6 +321,8 @@ class RadixTree:
         assert pinned == self.num_pinned_blocks, f"pinned blocks {self.num_pinned_blocks} != {pinned}"
         assert cached == self.num_cached_blocks, f"cached blocks {self.num_cached_blocks} != {cached}"
         assert {n.node_id for n in self._evictable_leaves} == leaves, "evictable leaf list != unlocked leaves"
+        keys = [_lru_key(n) for n in self._evictable_leaves]
+        assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
         assert len(self._evictable_leaves) == len(leaves), "a leaf is listed twice"
 
     def tree_block_ids(self) -> list[int]:

@@ -19,12 +19,14 @@ import numpy as np
 import torch
 
 from radixkv.layout import DTYPE_BYTES, PoolLayout
+from radixkv.v1 import kvcache_pb2 as pb
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # same names as torch
 SHM_DIR = "/dev/shm"
 _LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
 _UNTRACKED_LOCK = threading.Lock()
 _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
+_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +82,23 @@ class PoolHandle:
             raise ValueError(f"PoolHandle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         handle.layout  # noqa: B018 -- validates the layout fields
         return handle
+
+    def to_proto(self) -> pb.PoolHandle:
+        """The wire's typed handle (GetPoolResponse.handle); the layout travels beside it."""
+        if self.kind == "shm":
+            return pb.PoolHandle(shared_memory=pb.SharedMemoryHandle(name=self.name))
+        return pb.PoolHandle(cuda_ipc=pb.CudaIpcHandle(**{f: getattr(self, f) for f in _CUDA_IPC_FIELDS}))
+
+    @classmethod
+    def from_proto(cls, handle: pb.PoolHandle, layout: PoolLayout) -> PoolHandle:
+        """Inverse of `to_proto`, given the layout GetPool announced. Raises ValueError when no memory is set."""
+        fields = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
+        memory = handle.WhichOneof("memory")
+        if memory == "shared_memory":
+            return cls(kind="shm", name=handle.shared_memory.name, **fields)
+        if memory == "cuda_ipc":
+            return cls(kind="cuda_ipc", **{f: getattr(handle.cuda_ipc, f) for f in _CUDA_IPC_FIELDS}, **fields)
+        raise ValueError("handle: neither shared_memory nor cuda_ipc is set")
 
 
 class KVStorage:

@@ -52,5 +52,53 @@ def to_token_bytes(token_ids: TokenIds, field: str = "token_ids", *, allow_empty
     return array.astype("<i4", copy=False).tobytes()
 
 
+class TokenKey:
+    """Validated token ids as little-endian int32 bytes: the form the radix tree compares with one memcmp.
+
+    Owns the arithmetic between token counts and byte offsets, so the core never multiplies by
+    TOKEN_BYTES itself.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data  # already validated: use `TokenKey.of` for a caller's token ids
+
+    @classmethod
+    def of(cls, token_ids: TokenIds, field: str = "token_ids") -> TokenKey:
+        """Raises InvalidArgument naming `field` (see `to_token_bytes`)."""
+        return cls(to_token_bytes(token_ids, field))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.data) // TOKEN_BYTES
+
+    def whole_blocks(self, block_size: int) -> int:
+        """How many full blocks of `block_size` tokens these tokens fill."""
+        return self.num_tokens // block_size
+
+    def head(self, num_tokens: int) -> bytes:
+        """The bytes of the first `num_tokens` tokens."""
+        return self.data[: num_tokens * TOKEN_BYTES]
+
+    def tail_after(self, num_tokens: int) -> bytes:
+        """The bytes of every token after the first `num_tokens`."""
+        return self.data[num_tokens * TOKEN_BYTES :]
+
+    def whole_block_prefix(self, block_size: int) -> bytes:
+        """The bytes of the tokens that fill whole blocks (what a pin or a match can cover)."""
+        return self.head(self.whole_blocks(block_size) * block_size)
+
+    @staticmethod
+    def num_bytes(num_tokens: int) -> int:
+        """Byte length of `num_tokens` tokens (for slicing a sequence's tail bytes)."""
+        return num_tokens * TOKEN_BYTES
+
+    @staticmethod
+    def count(data: bytes | bytearray | memoryview) -> int:
+        """How many tokens `data` holds."""
+        return len(data) // TOKEN_BYTES
+
+
 def from_token_bytes(data: bytes | bytearray) -> list[int]:
     return np.frombuffer(bytes(data), dtype="<i4").tolist()

@@ -171,8 +171,7 @@ class KVService:
         pool = self.pool(pool_name)
         num_tokens = _num_tokens(token_ids)
         check_request_size(pool, num_tokens, append_response_bytes(pool, len(seq_ids), num_tokens), self.max_message_bytes)
-        if not isinstance(token_ids, bytes | np.ndarray):
-            token_ids = np.array(token_ids, dtype=np.int64)  # any int: the core's range check names a bad one
+        token_ids = _as_int32(token_ids)
         with self._in_session(caller, session_id, pool_name) as (pool, session):
 
             def apply() -> AppendBatch:
@@ -380,6 +379,20 @@ def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
     """Until the wire carries `commit` (issue 19), a client's fork, cache and cached release vouch
     for every token it appended, as they did before the core kept a computed watermark."""
     pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])
+
+
+def _as_int32(token_ids: TokenIds) -> TokenIds:
+    """A wire column (uint32) as int32 in one numpy pass; ids >= 2^31 wrap negative, which the core refuses.
+
+    Anything else (an in-process caller's list with a negative id, say) goes to the core as it is,
+    whose check names the field.
+    """
+    if isinstance(token_ids, bytes | np.ndarray):
+        return token_ids
+    try:
+        return np.array(token_ids, dtype=np.uint32).view(np.int32)
+    except (OverflowError, TypeError, ValueError):
+        return token_ids
 
 
 def _num_tokens(token_ids: TokenIds) -> int:

@@ -156,6 +156,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
         pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
         layout = pool.layout
+        handle = pool.storage.export_handle()
         return pb.GetPoolResponse(
             pool=pool.name,
             layout=pb.PoolLayout(
@@ -167,7 +168,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 dtype=layout.dtype,
             ),
             device=pool.device,
-            handle_json=json.dumps(pool.storage.export_handle().to_dict()),
+            handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
+            handle=handle.to_proto(),
         )
 
     @translating_errors

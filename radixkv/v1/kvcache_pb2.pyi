@@ -327,16 +327,52 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetPoolResponse(_message.Message):
-    __slots__ = ("pool", "layout", "device", "handle_json")
+    __slots__ = ("pool", "layout", "device", "handle_json", "handle")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     layout: PoolLayout
     device: str
     handle_json: str
-    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ...) -> None: ...
+    handle: PoolHandle
+    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("shared_memory", "cuda_ipc")
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    shared_memory: SharedMemoryHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, shared_memory: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryHandle(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_index", "ipc_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_index: int
+    ipc_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_index: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("pool", "session_id", "namespaces", "include_snapshot")

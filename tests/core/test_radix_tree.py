@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from radixkv.radix_tree import RadixTree
 from radixkv.token_ids import to_token_bytes
@@ -127,3 +128,14 @@ def test_observer_sees_every_block_stored_and_removed():
     insert(tree, "a", range(40, 44), [9])
     tree.evict(10)
     assert recorder.events[-1] == ("removed", "a", [0, 7, 8, 9]), "one report per namespace per eviction"
+
+
+def test_check_invariants_catches_an_evictable_list_out_of_order():
+    tree = RadixTree(4)
+    insert(tree, "a", range(8), [0, 1])
+    insert(tree, "a", range(100, 108), [2, 3])
+    tree.check_invariants()
+    older = tree.evictable_leaves()[0]
+    older.last_access += 100  # written while listed: the list no longer sorts by its key
+    with pytest.raises(AssertionError, match="out of LRU order"):
+        tree.check_invariants()

@@ -188,7 +188,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert m % BLOCK_SIZE == 0
         published = self.published[namespace]
         if m:
-            assert tuple(tokens[:m]) in published, "match reports a prefix never cached here"
+            assert tuple(tokens[:m]) in self.allowed[namespace], "match reports a prefix never cached written here"
         evicted_now = self.cache.stats().num_evicted_blocks
         for end in range(len(tokens) // BLOCK_SIZE * BLOCK_SIZE, m, -BLOCK_SIZE):
             when = published.get(tuple(tokens[:end]))

@@ -17,7 +17,8 @@ from radixkv.kernels import paged_decode_attention, paged_decode_attention_refer
 def args(paged_batch) -> dict:
     """A valid CPU call: 2 sequences (5 and 20 tokens), 4 query heads over 2 KV heads, blocks of 4, 10 blocks."""
     batch = paged_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32, device="cpu")
-    return dict(q=batch.q, kv_layer=batch.kv_layer, block_tables=batch.block_tables, seq_lens=batch.seq_lens, scale=batch.scale)
+    fields = ("q", "kv_layer", "block_tables", "seq_lens", "scale")
+    return {name: getattr(batch, name) for name in fields}
 
 
 def _set(a: dict, name: str, index: tuple, value: int) -> dict:
@@ -41,7 +42,8 @@ def _fp8(a: dict, **extra) -> dict:
 
 def _plan(a: dict, num_seqs: int) -> dict:
     lens = [5] * num_seqs
-    return a | {"plan": plan_decode(lens, num_q_heads=4, num_kv_heads=2, head_dim=64, cache_dtype=torch.float32, device="cpu")}
+    plan = plan_decode(lens, num_q_heads=4, num_kv_heads=2, head_dim=64, cache_dtype=torch.float32, device="cpu")
+    return a | {"plan": plan}
 
 
 BAD = [
@@ -91,6 +93,13 @@ BAD = [
 def test_bad_argument_names_itself(args, change, name):
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b"):
         paged_decode_attention(**change(args))
+
+
+@pytest.mark.parametrize("num_splits", [0, 65])
+def test_plan_rejects_a_split_count_the_merge_cannot_hold(num_splits):
+    with pytest.raises(ValueError, match="^num_splits"):
+        plan_decode([4096], num_q_heads=4, num_kv_heads=2, head_dim=64, cache_dtype=torch.float16, device="cpu",
+                    num_splits=num_splits)
 
 
 def test_valid_call_passes_checks(args):

@@ -10,7 +10,7 @@ import torch
 from radixkv.kernels import quantize_fp8, store_kv, store_kv_reference
 
 gpu = pytest.mark.gpu
-FP8 = torch.float8_e4m3fn
+FP8, F32 = torch.float8_e4m3fn, torch.float32
 
 
 def case_id(value: object) -> str | None:
@@ -65,7 +65,7 @@ def test_no_tokens_is_a_no_op(device):
 
 
 def _fp8_store(dtype, device, scales=(0.5, 0.05)):
-    """Keys often beyond +-448 x k_scale (saturated), values never beyond 448 x v_scale, stored into a zeroed fp8 layer."""
+    """Keys often beyond +-448 x k_scale (saturated), values never past 448 x v_scale; a zeroed fp8 layer."""
     gen = torch.Generator().manual_seed(7)
     key = (torch.randn(40, 2, 64, generator=gen) * 100).to(dtype).to(device)
     value = (torch.randn(40, 2, 64, generator=gen) * 2).to(dtype).to(device)
@@ -128,7 +128,7 @@ BAD = [
     ("cache dtype", lambda a: a | {"kv_layer": a["kv_layer"].half()}, "kv_layer"),
     ("kv_layer a (k, v) pair", lambda a: a | {"kv_layer": tuple(a["kv_layer"])}, "kv_layer"),
     ("kv_layer axis 0 not 2", lambda a: a | {"kv_layer": a["kv_layer"][:1]}, "kv_layer"),
-    ("block_size not a power of two", lambda a: a | {"kv_layer": make_kv_layer(4, 3, 2, 64, torch.float32, "cpu")}, "kv_layer"),
+    ("block_size not a power of two", lambda a: a | {"kv_layer": make_kv_layer(4, 3, 2, 64, F32, "cpu")}, "kv_layer"),
     ("fp8 without kv_scales", lambda a: a | {"kv_layer": a["kv_layer"].to(FP8)}, "kv_scales"),
     ("kv_scales on fp32 caches", lambda a: a | {"kv_scales": torch.ones(2)}, "kv_scales"),
     ("slots device", lambda a: a | {"slots": a["slots"].to("meta")}, "slots"),

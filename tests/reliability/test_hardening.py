@@ -37,8 +37,8 @@ admin = true
 """
 BLOCK_SIZE = 4
 NUM_BLOCKS = 4096
-MAX_TOKENS = 16384  # the largest open's response (~5 bytes a token) exceeds the message limit below
-MAX_MESSAGE_BYTES = 64 * 1024
+MAX_TOKENS = 16384  # the largest open's response (~2.5 bytes a token) exceeds the message limit below
+MAX_MESSAGE_BYTES = 36 * 1024
 MAX_SESSIONS = 9  # three tenants: a share of 3 each
 MAX_NAMESPACES = 9
 FLAGS = [
@@ -238,8 +238,9 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
 def test_a_response_over_the_message_limit_is_refused_before_anything_is_opened(tenants, shared) -> None:  # type: ignore[no-untyped-def]
     beta = tenants["beta"]
     session = beta.session()
-    code, reason, metadata = refused(beta.open, session, list(range(MAX_TOKENS)))
+    code, reason, metadata = refused(beta.open, session, list(range(MAX_TOKENS)))  # a 33 KB request, a ~40 KB response
     assert (code, reason, metadata["limit"], metadata["allowed"]) == (LIMITED, "LIMIT_EXCEEDED", "max_message_bytes", str(MAX_MESSAGE_BYTES))
+    assert beta.call("Stats", pb.StatsRequest()).stats.num_live_sequences == 0  # type: ignore[attr-defined]  # nothing opened
     seq = beta.open(session, list(range(MAX_TOKENS // 8)))  # one that fits is opened, and its response arrives
     num = MAX_TOKENS - MAX_TOKENS // 8  # within the token limit, but its slots would not fit the response
     append = pb.AppendTokensRequest(session_id=session, seq_ids=[seq], num_token_ids=[num], token_ids=[1] * num)

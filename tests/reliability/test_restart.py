@@ -49,7 +49,7 @@ def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_rec
         prompt = list(range(40, 52))
         opened = client.open(prompt + [1], "restart")
         client.cache(opened.seq_id)
-        old_segment = client.get_pool().handle["name"]
+        old_segment = client.get_pool().handle.shared_memory.name
         assert (SHM / old_segment).exists()
 
         first.proc.kill()  # a crash: no graceful stop, no unlink by the server itself
@@ -74,7 +74,7 @@ def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_rec
         assert not _has_table(client, opened.seq_id)  # the old session's tables are forgotten
         again = client.open(prompt + [1], "restart")
         assert again.num_cached_tokens == 0  # the prefix cache did not survive either
-        new_segment = client.get_pool().handle["name"]
+        new_segment = client.get_pool().handle.shared_memory.name
         assert new_segment != old_segment  # new memory, under a new name
         client.release(again.seq_id)
     finally:

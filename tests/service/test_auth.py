@@ -126,4 +126,4 @@ def test_only_trusted_tenants_get_a_pool_handle(connect: Connect, tokens: dict[s
     # A handle maps the whole pool, every tenant's K/V included.
     with pytest.raises(PermissionDenied):
         connect(tokens["acme"]).get_pool()
-    assert connect(tokens["globex"]).get_pool().handle["kind"] == "shm"
+    assert connect(tokens["globex"]).get_pool().handle.WhichOneof("memory") == "shared_memory"

@@ -90,7 +90,7 @@ def test_sigterm_stops_gracefully_and_frees_the_pool_memory(start_server) -> Non
     client = RadixKVClient(proc.address)
     client.release(client.open([1, 2, 3, 4, 5]).seq_id)  # one cached block
     client.open([6, 7, 8])
-    segment = client.get_pool().handle["name"]
+    segment = client.get_pool().handle.shared_memory.name
     assert os.path.exists(f"/dev/shm/{segment}")
     events = iter(client.watch_events(include_snapshot=True))
     assert next(events).snapshot  # the stream is open on the server

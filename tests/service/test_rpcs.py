@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.layout import PoolLayout
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
 
 BLOCK_SIZE = 4  # the test pools' block size (conftest.POOL_FLAGS)
 _namespaces = itertools.count()
@@ -116,7 +120,17 @@ def test_stats_and_get_pool_describe_the_pool(client: RadixKVClient) -> None:
     assert info.layout == PoolLayout(
         num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=256, dtype="float32"
     )
-    assert info.handle["kind"] == "shm" and info.handle["num_blocks"] == 256
+    assert info.handle.WhichOneof("memory") == "shared_memory"
+    assert info.handle.shared_memory.name.startswith("radixkv-")
+
+
+def test_get_pool_fills_the_deprecated_json_handle_with_the_same_segment(server) -> None:  # type: ignore[no-untyped-def]
+    """v0.1 clients read `handle_json`: it names the segment the typed `handle` names."""
+    with grpc.insecure_channel(server.address) as channel:
+        response = kvcache_pb2_grpc.KVCacheStub(channel).GetPool(pb.GetPoolRequest(pool="default"), timeout=10)
+    legacy = json.loads(response.handle_json)
+    assert legacy["kind"] == "shm" and legacy["num_blocks"] == response.layout.num_blocks == 256
+    assert legacy["name"] == response.handle.shared_memory.name != ""
 
 
 def test_watch_events_reports_stored_and_evicted_blocks(server, debug) -> None:  # type: ignore[no-untyped-def]
