@@ -42,10 +42,9 @@ class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper t
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         if isinstance(error, RadixKVError):
             error.metadata.setdefault("item", self.name)
-        return False
 
 
 def run_step(
@@ -228,15 +227,13 @@ class _Applying:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         if error is None:
             self.applied = True
-            return False
-        if isinstance(error, RadixKVError):
+        elif isinstance(error, RadixKVError):
             error.metadata.setdefault("item", self.name)
             if self.applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
                 raise AssertionError(f"step item {self.name} refused after the step began applying: {error!r}") from error
-        return False
 
 
 def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
