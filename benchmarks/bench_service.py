@@ -151,7 +151,7 @@ async def decode_async(address: str, server_pid: int, num_steps: int) -> dict[st
 # -- the transport floor -------------------------------------------------------------------------------
 
 
-def health_round_trip(address: str, num_calls: int) -> dict[str, float]:
+def health_round_trip(address: str, num_calls: int) -> dict[str, dict[str, float]]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -249,6 +249,34 @@ class AsyncRadixKVClient:
             self._steps.cancel()
             self._steps = None
 
+    # -- the computed watermark and scheduling queries (see `RadixKVClient`) -------------------------
+
+    async def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        request = m.commit_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
+        await self._call(self._stub.CommitTokens, request)
+
+    async def describe_sequences(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        request = m.seq_ids_request(pb.DescribeSequencesRequest, self.pool, self.session_id, list(seq_ids))
+        return m.described(await self._call(self._stub.DescribeSequences, request))
+
+    async def num_tokens(self, seq_id: int) -> int:
+        return (await self.describe_sequences([seq_id]))[0][0]
+
+    async def num_computed_tokens(self, seq_id: int) -> int:
+        return (await self.describe_sequences([seq_id]))[0][1]
+
+    async def num_available_blocks(self) -> int:
+        request = pb.StatsRequest(pool=self.pool, session_id=self.session_id)
+        return (await self._call(self._stub.Stats, request)).num_available_blocks
+
+    async def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        request = m.can_append_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
+        return (await self._call(self._stub.CanAppend, request)).can_append
+
+    async def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
+        request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
+        return (await self._call(self._stub.FreeableBlocks, request)).num_freeable_blocks
+
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""
         return self._tables.get(seq_id)

@@ -265,6 +265,45 @@ class RadixKVClient:
             self._steps.close()
             self._steps = None
 
+    # -- the computed watermark and scheduling queries ---------------------------------------------
+
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """The K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` is written; see `KVCache.commit`.
+
+        Call it after the worker has written a step, before `cache`, `fork` or `release(cache=True)`
+        of a sequence whose last tokens it wrote: only full blocks below the watermark are cached.
+        """
+        request = m.commit_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
+        self._call(self._stub.CommitTokens, request)
+
+    def describe_sequences(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(num_tokens, num_computed_tokens) of each sequence, in one call."""
+        request = m.seq_ids_request(pb.DescribeSequencesRequest, self.pool, self.session_id, list(seq_ids))
+        return m.described(self._call(self._stub.DescribeSequences, request))
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens the sequence holds."""
+        return self.describe_sequences([seq_id])[0][0]
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """The sequence's computed watermark: leading tokens whose K/V is written."""
+        return self.describe_sequences([seq_id])[0][1]
+
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation could take now: free, or cached and evictable."""
+        request = pb.StatsRequest(pool=self.pool, session_id=self.session_id)
+        return self._call(self._stub.Stats, request).num_available_blocks
+
+    def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        """Would `append_batch(seq_ids, num_tokens, ...)` fit the pool now? Changes nothing."""
+        request = m.can_append_request(self.pool, self.session_id, list(seq_ids), list(num_tokens))
+        return self._call(self._stub.CanAppend, request).can_append
+
+    def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
+        """How many blocks releasing `seq_ids` together would make available (for choosing whom to preempt)."""
+        request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
+        return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
+
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""
         return self._tables.get(seq_id)

@@ -167,6 +167,24 @@ def release_request(pool: str, session_id: str, seq_ids: list[int], cache: bool)
     return build(pb.ReleaseSequencesRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, cache=cache)
 
 
+def commit_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CommitTokensRequest:
+    return build(pb.CommitTokensRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, num_tokens=num_tokens)
+
+
+def seq_ids_request(message: Callable[..., Request], pool: str, session_id: str, seq_ids: list[int]) -> Request:
+    """A DescribeSequences or FreeableBlocks request."""
+    return build(message, pool=pool, session_id=session_id, seq_ids=seq_ids)
+
+
+def can_append_request(pool: str, session_id: str, seq_ids: list[int], num_tokens: list[int]) -> pb.CanAppendRequest:
+    return build(pb.CanAppendRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_tokens)
+
+
+def described(response: pb.DescribeSequencesResponse) -> list[tuple[int, int]]:
+    """(num_tokens, num_computed_tokens) per sequence."""
+    return list(zip(response.num_tokens, response.num_computed_tokens, strict=True))
+
+
 def prefix_request(
     message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str
 ) -> Request:

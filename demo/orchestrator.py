@@ -193,7 +193,7 @@ class Orchestrator:
                 continue
             going.append((index, token))
         if not going:
-            self.client.release(parent.seq_id, cache=self.prefix_caching)
+            self._release_written([parent])
             return []
         # The samples share the whole prompt: forks hold its blocks, the partial last one copied on first write.
         children = self.client.fork(parent.seq_id, len(going) - 1) if len(going) > 1 else []
@@ -216,12 +216,12 @@ class Orchestrator:
             request.result.outputs[seq.index].append(token)
             request.result.num_generated_tokens += 1
             if token in self.eos or len(request.result.outputs[seq.index]) == request.spec.max_new_tokens:
-                finished.append(seq.seq_id)  # its last token is never computed, so never appended
+                finished.append(seq)  # its last token is never computed, so never appended
             else:
                 going.append(seq)
                 appends.append((request, seq, token))
         if finished:
-            self.client.release_many(finished, cache=self.prefix_caching)
+            self._release_written(finished)
         request.seqs = going
         return appends
 
@@ -235,7 +235,7 @@ class Orchestrator:
         request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in finished]
         if len(generated[0]) + 1 == request.spec.max_new_tokens or not continuing:
             request.hypotheses += [Hypothesis(generated[c.parent] + (c.token_id,), c.score) for c in continuing]
-            self.client.release_many([b.seq_id for b in beams], cache=self.prefix_caching)
+            self._release_written(beams)
             best = beam_search.best(request.hypotheses, width)
             request.result.outputs = [list(h.token_ids) for h in best]
             request.result.scores = [h.score for h in best]
@@ -290,6 +290,14 @@ class Orchestrator:
         self._to_cache = []
         return copies
 
+    def _release_written(self, seqs: list[_Seq]) -> None:
+        """Release sequences whose every token the worker has written; with prefix caching, commit says so
+        first, since only blocks below a sequence's computed watermark are ever cached."""
+        seq_ids = [s.seq_id for s in seqs]
+        if self.prefix_caching:
+            self.client.commit(seq_ids, [len(s.token_ids) for s in seqs])
+        self.client.release_many(seq_ids, cache=self.prefix_caching)
+
     def _preempt_one(self, appending: set[int]) -> _Request | None:
         """Preempt by recompute the latest single-sequence request of this step's appends.
 
@@ -304,7 +312,7 @@ class Orchestrator:
         if not victims:
             return None
         victim = max(victims, key=lambda r: r.arrived)
-        self.client.release(victim.seqs[0].seq_id, cache=self.prefix_caching)
+        self._release_written(victim.seqs)
         victim.seqs, victim.preempted = [], True
         victim.context = victim.result.prompt + victim.result.outputs[0]
         victim.result.num_preemptions += 1

@@ -1,7 +1,7 @@
 """Kernels over the paged KV pool: Triton kernels with their launchers, and the torch reference of each.
 
 Every kernel takes one layer's cache as `kv_layer` `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(K at 0, V at 1: `KVStorage.layer(l)`), or the whole pool for `copy_blocks`. CUDA tensors run the
+(K at 0, V at 1: a worker's `PoolView.layer(l)`), or the whole pool for `copy_blocks`. CUDA tensors run the
 Triton kernels; CPU tensors run the torch references, unless TRITON_INTERPRET=1 was set before triton
 was imported, in which case Triton's interpreter runs the kernels (how the tests exercise them without
 a GPU). Every public function takes `backend="triton" | "torch"` to force one.

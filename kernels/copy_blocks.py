@@ -48,7 +48,7 @@ def copy_blocks(
 
     Args:
         kv_data: the whole pool `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; each
-            block's `[block_size, num_kv_heads, head_dim]` must be contiguous (as `KVStorage.data` is).
+            block's `[block_size, num_kv_heads, head_dim]` must be contiguous (as a worker's `PoolView.data` is).
         pairs: int64 `[num_pairs, 2]` of `(src_block, dst_block)`, or what the core returns as it is:
             `AppendBatch.copies` (`(src, dst, sequence_index)` triples), `AppendResult.copies`, a numpy
             `StepArrays.copies`. Destinations must be distinct and not also sources, so the result does

@@ -252,9 +252,7 @@ class KVCache:
         """
         key = TokenKey.of(token_ids)
         batch = self._append_columns([seq_id], [key.num_tokens], key.data)
-        return AppendResult(
-            seq_id, batch.num_tokens[0], batch.table_offsets[0], batch.block_ids, [(src, dst) for src, dst, _ in batch.copies], batch.slot_source
-        )
+        return AppendResult(batch, 0, 0, 0)
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""

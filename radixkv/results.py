@@ -10,45 +10,40 @@ import numpy.typing as npt
 from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class SlotPlan:
     """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
 
     Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
     workers derive slots from block tables) never pays for them. Serves one sequence (an open) or
-    a batch (an append step) alike.
+    a batch (an append step) alike; the array is computed on the first `slots()` and kept.
     """
 
     block_size: int
     span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
     span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
     counts: list[int]
+    computed: npt.NDArray[np.int64] | None = None  # the slots, once read
 
     def slots(self) -> npt.NDArray[np.int64]:
         """slot of token j = span_blocks[p_j // block_size] * block_size + p_j % block_size."""
-        bs = self.block_size
-        counts = np.asarray(self.counts, dtype=np.int64)
-        firsts = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
-        slots: npt.NDArray[np.int64] = np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
-        return slots
+        if self.computed is None:
+            bs = self.block_size
+            counts = np.asarray(self.counts, dtype=np.int64)
+            firsts = np.cumsum(counts) - counts
+            starts = np.repeat(np.asarray(self.span_starts, dtype=np.int64) - firsts, counts)
+            positions = np.arange(int(counts.sum()), dtype=np.int64) + starts
+            self.computed = np.asarray(self.span_blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+        return self.computed
 
 
-class _SlotsOnFirstRead:
-    """`slots` of a record that holds them as `slot_source`: the array, or the plan it follows from."""
-
-    __slots__ = ()
-    slot_source: SlotPlan | npt.NDArray[np.int64]
-
-    @property
-    def slots(self) -> npt.NDArray[np.int64]:
-        if isinstance(self.slot_source, SlotPlan):
-            self.slot_source = self.slot_source.slots()  # type: ignore[misc]  # the dataclass subclasses own the slot
-        return self.slot_source
+def as_slots(source: SlotPlan | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """A record's slots: the array it was given (the client's, from the wire) or its plan's."""
+    return source.slots() if isinstance(source, SlotPlan) else source
 
 
 @dataclasses.dataclass(slots=True)
-class OpenResult(_SlotsOnFirstRead):
+class OpenResult:
     """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go."""
 
     seq_id: int
@@ -56,33 +51,67 @@ class OpenResult(_SlotsOnFirstRead):
     block_table: list[int]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
 
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        return as_slots(self.slot_source)
+
     def step_arrays(self) -> StepArrays:
         """This sequence's prefill for the worker (`StepArrays.from_opens` for a batch)."""
         return StepArrays.from_opens([self])
 
 
-@dataclasses.dataclass(slots=True)
-class AppendResult(_SlotsOnFirstRead):
-    """What one append changed: `block_table[table_offset:]` is now `block_ids`.
+class AppendResult:
+    """One sequence's row of an `AppendBatch`, read through (nothing is copied until asked for).
 
-    Apply `copies` (copy-on-write of a shared partial block) before writing `slots` ([num_appended]).
+    `block_table[table_offset:]` is now `block_ids`; apply `copies` (copy-on-write of a shared
+    partial block) before writing `slots` ([num_appended]).
     """
 
-    seq_id: int
-    num_tokens: int  # sequence length after the append
-    table_offset: int
-    block_ids: list[int]
-    copies: list[tuple[int, int]]
-    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+    __slots__ = ("batch", "index", "_block_start", "_slot_start")
+
+    def __init__(self, batch: AppendBatch, index: int, block_start: int, slot_start: int) -> None:
+        self.batch, self.index = batch, index
+        self._block_start, self._slot_start = block_start, slot_start  # this row's start in the columns
+
+    @property
+    def seq_id(self) -> int:
+        return self.batch.seq_ids[self.index]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length after the append."""
+        return self.batch.num_tokens[self.index]
+
+    @property
+    def table_offset(self) -> int:
+        return self.batch.table_offsets[self.index]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.batch.block_ids[self._block_start : self._block_start + self.batch.num_block_ids[self.index]]
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        return [(src, dst) for src, dst, index in self.batch.copies if index == self.index]
+
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        return self.batch.slots[self._slot_start : self._slot_start + self.batch.num_appended[self.index]]
+
+    def __repr__(self) -> str:
+        fields = ("seq_id", "num_tokens", "table_offset", "block_ids", "copies")
+        return "AppendResult(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in fields) + ")"
 
 
 @dataclasses.dataclass(slots=True)
-class AppendBatch(_SlotsOnFirstRead):
+class AppendBatch:
     """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
 
-    Sequence i's `block_table[table_offsets[i]:]` is now its run of `num_block_ids[i]` entries of
-    `block_ids`. `slots` holds every appended token's slot in request order (the step's slot
-    mapping, [total appended tokens]). Apply `copies` (src_block, dst_block, index of the sequence) before writing slots.
+    The one result of an append; `results()` (and a single `append`) read rows of it through
+    `AppendResult`. Sequence i's `block_table[table_offsets[i]:]` is now its run of
+    `num_block_ids[i]` entries of `block_ids`. `slots` holds every appended token's slot in request
+    order (the step's slot mapping, [total appended tokens]). Apply `copies` (src_block, dst_block,
+    index of the sequence) before writing slots.
     """
 
     seq_ids: list[int]
@@ -94,6 +123,10 @@ class AppendBatch(_SlotsOnFirstRead):
     copies: list[tuple[int, int, int]]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
 
+    @property
+    def slots(self) -> npt.NDArray[np.int64]:
+        return as_slots(self.slot_source)
+
     def copy_pairs(self) -> npt.NDArray[np.int64]:
         """`copies` as int64 `[n, 2]` (src_block, dst_block): `copy_blocks`' `pairs`."""
         return copy_pairs(self.copies)
@@ -103,14 +136,10 @@ class AppendBatch(_SlotsOnFirstRead):
         return StepArrays.from_append(self, block_table)
 
     def results(self) -> list[AppendResult]:
-        """The same, one record per sequence."""
-        out, b, t = [], 0, 0
-        per_seq_copies: dict[int, list[tuple[int, int]]] = {}
-        for src, dst, index in self.copies:
-            per_seq_copies.setdefault(index, []).append((src, dst))
-        for i, seq_id in enumerate(self.seq_ids):
-            n_blocks, n_new = self.num_block_ids[i], self.num_appended[i]
-            out.append(AppendResult(seq_id, self.num_tokens[i], self.table_offsets[i], self.block_ids[b : b + n_blocks], per_seq_copies.get(i, []), self.slots[t : t + n_new]))
-            b += n_blocks
-            t += n_new
+        """The same, one row per sequence."""
+        out, block_start, slot_start = [], 0, 0
+        for i, (num_blocks, num_new) in enumerate(zip(self.num_block_ids, self.num_appended, strict=True)):
+            out.append(AppendResult(self, i, block_start, slot_start))
+            block_start += num_blocks
+            slot_start += num_new
         return out

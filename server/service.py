@@ -205,7 +205,6 @@ class KVService:
                 self.check_num_sequences(pool, session, num_children)
                 num_blocks = ledger.num_table_blocks(seq_id)
                 ledger.check_quota(caller, max(num_children, 0) * num_blocks)
-                _commit_whole(pool, [seq_id])
                 children = pool.cache.fork(seq_id, num_children)
                 for child in children:
                     ledger.adopt(session, child, num_blocks)
@@ -218,7 +217,6 @@ class KVService:
 
             def apply() -> int:
                 pool.ledger.check_owner(session, seq_id)
-                _commit_whole(pool, [seq_id])
                 return pool.cache.cache(seq_id)
 
             return session.requests.once(request_id, f"CacheSequence {pool.name}", apply)
@@ -232,14 +230,49 @@ class KVService:
                 ledger = pool.ledger
                 ledger.check_owners(session, list(seq_ids))
                 if seq_ids:
-                    if cache:
-                        _commit_whole(pool, seq_ids)
                     pool.cache.release_many(seq_ids, cache)
                 for seq_id in seq_ids:
                     ledger.forget(seq_id)
                 return len(seq_ids)
 
             return session.requests.once(request_id, f"ReleaseSequences {pool.name}", apply)
+
+    def commit(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_tokens: Sequence[int]
+    ) -> None:
+        """Advance the computed watermarks of the session's sequences (see `KVCache.commit`).
+
+        Needs no request window: committing the same watermark again changes nothing."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
+            pool.cache.commit(seq_ids, num_tokens)
+
+    def describe_sequences(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """(num_tokens, num_computed_tokens) of each of the session's sequences."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
+            return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
+
+    def can_append(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]
+    ) -> tuple[bool, int]:
+        """(would this append fit the pool now, blocks available); changes nothing."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
+            return pool.cache.can_append(seq_ids, num_token_ids), pool.cache.num_available_blocks()
+
+    def freeable_blocks(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]) -> int:
+        """Blocks releasing the session's `seq_ids` together would make available; changes nothing."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owners(session, list(seq_ids))
+            return pool.cache.freeable_blocks(seq_ids)
+
+    def num_available_blocks(self, pool_name: str) -> int:
+        pool = self.pool(pool_name)
+        with pool.lock:
+            return pool.cache.num_available_blocks()
 
     # -- prefixes ---------------------------------------------------------------------------------
 
@@ -373,12 +406,6 @@ class KVService:
         held = sum(1 for ns in roots if caller.owns(ns))
         if held + len(new) > share:
             raise LimitExceeded("max_namespaces_per_tenant", held + len(new), share)
-
-
-def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
-    """Until the wire carries `commit` (issue 19), a client's fork, cache and cached release vouch
-    for every token it appended, as they did before the core kept a computed watermark."""
-    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])
 
 
 def _as_int32(token_ids: TokenIds) -> TokenIds:

@@ -126,6 +126,34 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         return pb.ReleaseSequencesResponse(num_released_sequences=num)
 
     @translating_errors
+    def CommitTokens(self, request: pb.CommitTokensRequest, context: grpc.ServicerContext) -> pb.CommitTokensResponse:
+        self._service.commit(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_tokens)
+        )
+        return pb.CommitTokensResponse()
+
+    @translating_errors
+    def DescribeSequences(
+        self, request: pb.DescribeSequencesRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeSequencesResponse:
+        rows = self._service.describe_sequences(current_caller(), request.session_id, request.pool, list(request.seq_ids))
+        return pb.DescribeSequencesResponse(num_tokens=[n for n, _ in rows], num_computed_tokens=[c for _, c in rows])
+
+    @translating_errors
+    def CanAppend(self, request: pb.CanAppendRequest, context: grpc.ServicerContext) -> pb.CanAppendResponse:
+        fits, available = self._service.can_append(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_token_ids)
+        )
+        return pb.CanAppendResponse(can_append=fits, num_available_blocks=available)
+
+    @translating_errors
+    def FreeableBlocks(
+        self, request: pb.FreeableBlocksRequest, context: grpc.ServicerContext
+    ) -> pb.FreeableBlocksResponse:
+        num = self._service.freeable_blocks(current_caller(), request.session_id, request.pool, list(request.seq_ids))
+        return pb.FreeableBlocksResponse(num_freeable_blocks=num)
+
+    @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         num = self._service.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
@@ -150,7 +178,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self._service.stats(current_caller(), request.session_id, request.pool)
         fields = {f: getattr(stats, f) for f in pb.PoolStats.DESCRIPTOR.fields_by_name}
-        return pb.StatsResponse(stats=pb.PoolStats(**fields), num_sessions=len(self._service.sessions))
+        return pb.StatsResponse(
+            stats=pb.PoolStats(**fields),
+            num_sessions=len(self._service.sessions),
+            num_available_blocks=self._service.num_available_blocks(request.pool),
+        )
 
     @translating_errors
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:

@@ -23,7 +23,7 @@ from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, Unknown
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
-from radixkv.server.service import KVService, _commit_whole, _num_tokens
+from radixkv.server.service import KVService, _num_tokens
 from radixkv.server.sessions import Session
 from radixkv.server.sizes import check_request_size, open_response_bytes
 from radixkv.server.tenants import Tenant
@@ -230,8 +230,13 @@ class _Applying:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         if error is None:
             self.applied = True
-            return
-        if isinstance(error, RadixKVError):
+        elif isinstance(error, RadixKVError):
             error.metadata.setdefault("item", self.name)
             if self.applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
                 raise AssertionError(f"step item {self.name} refused after the step began applying: {error!r}") from error
+
+
+def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
+    """Until Step carries commits (SessionRequest field 9 is kept for them), a step's fork, cache and
+    cached release vouch for every token it appended. Unary calls commit with CommitTokens."""
+    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])

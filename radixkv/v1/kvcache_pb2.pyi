@@ -295,12 +295,84 @@ class PoolStats(_message.Message):
     def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("stats", "num_sessions")
+    __slots__ = ("stats", "num_sessions", "num_available_blocks")
     STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     stats: PoolStats
     num_sessions: int
-    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    num_available_blocks: int
+    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ..., num_sessions: _Optional[int] = ..., num_available_blocks: _Optional[int] = ...) -> None: ...
+
+class CommitTokensRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids", "num_tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitTokensResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeSequencesRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DescribeSequencesResponse(_message.Message):
+    __slots__ = ("num_tokens", "num_computed_tokens")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CanAppendRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids", "num_token_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CanAppendResponse(_message.Message):
+    __slots__ = ("can_append", "num_available_blocks")
+    CAN_APPEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    can_append: bool
+    num_available_blocks: int
+    def __init__(self, can_append: _Optional[bool] = ..., num_available_blocks: _Optional[int] = ...) -> None: ...
+
+class FreeableBlocksRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeableBlocksResponse(_message.Message):
+    __slots__ = ("num_freeable_blocks",)
+    NUM_FREEABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_freeable_blocks: int
+    def __init__(self, num_freeable_blocks: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("pool", "session_id")

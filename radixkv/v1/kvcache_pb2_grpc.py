@@ -100,6 +100,26 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetPoolRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetPoolResponse.FromString,
                 _registered_method=True)
+        self.CommitTokens = channel.unary_unary(
+                '/radixkv.v1.KVCache/CommitTokens',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.CommitTokensRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.CommitTokensResponse.FromString,
+                _registered_method=True)
+        self.DescribeSequences = channel.unary_unary(
+                '/radixkv.v1.KVCache/DescribeSequences',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesResponse.FromString,
+                _registered_method=True)
+        self.CanAppend = channel.unary_unary(
+                '/radixkv.v1.KVCache/CanAppend',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.CanAppendRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.CanAppendResponse.FromString,
+                _registered_method=True)
+        self.FreeableBlocks = channel.unary_unary(
+                '/radixkv.v1.KVCache/FreeableBlocks',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/radixkv.v1.KVCache/WatchEvents',
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
@@ -209,6 +229,38 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitTokens(self, request, context):
+        """CommitTokens advances a batch of sequences' computed watermark, all or none: the K/V of their
+        first num_tokens[i] tokens is written. Only full blocks below it are ever cached (by
+        CacheSequence, ReleaseSequences with cache, ForkSequence). AppendTokens implies it for the
+        tokens before the appended ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeSequences(self, request, context):
+        """DescribeSequences returns a batch of sequences' lengths and computed watermarks; read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CanAppend(self, request, context):
+        """CanAppend says whether one AppendTokens with these counts would fit the pool now; changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeableBlocks(self, request, context):
+        """FreeableBlocks says how many blocks releasing a batch of sequences together would make
+        available (the same with or without caching); changes nothing. For choosing whom to preempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """WatchEvents streams blocks stored into and removed from the prefix tree, per namespace.
         """
@@ -292,6 +344,26 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.GetPool,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetPoolRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetPoolResponse.SerializeToString,
+            ),
+            'CommitTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitTokens,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.CommitTokensRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.CommitTokensResponse.SerializeToString,
+            ),
+            'DescribeSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeSequences,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesResponse.SerializeToString,
+            ),
+            'CanAppend': grpc.unary_unary_rpc_method_handler(
+                    servicer.CanAppend,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.CanAppendRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.CanAppendResponse.SerializeToString,
+            ),
+            'FreeableBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeableBlocks,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -656,6 +728,114 @@ class KVCache:
             '/radixkv.v1.KVCache/GetPool',
             radixkv_dot_v1_dot_kvcache__pb2.GetPoolRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.GetPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/CommitTokens',
+            radixkv_dot_v1_dot_kvcache__pb2.CommitTokensRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.CommitTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/DescribeSequences',
+            radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.DescribeSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CanAppend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/CanAppend',
+            radixkv_dot_v1_dot_kvcache__pb2.CanAppendRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.CanAppendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeableBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/FreeableBlocks',
+            radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.FreeableBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -187,6 +187,7 @@ def test_single_append_slots_are_lazy_and_right(cache):
     a = cache.append(r.seq_id, [4, 5])
     from radixkv.results import SlotPlan
 
-    assert isinstance(a.slot_source, SlotPlan), "nothing computed before the slots are read"
+    plan = a.batch.slot_source
+    assert isinstance(plan, SlotPlan) and plan.computed is None, "nothing computed before the slots are read"
     table = cache.block_table(r.seq_id)
     assert list(a.slots) == [table[0] * 4 + 3, table[1] * 4]

@@ -151,7 +151,7 @@ def test_events_decode_with_msgpack_and_match_the_tree(start_fleet_server, seed:
                 live_seqs.append(int.from_bytes(seq, "big"))
             return bool(live_seqs) and live_seqs[-1] >= len(replayed)
 
-        client.release(client.open(list(range(200, 200 + 3 * BLOCK_SIZE + 1))).seq_id)  # one more batch
+        _release_written(client, [client.open(list(range(200, 200 + 3 * BLOCK_SIZE + 1))).seq_id])  # one more batch
         assert wait_until(received)
         for _, payload in replay(server.replay_endpoint, 0):
             live.apply(payload)
@@ -164,7 +164,7 @@ def test_replay_from_a_seq_returns_that_batch_onwards_then_the_end_marker(start_
     server: FleetServer = start_fleet_server(num_blocks=64)
     with RadixKVClient(server.address) as client:
         for i in range(6):
-            client.release(client.open([i] * (2 * BLOCK_SIZE + 1)).seq_id)
+            _release_written(client, [client.open([i] * (2 * BLOCK_SIZE + 1)).seq_id])
         assert wait_until(lambda: len(replay(server.replay_endpoint, 0)) == 7)
     everything = replay(server.replay_endpoint, 0)
     tail = replay(server.replay_endpoint, 4)
@@ -177,13 +177,13 @@ def test_a_split_reannounces_nothing_and_a_fork_nothing_until_cached(start_fleet
     consumer = Consumer()
     with RadixKVClient(server.address) as client:
         long = list(range(1, 4 * BLOCK_SIZE + 1))
-        client.release(client.open([*long, 99]).seq_id)  # 4 blocks stored
+        _release_written(client, [client.open([*long, 99]).seq_id])  # 4 blocks stored
         seq = client.open([*long[: 2 * BLOCK_SIZE], 50, 51])  # splits the 4-block node after 2
         children = client.fork(seq.seq_id, 2)  # shares 2 cached blocks and a partial one
         wait_until(lambda: len(replay(server.replay_endpoint, 0)) > 2, timeout=0.5)
         assert len(replay(server.replay_endpoint, 0)) == 2, "the split and the fork published nothing"
         client.append(children[0], [52, 53])  # the child fills a new full block
-        client.release_many([seq.seq_id, *children])  # ... which is announced once, when cached
+        _release_written(client, [seq.seq_id, *children])  # ... which is announced once, when cached
         assert wait_until(lambda: len(replay(server.replay_endpoint, 0)) == 3)
     for _, payload in replay(server.replay_endpoint, 0):
         consumer.apply(payload)
@@ -217,3 +217,9 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
             ZmqEventPublisher(first.endpoint.replace("127.0.0.1", "*"), "kv@x@m", block_size=4)  # port in use
     finally:
         first.close()
+
+
+def _release_written(client: RadixKVClient, seq_ids: list[int]) -> None:
+    """Release as a worker that wrote every token would: commit them all, then release cached."""
+    client.commit(seq_ids, [n for n, _ in client.describe_sequences(seq_ids)])
+    client.release_many(seq_ids)

@@ -20,7 +20,7 @@ HEALTH_INTERVAL = 0.5
 
 def _cache_on(address: str, tokens: list[int], namespace: str = "") -> None:
     with RadixKVClient(address) as client:
-        client.release(client.open(tokens, namespace).seq_id)
+        _release_written(client, [client.open(tokens, namespace).seq_id])
 
 
 def test_routes_to_the_instance_holding_the_prefix_and_hashes_match_the_server(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
@@ -52,8 +52,8 @@ def test_a_gap_resyncs_from_a_snapshot(start_fleet_server, tmp_path) -> None:  #
         assert router.wait_ready()
         with RadixKVClient(server.address) as client:
             seq_ids = [r.seq_id for r in client.open_many([(p, "") for p in prompts])]
-            client.release_many(seq_ids)  # 20 events under one lock hold: the watcher's queue overflows
-            client.release(client.open([99] * (BLOCK_SIZE + 1)).seq_id)  # the next event shows the jump
+            _release_written(client, seq_ids)  # 20 events under one lock hold: the watcher's queue overflows
+            _release_written(client, [client.open([99] * (BLOCK_SIZE + 1)).seq_id])  # the next event shows the jump
         assert wait_until(lambda: router.status()[0].num_resyncs >= 1)
         assert wait_until(lambda: all(router.num_cached_blocks(server.address, p) == 2 for p in prompts))
         assert router.num_cached_blocks(server.address, [99] * (BLOCK_SIZE + 1)) == 1
@@ -103,7 +103,7 @@ def test_with_auth_the_router_hashes_the_tenants_scoped_namespaces(start_fleet_s
     server = start_fleet_server(extra=("--auth-tokens", str(tokens)))
     prompt = list(range(40, 40 + 3 * BLOCK_SIZE + 1))
     with RadixKVClient(server.address, token="acme-token") as client:
-        client.release(client.open(prompt, "chat").seq_id)
+        _release_written(client, [client.open(prompt, "chat").seq_id])
     with Router([server.address], block_size=BLOCK_SIZE, token="acme-token", tenant="acme") as router:
         assert router.wait_ready()
         assert wait_until(lambda: router.num_cached_blocks(server.address, prompt, "chat") == 3)
@@ -120,3 +120,9 @@ def test_with_no_instance_reachable_route_says_so() -> None:
         with pytest.raises(NoInstanceAvailable, match="none of the 1 instances"):
             router.route([1, 2, 3, 4, 5])
         assert router.status()[0].healthy is False
+
+
+def _release_written(client: RadixKVClient, seq_ids: list[int]) -> None:
+    """Release as a worker that wrote every token would: commit them all, then release cached."""
+    client.commit(seq_ids, [n for n, _ in client.describe_sequences(seq_ids)])
+    client.release_many(seq_ids)

@@ -96,7 +96,10 @@ def test_max_sequences_per_session_refuses_before_opening_anything(session: Sess
 
 def test_max_pins_per_session(session: Session, refusal, limits) -> None:  # type: ignore[no-untyped-def]
     prefix = list(range(300, 308))
-    session.stub.ReleaseSequences(pb.ReleaseSequencesRequest(pool="big", session_id=session.id, seq_ids=session.open([prefix + [1]])))
+    seq_ids = session.open([prefix + [1]])
+    commit = pb.CommitTokensRequest(pool="big", session_id=session.id, seq_ids=seq_ids, num_tokens=[9])  # as written
+    session.stub.CommitTokens(commit, timeout=10)
+    session.stub.ReleaseSequences(pb.ReleaseSequencesRequest(pool="big", session_id=session.id, seq_ids=seq_ids))
     pin = pb.PinRequest(pool="big", session_id=session.id, token_ids=prefix, namespace="limits")
     for _ in range(limits["max_pins_per_session"]):
         assert session.stub.Pin(pin, timeout=10).num_pinned_tokens == 8

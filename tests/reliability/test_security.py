@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, UnknownSequence
+from radixkv.results import OpenResult
 from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -109,7 +110,7 @@ def test_a_tenant_may_use_only_its_own_namespaces(connect: Connect) -> None:
 def test_no_probe_reveals_whether_another_tenants_prompt_is_cached(connect: Connect) -> None:
     acme, globex = connect("acme"), connect("globex")
     prompt = list(range(5000, 5016))  # 4 full blocks
-    acme.release(acme.open(prompt + [1], "chat").seq_id)
+    acme.release(_written(acme, acme.open(prompt + [1], "chat")))
     assert acme.match(prompt, "chat") == 16
     # The same namespace name, acme's scoped name, a name spelled to look like it: globex's own roots, all empty.
     for namespace in ("chat", "acme/chat", "acme", "default", "../acme/chat"):
@@ -125,9 +126,9 @@ def test_watch_events_never_show_another_tenants_blocks(connect: Connect) -> Non
     acme_prompt, marker = list(range(6000, 6016)), list(range(6100, 6104))
     acme_blocks = set(acme.open(acme_prompt + [1], "code").block_table)  # live during the snapshot below
     with globex.watch_events(include_snapshot=True) as everything, globex.watch_events(["code"], include_snapshot=True) as same_name:
-        acme.release(acme.open(list(range(6200, 6216)) + [1], "code").seq_id)  # stored while globex watches
-        globex.release(globex.open(marker + [1], "marker").seq_id)
-        globex.release(globex.open(marker + [2], "code").seq_id)
+        acme.release(_written(acme, acme.open(list(range(6200, 6216)) + [1], "code")))  # stored while globex watches
+        globex.release(_written(globex, globex.open(marker + [1], "marker")))
+        globex.release(_written(globex, globex.open(marker + [2], "code")))
         seen_everything = _until_stored(iter(everything), marker)
         seen_code = _until_stored(iter(same_name), marker)
     for events in (seen_everything, seen_code):
@@ -155,7 +156,7 @@ def test_the_block_quota_names_itself(connect: Connect) -> None:
 
 def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certificates, connect: Connect) -> None:  # type: ignore[no-untyped-def]
     client = connect("globex")
-    client.release(client.open([1, 2, 3], "tls").seq_id)  # a round trip over TLS
+    client.release(_written(client, client.open([1, 2, 3], "tls")))  # a round trip over TLS
     with RadixKVClient(f"localhost:{secure.port}", token=TOKENS["globex"], tls_root_cert=str(certificates["server"][0]), timeout=10) as by_name:
         assert by_name.stats().num_blocks_total == 64  # the certificate names localhost too
     attempts = {
@@ -171,3 +172,9 @@ def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certific
         with socket.create_connection(("127.0.0.1", secure.port), timeout=5) as raw:
             raw.sendall(junk)
     assert client.stats().num_blocks_total == 64  # still serving
+
+
+def _written(client: RadixKVClient, opened: OpenResult) -> int:
+    """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
+    client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
+    return opened.seq_id

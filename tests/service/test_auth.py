@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, Unauthenticated
+from radixkv.results import OpenResult
 
 Connect = Callable[..., RadixKVClient]
 
@@ -71,14 +72,18 @@ def test_one_tenants_prompt_never_hits_for_another(connect: Connect, tokens: dic
     acme, globex = connect(tokens["acme"]), connect(tokens["globex"])
     prompt = list(range(900, 916))  # 4 full blocks
     with globex.watch_events() as globex_events, acme.watch_events(["chat"]) as acme_events:
-        acme.release(acme.open(prompt, "chat").seq_id)  # cached in acme's "chat"
+        seq_id = acme.open(prompt, "chat").seq_id
+        acme.commit([seq_id], [16])
+        acme.release(seq_id)  # cached in acme's "chat"
         assert acme.match(prompt, "chat") == 16
         assert globex.match(prompt, "chat") == 0  # same namespace name, another tenant
         opened = globex.open(prompt, "chat")
         assert opened.num_cached_tokens == 0
         globex.release(opened.seq_id, cache=False)
         marker = list(range(950, 954))
-        globex.release(globex.open(marker + [1], "marker").seq_id)
+        seq_id = globex.open(marker + [1], "marker").seq_id
+        globex.commit([seq_id], [5])
+        globex.release(seq_id)
         # acme's stream names its own namespace, unscoped; globex's first event is its own marker:
         # acme's blocks, stored before it, never reached globex.
         stored = next(iter(acme_events))
@@ -103,7 +108,7 @@ def test_block_quota_counts_the_tenants_live_sequences(connect: Connect, tokens:
     assert acme.append(second.seq_id, [1]).num_tokens == 13  # room again
     # Another tenant is not held back by acme's quota.
     globex = connect(tokens["globex"])
-    globex.release(globex.open(list(range(200)), "anything").seq_id)
+    globex.release(_written(globex, globex.open(list(range(200)), "anything")))
     auth_debug.check()
 
 
@@ -127,3 +132,9 @@ def test_only_trusted_tenants_get_a_pool_handle(connect: Connect, tokens: dict[s
     with pytest.raises(PermissionDenied):
         connect(tokens["acme"]).get_pool()
     assert connect(tokens["globex"]).get_pool().handle.WhichOneof("memory") == "shared_memory"
+
+
+def _written(client: RadixKVClient, opened: OpenResult) -> int:
+    """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
+    client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
+    return opened.seq_id

@@ -11,6 +11,7 @@ import numpy as np
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
+from radixkv.results import OpenResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -50,9 +51,12 @@ def _drive(address: str, worker: int, deadline: float, counts: dict[str, int], f
                     elif op == "fork":
                         live += client.fork(rng.choice(live), rng.randrange(1, 3))
                     elif op == "cache":
-                        client.cache(rng.choice(live))
+                        seq_id = rng.choice(live)
+                        client.commit([seq_id], [client.num_tokens(seq_id)])  # as its worker wrote them all
+                        client.cache(seq_id)
                     elif op == "release":
                         victims = rng.sample(live, min(len(live), rng.randrange(1, 4)))
+                        client.commit(victims, [n for n, _ in client.describe_sequences(victims)])
                         client.release_many(victims, cache=rng.random() < 0.7)
                         live = [s for s in live if s not in victims]
                     elif op == "match":
@@ -107,7 +111,7 @@ def test_eight_clients_mixing_everything_leave_a_consistent_pool(server, debug, 
     marker = 0
     while not wait_until(lambda: events, timeout=0.5):
         marker += 1
-        watcher.release(watcher.open([9000 + marker] * 4 + [1], "conc-0").seq_id)
+        watcher.release(_written(watcher, watcher.open([9000 + marker] * 4 + [1], "conc-0")))
 
     deadline = time.monotonic() + SECONDS
     counts: list[dict[str, int]] = [{} for _ in range(NUM_CLIENTS)]
@@ -158,3 +162,9 @@ def test_eight_clients_mixing_everything_leave_a_consistent_pool(server, debug, 
                 assert set(e.block_ids) <= blocks
                 blocks -= set(e.block_ids)
         assert blocks == final[namespace], namespace
+
+
+def _written(client: RadixKVClient, opened: OpenResult) -> int:
+    """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
+    client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
+    return opened.seq_id

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from radixkv.client import RadixKVClient
+from radixkv.results import OpenResult
 
 
 def test_health_reports_serving_for_the_server_and_the_service(server) -> None:  # type: ignore[no-untyped-def]
@@ -59,8 +60,8 @@ def _sample(text: str, name: str, labels: str = "") -> float:
 def test_metrics_expose_pool_gauges_counters_and_rpc_latency(server) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client:
         prompt = list(range(700, 716))
-        client.release(client.open(prompt, "metrics").seq_id)
-        client.release(client.open(prompt + [1], "metrics").seq_id)
+        client.release(_written(client, client.open(prompt, "metrics")))
+        client.release(_written(client, client.open(prompt + [1], "metrics")))
         held = client.open([1, 2, 3, 4, 5], "metrics")
         stats = client.stats()
         text = _scrape(server)
@@ -88,7 +89,7 @@ def test_metrics_expose_pool_gauges_counters_and_rpc_latency(server) -> None:  #
 def test_sigterm_stops_gracefully_and_frees_the_pool_memory(start_server) -> None:  # type: ignore[no-untyped-def]
     proc = start_server("--grace", "5")
     client = RadixKVClient(proc.address)
-    client.release(client.open([1, 2, 3, 4, 5]).seq_id)  # one cached block
+    client.release(_written(client, client.open([1, 2, 3, 4, 5])))  # one cached block
     client.open([6, 7, 8])
     segment = client.get_pool().handle.shared_memory.name
     assert os.path.exists(f"/dev/shm/{segment}")
@@ -107,7 +108,7 @@ def test_a_bad_configuration_exits_2_naming_the_problem(tmp_path) -> None:  # ty
     bad = [
         ["--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8,num_blocks=8,colour=blue"],
         ["--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8"],  # no size
-        [],  # no pool at all
+        ["--model", "no-such-model"],  # the default pool's shape from a model neither known nor on disk
     ]
     for args in bad:
         result = subprocess.run(
@@ -115,3 +116,9 @@ def test_a_bad_configuration_exits_2_naming_the_problem(tmp_path) -> None:  # ty
         )
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("radixkv serve: ")
+
+
+def _written(client: RadixKVClient, opened: OpenResult) -> int:
+    """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
+    client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
+    return opened.seq_id

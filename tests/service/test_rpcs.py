@@ -48,6 +48,7 @@ def test_open_append_fork_cache_release_track_the_block_table(client: RadixKVCli
     assert table == opened.block_table + appended.block_ids
     assert np.asarray(appended.slots).tolist() == expected_slots(table, 10, 13)
 
+    client.commit([opened.seq_id], [13])  # the worker wrote all 13 tokens' K/V: only written blocks are cached
     children = client.fork(opened.seq_id, 2)
     assert len(children) == 2 and all(client.block_table(c) == table for c in children)
     # The child writes into the partial last block it shares with its parent and sibling: copy-on-write.
@@ -99,7 +100,9 @@ def test_append_many_is_one_columnar_step(client: RadixKVClient, debug, ns: str)
 
 def test_pin_keeps_a_prefix_until_unpin_or_session_end(server, client: RadixKVClient, debug, ns: str) -> None:  # type: ignore[no-untyped-def]
     prompt = list(range(50, 66))  # 4 full blocks
-    client.release(client.open(prompt, ns).seq_id)
+    seq_id = client.open(prompt, ns).seq_id
+    client.commit([seq_id], [16])
+    client.release(seq_id)
     assert client.pin(prompt, ns) == 16
     assert client.stats().num_blocks_pinned == 4
     client.unpin(prompt, ns)
@@ -139,6 +142,7 @@ def test_watch_events_reports_stored_and_evicted_blocks(server, debug) -> None: 
         events = iter(stream)
         prompt = list(range(200, 216))  # 4 full blocks of the 8-block tiny pool
         opened = client.open(prompt, ns)
+        client.commit([opened.seq_id], [16])
         client.release(opened.seq_id)
         stored = next(events)
         assert (stored.kind, stored.namespace, stored.sequence_number, stored.snapshot) == (
@@ -160,8 +164,10 @@ def test_watch_events_reports_stored_and_evicted_blocks(server, debug) -> None: 
 def test_watch_events_snapshot_starts_where_the_numbers_are(server, client: RadixKVClient) -> None:  # type: ignore[no-untyped-def]
     ns = f"snap-{next(_namespaces)}"
     first = client.open(list(range(8)), ns)  # 2 full blocks
+    client.commit([first.seq_id], [8])
     client.release(first.seq_id)
     second = client.open(list(range(8)) + [40, 41, 42, 43, 44], ns)  # hits both blocks, caches one more
+    client.commit([second.seq_id], [13])
     client.release(second.seq_id)
     with client.watch_events([ns], include_snapshot=True) as stream:
         events = iter(stream)
@@ -174,6 +180,7 @@ def test_watch_events_snapshot_starts_where_the_numbers_are(server, client: Radi
         # Parents before children: the second run hangs off the first prompt's second block.
         assert snapshot[1].parent_block_id in snapshot[0].block_ids
         third = client.open(list(range(100, 104)) + [1], ns)
+        client.commit([third.seq_id], [5])
         client.release(third.seq_id)
         live = next(events)
         assert (live.snapshot, live.sequence_number, live.token_ids) == (False, 3, [100, 101, 102, 103])

@@ -9,6 +9,7 @@ as it was. Each example takes a fresh pair of pools, so no shrinking (it would n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import queue
@@ -116,6 +117,13 @@ class End:
     def unary(self, step: Step) -> tuple[StepResult | None, str, RadixKVError | None]:
         """The step as unary calls, in order, up to the first refusal: (result, refused item, error)."""
         c, item = self.client, "opens"
+
+        def vouch(seq_id: int) -> None:
+            """A step's fork, cache and cached release vouch for every appended token (until Step carries
+            commits); the unary calls say so with commit."""
+            with contextlib.suppress(RadixKVError):  # an unknown id: the call itself refuses it
+                c.commit([seq_id], [c.num_tokens(seq_id)])
+
         try:
             opened = c.open_many(step.opens) if step.opens else []
             item = "append"
@@ -124,14 +132,19 @@ class End:
             forked = []
             for i, (seq_id, n) in enumerate(step.forks):
                 item = f"forks[{i}]"
+                vouch(seq_id)
                 forked.append(c.fork(seq_id, n))
             num_cached = []
             for i, seq_id in enumerate(step.caches):
                 item = f"caches[{i}]"
+                vouch(seq_id)
                 num_cached.append(c.cache(seq_id))
             num_released = 0
             for i, (seq_ids, cache) in enumerate(step.releases):
                 item = f"releases[{i}]"
+                if cache:
+                    for seq_id in seq_ids:
+                        vouch(seq_id)
                 c.release_many(seq_ids, cache)
                 num_released += len(seq_ids)
         except RadixKVError as e:

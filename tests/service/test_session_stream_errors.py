@@ -16,6 +16,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from radixkv.client import RadixKVClient
+from radixkv.errors import PermissionDenied, QuotaExceeded
+from radixkv.step import Step
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -132,3 +135,28 @@ def test_a_stream_serves_one_session(ends: Ends) -> None:
         "INVALID_ARGUMENT",
         "session_id",
     )
+
+
+def test_quota_and_namespaces_hold_on_the_stream_as_on_unary(auth_server, auth_debug, tls_files, tokens) -> None:  # type: ignore[no-untyped-def]
+    cert = str(tls_files[0])
+    with RadixKVClient(auth_server.address, token=tokens["acme"], tls_root_cert=cert) as client:  # 8-block quota
+        seq = client.step(Step(opens=[(list(range(12)), "chat")])).opened[0].seq_id  # 3 blocks
+        refusals = []
+        for attempt in (
+            lambda: client.step(Step(forks=[(seq, 2)])),  # 3 + 2 * 3 blocks > 8
+            lambda: client.fork(seq, 2),
+            lambda: client.step(Step(opens=[(list(range(20)), "chat"), (list(range(4)), "code")])),  # 3 + 5 + 1 > 8
+            lambda: client.open_many([(list(range(20)), "chat"), (list(range(4)), "code")]),
+            lambda: client.step(Step(opens=[([1, 2], "not-ours")])),
+            lambda: client.open([1, 2], "not-ours"),
+        ):
+            with pytest.raises((QuotaExceeded, PermissionDenied)) as caught:
+                attempt()
+            refusals.append(caught.value)
+        for by_stream, by_unary in zip(refusals[::2], refusals[1::2], strict=True):
+            assert type(by_stream) is type(by_unary)
+            item = by_stream.metadata.pop("item")
+            assert item in ("forks[0]", "opens") and by_stream.metadata == by_unary.metadata
+        assert client.step(Step(forks=[(seq, 1)])).forked[0]  # 6 blocks: within the quota
+        assert client.stats().num_live_sequences >= 2
+    auth_debug.check()
