@@ -24,8 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q
 
+# mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
+# under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	rm -rf build/mypy && $(BIN)/pip install -q --no-deps --target build/mypy/site .
+	cd build/mypy && MYPYPATH=site $(CURDIR)/$(BIN)/mypy -p radixkv --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -111,7 +111,7 @@ class AsyncRadixKVClient:
             try:
                 return await method(request, metadata=self._metadata, timeout=self._timeout)
             except grpc.RpcError as e:
-                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:  # type: ignore[attr-defined]
+                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:
                     raise error_from_rpc(e) from e
             await asyncio.sleep(m.retry_delay(attempt))
         raise AssertionError("unreachable")
@@ -159,7 +159,7 @@ class AsyncRadixKVClient:
         except UnknownSession:
             pass
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
         finally:
             async with self._stream_lock:
@@ -224,7 +224,7 @@ class AsyncRadixKVClient:
                 response = await self._send(request)
             except grpc.RpcError as e:
                 self._drop_stream()
-                if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error_from_rpc(e) from e
                 try:
                     response = await self._send(request)  # a new stream, the same request id
@@ -240,7 +240,7 @@ class AsyncRadixKVClient:
             self._steps = self._stub.Session(metadata=self._metadata)
         await self._steps.write(request)
         response = await self._steps.read()
-        if response is grpc.aio.EOF:  # the server ended the stream without a status (it is stopping)
+        if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: the server ended the stream without a status
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream ended")
         return response
 
@@ -316,7 +316,7 @@ class AsyncRadixKVClient:
                 for event in event_batch(response).events:
                     yield event
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if e.code() != grpc.StatusCode.CANCELLED:
                 raise error_from_rpc(e) from e
         finally:
             call.cancel()

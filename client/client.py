@@ -123,7 +123,7 @@ class RadixKVClient:
             try:
                 return method(request, metadata=self._metadata, timeout=self._timeout)
             except grpc.RpcError as e:
-                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:  # type: ignore[attr-defined]
+                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:
                     raise error_from_rpc(e) from e
             time.sleep(m.retry_delay(attempt))
         raise AssertionError("unreachable")
@@ -161,7 +161,7 @@ class RadixKVClient:
         except UnknownSession:
             pass  # expired, or the server restarted (ServerRestarted): it released everything then
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise  # the server is gone, and its sessions with it; anything else is news
         finally:
             with self._stream_lock:
@@ -242,7 +242,7 @@ class RadixKVClient:
             try:
                 response = self._stream().send(request)
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error_from_rpc(e) from e
                 self._drop_stream()
                 try:

@@ -87,7 +87,7 @@ class EventStream:
             for response in self._call:  # type: ignore[attr-defined]
                 yield event_batch(response)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            if e.code() == grpc.StatusCode.CANCELLED:
                 return
             raise error_from_rpc(e) from e
 

@@ -184,8 +184,8 @@ class Router:
                 self.prefill_weight * (len(chain) - i.index.num_cached_blocks(chain)) + load
                 for i, load in zip(candidates, loads, strict=True)
             ]
-            best = min(costs)
-            chosen = self._rng.choice([i for i, cost in zip(candidates, costs, strict=True) if cost == best])
+            lowest = min(costs)
+            chosen = self._rng.choice([i for i, cost in zip(candidates, costs, strict=True) if cost == lowest])
         chosen.pending_blocks += num_blocks
         self._decision_seconds.append(time.perf_counter() - start)
         return chosen.endpoint

@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -91,7 +92,7 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
 
     reader = gguf.GGUFReader(str(path))
 
-    def field(key: str, default: object = None) -> object:
+    def field(key: str, default: Any = None) -> Any:  # a GGUF value's type depends on its key
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 

@@ -58,7 +58,7 @@ def load_chat_model(
     path = Path(model)
     if is_gguf(path):
         config, weights, vocabulary = load_gguf(path)
-        tokenizer = HFTokenizer.from_gguf(vocabulary)
+        tokenizer: Tokenizer = HFTokenizer.from_gguf(vocabulary)
         source = vocabulary.chat_template or PLAIN_TEMPLATE
     elif (path / "config.json").is_file():
         config, weights = load_checkpoint(path)

@@ -95,7 +95,7 @@ class Orchestrator:
                 raise ValueError(f"request {spec.name!r} follows {spec.follows!r}, which is not an earlier request")
         later = [s for s in specs if s.follows is not None]
         self._waiting = [self._arrive(s, []) for s in specs if s.follows is None]
-        self._live: list[_Request] = []
+        self._live = []
         done: dict[str, RequestResult] = {}
         copies: list[tuple[int, int]] = []
         while self._waiting or self._live:
@@ -148,7 +148,7 @@ class Orchestrator:
             [r.context for r in self._waiting], self.client, self.namespace, num_decodes,
             stats.num_blocks_free + stats.num_blocks_evictable,
         )
-        admitted = []
+        admitted: list[_Request] = []
         for request in [self._waiting[i] for i in chosen]:
             try:
                 opened = self.client.open(request.context, self.namespace)

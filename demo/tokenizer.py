@@ -77,7 +77,8 @@ class HFTokenizer:
         eos = () if vocabulary.eos_token_id is None else (vocabulary.eos_token_id,)
         return cls(tokenizer, vocabulary.bos_token_id, eos)
 
-    def token(self, token_id: int) -> str:
+    def token(self, token_id: int) -> str | None:
+        """The token's text; None for an id outside the vocabulary."""
         return self._tokenizer.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:

@@ -57,7 +57,8 @@ class BlockPool:
         taken = self._free[top - n : top][::-1]
         self._num_free = top - n
         self.ref_counts[taken] = 1
-        return taken.tolist()
+        block_ids: list[int] = taken.tolist()
+        return block_ids
 
     def incref(self, block_ids: list[int], by: int = 1) -> None:
         """Add `by` holds to each of `block_ids` (distinct, all currently held)."""
@@ -87,7 +88,8 @@ class BlockPool:
         self._num_free = top + ids.size
 
     def free_block_ids(self) -> list[int]:
-        return self._free[: self._num_free].tolist()
+        block_ids: list[int] = self._free[: self._num_free].tolist()
+        return block_ids
 
     def check_invariants(self) -> None:
         free = self._free[: self._num_free]

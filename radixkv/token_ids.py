@@ -101,4 +101,5 @@ class TokenKey:
 
 
 def from_token_bytes(data: bytes | bytearray) -> list[int]:
-    return np.frombuffer(bytes(data), dtype="<i4").tolist()
+    token_ids: list[int] = np.frombuffer(bytes(data), dtype="<i4").tolist()
+    return token_ids

@@ -58,7 +58,7 @@ class AuthInterceptor(WrappingInterceptor):
     def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
         if is_public(method_of(details)):
             return None
-        found = self._tenant(details.invocation_metadata)  # type: ignore[attr-defined]
+        found = self._tenant(details.invocation_metadata)
         return found if found is not None else b""  # one copy per tenant, and one for refusals
 
     def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:

@@ -35,7 +35,7 @@ def wrap_handler(
             if request_deserializer is not None:
                 changes["request_deserializer"] = request_deserializer
             # RpcMethodHandler is a namedtuple in grpc's implementation: _replace is how to copy one.
-            return handler._replace(**changes)  # type: ignore[attr-defined,no-any-return]
+            return handler._replace(**changes)  # type: ignore[attr-defined]
     raise AssertionError(f"a handler without a behaviour: {handler!r}")
 
 
@@ -74,4 +74,4 @@ class WrappingInterceptor(grpc.ServerInterceptor):
 
 def method_of(details: grpc.HandlerCallDetails) -> str:
     """The full method name, "/package.Service/Method"."""
-    return str(details.method)  # type: ignore[attr-defined]
+    return str(details.method)

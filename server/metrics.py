@@ -178,7 +178,7 @@ class _MetricsInterceptor(WrappingInterceptor):
             try:
                 return behaviour(request, context)
             finally:
-                observe(method, _pool_of(request), context.code() or grpc.StatusCode.OK, time.perf_counter() - start)
+                observe(method, _pool_of(request), _code_of(context) or grpc.StatusCode.OK, time.perf_counter() - start)
 
         return timed
 
@@ -192,9 +192,9 @@ class _MetricsInterceptor(WrappingInterceptor):
             try:
                 responses = behaviour(request, context)
             except BaseException:
-                observe(method, pool, context.code() or grpc.StatusCode.UNKNOWN, None)
+                observe(method, pool, _code_of(context) or grpc.StatusCode.UNKNOWN, None)
                 raise
-            return _counted_stream(responses, lambda: observe(method, pool, context.code() or grpc.StatusCode.OK, None))
+            return _counted_stream(responses, lambda: observe(method, pool, _code_of(context) or grpc.StatusCode.OK, None))
 
         return counted
 
@@ -204,6 +204,12 @@ def _counted_stream(responses: Iterator[Any], done: Callable[[], None]) -> Itera
         yield from responses
     finally:
         done()
+
+
+def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    """The status set so far; `ServicerContext.code()` exists since grpcio 1.38, types-grpcio does not declare it."""
+    code: grpc.StatusCode | None = context.code()  # type: ignore[attr-defined]
+    return code
 
 
 def _pool_of(request: Any) -> str:

@@ -43,8 +43,10 @@ def append_response_bytes(pool: Pool, num_sequences: int, num_tokens: int) -> in
     return _ENVELOPE_BYTES + num_tokens * _token_bytes(pool) + num_sequences * per_sequence
 
 
-def check_request_size(pool: Pool, num_tokens: int, response_bytes: int = 0, max_message_bytes: int = 0) -> None:
-    """Raises LimitExceeded naming `max_tokens_per_request` or `max_message_bytes`."""
+def check_request_size(
+    pool: Pool, num_tokens: int, response_bytes: int = 0, max_message_bytes: int | None = None
+) -> None:
+    """Raises LimitExceeded naming `max_tokens_per_request` or `max_message_bytes` (None or 0: no limit)."""
     allowed = pool.cache.limits.max_tokens_per_request
     if num_tokens > allowed:
         raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)

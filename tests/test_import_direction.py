@@ -1,0 +1,135 @@
+"""Imports point downward: core < storage < kernels; core < client, server < demo; read statically from the source.
+
+Every `import` counts, in a function or under `if TYPE_CHECKING:` alike: a lazy import is still a dependency.
+The layers, bottom up:
+- core: `radixkv/*.py` except the upper modules below. No torch, triton or grpc, no wire code, nothing above.
+- storage (`radixkv/storage.py`): the pool's memory, torch. Below the kernels, the server and the client.
+- kernels, client, server: kernels import nothing from server, client or demo; client and server not each other.
+- demo: the top, with the CLI (`radixkv/cli.py`), which reaches the others only by name (`radixkv serve`).
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo"}  # folder -> layer
+UPPER_MODULES = {"storage": "storage", "cli": "cli"}  # radixkv/<name>.py outside the core -> layer
+WIRE = "wire"  # radixkv.v1, the generated protobuf code
+
+# What each layer must not import (a layer name, or a top-level third-party package).
+FORBIDDEN: dict[str, set[str]] = {
+    "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli"},
+    "storage": {"grpc", "kernels", "server", "client", "demo", "cli"},
+    "kernels": {"server", "client", "demo", "cli"},
+    "client": {"server", "kernels", "demo", "cli"},
+    "server": {"client", "demo", "cli"},
+    "demo": {"cli"},
+    "cli": set(),
+}
+
+
+def layer_of_file(root: Path, path: Path) -> str | None:
+    """The layer a source file belongs to, or None for what is not the package (tests, benchmarks, generated code)."""
+    parts = path.relative_to(root).parts
+    if parts[0] in FOLDERS:
+        return FOLDERS[parts[0]]
+    if parts[0] == "radixkv" and len(parts) == 2:
+        return UPPER_MODULES.get(path.stem, "core")
+    return None
+
+
+def layer_of_module(name: str) -> str:
+    """The layer of an imported module: a radixkv layer, or the top-level package name of anything else."""
+    parts = name.split(".")
+    if parts[0] != "radixkv" or len(parts) == 1:
+        return parts[0]
+    if parts[1] in FOLDERS:
+        return FOLDERS[parts[1]]
+    if parts[1] == "v1":
+        return WIRE
+    return UPPER_MODULES.get(parts[1], "core")
+
+
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """(line, module) for every import; `from radixkv import kernels` counts as `radixkv.kernels`."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.append((node.lineno, node.module))
+            if node.module == "radixkv":
+                found += [(node.lineno, f"radixkv.{alias.name}") for alias in node.names]
+    return found
+
+
+def package_files(root: Path) -> list[Path]:
+    return sorted(p for folder in ("radixkv", *FOLDERS) for p in (root / folder).rglob("*.py"))
+
+
+def violations(root: Path) -> list[str]:
+    """`path:line: layer imports module` for each import against the direction."""
+    found = []
+    for path in package_files(root):
+        layer = layer_of_file(root, path)
+        if layer is None:
+            continue
+        for line, module in imported_modules(path.read_text()):
+            if layer_of_module(module) in FORBIDDEN[layer]:
+                found.append(f"{path.relative_to(root)}:{line}: {layer} imports {module}")
+    return found
+
+
+def test_imports_point_downward() -> None:
+    assert violations(ROOT) == []
+
+
+def test_every_layer_is_read() -> None:
+    """The walk sees the package: each layer has files (a rename cannot make the check vacuous)."""
+    layers = {layer_of_file(ROOT, p) for p in package_files(ROOT)}
+    assert set(FORBIDDEN) <= layers
+
+
+def _plant(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
+    _plant(
+        tmp_path,
+        {
+            "radixkv/pool_stats.py": "import numpy as np\nfrom radixkv.errors import OutOfBlocks\n",  # fine
+            "radixkv/bad_core.py": "import torch\n\ndef f():\n    from radixkv import server\n",
+            "radixkv/typed_core.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import grpc\n",
+            "radixkv/wire_core.py": "from radixkv.v1 import kvcache_pb2\n",
+            "radixkv/storage.py": "import torch\nfrom radixkv.layout import PoolLayout\n",  # fine: storage may
+            "kernels/k.py": "import triton\nfrom radixkv.demo.model import Llama\n",
+            "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
+            "server/s.py": "import grpc\nfrom radixkv.storage import KVStorage\nfrom radixkv.client import PoolView\n",
+            "demo/d.py": "from radixkv.server.app import serve\nfrom radixkv.client import RadixKVClient\n",  # fine
+            "tests/test_x.py": "import torch\nimport radixkv.server\n",  # not the package
+        },
+    )
+    assert violations(tmp_path) == [
+        "client/c.py:2: client imports radixkv.server.app",
+        "kernels/k.py:2: kernels imports radixkv.demo.model",
+        "radixkv/bad_core.py:1: core imports torch",
+        "radixkv/bad_core.py:4: core imports radixkv.server",
+        "radixkv/typed_core.py:3: core imports grpc",
+        "radixkv/wire_core.py:1: core imports radixkv.v1",
+        "server/s.py:3: server imports radixkv.client",
+    ]
+
+
+def test_mypy_strict_flags_cover_every_core_module() -> None:
+    """pyproject.toml spells out the strict section (radixkv/*.py but the torch-bound storage.py): a new module joins it."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    strict = [o for o in config["overrides"] if o.get("disallow_untyped_defs")]
+    assert len(strict) == 1, "one strict section, for the core"
+    names = {p.stem for p in (ROOT / "radixkv").glob("*.py") if p.stem != "storage"}
+    assert set(strict[0]["module"]) == {"radixkv" if n == "__init__" else f"radixkv.{n}" for n in names}
