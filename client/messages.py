@@ -209,6 +209,8 @@ def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
 def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.SessionRequest:
     """The step as one SessionRequest: token ids packed as int32 bytes, ids checked as the unary builders do."""
     request = pb.SessionRequest(session_id=session_id, pool=pool, request_id=request_id)
+    if step.commit is not None:
+        request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
     for i, (token_ids, namespace) in enumerate(step.opens):
         field = f"prompts[{i}].token_ids" if len(step.opens) > 1 else "token_ids"
         request.opens.add(token_ids=packed_tokens(token_ids, field), namespace=namespace)

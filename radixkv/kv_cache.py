@@ -380,6 +380,14 @@ class KVCache:
             InvalidArgument: `num_tokens[i]` below the watermark or past the sequence's length.
             UnknownSequence: nothing changes.
         """
+        for seq, n in zip(self._check_commit(seq_ids, num_tokens), num_tokens, strict=True):
+            seq.num_computed_tokens = int(n)
+
+    def check_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Raise what `commit` would raise for these arguments; changes nothing."""
+        self._check_commit(seq_ids, num_tokens)
+
+    def _check_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[_Sequence]:
         if len(num_tokens) != len(seq_ids):
             raise InvalidArgument("num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}")
         sequences = self._batch_sequences(seq_ids)
@@ -390,8 +398,7 @@ class KVCache:
                 raise InvalidArgument(f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed")
             if n > seq.num_tokens:
                 raise InvalidArgument(f"num_tokens[{i}]", f"{n} is past the sequence's {seq.num_tokens} tokens")
-        for seq, n in zip(sequences, num_tokens, strict=True):
-            seq.num_computed_tokens = int(n)
+        return sequences
 
     # -- fork ------------------------------------------------------------------------------------
 

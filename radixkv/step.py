@@ -1,4 +1,4 @@
-"""A scheduler step as one request: its items (opens, an append, forks, caches, releases) and its results.
+"""A scheduler step as one request: its items (a commit, opens, an append, forks, caches, releases) and results.
 
 The records the Session stream carries, shared by the server (which applies a step all or none,
 items in this order) and the clients (`step(...)`). Items refer to sequences live before the step;
@@ -24,11 +24,20 @@ class Append:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Step:
-    """What one step asks for, applied in field order.
+class Commit:
+    """Computed watermarks in columns, as `commit` takes them: `seq_ids[i]`'s first `num_tokens[i]` tokens are written."""
 
-    `opens`: (token_ids, namespace) prompts; `forks`: (seq_id, num_children); `caches`: seq ids;
-    `releases`: (seq_ids, cache) batches.
+    seq_ids: Sequence[int]
+    num_tokens: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """What one step asks for, applied in this order: commit, opens, append, forks, caches, releases.
+
+    `commit`: what the worker wrote in the step before, so that this step's caches, forks and cached
+    releases publish it; `opens`: (token_ids, namespace) prompts; `forks`: (seq_id, num_children);
+    `caches`: seq ids; `releases`: (seq_ids, cache) batches.
     """
 
     opens: Sequence[tuple[TokenIds, str]] = ()
@@ -36,6 +45,7 @@ class Step:
     forks: Sequence[tuple[int, int]] = ()
     caches: Sequence[int] = ()
     releases: Sequence[tuple[Sequence[int], bool]] = ()
+    commit: Commit | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from radixkv.server.sessions import Session
 from radixkv.server.status import STATUS_BY_REASON
 from radixkv.server.step import run_step
 from radixkv.server.tenants import Tenant
-from radixkv.step import Append, Step, StepResult
+from radixkv.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ class _Stream:
 def _step(request: pb.SessionRequest) -> Step:
     """The request as a Step; empty item lists are left at their defaults (a decode step reads one field)."""
     items: dict[str, object] = {}
+    if request.HasField("commit"):
+        items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))
     if request.opens:
         items["opens"] = [(o.token_ids, o.namespace) for o in request.opens]
     if request.HasField("append"):

@@ -1,13 +1,15 @@
-"""One scheduler step: opens, an append, forks, caches and releases applied in that order, all or none.
+"""One scheduler step: a commit, opens, an append, forks, caches and releases applied in that order, all or none.
 
 A step must change nothing when any of its items is refused, yet its items are separate core
 calls, and some of them cannot be undone (an allocation may evict cached blocks; a release
 publishes blocks to the tree). So nothing is applied until every item is known to succeed: under
 the pool's lock, each item is checked in order against the state the items before it will leave
 (ownership, session and quota counts, and the blocks the opens take from what the append may use),
-and only then applied in order. The order is what makes the plan exact and small: only opens and
-the append allocate, and they come first; forks, caches and releases need no blocks, and their
-checks do not depend on which blocks the opens and the append get. A refusal names its item
+and only then applied in order. The order is what makes the plan exact and small: the commit only
+moves watermarks, and it comes first so that the step's caches, forks and cached releases publish
+what the worker wrote in the step before; only opens and the append allocate; forks, caches and
+releases need no blocks, and their checks do not depend on which blocks the opens and the append
+get. A refusal names its item
 (`item` in the error's metadata) and otherwise carries what the unary call would have raised.
 
 Items refer to sequences live before the step: the ids a step opens or forks come back in its
@@ -106,6 +108,10 @@ class _StepPlan:
     def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
         pool, cache, bs = self.pool, self.pool.cache, self.pool.layout.block_size
         num_taken = 0  # available blocks the opens take before the append runs
+        if step.commit is not None:
+            with _item("commit"):
+                self._own_all(step.commit.seq_ids, "seq_ids")
+                cache.check_commit(step.commit.seq_ids, step.commit.num_tokens)
         # The core checks an item when it is applied; an item that others follow is checked now,
         # so that the first item refused in order is the one reported. A step of one item (a
         # decode step) is checked once.
@@ -173,6 +179,9 @@ def _apply(
     """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
     cache, ledger = pool.cache, pool.ledger
     applying = _Applying()
+    if step.commit is not None:
+        with applying.item("commit"):
+            cache.commit(step.commit.seq_ids, step.commit.num_tokens)
     opened: list[OpenResult] = []
     if requests:
         with applying.item("opens"):
@@ -189,7 +198,6 @@ def _apply(
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):
-            _commit_whole(pool, [seq_id])
             children = cache.fork(seq_id, num_children)
             num_blocks = ledger.num_table_blocks(seq_id)
             for child in children:
@@ -198,13 +206,10 @@ def _apply(
     num_cached = []
     for i, seq_id in enumerate(step.caches):
         with applying.item(f"caches[{i}]"):
-            _commit_whole(pool, [seq_id])
             num_cached.append(cache.cache(seq_id))
     num_released = 0
     for i, (seq_ids, keep) in enumerate(step.releases):
         with applying.item(f"releases[{i}]"):
-            if keep:
-                _commit_whole(pool, seq_ids)
             cache.release_many(seq_ids, keep)
             for seq_id in seq_ids:
                 ledger.forget(seq_id)
@@ -235,8 +240,3 @@ class _Applying:
             if self.applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
                 raise AssertionError(f"step item {self.name} refused after the step began applying: {error!r}") from error
 
-
-def _commit_whole(pool: Pool, seq_ids: Sequence[int]) -> None:
-    """Until Step carries commits (SessionRequest field 9 is kept for them), a step's fork, cache and
-    cached release vouch for every token it appended. Unary calls commit with CommitTokens."""
-    pool.cache.commit(seq_ids, [pool.cache.num_tokens(s) for s in seq_ids])

@@ -491,7 +491,7 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases")
+    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +500,7 @@ class SessionRequest(_message.Message):
     FORKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     request_id: int
@@ -508,7 +509,16 @@ class SessionRequest(_message.Message):
     forks: _containers.RepeatedCompositeFieldContainer[StepFork]
     cache_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     releases: _containers.RepeatedCompositeFieldContainer[StepRelease]
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ...) -> None: ...
+    commit: StepCommit
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ..., commit: _Optional[_Union[StepCommit, _Mapping]] = ...) -> None: ...
+
+class StepCommit(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOpen(_message.Message):
     __slots__ = ("token_ids", "namespace")

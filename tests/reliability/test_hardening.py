@@ -179,6 +179,7 @@ def test_one_tenant_cannot_take_every_namespace_even_after_it_leaves(tenants) ->
     session, share = alpha.session(), MAX_NAMESPACES // 3
     for i in range(share):  # one-block cached prompts, each in a new namespace (the first: default)
         seq = alpha.open(session, [1, 2, 3, 4, 5], f"ns{i}" if i else "")
+        alpha.call("CommitTokens", pb.CommitTokensRequest(session_id=session, seq_ids=[seq], num_tokens=[5]))  # written
         alpha.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=[seq]))
     code, reason, metadata = refused(alpha.open, session, [1, 2, 3, 4, 5], "one-more")
     assert (code, reason, metadata["limit"]) == (LIMITED, "LIMIT_EXCEEDED", "max_namespaces_per_tenant")
@@ -217,6 +218,7 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
     prompts = [[p] * (16 * BLOCK_SIZE) + [0] for p in range(1, 6)]  # 16 full blocks each, then one token
     for tokens in prompts:  # each within the 64-block quota while open; cached on release
         seq = alpha.open(session, tokens)
+        alpha.call("CommitTokens", pb.CommitTokensRequest(session_id=session, seq_ids=[seq], num_tokens=[len(tokens)]))
         alpha.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=[seq]))
     pinned = 0
     for tokens in prompts[:4]:
@@ -229,6 +231,7 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
     # beta's pins still succeed: alpha holds 64 of the 1024 pinnable blocks, far from all of them.
     other = beta.session()
     seq = beta.open(other, [8] * (4 * BLOCK_SIZE) + [0])
+    beta.call("CommitTokens", pb.CommitTokensRequest(session_id=other, seq_ids=[seq], num_tokens=[4 * BLOCK_SIZE + 1]))
     beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=other, seq_ids=[seq]))
     assert beta.call("Pin", pb.PinRequest(session_id=other, token_ids=[8] * (4 * BLOCK_SIZE))).num_pinned_tokens == 16  # type: ignore[attr-defined]
 

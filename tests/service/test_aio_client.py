@@ -11,7 +11,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks, UnknownSequence
-from radixkv.step import Append, Step
+from radixkv.step import Append, Commit, Step
 
 
 @pytest.mark.asyncio
@@ -77,7 +77,7 @@ def test_the_async_client_under_plain_asyncio_run(server) -> None:  # type: igno
         try:
             result = await client.step(Step(opens=[([1, 2, 3, 4, 5], "plain")]))
             seq_id = result.opened[0].seq_id
-            await client.step(Step(releases=[([seq_id], True)]))
+            await client.step(Step(commit=Commit([seq_id], [5]), releases=[([seq_id], True)]))  # the prompt is written
             return [seq_id]
         finally:
             await client.close()

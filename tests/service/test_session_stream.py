@@ -9,7 +9,6 @@ as it was. Each example takes a fresh pair of pools, so no shrinking (it would n
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import itertools
 import queue
@@ -26,8 +25,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from radixkv.client import RadixKVClient
-from radixkv.errors import RadixKVError
-from radixkv.step import Append, Step, StepResult
+from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -64,6 +63,7 @@ index = st.integers(0, 39)  # mostly a live sequence; 36..39: a released or an u
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=24)  # few token values: prompts share prefixes
 first_step = st.fixed_dictionaries(
     {
+        "commit": st.just([]),
         "opens": st.lists(st.tuples(tokens, st.sampled_from(["a", "b"])), min_size=2, max_size=3),
         "append": st.none(),
         "forks": st.just([]),
@@ -74,6 +74,7 @@ first_step = st.fixed_dictionaries(
 later_steps = st.lists(
     st.fixed_dictionaries(
         {
+            "commit": st.lists(index, max_size=2),  # each commits every token it holds
             "opens": st.lists(st.tuples(tokens, st.sampled_from(["a", "b"])), max_size=2),
             "append": st.none() | st.lists(st.tuples(index, st.integers(1, 6)), min_size=1, max_size=3),
             "forks": st.lists(st.tuples(index, st.integers(0, 4)), max_size=1),
@@ -101,7 +102,17 @@ class End:
         i -= 36
         return self.dead[-1 - i] if 0 <= i < len(self.dead) else 1  # 1: no live sequence (ids start far above it)
 
+    def num_tokens(self, seq_id: int) -> int:
+        try:
+            return self.client.num_tokens(seq_id)
+        except RadixKVError:  # a released or unknown id: the step refuses it
+            return 0
+
     def step(self, spec: dict[str, Any]) -> Step:
+        commit = None
+        if spec["commit"]:
+            seq_ids = [self.seq(i) for i in spec["commit"]]
+            commit = Commit(seq_ids, [self.num_tokens(s) for s in seq_ids])
         append = None
         if spec["append"] is not None:
             counts = [n for _, n in spec["append"]]
@@ -112,19 +123,16 @@ class End:
             forks=[(self.seq(i), n) for i, n in spec["forks"]],
             caches=[self.seq(i) for i in spec["caches"]],
             releases=[([self.seq(i) for i in ids], cache) for ids, cache in spec["releases"]],
+            commit=commit,
         )
 
     def unary(self, step: Step) -> tuple[StepResult | None, str, RadixKVError | None]:
         """The step as unary calls, in order, up to the first refusal: (result, refused item, error)."""
-        c, item = self.client, "opens"
-
-        def vouch(seq_id: int) -> None:
-            """A step's fork, cache and cached release vouch for every appended token (until Step carries
-            commits); the unary calls say so with commit."""
-            with contextlib.suppress(RadixKVError):  # an unknown id: the call itself refuses it
-                c.commit([seq_id], [c.num_tokens(seq_id)])
-
+        c, item = self.client, "commit"
         try:
+            if step.commit is not None:
+                c.commit(step.commit.seq_ids, step.commit.num_tokens)
+            item = "opens"
             opened = c.open_many(step.opens) if step.opens else []
             item = "append"
             a = step.append
@@ -132,19 +140,14 @@ class End:
             forked = []
             for i, (seq_id, n) in enumerate(step.forks):
                 item = f"forks[{i}]"
-                vouch(seq_id)
                 forked.append(c.fork(seq_id, n))
             num_cached = []
             for i, seq_id in enumerate(step.caches):
                 item = f"caches[{i}]"
-                vouch(seq_id)
                 num_cached.append(c.cache(seq_id))
             num_released = 0
             for i, (seq_ids, cache) in enumerate(step.releases):
                 item = f"releases[{i}]"
-                if cache:
-                    for seq_id in seq_ids:
-                        vouch(seq_id)
                 c.release_many(seq_ids, cache)
                 num_released += len(seq_ids)
         except RadixKVError as e:
@@ -250,6 +253,25 @@ def test_stream_slots_are_the_unary_slots_for_a_prompt_longer_than_a_block(serve
         assert by_stream.slots.dtype == np.int64 and len(by_stream.slots) == len(by_unary.slots) == 50
         table = stream.block_table(by_stream.seq_id)
         assert by_stream.slots.tolist() == [table[t // 4] * 4 + t % 4 for t in range(50)]
+
+
+def test_a_step_caches_only_what_its_commit_says_was_written(server: ServerProcess) -> None:
+    """The cached-garbage case on the stream: a prompt whose K/V was never committed is not served."""
+    with RadixKVClient(server.address) as client:
+        prompt = np.arange(2000, 2010, dtype=np.int32)  # two full blocks of 4, and two tokens
+        unwritten = client.step(Step(opens=[(prompt, "commit-a")])).opened[0].seq_id
+        assert client.step(Step(caches=[unwritten])).num_cached_tokens == [0], "nothing is committed yet"
+        client.step(Step(releases=[([unwritten], True)]))
+        assert client.match(prompt, "commit-a") == 0, "a later request would read unwritten K/V"
+
+        written = client.step(Step(opens=[(prompt, "commit-a")])).opened[0].seq_id
+        with pytest.raises(InvalidArgument) as refused:  # past the sequence's length: nothing of the step applies
+            client.step(Step(commit=Commit([written], [11]), releases=[([written], True)]))
+        assert refused.value.metadata["item"] == "commit"
+        result = client.step(Step(commit=Commit([written], [10]), caches=[written]))
+        assert result.num_cached_tokens == [8], "the commit comes first: the step caches both full blocks"
+        client.step(Step(releases=[([written], True)]))
+        assert client.match(prompt, "commit-a") == 8
 
 
 def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: ServerProcess, tls_files) -> None:  # type: ignore[no-untyped-def]
