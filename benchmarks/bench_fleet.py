@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import numpy as np
 
 from radixkv.client import Balance, RadixKVClient, Router
 from radixkv.errors import RadixKVError
+from radixkv.server.process import ServerProcess
 
 BLOCK_SIZE = 16
 NUM_INSTANCES = 4
@@ -93,21 +93,18 @@ class Server:
     def __init__(self, num_blocks: int, port: int = 0) -> None:
         self.num_blocks = num_blocks
         self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: ServerProcess | None = None
 
     def start(self) -> Server:
         pool = (
             f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},"
             f"num_blocks={self.num_blocks},dtype=float16"
         )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--pool", pool, "--log-level", "warning", "--max-workers", "16",
+        self.server = ServerProcess(
+            ["--port", str(self.port), "--pool", pool, "--log-level", "warning", "--max-workers", "16",
              "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", f"kv@127.0.0.1:{self.port}@bench"],
-            stdout=subprocess.PIPE,
         )  # fmt: skip
-        assert self.proc.stdout is not None
-        self.port = json.loads(self.proc.stdout.readline())["port"]
+        self.port = self.server.port
         return self
 
     @property
@@ -115,14 +112,12 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
+        assert self.server is not None
+        self.server.kill()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait()
+        if self.server is not None:
+            self.server.stop()
 
 
 # -- one policy over the trace ---------------------------------------------------------------------

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -45,15 +45,12 @@ class Server:
     """The server process, its address, and a sampler of its RSS."""
 
     def __init__(self, ttl: float, log_path: Path) -> None:
-        self._log = open(log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0", "--pool", POOL,
-             "--session-ttl", str(ttl), "--max-session-ttl", str(ttl), "--debug-rpc", "--log-level", "warning",
-             "--max-workers", "32"],
-            stdout=subprocess.PIPE, stderr=self._log,
+        self.server = ServerProcess(
+            ["--pool", POOL, "--session-ttl", str(ttl), "--max-session-ttl", str(ttl), "--debug-rpc",
+             "--log-level", "warning", "--max-workers", "32"],
+            log_path,
         )  # fmt: skip
-        assert self.proc.stdout is not None
-        self.address = f"127.0.0.1:{json.loads(self.proc.stdout.readline())['port']}"
+        self.proc, self.address = self.server.proc, self.server.address
         self.rss: list[tuple[float, int]] = []  # (seconds since start, bytes)
         self._stop_sampling = threading.Event()
         self._start = time.monotonic()
@@ -74,14 +71,7 @@ class Server:
     def stop(self) -> int:
         """SIGTERM: a graceful stop exits 0."""
         self._stop_sampling.set()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        return code
+        return self.server.stop(timeout=60)
 
 
 def start_client(address: str, out_dir: Path, index: int, seed: int, deadline: float, ttl: float) -> subprocess.Popen[bytes]:

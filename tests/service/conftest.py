@@ -9,12 +9,8 @@ certificate made here.
 
 from __future__ import annotations
 
-import json
-import selectors
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL_FLAGS = [
@@ -42,48 +39,6 @@ token = "{GLOBEX_TOKEN}"
 map_pools = true
 admin = true
 """
-
-
-class ServerProcess:
-    """`python -m radixkv.server.app serve ...` as a child; learns its ports from the stdout announcement."""
-
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 60.0) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self._log,
-        )  # fmt: skip
-        announcement = self._read_line(timeout)
-        self.port: int = announcement["port"]
-        self.metrics_port: int | None = announcement["metrics_port"]
-        self.address = f"127.0.0.1:{self.port}"
-
-    def _read_line(self, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout):
-            self.proc.kill()
-            raise RuntimeError(
-                f"server did not announce its port in {timeout}s; log: {self.log_path.read_text()[-2000:]}"
-            )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"server exited ({self.proc.wait()}); log: {self.log_path.read_text()[-2000:]}")
-        return json.loads(line)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then wait; kill only if it does not stop in time. Returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")
