@@ -235,6 +235,45 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
     assert beta.call("Pin", pb.PinRequest(session_id=other, token_ids=[8] * (4 * BLOCK_SIZE))).num_pinned_tokens == 16  # type: ignore[attr-defined]
 
 
+def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Cached blocks count against a cache share: past it a tenant evicts its own oldest blocks, not others'."""
+    tokens = {"alpha": "alpha-cache-0000", "beta": "beta-cache-11111", "gamma": "gamma-cache-2222"}
+    (tmp_path / "tenants.toml").write_text(
+        "".join(f'[tenants.{name}]\ntoken = "{token}"\n' for name, token in tokens.items()) + "max_cached_blocks = 8\n"
+    )
+    srv = start_server(
+        "--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16",
+        "--auth-tokens", str(tmp_path / "tenants.toml"),
+    )  # fmt: skip
+    clients = {name: RadixKVClient(srv.address, token=token) for name, token in tokens.items()}
+    try:
+
+        def cache(name: str, prompt: list[int]) -> None:
+            client = clients[name]
+            seq = client.open(prompt).seq_id
+            client.commit([seq], [len(prompt)])
+            client.release(seq)
+
+        def cached(name: str, prompt: list[int]) -> int:
+            return clients[name].match(prompt) // 4
+
+        beta_prompt = [500 + t for t in range(33)]  # 8 full blocks
+        cache("beta", beta_prompt)
+        alpha_prompts = [[1000 * (p + 1) + t for t in range(33)] for p in range(14)]  # 112 blocks: the pool is 64
+        for prompt in alpha_prompts:
+            cache("alpha", prompt)
+            assert sum(cached("alpha", p) for p in alpha_prompts) <= 64 // 3, "alpha kept more than its share cached"
+        assert cached("beta", beta_prompt) == 8, "alpha's caching evicted beta's prefix"
+        assert cached("alpha", alpha_prompts[-1]) == 8 and cached("alpha", alpha_prompts[0]) == 0, "alpha's oldest go first"
+        for p in range(2):  # gamma's configured share is 8 blocks: its second prompt evicts its first
+            cache("gamma", [[7000, 8000][p] + t for t in range(33)])
+        assert (cached("gamma", [7000 + t for t in range(33)]), cached("gamma", [8000 + t for t in range(33)])) == (0, 8)
+        assert clients["beta"].stats().num_blocks_cached == 8 + 64 // 3 + 8
+    finally:
+        for client in clients.values():
+            client.close()
+
+
 # -- 3. a call applies and its response arrives, or it changes nothing -------------------------
 
 
