@@ -1,7 +1,8 @@
 """A fleet of 4 radixkv servers: random vs round-robin vs `radixkv.client.Router`, on one multi-tenant trace.
 
 Four real server processes on 127.0.0.1, and as the ceiling one cache with the whole fleet's
-capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with a shared system prompt (its own namespace), and many
+capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with
+a shared system prompt (its own namespace), and many
 multi-turn chats; each turn's prompt is the system prompt plus the whole conversation so far plus
 a new user message, and a turn runs for a while (appends its reply) before it is released and
 cached, so about `running` requests are in flight at once. Each policy replays the same trace in
@@ -95,7 +96,10 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
-        pool = f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks={self.num_blocks},dtype=float16"
+        pool = (
+            f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},"
+            f"num_blocks={self.num_blocks},dtype=float16"
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--pool", pool, "--log-level", "warning", "--max-workers", "16",
@@ -462,7 +466,10 @@ def run_with_a_kill(trace: list[Request], fleet: Fleet, router: Router, victim: 
 def print_table(report: dict[str, Any]) -> None:
     print(f"bench_fleet: {report['num_instances']} servers on loopback (started in {report['server_startup_s']} s)")
     print(f"trace {report['shape']}; router prefill_weight {report['prefill_weight']}")
-    header = f"{'policy':<12} {'requests':>8} {'failed':>6} {'hit ratio':>9} {'prefill tok':>11} {'max/mean load':>13} {'event lag p50/p99 ms':>21}"
+    header = (
+        f"{'policy':<12} {'requests':>8} {'failed':>6} {'hit ratio':>9} {'prefill tok':>11} {'max/mean load':>13} "
+        f"{'event lag p50/p99 ms':>21}"
+    )
     print(header)
     print("-" * len(header))
     for row in report["policies"].values():

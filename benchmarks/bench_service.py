@@ -315,7 +315,8 @@ def table(r: dict[str, Any]) -> str:
         x = d[key]
         note = f"target <= {floor:.2f} ms: {'met' if x['p50_ms'] <= floor else 'MISSED'}" if key.startswith("stream") else ""
         rows.append((f"decode step 256 seqs, {label}", f"{x['p50_ms']:.2f} ms", f"{x['p99_ms']:.2f} ms",
-                     f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step", note))  # fmt: skip
+                     f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step",
+                     note))  # fmt: skip
     for mode in MODES:
         h = health[mode]
         rows.append((f"bare health round trip, {mode}", f"{h['p50_ms']:.2f} ms", f"{h['p99_ms']:.2f} ms", "", "", "transport floor"))
@@ -325,7 +326,8 @@ def table(r: dict[str, Any]) -> str:
             ratio = stream["opens_per_s"] / unary["opens_per_s"]
             note = f"target >= 3x: {'met' if ratio >= 3 else 'MISSED'}" if n == "4" else ""
             rows.append((f"open+release x{n} clients, {mode}: unary", f"{unary['opens_per_s']:,.0f}/s", "", "", f"{unary['server_cpu_us_per_open']:.0f} us/open", ""))
-            rows.append((f"open+release x{n} clients, {mode}: stream", f"{stream['opens_per_s']:,.0f}/s", "", f"{ratio:.2f}x unary", f"{stream['server_cpu_us_per_open']:.0f} us/open", note))  # fmt: skip
+            rows.append((f"open+release x{n} clients, {mode}: stream", f"{stream['opens_per_s']:,.0f}/s", "",
+                         f"{ratio:.2f}x unary", f"{stream['server_cpu_us_per_open']:.0f} us/open", note))  # fmt: skip
     for n, w in r["wire"].items():
         rows.append((f"wire: {n} token ids + slots, repeated", f"{w['repeated_us']:.1f} us", "", "", "", ""))
         rows.append((f"wire: {n} token ids + slots, packed bytes", f"{w['packed_us']:.1f} us", "", f"{w['repeated_us'] / w['packed_us']:.1f}x faster", "", ""))

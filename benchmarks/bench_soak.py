@@ -87,7 +87,8 @@ class Server:
 def start_client(address: str, out_dir: Path, index: int, seed: int, deadline: float, ttl: float) -> subprocess.Popen[bytes]:
     err = open(out_dir / f"client{index}.err", "wb")  # noqa: SIM115 -- the child holds it
     proc = subprocess.Popen(
-        [sys.executable, str(CLIENT), address, str(out_dir / f"client{index}.jsonl"), str(seed), str(deadline), str(ttl)],
+        [sys.executable, str(CLIENT), address, str(out_dir / f"client{index}.jsonl"), str(seed), str(deadline),
+         str(ttl)],
         stdout=subprocess.DEVNULL, stderr=err,
     )  # fmt: skip
     err.close()
@@ -213,14 +214,30 @@ def run(duration: float, clients: int, kill_every: float, ttl: float, seed: int 
 def table(r: dict[str, Any]) -> str:
     mib = 2**20
     rows = [
-        ("clients (running at once / started / SIGKILLed)", f"{r['config']['clients']} / {r['clients_started']} / {r['clients_killed']}"),
+        (
+            "clients (running at once / started / SIGKILLed)",
+            f"{r['config']['clients']} / {r['clients_started']} / {r['clients_killed']}",
+        ),
         ("clients that failed or hung", f"{r['client_failures']} / {r['clients_hung']}"),
-        ("requests answered", f"{r['requests']:,} in {r['config']['duration_s']:.0f} s ({r['requests'] / r['config']['duration_s']:,.0f}/s)"),
+        (
+            "requests answered",
+            f"{r['requests']:,} in {r['config']['duration_s']:.0f} s "
+            f"({r['requests'] / r['config']['duration_s']:,.0f}/s)",
+        ),
         *((f"  {code}", f"{n:,}") for code, n in r["outcomes_by_code"].items()),
-        ("latency p50 / p99 / max", f"{r['latency']['p50_ms']:.2f} / {r['latency']['p99_ms']:.2f} / {r['latency']['max_ms']:.1f} ms"),
+        (
+            "latency p50 / p99 / max",
+            f"{r['latency']['p50_ms']:.2f} / {r['latency']['p99_ms']:.2f} / {r['latency']['max_ms']:.1f} ms",
+        ),
         *((f"  {op} p99", f"{p['p99_ms']:.2f} ms") for op, p in r["latency_by_op"].items()),
-        ("blocks leaked (must be 0)", f"{r['blocks_leaked']} of {r['blocks_total']} ({r['blocks_free']} free, {r['blocks_cached']} cached)"),
-        ("sessions / sequences / pinned blocks left", f"{r['sessions_left']} / {r['live_sequences']} / {r['blocks_pinned']}"),
+        (
+            "blocks leaked (must be 0)",
+            f"{r['blocks_leaked']} of {r['blocks_total']} ({r['blocks_free']} free, {r['blocks_cached']} cached)",
+        ),
+        (
+            "sessions / sequences / pinned blocks left",
+            f"{r['sessions_left']} / {r['live_sequences']} / {r['blocks_pinned']}",
+        ),
         ("invariants", r["invariant_violation"] or "hold"),
         ("prefix hit ratio, blocks evicted", f"{r['hit_ratio']:.2f}, {r['evicted_blocks']:,}"),
         ("server RSS start / after warm-up / max / end", " / ".join(f"{r[k] / mib:.1f}" for k in

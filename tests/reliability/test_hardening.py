@@ -168,7 +168,8 @@ def test_one_tenant_cannot_take_every_session(tenants) -> None:  # type: ignore[
     for _ in range(share):
         alpha.session()
     assert refused(alpha.call, "OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)) == (
-        LIMITED, "LIMIT_EXCEEDED", {"limit": "max_sessions_per_tenant", "requested": str(share + 1), "allowed": str(share)}
+        LIMITED, "LIMIT_EXCEEDED",
+        {"limit": "max_sessions_per_tenant", "requested": str(share + 1), "allowed": str(share)},
     )  # fmt: skip
     assert beta.session()  # the other tenant still opens its own
 

@@ -3,7 +3,8 @@
 `server`: no auth; pools "default" (256 blocks) and "tiny" (8 blocks, for refusals and eviction);
 the test-only Debug service on, so tests can ask the server to check its own invariants.
 `auth_server`: bearer tokens for tenants acme (namespaces chat, code; an 8-block quota) and globex
-(any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed certificate made here.
+(any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed
+certificate made here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import pytest
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL_FLAGS = [
-    "--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=256,dtype=float32,max_fork_children=8",
+    "--pool",
+    "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=256,dtype=float32,max_fork_children=8",
     "--pool", "tiny:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16",
 ]  # fmt: skip
 ACME_TOKEN = "acme-secret-token"
