@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from radixkv.client import RadixKVClient
+from radixkv.errors import LimitExceeded
+from radixkv.step import Commit, Step
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -270,9 +272,30 @@ def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_p
             cache("gamma", [[7000, 8000][p] + t for t in range(33)])
         assert (cached("gamma", [7000 + t for t in range(33)]), cached("gamma", [8000 + t for t in range(33)])) == (0, 8)
         assert clients["beta"].stats().num_blocks_cached == 8 + 64 // 3 + 8
+        # A Session step that caches keeps the share too.
+        stepped = clients["gamma"].step(Step(opens=[([9000 + t for t in range(33)], "")])).opened[0].seq_id
+        clients["gamma"].step(Step(commit=Commit([stepped], [33]), releases=[([stepped], True)]))
+        assert (cached("gamma", [8000 + t for t in range(33)]), cached("gamma", [9000 + t for t in range(33)])) == (0, 8)
     finally:
         for client in clients.values():
             client.close()
+
+
+def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = {"alpha": "alpha-seqs-00000", "beta": "beta-seqs-111111"}
+    (tmp_path / "tenants.toml").write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()))
+    srv = start_server(
+        "--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16",
+        "--auth-tokens", str(tmp_path / "tenants.toml"), "--max-sequences", "4",
+    )  # fmt: skip
+    with RadixKVClient(srv.address, token=tokens["alpha"]) as alpha, RadixKVClient(srv.address, token=tokens["beta"]) as beta:
+        first = alpha.open([1, 2, 3]).seq_id
+        alpha.open([4, 5, 6])
+        for take_one_more in (lambda: alpha.open([7]), lambda: alpha.fork(first, 1)):  # a share of 4 // 2
+            with pytest.raises(LimitExceeded) as caught:
+                take_one_more()
+            assert caught.value.metadata["limit"] == "max_sequences_per_tenant"
+        assert [beta.open([8]).num_cached_tokens, beta.open([9]).num_cached_tokens] == [0, 0], "beta still gets its share"
 
 
 # -- 3. a call applies and its response arrives, or it changes nothing -------------------------
