@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -105,21 +105,22 @@ class KVCache:
             self._evict(shortfall)
         return self.pool.allocate(n)
 
-    def _evict(self, num_blocks: int) -> int:
-        evicted = self.tree.evict(num_blocks)
+    def _evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        evicted = self.tree.evict(num_blocks, namespaces)
         self.stats_counters.num_evicted_blocks += len(evicted)
         self.pool.free_exclusive(evicted)  # the tree was their only holder
         return len(evicted)
 
-    def evict(self, num_blocks: int) -> int:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, least recently used first; returns how many.
 
         Allocation evicts by itself when it runs short: this is for a caller that wants free blocks
-        ahead of time (an integration mirroring another engine's `evict`).
+        ahead of time (an integration mirroring another engine's `evict`), or that keeps a tenant's
+        cache within its share (`namespaces`: only from the namespaces it accepts).
         """
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
-        return self._evict(num_blocks) if num_blocks else 0
+        return self._evict(num_blocks, namespaces) if num_blocks else 0
 
     def _blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -86,6 +86,7 @@ class RadixTree:
         self.num_evictable_blocks = 0
         self.num_pinned_blocks = 0
         self.num_cached_blocks = 0
+        self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
 
     def root(self, namespace: str) -> Node:
@@ -168,6 +169,7 @@ class RadixTree:
             self._evictable_leaves.add(child)
             self.num_evictable_blocks += len(new_ids)
             self.num_cached_blocks += len(new_ids)
+            self.num_cached_blocks_in[node.namespace] = self.num_cached_blocks_in.get(node.namespace, 0) + len(new_ids)
             num_taken = len(new_ids)
             node = child
             if self.observer is not None:
@@ -235,31 +237,40 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------------------
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> list[int]:
         """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
 
         A leaf larger than what is still needed loses only its tail blocks: the cost is O(log n)
-        per leaf touched, and no more of the cache is dropped than asked for.
+        per leaf touched, and no more of the cache is dropped than asked for. With `namespaces`, only
+        leaves of the namespaces it accepts are dropped (a tenant over its cache share); finding
+        each costs a scan of the older leaves of other namespaces.
         """
         freed: list[int] = []
-        removed: dict[str, list[int]] = {}  # for the observer: one report per namespace per call
+        removed: dict[str, list[int]] = {}  # one report per namespace per call
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
-            leaf: Node = leaves[0]
+            leaf = leaves[0] if namespaces is None else next((n for n in leaves if namespaces(n.namespace)), None)
+            if leaf is None:
+                break
             need = num_blocks - len(freed)
             if len(leaf.block_ids) > need:
                 dropped = leaf.block_ids[-need:]
                 del leaf.block_ids[-need:]
                 leaf.token_bytes = leaf.token_bytes[: len(leaf.block_ids) * self.block_bytes]
             else:
-                leaves.pop(0)
+                leaves.remove(leaf)
                 dropped = leaf.block_ids
                 self._detach(leaf)
             freed.extend(dropped)
-            if self.observer is not None:
-                removed.setdefault(leaf.namespace, []).extend(dropped)
+            removed.setdefault(leaf.namespace, []).extend(dropped)
         for namespace, block_ids in removed.items():
-            self.observer.blocks_removed(namespace, block_ids)  # type: ignore[union-attr]  # set when removed is
+            left = self.num_cached_blocks_in[namespace] - len(block_ids)
+            if left:
+                self.num_cached_blocks_in[namespace] = left
+            else:
+                del self.num_cached_blocks_in[namespace]
+            if self.observer is not None:
+                self.observer.blocks_removed(namespace, block_ids)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return freed
@@ -294,7 +305,9 @@ class RadixTree:
         seen: set[int] = set()
         evictable = pinned = cached = 0
         leaves = set()
-        for _, node in self.nodes():
+        cached_in: dict[str, int] = {}
+        for namespace, node in self.nodes():
+            cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
             assert node.block_ids, f"node {node.node_id} holds no block"
             assert len(node.token_bytes) == len(node.block_ids) * self.block_bytes, f"node {node.node_id}: tokens and blocks disagree"
             assert node.parent is not None and node.parent.children.get(node.token_bytes[: self.block_bytes]) is node, f"node {node.node_id}: parent link broken"
@@ -320,6 +333,7 @@ class RadixTree:
         assert evictable == self.num_evictable_blocks, f"evictable blocks {self.num_evictable_blocks} != {evictable}"
         assert pinned == self.num_pinned_blocks, f"pinned blocks {self.num_pinned_blocks} != {pinned}"
         assert cached == self.num_cached_blocks, f"cached blocks {self.num_cached_blocks} != {cached}"
+        assert cached_in == self.num_cached_blocks_in, f"cached blocks per namespace {self.num_cached_blocks_in} != {cached_in}"
         assert {n.node_id for n in self._evictable_leaves} == leaves, "evictable leaf list != unlocked leaves"
         keys = [_lru_key(n) for n in self._evictable_leaves]
         assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
