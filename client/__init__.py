@@ -5,13 +5,16 @@ when a view is opened.
 """
 
 from radixkv.client.client import RadixKVClient
+from radixkv.client.errors import HashContractMismatch
 from radixkv.client.events import EventStream, KVEvent, KVEventKind
 from radixkv.client.pool_view import PoolInfo, PoolView
 from radixkv.client.router import Balance, InstanceStatus, NoInstanceAvailable, Router
+from radixkv.client.verify import VerifyResult
 
 __all__ = [
     "Balance",
     "EventStream",
+    "HashContractMismatch",
     "InstanceStatus",
     "KVEvent",
     "KVEventKind",
@@ -20,4 +23,5 @@ __all__ = [
     "PoolView",
     "RadixKVClient",
     "Router",
+    "VerifyResult",
 ]

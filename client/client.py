@@ -31,12 +31,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from radixkv.block_hash import HashContract
 from radixkv.client import messages as m
 from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.pool_view import PoolInfo
+from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.results import AppendBatch, AppendResult, OpenResult
@@ -60,6 +62,8 @@ class RadixKVClient:
         tls_server_name: the name the certificate was issued for, when it differs from `address`'s host.
         session_ttl: lease seconds; renewed every third of it while the client lives.
         timeout: seconds per unary call.
+        block_size: the block size this caller hashes prompts with (a router's, a scheduler's); when
+            given, the pool's hash contract is checked on connect: `HashContractMismatch` if it differs.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class RadixKVClient:
         session_ttl: float = 30.0,
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 2**20,
+        block_size: int | None = None,
     ) -> None:
         credentials, options = channel_settings(max_message_bytes, tls_root_cert, tls_server_name)
         if credentials is None:
@@ -88,11 +93,18 @@ class RadixKVClient:
         self._steps: _StepStream | None = None
         self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
+        self.address = address
         try:
             self._open_session()
         except BaseException:
             self._channel.close()
             raise
+        if block_size is not None:
+            try:
+                check_contract(address, HashContract(block_size), self.verify().hash_contract)
+            except BaseException:
+                self.close()  # ends the session it opened: a refused client holds nothing
+                raise
 
     def _open_session(self) -> None:
         request = pb.OpenSessionRequest(ttl_seconds=self._requested_ttl, pool=self.pool)
@@ -325,6 +337,10 @@ class RadixKVClient:
     def get_pool(self) -> PoolInfo:
         """The pool's layout and the handle a co-located worker maps it with (see `PoolView`)."""
         return m.pool_info(self._call(self._stub.GetPool, pb.GetPoolRequest(pool=self.pool, session_id=self.session_id)))
+
+    def verify(self) -> VerifyResult:
+        """The pool's hash contract and the digest of each of your namespaces' cached blocks (see `PrefixIndex`)."""
+        return verify_result(self._call(self._stub.Verify, pb.VerifyRequest(pool=self.pool, session_id=self.session_id)))
 
     def watch_events(self, namespaces: Sequence[str] = (), *, include_snapshot: bool = False) -> EventStream:
         """Stream blocks stored into and removed from the prefix tree (all your namespaces when none named)."""

@@ -38,6 +38,7 @@ class KVEvent:
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before these; None at the root
     epoch: int = 0  # the server's incarnation: a new value means it restarted (rebuild, do not patch)
     seq: int = 0  # pool-wide event count up to the end of the response this event came in
+    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.block_hash.digest_of`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class EventBatch:
     seq: int
     snapshot: bool
     events: list[KVEvent]
+    digest: int = 0  # of every namespace the stream watches, after this batch
 
 
 def _event(e: pb.KVEvent, response: pb.WatchEventsResponse) -> KVEvent:
@@ -63,12 +65,14 @@ def _event(e: pb.KVEvent, response: pb.WatchEventsResponse) -> KVEvent:
         e.parent_block_hash if e.HasField("parent_block_hash") else None,
         response.epoch,
         response.seq,
+        e.namespace_digest,
     )
 
 
 def event_batch(response: pb.WatchEventsResponse) -> EventBatch:
     """One WatchEvents response as the clients hand it out."""
-    return EventBatch(response.epoch, response.seq, response.snapshot, [_event(e, response) for e in response.events])
+    events = [_event(e, response) for e in response.events]
+    return EventBatch(response.epoch, response.seq, response.snapshot, events, response.digest)
 
 
 class EventStream:

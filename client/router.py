@@ -8,6 +8,11 @@ Per instance, background threads keep three things current, so `route` makes no 
 - its load, in blocks held by running sequences, from `Stats` every `load_interval`, plus the blocks
   routed to it since that reading.
 
+Before indexing an instance, the router reads its hash contract (`Verify`): an instance that hashes
+blocks otherwise (another block size, scheme or version) is never mixed in; `route` and `wait_ready`
+raise `HashContractMismatch` naming it, rather than routing on lookups that would all miss. Each
+index checks itself against the digests in the stream; a divergence resyncs from a snapshot.
+
 `route` hashes the request's full blocks once (vLLM's scheme, as the servers do) and picks the
 healthy instance with the lowest Dynamo cost, `prefill_weight * uncached_blocks + load_blocks`.
 With `Balance` (SGLang's thresholds) a fleet whose loads drift too far apart routes to the least
@@ -26,9 +31,11 @@ from types import TracebackType
 
 import grpc
 
-from radixkv.block_hash import chain_hashes, wire_hash
+from radixkv.block_hash import HashContract, chain_hashes, wire_hash
+from radixkv.client.errors import HashContractMismatch
 from radixkv.client.events import EventStream
 from radixkv.client.prefix_index import PrefixIndex, Verdict
+from radixkv.client.verify import check_contract, verify_result
 from radixkv.errors import RadixKVError
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.token_ids import TokenIds
@@ -66,6 +73,8 @@ class InstanceStatus:
     load_blocks: int
     num_resyncs: int
     num_rebuilds: int
+    num_divergences: int
+    digest: int  # of the index: equal to the instance's `Verify` digest once the stream is caught up
     unhealthy_since: float | None  # time.monotonic() of the failed check, while unhealthy
 
 
@@ -85,10 +94,11 @@ class _Instance:
         self.stats_blocks = 0
         self.pending_blocks = 0  # routed here since the last Stats reading
         self.stream: EventStream | None = None
+        self.contract_error: HashContractMismatch | None = None  # set while its contract differs from ours
 
     @property
     def candidate(self) -> bool:
-        return self.healthy and self.index.ready
+        return self.healthy and self.index.ready and self.contract_error is None
 
     @property
     def load_blocks(self) -> int:
@@ -138,6 +148,7 @@ class Router:
             raise ValueError("a router needs at least one endpoint")
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.block_size = block_size
+        self.hash_contract = HashContract(block_size)
         self.namespace_prefix = f"{tenant}/" if tenant else ""
         self.prefill_weight = prefill_weight
         self.health_interval = health_interval
@@ -167,8 +178,10 @@ class Router:
         """The endpoint to serve this prompt: no RPC, only the local indexes.
 
         Raises:
+            HashContractMismatch: an instance hashes blocks otherwise than this router.
             NoInstanceAvailable: no instance is healthy and indexed.
         """
+        self._refuse_mixed_contracts()
         start = time.perf_counter()
         chain = self.chain(token_ids, namespace)
         candidates = [i for i in self._instances if i.candidate]
@@ -194,6 +207,10 @@ class Router:
         """How many of the prompt's full blocks the router believes `endpoint` holds."""
         return self._by_endpoint[endpoint].index.num_cached_blocks(self.chain(token_ids, namespace))
 
+    def index(self, endpoint: str) -> PrefixIndex:
+        """The live index of `endpoint` (read-only use; its test hook `num_events_to_drop` aside)."""
+        return self._by_endpoint[endpoint].index
+
     def decision_seconds(self) -> list[float]:
         """The time each `route` call took, most recent last."""
         return list(self._decision_seconds)
@@ -202,19 +219,30 @@ class Router:
         return [
             InstanceStatus(
                 i.endpoint, i.healthy, i.index.epoch, len(i.index.hashes), i.load_blocks,
-                i.index.num_resyncs, i.index.num_rebuilds, i.unhealthy_since if not i.healthy else None,
+                i.index.num_resyncs, i.index.num_rebuilds, i.index.num_divergences,
+                i.index.digest, i.unhealthy_since if not i.healthy else None,
             )  # fmt: skip
             for i in self._instances
         ]
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
-        """Wait until every instance is healthy and indexed."""
+        """Wait until every instance is healthy and indexed.
+
+        Raises:
+            HashContractMismatch: an instance hashes blocks otherwise than this router.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self._refuse_mixed_contracts()
             if all(i.candidate for i in self._instances):
                 return True
             time.sleep(0.01)
         return False
+
+    def _refuse_mixed_contracts(self) -> None:
+        for inst in self._instances:
+            if inst.contract_error is not None:
+                raise inst.contract_error
 
     # -- background --------------------------------------------------------------------------------
 
@@ -224,6 +252,16 @@ class Router:
             if not inst.healthy:
                 self._closed.wait(0.02)
                 continue
+            try:
+                self._check_contract(inst)
+            except HashContractMismatch as e:
+                inst.contract_error = e
+                self._closed.wait(self.health_interval)  # checked again: the instance may come back fixed
+                continue
+            except (RadixKVError, grpc.RpcError):
+                self._closed.wait(0.05)
+                continue
+            inst.contract_error = None
             request = pb.WatchEventsRequest(pool=inst.pool, include_snapshot=True)
             stream = inst.stream = EventStream(inst.stub.WatchEvents(request, metadata=inst.metadata))
             try:
@@ -238,6 +276,12 @@ class Router:
             if not self._closed.is_set():
                 inst.index.reset()
                 self._closed.wait(0.05)
+
+    def _check_contract(self, inst: _Instance) -> None:
+        """Before indexing `inst` (each time its stream opens): does it hash blocks as this router does?"""
+        request = pb.VerifyRequest(pool=inst.pool)
+        response = inst.stub.Verify(request, timeout=self.health_interval, metadata=inst.metadata)
+        check_contract(inst.endpoint, self.hash_contract, verify_result(response).hash_contract)
 
     def _health_loop(self, inst: _Instance) -> None:
         next_load = 0.0

@@ -14,8 +14,9 @@ once, when its block enters the tree; splits and tail trims move or drop block i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import cbor2
@@ -120,3 +121,49 @@ class BlockHashes:
             f"hash table out of step with the tree: {len(set(self._hashes) - held)} stale, "
             f"{len(held - set(self._hashes))} missing"
         )
+
+
+# -- the index digest ------------------------------------------------------------------------------
+
+
+def mix64(wire: int) -> int:
+    """splitmix64's finaliser: spreads a wire hash so sums of many stay uniform (the namespace is in the hash)."""
+    z = (wire + 0x9E3779B97F4A7C15) & WIRE_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & WIRE_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & WIRE_MASK
+    return z ^ (z >> 31)
+
+
+def digest_of(wire_hashes: Iterable[int]) -> int:
+    """The order-independent digest of a set of cached blocks: sum mod 2^64 of `mix64(wire hash)`.
+
+    Adding or removing one block moves it by one term, so the server keeps it in O(1) per block and a
+    router recomputes it from the events it applied; equal sets give equal digests whatever the order.
+    """
+    return sum(mix64(h) for h in wire_hashes) & WIRE_MASK
+
+
+# -- the hashing contract --------------------------------------------------------------------------
+
+HASH_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HashContract:
+    """Everything two parties must share to name a block by the same hash; any difference means misses."""
+
+    block_size: int
+    algorithm: str = "sha256_cbor"
+    root_seed: str = "vllm-none-hash"
+    salt_rule: str = "namespace-in-first-block-extra-keys"
+    tenant_scope_rule: str = "tenant/namespace"
+    wire_form: str = "low64"
+    format_version: int = HASH_FORMAT_VERSION
+
+    def differences(self, other: HashContract) -> dict[str, tuple[object, object]]:
+        """Field -> (self's value, other's value), for every field the two disagree on."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from radixkv.block_hash import BlockHashes, ExtraKeys, wire_hash
+from radixkv.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import Node
 
@@ -46,6 +46,8 @@ class BlockEvent:
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
     extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block, the namespace salt on a first block
     pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
+    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.block_hash.digest_of`)
+    digest_delta: int = 0  # what this event added to it, mod 2^64
 
 
 class EventSink(Protocol):
@@ -57,26 +59,30 @@ class EventSink(Protocol):
 class Watcher:
     """One stream's bounded queue. When full, new events are dropped: the gap shows in the numbers."""
 
-    def __init__(self, accepts: Callable[[str], bool], max_events: int) -> None:
+    def __init__(self, accepts: Callable[[str], bool], max_events: int, digest: int = 0) -> None:
         self.accepts = accepts
         self._max_events = max_events
         self._events: collections.deque[BlockEvent] = collections.deque()
         self._cond = threading.Condition()
         self.closed = False
+        self.digest = digest  # of every namespace it accepts, after every event pushed (dropped ones included)
+        self._queued_digest = digest  # the same after the last event queued: what a batch of the queue adds up to
 
     def push(self, event: BlockEvent) -> None:
         with self._cond:
+            self.digest = (self.digest + event.digest_delta) & WIRE_MASK
             if len(self._events) < self._max_events:
                 self._events.append(event)
+                self._queued_digest = self.digest
                 self._cond.notify()
 
-    def take(self, timeout: float) -> list[BlockEvent]:
-        """Every queued event, waiting up to `timeout` seconds for the first."""
+    def take(self, timeout: float) -> tuple[list[BlockEvent], int]:
+        """Every queued event and the digest after them, waiting up to `timeout` seconds for the first."""
         with self._cond:
             self._cond.wait_for(lambda: self._events or self.closed, timeout)
             events = list(self._events)
             self._events.clear()
-            return events
+            return events, self._queued_digest
 
     def close(self) -> None:
         with self._cond:
@@ -96,6 +102,8 @@ class EventHub:
         self.hashes = BlockHashes(cache.block_size)
         self.epoch = secrets.randbits(63) + 1  # this incarnation; never 0, which reads as "unset" on the wire
         self.num_events = 0  # every event of the pool, all namespaces
+        self.digests: dict[str, int] = {}  # namespace -> digest of its cached blocks, O(1) per block
+        self.num_blocks: dict[str, int] = {}  # namespace -> cached blocks
         self.sinks: list[EventSink] = []
         self._tree.observer = self
 
@@ -104,26 +112,44 @@ class EventHub:
         self._numbers[namespace] = number
         return number
 
+    def _add_to_digest(self, namespace: str, wires: tuple[int, ...], sign: int) -> int:
+        """Move `namespace`'s digest by the blocks `wires` (sign +1 stored, -1 removed); returns the delta."""
+        delta = (sign * sum(mix64(h) for h in wires)) & WIRE_MASK
+        digest = (self.digests.get(namespace, 0) + delta) & WIRE_MASK
+        count = self.num_blocks.get(namespace, 0) + sign * len(wires)
+        if count:
+            self.digests[namespace], self.num_blocks[namespace] = digest, count
+        else:
+            self.digests.pop(namespace, None)
+            self.num_blocks.pop(namespace, None)
+        return delta
+
     def blocks_stored(self, node: Node) -> None:
         """A new leaf of the tree: all its blocks are newly cached (hashed here, once)."""
-        self.hashes.store(node)
+        wires = tuple(wire_hash(h) for h in self.hashes.store(node))
+        delta = self._add_to_digest(node.namespace, wires, 1)
         self.num_events += 1
         number = self._next_number(node.namespace)
-        if self.sinks or self._watchers:  # nobody listening: the table and the numbers are all that must move
-            self._publish(self._stored_event(number, node))
+        if self.sinks or self._watchers:  # nobody listening: the table, digest and numbers are all that must move
+            self._publish(self._stored_event(number, node, delta))
 
     def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
-        removed = self.hashes.remove(block_ids)
+        hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
+        delta = self._add_to_digest(namespace, hashes, -1)
         self.num_events += 1
         number = self._next_number(namespace)
         if not (self.sinks or self._watchers):
             return
-        hashes = tuple(wire_hash(h) for h in removed)
         ids = tuple(int(b) for b in block_ids)
         kind = EventKind.BLOCKS_REMOVED
-        self._publish(BlockEvent(number, namespace, kind, ids, block_hashes=hashes, pool_sequence_number=self.num_events))
+        self._publish(
+            BlockEvent(
+                number, namespace, kind, ids, block_hashes=hashes, pool_sequence_number=self.num_events,
+                namespace_digest=self.digests.get(namespace, 0), digest_delta=delta,
+            )  # fmt: skip
+        )
 
-    def _stored_event(self, number: int, node: Node) -> BlockEvent:
+    def _stored_event(self, number: int, node: Node, delta: int = 0) -> BlockEvent:
         parent = node.parent
         parent_block = int(parent.block_ids[-1]) if parent is not None and parent.parent is not None else None
         parent_hash = self.hashes.parent_hash(node)
@@ -138,6 +164,8 @@ class EventHub:
             None if parent_hash is None else wire_hash(parent_hash),
             tuple(self.hashes.extra_keys(node)),
             self.num_events,
+            self.digests.get(node.namespace, 0),
+            delta,
         )
 
     def _publish(self, event: BlockEvent) -> None:
@@ -149,7 +177,7 @@ class EventHub:
 
     def watch(self, accepts: Callable[[str], bool]) -> Watcher:
         """A new watcher; call under the pool's lock (with `snapshot`, if one is wanted)."""
-        watcher = Watcher(accepts, self._max_events)
+        watcher = Watcher(accepts, self._max_events, self.digest(accepts))
         with self._watchers_lock:
             self._watchers = (*self._watchers, watcher)
         return watcher
@@ -170,6 +198,10 @@ class EventHub:
             watchers, self._watchers = self._watchers, ()
         for watcher in watchers:
             watcher.close()
+
+    def digest(self, accepts: Callable[[str], bool]) -> int:
+        """The digest of every namespace `accepts`: what a router watching them must hold."""
+        return sum(d for ns, d in self.digests.items() if accepts(ns)) & WIRE_MASK
 
     def snapshot(self, accepts: Callable[[str], bool]) -> list[BlockEvent]:
         """The cached blocks now, as BLOCKS_STORED events numbered with each namespace's last number."""

@@ -361,7 +361,7 @@ class KVService:
         namespaces: Sequence[str],
         include_snapshot: bool,
         is_active: Callable[[], bool],
-    ) -> Iterator[tuple[list[BlockEvent], bool]]:
+    ) -> Iterator[tuple[list[BlockEvent], bool, int]]:
         """Batches of events (first the snapshot, if asked) until the caller leaves or the server stops.
 
         Validates now, so errors surface before the stream starts; the stream's slot and watcher
@@ -373,6 +373,19 @@ class KVService:
         scoped = frozenset(caller.scope(ns, f"namespaces[{i}]") for i, ns in enumerate(namespaces))
         accepts = scoped.__contains__ if scoped else caller.owns
         return self.streams.stream(pool, caller, accepts, include_snapshot, is_active)
+
+    def verify(self, caller: Tenant, session_id: str, pool_name: str) -> tuple[Pool, dict[str, tuple[int, int]], int]:
+        """The pool, the caller's namespaces (its own names) -> (digest, num_blocks), and the event count they
+        are current to. Only the caller's own namespaces: a tenant never learns another's."""
+        pool = self.pool(pool_name)
+        if session_id:
+            self.sessions.get(session_id, caller)
+        with pool.lock:
+            hub = pool.events
+            digests = {
+                caller.unscope(ns): (digest, hub.num_blocks[ns]) for ns, digest in hub.digests.items() if caller.owns(ns)
+            }
+            return pool, digests, hub.num_events
 
     def check_invariants(self, pool_name: str) -> None:
         """Raises AssertionError naming the first broken invariant of the core or of the server's bookkeeping."""

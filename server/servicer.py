@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from radixkv.block_hash import WIRE_MASK, HashContract
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
@@ -203,6 +204,19 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             device=pool.device,
             handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
             handle=handle.to_proto(),
+            hash_contract=_hash_contract(layout.block_size),
+        )
+
+    @translating_errors
+    def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
+        pool, digests, seq = self._service.verify(current_caller(), request.session_id, request.pool)
+        namespaces = [pb.NamespaceDigest(namespace=ns, digest=d, num_blocks=n) for ns, (d, n) in sorted(digests.items())]
+        return pb.VerifyResponse(
+            namespaces=namespaces,
+            digest=sum(d for d, _ in digests.values()) & WIRE_MASK,
+            epoch=pool.events.epoch,
+            seq=seq,
+            hash_contract=_hash_contract(pool.layout.block_size),
         )
 
     @translating_errors
@@ -226,8 +240,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 snapshot=snapshot,
                 epoch=epoch,
                 seq=events[-1].pool_sequence_number if events else 0,
+                digest=digest,
             )
-            for events, snapshot in batches
+            for events, snapshot, digest in batches
         )
         return translating_stream(context, "WatchEvents", responses)
 
@@ -249,4 +264,13 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
         parent_block_id=event.parent_block_id,
         block_hashes=event.block_hashes,
         parent_block_hash=event.parent_block_hash,
+        namespace_digest=event.namespace_digest,
     )
+
+
+def _hash_contract(block_size: int) -> pb.HashContract:
+    c = HashContract(block_size)
+    return pb.HashContract(
+        algorithm=c.algorithm, root_seed=c.root_seed, block_size=c.block_size, salt_rule=c.salt_rule,
+        tenant_scope_rule=c.tenant_scope_rule, wire_form=c.wire_form, format_version=c.format_version,
+    )  # fmt: skip

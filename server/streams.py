@@ -40,8 +40,8 @@ class WatchStreams:
         accepts: Callable[[str], bool],
         include_snapshot: bool,
         is_active: Callable[[], bool],
-    ) -> Iterator[tuple[list[BlockEvent], bool]]:
-        """Batches of events (first the snapshot, if asked) until the caller leaves or the server stops.
+    ) -> Iterator[tuple[list[BlockEvent], bool, int]]:
+        """Batches of events with the digest after each (first the snapshot, if asked) until the caller leaves or the server stops.
 
         A generator: the slot is taken when the first batch is asked for and given back when the
         stream ends, so a stream never iterated holds nothing.
@@ -61,13 +61,14 @@ class WatchStreams:
             with pool.lock:
                 watcher = pool.events.watch(accepts)
                 snapshot = pool.events.snapshot(accepts) if include_snapshot else None
+                digest = watcher.digest
             try:
                 if snapshot is not None:
-                    yield snapshot, True
+                    yield snapshot, True, digest
                 while is_active() and not watcher.closed:
-                    events = watcher.take(WATCH_POLL_SECONDS)
+                    events, digest = watcher.take(WATCH_POLL_SECONDS)
                     if events:
-                        yield events, False
+                        yield events, False, digest
             finally:
                 pool.events.unwatch(watcher)
         finally:

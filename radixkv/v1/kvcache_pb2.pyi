@@ -399,18 +399,38 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetPoolResponse(_message.Message):
-    __slots__ = ("pool", "layout", "device", "handle_json", "handle")
+    __slots__ = ("pool", "layout", "device", "handle_json", "handle", "hash_contract")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_JSON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    HASH_CONTRACT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     layout: PoolLayout
     device: str
     handle_json: str
     handle: PoolHandle
-    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
+    hash_contract: HashContract
+    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ...) -> None: ...
+
+class HashContract(_message.Message):
+    __slots__ = ("algorithm", "root_seed", "block_size", "salt_rule", "tenant_scope_rule", "wire_form", "format_version")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    ROOT_SEED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SALT_RULE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SCOPE_RULE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORM_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    root_seed: str
+    block_size: int
+    salt_rule: str
+    tenant_scope_rule: str
+    wire_form: str
+    format_version: int
+    def __init__(self, algorithm: _Optional[str] = ..., root_seed: _Optional[str] = ..., block_size: _Optional[int] = ..., salt_rule: _Optional[str] = ..., tenant_scope_rule: _Optional[str] = ..., wire_form: _Optional[str] = ..., format_version: _Optional[int] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
     __slots__ = ("shared_memory", "cuda_ipc")
@@ -459,7 +479,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., namespaces: _Optional[_Iterable[str]] = ..., include_snapshot: _Optional[bool] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence_number", "namespace", "kind", "block_ids", "token_ids", "parent_block_id", "block_hashes", "parent_block_hash")
+    __slots__ = ("sequence_number", "namespace", "kind", "block_ids", "token_ids", "parent_block_id", "block_hashes", "parent_block_hash", "namespace_digest")
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +488,7 @@ class KVEvent(_message.Message):
     PARENT_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sequence_number: int
     namespace: str
     kind: KVEventKind
@@ -476,19 +497,54 @@ class KVEvent(_message.Message):
     parent_block_id: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
-    def __init__(self, sequence_number: _Optional[int] = ..., namespace: _Optional[str] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ...) -> None: ...
+    namespace_digest: int
+    def __init__(self, sequence_number: _Optional[int] = ..., namespace: _Optional[str] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., parent_block_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., namespace_digest: _Optional[int] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("events", "snapshot", "epoch", "seq")
+    __slots__ = ("events", "snapshot", "epoch", "seq", "digest")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     snapshot: bool
     epoch: int
     seq: int
-    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("pool", "session_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class NamespaceDigest(_message.Message):
+    __slots__ = ("namespace", "digest", "num_blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    digest: int
+    num_blocks: int
+    def __init__(self, namespace: _Optional[str] = ..., digest: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("namespaces", "digest", "epoch", "seq", "hash_contract")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HASH_CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceDigest]
+    digest: int
+    epoch: int
+    seq: int
+    hash_contract: HashContract
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceDigest, _Mapping]]] = ..., digest: _Optional[int] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit")

@@ -125,6 +125,11 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/radixkv.v1.KVCache/Verify',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/radixkv.v1.KVCache/Session',
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
@@ -268,6 +273,14 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Verify(self, request, context):
+        """Verify returns the digest of the caller's cached blocks per namespace, and the hash contract,
+        so a router can check its index against the pool without a dump.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """Session carries a session's scheduler steps, one request and one response per step: every
         open, append, fork, cache and release a step needs, in one round trip, all or none. The
@@ -369,6 +382,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VerifyRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.VerifyResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -863,6 +881,33 @@ class KVCache:
             '/radixkv.v1.KVCache/WatchEvents',
             radixkv_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Verify',
+            radixkv_dot_v1_dot_kvcache__pb2.VerifyRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,15 +18,17 @@ from radixkv.server.process import ServerProcess
 BLOCK_SIZE = 4
 
 
-def pool_flag(num_blocks: int) -> str:
-    return f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks={num_blocks},dtype=float16"
+def pool_flag(num_blocks: int, block_size: int = BLOCK_SIZE) -> str:
+    return f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={block_size},num_blocks={num_blocks},dtype=float16"
 
 
 class FleetServer:
     def __init__(
-        self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True, extra: tuple[str, ...] = ()
+        self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True, extra: tuple[str, ...] = (),
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         self.log_dir, self.name, self.num_blocks, self.replay, self.extra = log_dir, name, num_blocks, replay, extra
+        self.block_size = block_size
         self.port = port
         self.num_starts = 0
         self.start()
@@ -34,7 +36,7 @@ class FleetServer:
     def start(self, timeout: float = 60.0) -> None:
         self.topic = f"kv@127.0.0.1:{self.port}@test-model"  # port 0 on a first start: still a valid topic
         args = [
-            "--port", str(self.port), "--pool", pool_flag(self.num_blocks), "--debug-rpc",
+            "--port", str(self.port), "--pool", pool_flag(self.num_blocks, self.block_size), "--debug-rpc",
             "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", self.topic,
             *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []), *self.extra,
         ]  # fmt: skip

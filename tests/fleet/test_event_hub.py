@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from radixkv.block_hash import chain_hashes, wire_hash
+from radixkv.block_hash import chain_hashes, digest_of, mix64, wire_hash
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import KVCache
 from radixkv.server.events import EventHub, EventKind
@@ -27,9 +27,29 @@ def _workload(cache: KVCache, seed: int) -> None:
             cache.release(live.pop(rng.randrange(len(live))))
 
 
-def _expected_snapshot_hashes(cache: KVCache) -> set[int]:
+def _written_workload(cache: KVCache, seed: int) -> None:
+    """Prompts written in full (committed) then released cached, in two namespaces, until blocks run short."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(60) for _ in range(rng.randrange(4, 28))] for _ in range(6)]
+    live: list[int] = []
+    for _ in range(150):
+        if rng.random() < 0.55 or not live:
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 29)] + [rng.randrange(60) for _ in range(rng.randrange(6))]
+            try:
+                seq_id = cache.open(tokens or [3], rng.choice(["default", "chat"])).seq_id
+            except OutOfBlocks:
+                continue
+            cache.commit([seq_id], [len(tokens or [3])])
+            live.append(seq_id)
+        else:
+            cache.release(live.pop(rng.randrange(len(live))))
+
+
+def _expected_snapshot_hashes(cache: KVCache, only: str | None = None) -> set[int]:
     expected = set()
     for namespace, node in cache.tree.nodes():
+        if only is not None and namespace != only:
+            continue
         path, n = [], node
         while n.parent is not None:
             path.append(n)
@@ -55,7 +75,7 @@ def test_watched_events_carry_hashes_parents_and_pool_wide_numbers() -> None:
     hub = EventHub(cache, 10_000)
     watcher = hub.watch(lambda namespace: True)
     _workload(cache, 1)
-    events = watcher.take(0)
+    events, _ = watcher.take(0)
     assert [e.pool_sequence_number for e in events] == list(range(1, hub.num_events + 1))
     held: set[int] = set()
     for e in events:
@@ -68,3 +88,27 @@ def test_watched_events_carry_hashes_parents_and_pool_wide_numbers() -> None:
             held.difference_update(e.block_hashes)
     assert held == _expected_snapshot_hashes(cache)
     assert EventHub(KVCache(8, 4), 1).epoch != hub.epoch, "each incarnation draws its own epoch"
+
+
+def test_the_digest_moves_in_step_with_the_tree_and_each_event_carries_it() -> None:
+    """After a workload with evictions, each namespace's digest equals a recount of its cached hashes;
+    every event carries its namespace's digest after it, and a watcher's digest sums its namespaces."""
+    cache = KVCache(24, 4)  # small: the workload evicts
+    hub = EventHub(cache, 10_000)
+    chat = hub.watch(lambda namespace: namespace == "chat")
+    everything = hub.watch(lambda namespace: True)
+    _written_workload(cache, 4)
+    events, digest = everything.take(0)
+    assert any(e.kind is EventKind.BLOCKS_REMOVED for e in events), "the workload must evict"
+    for namespace in ("default", "chat"):
+        assert hub.digests.get(namespace, 0) == digest_of(_expected_snapshot_hashes(cache, namespace))
+        assert hub.num_blocks.get(namespace, 0) == len(_expected_snapshot_hashes(cache, namespace))
+    assert digest == digest_of(_expected_snapshot_hashes(cache)) == hub.digest(lambda namespace: True)
+    assert chat.take(0)[1] == hub.digests.get("chat", 0)
+    assert sum(hub.num_blocks.values()) > 0
+    running: dict[str, int] = {}
+    for e in events:  # replaying the events term by term reproduces every digest they carry
+        sign = 1 if e.kind is EventKind.BLOCKS_STORED else -1
+        running[e.namespace] = (running.get(e.namespace, 0) + sign * sum(mix64(h) for h in e.block_hashes)) % 2**64
+        assert e.namespace_digest == running[e.namespace]
+    assert digest_of([1, 2, 3]) == digest_of([3, 1, 2]) != digest_of([1, 2])

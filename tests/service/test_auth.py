@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from radixkv.block_hash import WIRE_MASK, chain_hashes, mix64, wire_hash
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from radixkv.results import OpenResult
@@ -138,3 +139,22 @@ def _written(client: RadixKVClient, opened: OpenResult) -> int:
     """As a worker that wrote every token of `opened` would: commit them (only written blocks are cached)."""
     client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
     return opened.seq_id
+
+
+def test_verify_gives_each_tenant_the_digests_of_its_own_namespaces_only(connect: Connect, tokens: dict[str, str]) -> None:
+    acme, globex = connect(tokens["acme"]), connect(tokens["globex"])
+    acme_before, globex_before = acme.verify(), globex.verify()
+    prompt = list(range(700, 709))  # two full blocks of 4 (the auth server's block size)
+    seq_id = acme.open(prompt, "code").seq_id
+    acme.commit([seq_id], [len(prompt)])
+    acme.release(seq_id)
+    acme_after, globex_after = acme.verify(), globex.verify()
+    # acme's "code" moved by exactly its two new blocks, hashed under its scoped name "acme/code".
+    added = sum(mix64(wire_hash(h)) for h in chain_hashes(prompt, 4, "acme/code")) & WIRE_MASK
+    assert acme_after.digests["code"] == (acme_before.digests.get("code", 0) + added) & WIRE_MASK
+    assert acme_after.num_blocks["code"] == acme_before.num_blocks.get("code", 0) + 2
+    assert set(acme_after.digests) <= {"chat", "code"}, "acme sees only its own namespaces, by its own names"
+    # globex learns nothing of it: no acme namespace, no change in its digests.
+    assert (globex_after.digests, globex_after.digest) == (globex_before.digests, globex_before.digest)
+    assert not any(ns.startswith("acme") or ns == "code" for ns in globex_after.digests)
+    assert acme_after.digest == sum(acme_after.digests.values()) & WIRE_MASK

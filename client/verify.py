@@ -1,0 +1,51 @@
+"""What a pool states about its index: the hash contract and the digests of its cached blocks (`Verify`).
+
+A router or client that hashes prompts itself must hash them as the pool does; `check_contract`
+refuses an instance whose contract differs (`HashContractMismatch`), where a mismatch would
+otherwise show only as every lookup missing. The digests let anyone that mirrors a pool's index
+(`PrefixIndex`, or an external router) check it against the pool without a dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from radixkv.block_hash import HashContract
+from radixkv.client.errors import HashContractMismatch
+from radixkv.v1 import kvcache_pb2 as pb
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """A pool's digests as the caller may see them: only its own namespaces (its own names for them)."""
+
+    digests: dict[str, int]  # namespace -> digest of its cached blocks
+    num_blocks: dict[str, int]  # namespace -> its cached blocks
+    digest: int  # of all of them
+    epoch: int
+    seq: int  # the pool-wide event count they are current to
+    hash_contract: HashContract
+
+
+def contract_from_wire(c: pb.HashContract) -> HashContract:
+    return HashContract(
+        c.block_size, c.algorithm, c.root_seed, c.salt_rule, c.tenant_scope_rule, c.wire_form, c.format_version
+    )
+
+
+def verify_result(r: pb.VerifyResponse) -> VerifyResult:
+    return VerifyResult(
+        {n.namespace: n.digest for n in r.namespaces},
+        {n.namespace: n.num_blocks for n in r.namespaces},
+        r.digest,
+        r.epoch,
+        r.seq,
+        contract_from_wire(r.hash_contract),
+    )
+
+
+def check_contract(endpoint: str, ours: HashContract, theirs: HashContract) -> None:
+    """Raises HashContractMismatch naming every field where `theirs` (the instance's) differs from `ours`."""
+    differences = ours.differences(theirs)
+    if differences:
+        raise HashContractMismatch(endpoint, differences)
