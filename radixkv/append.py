@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.allocation import Allocator
 from radixkv.block_pool import BlockPool, cdiv
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.results import AppendBatch, SlotPlan
@@ -116,3 +117,14 @@ def apply_batch(
         block_ids.extend(table[offset:])
     plan = SlotPlan(bs, span_blocks, span_starts, counts)
     return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
+
+
+def append(
+    blocks: Allocator, sequences: list[LiveSequence], seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
+) -> AppendBatch:
+    """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order."""
+    plans = plan_batch(sequences, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
+    new_blocks = blocks.allocate(sum(n for n, _ in plans))
+    batch = apply_batch(seq_ids, sequences, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
+    blocks.stats.num_cow_copies += len(batch.copies)
+    return batch

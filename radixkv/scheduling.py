@@ -12,10 +12,12 @@ from radixkv.sequence import LiveSequence
 
 
 def freeable_blocks(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence]) -> int:
-    """Blocks that become free or evictable once `sequences` are released together (see `KVCache.freeable_blocks`).
+    """Blocks that become free or evictable once `sequences` are released together.
 
-    A block held by count is freed where these sequences hold every count of it; a locked node's
-    blocks become evictable where these sequences hold every lock on it.
+    The same for `cache=True` and `cache=False`: a block the release caches becomes evictable and
+    one it does not cache becomes free, and both count as available. What the sequences share with
+    others is counted only where they are its last holders: a block held by count where they hold
+    every count of it, a locked node's blocks where they hold every lock on it.
     """
     locks: collections.Counter[int] = collections.Counter()
     nodes: dict[int, Node] = {}

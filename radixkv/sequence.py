@@ -1,4 +1,10 @@
-"""Live sequences: what each one holds, how far its K/V is written, and the registry that names them."""
+"""Live sequences: what each one holds, how far its K/V is written, and the registry that names them.
+
+The computed watermark (`num_computed_tokens`): only full blocks below it are ever cached (by
+`cache`, `release(cache=True)` and `fork`), so a later request never hits K/V the worker has not
+written. `append` raises it to the tokens before the appended ones; `commit` raises it for the rest
+(after a prefill, before caching, forking or releasing a sequence whose last tokens are written).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +38,13 @@ class LiveSequence:
 
     def private_blocks(self) -> list[int]:
         return self.private_prefix + self.block_table[self.num_tree_blocks :]
+
+    def fork_child(self, seq_id: int) -> LiveSequence:
+        """A copy sharing every block (the caller adds the child's holds on them)."""
+        return LiveSequence(
+            seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node, self.num_tree_blocks,
+            list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
+        )  # fmt: skip
 
 
 class Sequences:
@@ -78,6 +91,14 @@ class Sequences:
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return found  # type: ignore[return-value]  # no None is left
+
+    def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[LiveSequence]:
+        """The sequences `commit(seq_ids, num_tokens)` would move, or the error it would raise."""
+        if len(num_tokens) != len(seq_ids):
+            raise InvalidArgument("num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}")
+        sequences = self.batch(seq_ids)
+        check_watermarks(sequences, num_tokens)
+        return sequences
 
 
 def path_blocks(node: Node, num_blocks: int) -> list[int]:
