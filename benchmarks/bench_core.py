@@ -306,7 +306,10 @@ def peer_rows(results: dict) -> list[tuple[str, str]]:
         evicted = f"{ours['evicted_blocks']:,}" + (f" / {theirs['evicted_blocks']:,}" if theirs else "")
         rows.append((f"  block {block_size}: evicted blocks", evicted))
     lm = results["long_match"]
-    ours = f"match {lm['radixkv_match_us']:.0f}, lock_prefix {lm['radixkv_lock_prefix_us']:.0f}, open {lm['radixkv_open_us']:.0f}"
+    ours = (
+        f"match {lm['radixkv_match_us']:.0f}, lock_prefix {lm['radixkv_lock_prefix_us']:.0f}, "
+        f"open {lm['radixkv_open_us']:.0f}"
+    )
     theirs = f"; sglang match_prefix {lm['sglang_match_us']:.0f}" if "sglang_match_us" in lm else ""
     rows.append(("cached 128k tokens at block 1 (us)", ours + theirs))
     return rows

@@ -1,7 +1,8 @@
 """A fleet of 4 radixkv servers: random vs round-robin vs `radixkv.client.Router`, on one multi-tenant trace.
 
 Four real server processes on 127.0.0.1, and as the ceiling one cache with the whole fleet's
-capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with a shared system prompt (its own namespace), and many
+capacity (in-process: its hit ratio is the cache's, not the wire's). The trace: tenants, each with
+a shared system prompt (its own namespace), and many
 multi-turn chats; each turn's prompt is the system prompt plus the whole conversation so far plus
 a new user message, and a turn runs for a while (appends its reply) before it is released and
 cached, so about `running` requests are in flight at once. Each policy replays the same trace in
@@ -24,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +36,7 @@ import numpy as np
 
 from radixkv.client import Balance, RadixKVClient, Router
 from radixkv.errors import RadixKVError
+from radixkv.server.process import ServerProcess
 
 BLOCK_SIZE = 16
 NUM_INSTANCES = 4
@@ -92,18 +93,18 @@ class Server:
     def __init__(self, num_blocks: int, port: int = 0) -> None:
         self.num_blocks = num_blocks
         self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: ServerProcess | None = None
 
     def start(self) -> Server:
-        pool = f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks={self.num_blocks},dtype=float16"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--pool", pool, "--log-level", "warning", "--max-workers", "16",
+        pool = (
+            f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},"
+            f"num_blocks={self.num_blocks},dtype=float16"
+        )
+        self.server = ServerProcess(
+            ["--port", str(self.port), "--pool", pool, "--log-level", "warning", "--max-workers", "16",
              "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", f"kv@127.0.0.1:{self.port}@bench"],
-            stdout=subprocess.PIPE,
         )  # fmt: skip
-        assert self.proc.stdout is not None
-        self.port = json.loads(self.proc.stdout.readline())["port"]
+        self.port = self.server.port
         return self
 
     @property
@@ -111,14 +112,12 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
+        assert self.server is not None
+        self.server.kill()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait()
+        if self.server is not None:
+            self.server.stop()
 
 
 # -- one policy over the trace ---------------------------------------------------------------------
@@ -462,7 +461,10 @@ def run_with_a_kill(trace: list[Request], fleet: Fleet, router: Router, victim: 
 def print_table(report: dict[str, Any]) -> None:
     print(f"bench_fleet: {report['num_instances']} servers on loopback (started in {report['server_startup_s']} s)")
     print(f"trace {report['shape']}; router prefill_weight {report['prefill_weight']}")
-    header = f"{'policy':<12} {'requests':>8} {'failed':>6} {'hit ratio':>9} {'prefill tok':>11} {'max/mean load':>13} {'event lag p50/p99 ms':>21}"
+    header = (
+        f"{'policy':<12} {'requests':>8} {'failed':>6} {'hit ratio':>9} {'prefill tok':>11} {'max/mean load':>13} "
+        f"{'event lag p50/p99 ms':>21}"
+    )
     print(header)
     print("-" * len(header))
     for row in report["policies"].values():

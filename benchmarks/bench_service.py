@@ -24,8 +24,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.kv_cache import KVCache
+from radixkv.server.process import ServerProcess
 from radixkv.step import Append, Step
 
 NUM_BLOCKS = 65536
@@ -50,14 +49,11 @@ def prompt(i: int) -> list[int]:
     return PROMPT + [i % 30_000, 7]
 
 
-def start_server() -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0", "--pool", POOL,
-         "--log-level", "warning", "--max-workers", "48", "--max-session-streams", "20", "--max-watch-streams", "2"],
-        stdout=subprocess.PIPE,
+def start_server() -> ServerProcess:
+    return ServerProcess(
+        ["--pool", POOL, "--log-level", "warning", "--max-workers", "48", "--max-session-streams", "20",
+         "--max-watch-streams", "2"],
     )  # fmt: skip
-    assert proc.stdout is not None
-    return proc, f"127.0.0.1:{json.loads(proc.stdout.readline())['port']}"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -293,7 +289,8 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
 def run(quick: bool) -> dict[str, Any]:
     steps = 40 if quick else 300
     seconds = 0.6 if quick else 3.0
-    proc, address = start_server()
+    server = start_server()
+    address, proc = server.address, server.proc
     try:
         results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "quick": quick}
         results["decode_256"] = {"in_process": decode_in_process(steps), **decode_over_grpc(address, proc.pid, steps)}
@@ -302,8 +299,7 @@ def run(quick: bool) -> dict[str, Any]:
         results["wire"] = wire_encodings(50 if quick else 500)
         return results
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        server.stop(timeout=30)
 
 
 def table(r: dict[str, Any]) -> str:
@@ -315,7 +311,8 @@ def table(r: dict[str, Any]) -> str:
         x = d[key]
         note = f"target <= {floor:.2f} ms: {'met' if x['p50_ms'] <= floor else 'MISSED'}" if key.startswith("stream") else ""
         rows.append((f"decode step 256 seqs, {label}", f"{x['p50_ms']:.2f} ms", f"{x['p99_ms']:.2f} ms",
-                     f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step", note))  # fmt: skip
+                     f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step",
+                     note))  # fmt: skip
     for mode in MODES:
         h = health[mode]
         rows.append((f"bare health round trip, {mode}", f"{h['p50_ms']:.2f} ms", f"{h['p99_ms']:.2f} ms", "", "", "transport floor"))
@@ -325,7 +322,8 @@ def table(r: dict[str, Any]) -> str:
             ratio = stream["opens_per_s"] / unary["opens_per_s"]
             note = f"target >= 3x: {'met' if ratio >= 3 else 'MISSED'}" if n == "4" else ""
             rows.append((f"open+release x{n} clients, {mode}: unary", f"{unary['opens_per_s']:,.0f}/s", "", "", f"{unary['server_cpu_us_per_open']:.0f} us/open", ""))
-            rows.append((f"open+release x{n} clients, {mode}: stream", f"{stream['opens_per_s']:,.0f}/s", "", f"{ratio:.2f}x unary", f"{stream['server_cpu_us_per_open']:.0f} us/open", note))  # fmt: skip
+            rows.append((f"open+release x{n} clients, {mode}: stream", f"{stream['opens_per_s']:,.0f}/s", "",
+                         f"{ratio:.2f}x unary", f"{stream['server_cpu_us_per_open']:.0f} us/open", note))  # fmt: skip
     for n, w in r["wire"].items():
         rows.append((f"wire: {n} token ids + slots, repeated", f"{w['repeated_us']:.1f} us", "", "", "", ""))
         rows.append((f"wire: {n} token ids + slots, packed bytes", f"{w['packed_us']:.1f} us", "", f"{w['repeated_us'] / w['packed_us']:.1f}x faster", "", ""))

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -45,15 +45,12 @@ class Server:
     """The server process, its address, and a sampler of its RSS."""
 
     def __init__(self, ttl: float, log_path: Path) -> None:
-        self._log = open(log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0", "--pool", POOL,
-             "--session-ttl", str(ttl), "--max-session-ttl", str(ttl), "--debug-rpc", "--log-level", "warning",
-             "--max-workers", "32"],
-            stdout=subprocess.PIPE, stderr=self._log,
+        self.server = ServerProcess(
+            ["--pool", POOL, "--session-ttl", str(ttl), "--max-session-ttl", str(ttl), "--debug-rpc",
+             "--log-level", "warning", "--max-workers", "32"],
+            log_path,
         )  # fmt: skip
-        assert self.proc.stdout is not None
-        self.address = f"127.0.0.1:{json.loads(self.proc.stdout.readline())['port']}"
+        self.proc, self.address = self.server.proc, self.server.address
         self.rss: list[tuple[float, int]] = []  # (seconds since start, bytes)
         self._stop_sampling = threading.Event()
         self._start = time.monotonic()
@@ -74,20 +71,14 @@ class Server:
     def stop(self) -> int:
         """SIGTERM: a graceful stop exits 0."""
         self._stop_sampling.set()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        return code
+        return self.server.stop(timeout=60)
 
 
 def start_client(address: str, out_dir: Path, index: int, seed: int, deadline: float, ttl: float) -> subprocess.Popen[bytes]:
     err = open(out_dir / f"client{index}.err", "wb")  # noqa: SIM115 -- the child holds it
     proc = subprocess.Popen(
-        [sys.executable, str(CLIENT), address, str(out_dir / f"client{index}.jsonl"), str(seed), str(deadline), str(ttl)],
+        [sys.executable, str(CLIENT), address, str(out_dir / f"client{index}.jsonl"), str(seed), str(deadline),
+         str(ttl)],
         stdout=subprocess.DEVNULL, stderr=err,
     )  # fmt: skip
     err.close()
@@ -213,14 +204,30 @@ def run(duration: float, clients: int, kill_every: float, ttl: float, seed: int 
 def table(r: dict[str, Any]) -> str:
     mib = 2**20
     rows = [
-        ("clients (running at once / started / SIGKILLed)", f"{r['config']['clients']} / {r['clients_started']} / {r['clients_killed']}"),
+        (
+            "clients (running at once / started / SIGKILLed)",
+            f"{r['config']['clients']} / {r['clients_started']} / {r['clients_killed']}",
+        ),
         ("clients that failed or hung", f"{r['client_failures']} / {r['clients_hung']}"),
-        ("requests answered", f"{r['requests']:,} in {r['config']['duration_s']:.0f} s ({r['requests'] / r['config']['duration_s']:,.0f}/s)"),
+        (
+            "requests answered",
+            f"{r['requests']:,} in {r['config']['duration_s']:.0f} s "
+            f"({r['requests'] / r['config']['duration_s']:,.0f}/s)",
+        ),
         *((f"  {code}", f"{n:,}") for code, n in r["outcomes_by_code"].items()),
-        ("latency p50 / p99 / max", f"{r['latency']['p50_ms']:.2f} / {r['latency']['p99_ms']:.2f} / {r['latency']['max_ms']:.1f} ms"),
+        (
+            "latency p50 / p99 / max",
+            f"{r['latency']['p50_ms']:.2f} / {r['latency']['p99_ms']:.2f} / {r['latency']['max_ms']:.1f} ms",
+        ),
         *((f"  {op} p99", f"{p['p99_ms']:.2f} ms") for op, p in r["latency_by_op"].items()),
-        ("blocks leaked (must be 0)", f"{r['blocks_leaked']} of {r['blocks_total']} ({r['blocks_free']} free, {r['blocks_cached']} cached)"),
-        ("sessions / sequences / pinned blocks left", f"{r['sessions_left']} / {r['live_sequences']} / {r['blocks_pinned']}"),
+        (
+            "blocks leaked (must be 0)",
+            f"{r['blocks_leaked']} of {r['blocks_total']} ({r['blocks_free']} free, {r['blocks_cached']} cached)",
+        ),
+        (
+            "sessions / sequences / pinned blocks left",
+            f"{r['sessions_left']} / {r['live_sequences']} / {r['blocks_pinned']}",
+        ),
         ("invariants", r["invariant_violation"] or "hold"),
         ("prefix hit ratio, blocks evicted", f"{r['hit_ratio']:.2f}, {r['evicted_blocks']:,}"),
         ("server RSS start / after warm-up / max / end", " / ".join(f"{r[k] / mib:.1f}" for k in

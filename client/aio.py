@@ -142,7 +142,9 @@ class AsyncRadixKVClient:
             self._lease = None
 
     async def reopen(self) -> None:
-        """Replace the session with a new one (after `ServerRestarted` or `UnknownSession`); see `RadixKVClient.reopen`."""
+        """Replace the session with a new one (after `ServerRestarted` or `UnknownSession`).
+
+        See `RadixKVClient.reopen`."""
         await self._stop_lease()
         with contextlib.suppress(UnknownSession):
             await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))

@@ -151,7 +151,8 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
 
 
 def _hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, `output_norm.weight` -> `model.norm.weight`."""
+    """GGUF tensor names as HF's: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`,
+    `output_norm.weight` -> `model.norm.weight`."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
@@ -164,6 +165,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def _unpermute_rotary_rows(w: npt.NDArray[np.float32], num_heads: int) -> npt.NDArray[np.float32]:
     """Undo llama.cpp's `permute`: per head, its rows went from [half 0; half 1] to interleaved pairs."""
-    # w: [num_heads * head_dim, hidden_size] (or a bias, [num_heads * head_dim]); llama.cpp wrote reshape(H, 2, D/2, -1).swapaxes(1, 2)
+    # w: [num_heads * head_dim, hidden_size] (or a bias, [num_heads * head_dim]);
+    # llama.cpp wrote reshape(H, 2, D/2, -1).swapaxes(1, 2)
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

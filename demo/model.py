@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-        """Load a HF-format checkpoint directory or a Llama GGUF file; every parameter must be present, and nothing else.
+        """Load a HF-format checkpoint directory or a Llama GGUF file; every parameter must be present, and
+        nothing else.
 
         Raises:
             RuntimeError: missing or unexpected weights (the state dict does not fit a Llama).

@@ -30,7 +30,10 @@ def mode_of(spec: RequestSpec) -> str:
 
 def format_requests(specs: list[RequestSpec], results: list[RequestResult]) -> str:
     """The per-request table: prompt tokens, prefix hits, peak blocks, copy-on-write copies, throughput."""
-    header = f"{'request':<10} {'mode':<12} {'prompt':>6} {'cached':>6} {'blocks held':>11} {'cow copies':>10} {'generated':>9} {'tokens/s':>9}"
+    header = (
+        f"{'request':<10} {'mode':<12} {'prompt':>6} {'cached':>6} {'blocks held':>11} {'cow copies':>10} "
+        f"{'generated':>9} {'tokens/s':>9}"
+    )
     lines = [header, "-" * len(header)]
     for spec, r in zip(specs, results, strict=True):
         rate = r.num_generated_tokens / r.seconds if r.seconds > 0 else 0.0

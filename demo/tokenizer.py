@@ -1,4 +1,5 @@
-"""Text <-> token ids: a GGUF file's vocabulary, a checkpoint's `tokenizer.json`, else bytes (ids 0-255) plus BOS/EOS."""
+"""Text <-> token ids: a GGUF file's vocabulary, a checkpoint's `tokenizer.json`, else bytes (ids 0-255)
+plus BOS/EOS."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def copy_blocks_reference(kv_data: torch.Tensor, pairs: torch.Tensor) -> None:
 
 
 def _as_pairs(pairs: object, kv_data: object) -> torch.Tensor:
-    """A tensor as it is (the checks judge it); the core's lists and numpy arrays as int64 `[n, 2]` on the pool's device."""
+    """A tensor as it is (the checks judge it); the core's lists and numpy arrays as int64 `[n, 2]` on the pool's
+    device."""
     if isinstance(pairs, torch.Tensor):
         return pairs
     device = kv_data.device if isinstance(kv_data, torch.Tensor) else "cpu"

@@ -434,7 +434,8 @@ def paged_decode_attention(
 
     Args:
         q: `[num_seqs, num_q_heads, head_dim]`, fp32/fp16/bf16; head_dim <= 256.
-        kv_layer: one layer's K and V `[2, num_blocks, block_size, num_kv_heads, head_dim]` (a worker's `PoolView.layer(l)`),
+        kv_layer: one layer's K and V `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+            (a worker's `PoolView.layer(l)`),
             in q's dtype or fp8 e4m3; num_q_heads must be a multiple of num_kv_heads (MHA, GQA, MQA).
         block_tables: int32 `[num_seqs, max_blocks_per_seq]`; row i lists sequence i's blocks in order.
         seq_lens: int32 `[num_seqs]`; 0 gives a zero output row.

@@ -73,7 +73,8 @@ def store_kv(
 
     Args:
         key, value: `[num_tokens, num_kv_heads, head_dim]`, fp32/fp16/bf16.
-        kv_layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K at 0, V at 1), as a worker's `PoolView.layer(l)`
+        kv_layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K at 0, V at 1), as a worker's
+            `PoolView.layer(l)`
             (or `KVStorage.layer(l)`) returns it; key's dtype, or fp8 e4m3 (quantized here).
         slots: int64 `[num_tokens]`; a negative slot skips its token (padding).
         kv_scales: fp32 `[2]` (k_scale, v_scale), with an fp8 kv_layer only: it stores `key / k_scale`.

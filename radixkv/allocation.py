@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixkv.block_pool import BlockPool
 from radixkv.errors import OutOfBlocks
 from radixkv.radix_tree import RadixTree
@@ -32,8 +34,9 @@ class Allocator:
             self.evict(shortfall)
         return self.pool.allocate(n)
 
-    def evict(self, num_blocks: int) -> int:
-        evicted = self.tree.evict(num_blocks)
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        """Evict up to `num_blocks` (only from the namespaces `namespaces` accepts, if given); returns how many."""
+        evicted = self.tree.evict(num_blocks, namespaces)
         self.stats.num_evicted_blocks += len(evicted)
         self.pool.free_exclusive(evicted)  # the tree was their only holder
         return len(evicted)

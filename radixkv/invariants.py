@@ -23,8 +23,10 @@ def check_tree(tree: RadixTree) -> None:
     seen: set[int] = set()
     evictable = pinned = cached = 0
     leaves = set()
+    cached_in: dict[str, int] = {}
     bb = tree.block_bytes
-    for _, node in tree.nodes():
+    for namespace, node in tree.nodes():
+        cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
         assert node.block_ids, f"node {node.node_id} holds no block"
         assert len(node.token_bytes) == len(node.block_ids) * bb, f"node {node.node_id}: tokens and blocks disagree"
         assert node.parent is not None and node.parent.children.get(node.token_bytes[:bb]) is node, f"node {node.node_id}: parent link broken"
@@ -50,6 +52,7 @@ def check_tree(tree: RadixTree) -> None:
     assert evictable == tree.num_evictable_blocks, f"evictable blocks {tree.num_evictable_blocks} != {evictable}"
     assert pinned == tree.num_pinned_blocks, f"pinned blocks {tree.num_pinned_blocks} != {pinned}"
     assert cached == tree.num_cached_blocks, f"cached blocks {tree.num_cached_blocks} != {cached}"
+    assert cached_in == tree.num_cached_blocks_in, f"cached blocks per namespace {tree.num_cached_blocks_in} != {cached_in}"
     listed = tree.evictable_leaves()
     assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
     keys = [lru_key(n) for n in listed]

@@ -9,7 +9,7 @@ here; when a write would land in a shared block, the caller gets a `(src_block, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from radixkv.admission import PlannedOpen, lock_prefix, open_planned, plan_open
 from radixkv.allocation import Allocator
@@ -62,12 +62,13 @@ class KVCache:
         """Free now, or free after evicting every unlocked cached block."""
         return self._blocks.num_available()
 
-    def evict(self, num_blocks: int) -> int:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
-        evicts by itself: this is for a caller that wants free blocks ahead of time."""
+        evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
+        tenant's cache within its share (`namespaces`: only from the namespaces it accepts)."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
-        return self._blocks.evict(num_blocks) if num_blocks else 0
+        return self._blocks.evict(num_blocks, namespaces) if num_blocks else 0
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         return namespace_root(self.tree, namespace, self.limits.max_namespaces, field)
@@ -184,10 +185,8 @@ class KVCache:
     # -- cache / release -------------------------------------------------------------------------
 
     def cache(self, seq_id: int) -> int:
-        """Insert the sequence's computed full blocks into the tree now, so the next turn hits.
-
-        Returns the tokens of the sequence the tree now holds for it.
-        """
+        """Insert the sequence's computed full blocks into the tree now, so the next turn hits;
+        returns the tokens of the sequence the tree now holds for it."""
         seq = self._sequences.get(seq_id)
         publish(self.tree, self.pool, seq)
         return seq.num_tree_blocks * self.block_size

@@ -8,7 +8,7 @@ on each block it keeps; the caller (`KVCache`) turns the block ids the tree drop
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from sortedcontainers import SortedList
@@ -44,6 +44,7 @@ class RadixTree:
         self.num_evictable_blocks = 0
         self.num_pinned_blocks = 0
         self.num_cached_blocks = 0
+        self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
 
     def root(self, namespace: str) -> Node:
@@ -126,6 +127,7 @@ class RadixTree:
             self._evictable_leaves.add(child)
             self.num_evictable_blocks += len(new_ids)
             self.num_cached_blocks += len(new_ids)
+            self.num_cached_blocks_in[node.namespace] = self.num_cached_blocks_in.get(node.namespace, 0) + len(new_ids)
             num_taken = len(new_ids)
             node = child
             if self.observer is not None:
@@ -193,31 +195,40 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------------------
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> list[int]:
         """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
 
         A leaf larger than what is still needed loses only its tail blocks: the cost is O(log n)
-        per leaf touched, and no more of the cache is dropped than asked for.
+        per leaf touched, and no more of the cache is dropped than asked for. With `namespaces`, only
+        leaves of the namespaces it accepts are dropped (a tenant over its cache share); finding
+        each costs a scan of the older leaves of other namespaces.
         """
         freed: list[int] = []
-        removed: dict[str, list[int]] = {}  # for the observer: one report per namespace per call
+        removed: dict[str, list[int]] = {}  # one report per namespace per call
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
-            leaf: Node = leaves[0]
+            leaf = leaves[0] if namespaces is None else next((n for n in leaves if namespaces(n.namespace)), None)
+            if leaf is None:
+                break
             need = num_blocks - len(freed)
             if len(leaf.block_ids) > need:
                 dropped = leaf.block_ids[-need:]
                 del leaf.block_ids[-need:]
                 leaf.token_bytes = leaf.token_bytes[: len(leaf.block_ids) * self.block_bytes]
             else:
-                leaves.pop(0)
+                leaves.remove(leaf)
                 dropped = leaf.block_ids
                 self._detach(leaf)
             freed.extend(dropped)
-            if self.observer is not None:
-                removed.setdefault(leaf.namespace, []).extend(dropped)
+            removed.setdefault(leaf.namespace, []).extend(dropped)
         for namespace, block_ids in removed.items():
-            self.observer.blocks_removed(namespace, block_ids)  # type: ignore[union-attr]  # set when removed is
+            left = self.num_cached_blocks_in[namespace] - len(block_ids)
+            if left:
+                self.num_cached_blocks_in[namespace] = left
+            else:
+                del self.num_cached_blocks_in[namespace]
+            if self.observer is not None:
+                self.observer.blocks_removed(namespace, block_ids)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return freed

@@ -205,7 +205,8 @@ class KVStorage:
         return self._data
 
     def layer(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s K and V, the kernels' `kv_layer`: a view `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+        """Layer `layer`'s K and V, the kernels' `kv_layer`: a view
+        `[2, num_blocks, block_size, num_kv_heads, head_dim]`
         (`k_cache, v_cache = storage.layer(l)` unpacks it)."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {self.layout.num_layers}, got {layer}")
@@ -247,7 +248,9 @@ class KVStorage:
         self._scales = None
 
     def unlink(self) -> None:
-        """Creator only: free the shared-memory name (the memory goes with the last mapping). Idempotent; CUDA: no-op."""
+        """Creator only: free the shared-memory name (the memory goes with the last mapping).
+
+        Idempotent; CUDA: no-op."""
         if not self._owner:
             raise ValueError("unlink: only the process that created the pool frees it")
         if self._shm is not None and not self._unlinked:

@@ -212,7 +212,8 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         action="append",
         default=[],
         metavar="NAME:key=val,...",
-        help="a pool, e.g. default:num_layers=32,num_kv_heads=8,head_dim=128,num_blocks=4096 (repeatable; replaces a --config pool of that name)",
+        help="a pool, e.g. default:num_layers=32,num_kv_heads=8,head_dim=128,num_blocks=4096 "
+        "(repeatable; replaces a --config pool of that name)",
     )
     parser.add_argument(
         "--model",
@@ -307,9 +308,12 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
 
 _DEFAULT_POOL_HELP = f"""\
 without --pool or [pools] tables, one pool named "default" is served, shaped for --model
-(default {DEFAULT_MODEL}: {MODEL_SHAPES[DEFAULT_MODEL].num_layers} layers, {MODEL_SHAPES[DEFAULT_MODEL].num_kv_heads} KV heads, head_dim {MODEL_SHAPES[DEFAULT_MODEL].head_dim}; block_size 16, float16) and sized as vLLM
-sizes its KV cache: on CUDA, --memory-fraction ({DEFAULT_MEMORY_FRACTION} by default) of the device's free memory
-less a {DEFAULT_RESERVED_BYTES // 2**30} GiB reserve for the worker's weights and activations; on CPU, {CPU_DEFAULT_POOL_BYTES // 2**20} MiB of shared memory."""
+(default {DEFAULT_MODEL}: {MODEL_SHAPES[DEFAULT_MODEL].num_layers} layers,
+{MODEL_SHAPES[DEFAULT_MODEL].num_kv_heads} KV heads, head_dim {MODEL_SHAPES[DEFAULT_MODEL].head_dim}; block_size 16,
+float16) and sized as vLLM sizes its KV cache: on CUDA, --memory-fraction
+({DEFAULT_MEMORY_FRACTION} by default) of the device's free memory less a
+{DEFAULT_RESERVED_BYTES // 2**30} GiB reserve for the worker's weights and activations; on CPU,
+{CPU_DEFAULT_POOL_BYTES // 2**20} MiB of shared memory."""
 
 
 def _default_device() -> str:
@@ -319,7 +323,8 @@ def _default_device() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`radixkv serve ...`; returns the exit status: 0 after a graceful stop, 2 for a bad configuration, 1 if it cannot serve."""
+    """`radixkv serve ...`; returns the exit status: 0 after a graceful stop, 2 for a bad configuration,
+    1 if it cannot serve."""
     try:
         config, log_level = parse_args(sys.argv[1:] if argv is None else argv)
     except (ValueError, TypeError, OSError) as e:

@@ -13,6 +13,7 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     token = "secret"
     namespaces = ["chat", "code"]   # "*": any namespace
     max_blocks = 2048               # per pool; absent: no quota
+    max_cached_blocks = 4096        # per pool; absent: an even share of the pool when tenants are several
     map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
     admin = false                   # may call the Debug service (--debug-rpc): it reads every tenant's blocks
 
@@ -82,6 +83,7 @@ class TenantConfig:
     token: str
     namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
     max_blocks: int | None = None
+    max_cached_blocks: int | None = None  # None: an even share of each pool's blocks (several tenants)
     map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
     admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
 
@@ -94,8 +96,9 @@ class TenantConfig:
             raise ValueError(f"tenant {self.name!r}: empty token")
         if not self.namespaces:
             raise ValueError(f"tenant {self.name!r}: namespaces must not be empty")
-        if self.max_blocks is not None and self.max_blocks < 0:
-            raise ValueError(f"tenant {self.name!r}: max_blocks must be >= 0")
+        for key in ("max_blocks", "max_cached_blocks"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                raise ValueError(f"tenant {self.name!r}: {key} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -291,7 +294,7 @@ def _scalar(raw: str) -> int | float | str:
 def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
     tenants = []
     for name, values in tables.items():
-        unknown = set(values) - {"token", "namespaces", "max_blocks", "map_pools", "admin"}
+        unknown = set(values) - {"token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin"}
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
         namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
@@ -301,6 +304,7 @@ def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
                 str(values.get("token", "")),
                 namespaces,
                 values.get("max_blocks"),
+                values.get("max_cached_blocks"),
                 bool(values.get("map_pools", False)),
                 bool(values.get("admin", False)),
             )

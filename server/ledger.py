@@ -1,4 +1,5 @@
-"""What the server keeps beside the core for one pool: whose each sequence is, what each tenant holds, each session's pins.
+"""What the server keeps beside the core for one pool: whose each sequence is, what each tenant holds,
+each session's pins.
 
 The core knows blocks and sequences; it does not know sessions or tenants. `PoolLedger` is the one
 place that does, for one pool: the session owning each live sequence, each sequence's block-table
@@ -143,7 +144,8 @@ class PoolLedger:
         return pin
 
     def take_session(self, session: Session) -> tuple[list[int], list[Pin]]:
-        """Everything `session` holds in this pool, forgotten here: (its sequence ids, its pins) for the core to drop."""
+        """Everything `session` holds in this pool, forgotten here: (its sequence ids, its pins) for the core
+        to drop."""
         seq_ids = sorted(self._sequences.get(session, ()))
         for seq_id in seq_ids:
             self.forget(seq_id)

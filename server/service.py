@@ -208,6 +208,7 @@ class KVService:
                 children = pool.cache.fork(seq_id, num_children)
                 for child in children:
                     ledger.adopt(session, child, num_blocks)
+                self.keep_cache_share(pool, caller)
                 return children
 
             return session.requests.once(request_id, f"ForkSequence {pool.name}", apply, len)
@@ -217,7 +218,9 @@ class KVService:
 
             def apply() -> int:
                 pool.ledger.check_owner(session, seq_id)
-                return pool.cache.cache(seq_id)
+                num_cached = pool.cache.cache(seq_id)
+                self.keep_cache_share(pool, caller)
+                return num_cached
 
             return session.requests.once(request_id, f"CacheSequence {pool.name}", apply)
 
@@ -233,6 +236,8 @@ class KVService:
                     pool.cache.release_many(seq_ids, cache)
                 for seq_id in seq_ids:
                     ledger.forget(seq_id)
+                if cache:
+                    self.keep_cache_share(pool, caller)
                 return len(seq_ids)
 
             return session.requests.once(request_id, f"ReleaseSequences {pool.name}", apply)
@@ -393,6 +398,26 @@ class KVService:
         held = ledger.num_sequences_total()
         if held + num_new > self._max_pool_sequences:
             raise LimitExceeded("max_sequences", held + num_new, self._max_pool_sequences)
+
+    def cache_share(self, pool: Pool, caller: Tenant) -> int | None:
+        """How many blocks of `pool` the tenant's namespaces may keep cached: its `max_cached_blocks`, else
+        an even share of the pool when tenants are several; None: no bound (one caller)."""
+        if caller.max_cached_blocks is not None:
+            return caller.max_cached_blocks
+        return self.shares.of(pool.layout.num_blocks) if self.shares.num_tenants > 1 else None
+
+    def keep_cache_share(self, pool: Pool, caller: Tenant) -> None:
+        """After a call that cached: evict the tenant's own least recently used unlocked blocks past its share.
+
+        Without this one tenant could keep the whole pool resident by caching alone (its pins count
+        against its block quota instead). Blocks its live sequences lock stay: the quota bounds those.
+        """
+        share = self.cache_share(pool, caller)
+        if share is None:
+            return
+        cached = sum(n for ns, n in pool.cache.tree.num_cached_blocks_in.items() if caller.owns(ns))
+        if cached > share:
+            pool.cache.evict(cached - share, caller.owns)
 
     def check_namespaces(self, pool: Pool, caller: Tenant, namespaces: set[str]) -> None:
         """The tenant's share of the pool's namespaces: those it has cached or holds, plus these new ones."""

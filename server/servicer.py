@@ -1,4 +1,5 @@
-"""`radixkv.v1.KVCache` on the wire: each method turns its request into one `KVService` call and the result into its response.
+"""`radixkv.v1.KVCache` on the wire: each method turns its request into one `KVService` call and the
+result into its response.
 
 Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
 `KVService`; refusals become statuses in `status.translating_errors`.

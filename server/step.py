@@ -214,6 +214,8 @@ def _apply(
             for seq_id in seq_ids:
                 ledger.forget(seq_id)
             num_released += len(seq_ids)
+    if step.forks or step.caches or any(keep for _, keep in step.releases):
+        service.keep_cache_share(pool, session.tenant)
     return StepResult(opened, appended, forked, num_cached, num_released)
 
 

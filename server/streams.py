@@ -1,4 +1,5 @@
-"""WatchEvents streams: each a watcher on one pool's event hub; at most `max_streams` open at once, and a tenant's share of them.
+"""WatchEvents streams: each a watcher on one pool's event hub; at most `max_streams` open at once, and
+a tenant's share of them.
 
 An open stream holds one RPC thread for as long as its caller listens, so streams without a bound
 would let one client take every thread and starve the unary calls (every stream, WatchEvents or

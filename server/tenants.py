@@ -23,10 +23,14 @@ class Tenant:
     max_blocks: int | None  # per pool, over the block tables of the tenant's live sequences
     map_pools: bool  # may receive pool handles: mapped memory holds every tenant's K/V
     admin: bool = False  # may call the Debug service
+    max_cached_blocks: int | None = None  # per pool, over the tree's blocks in the tenant's namespaces
 
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
-        return cls(config.name, frozenset(config.namespaces), config.max_blocks, config.map_pools, config.admin)
+        return cls(
+            config.name, frozenset(config.namespaces), config.max_blocks, config.map_pools, config.admin,
+            config.max_cached_blocks,
+        )
 
     @property
     def prefix(self) -> str:

@@ -127,7 +127,9 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
 
 
 def test_mypy_strict_flags_cover_every_core_module() -> None:
-    """pyproject.toml spells out the strict section (radixkv/*.py but the torch-bound storage.py): a new module joins it."""
+    """pyproject.toml spells out the strict section (radixkv/*.py but the torch-bound storage.py).
+
+    A new module must join it."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     strict = [o for o in config["overrides"] if o.get("disallow_untyped_defs")]
     assert len(strict) == 1, "one strict section, for the core"

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import RadixTree
 from radixkv.token_ids import to_token_bytes
 
@@ -139,3 +140,20 @@ def test_check_invariants_catches_an_evictable_list_out_of_order():
     older.last_access += 100  # written while listed: the list no longer sorts by its key
     with pytest.raises(AssertionError, match="out of LRU order"):
         tree.check_invariants()
+
+
+def test_eviction_limited_to_namespaces_takes_only_theirs_and_counts_per_namespace() -> None:
+    cache = KVCache(num_blocks=16, block_size=2)
+    for namespace, first in (("a", 0), ("b", 100), ("a", 200)):
+        seq = cache.open([first, first + 1, first + 2, first + 3, first + 4], namespace)
+        cache.commit([seq.seq_id], [5])
+        cache.release(seq.seq_id)
+    cache.check_invariants()
+    assert cache.tree.num_cached_blocks_in == {"a": 4, "b": 2}
+    assert cache.evict(3, namespaces=lambda ns: ns == "b") == 2, "only b's blocks, however old a's are"
+    assert cache.tree.num_cached_blocks_in == {"a": 4}
+    assert cache.match([100, 101, 102], "b") == 0 and cache.match([0, 1, 2, 3], "a") == 4
+    assert cache.evict(1, namespaces=lambda ns: ns == "a") == 1
+    assert cache.tree.num_cached_blocks_in == {"a": 3}
+    assert cache.match([0, 1, 2, 3], "a") == 2, "the least recently used of a's leaves lost its tail block"
+    cache.check_invariants()

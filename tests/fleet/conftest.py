@@ -7,16 +7,13 @@ the same port, as a crashed pod comes back.
 
 from __future__ import annotations
 
-import json
-import selectors
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from radixkv.server.process import ServerProcess
 
 BLOCK_SIZE = 4
 
@@ -37,46 +34,24 @@ class FleetServer:
     def start(self, timeout: float = 60.0) -> None:
         self.topic = f"kv@127.0.0.1:{self.port}@test-model"  # port 0 on a first start: still a valid topic
         args = [
-            sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--pool", pool_flag(self.num_blocks), "--debug-rpc",
+            "--port", str(self.port), "--pool", pool_flag(self.num_blocks), "--debug-rpc",
             "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", self.topic,
             *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []), *self.extra,
         ]  # fmt: skip
         self.log_path = self.log_dir / f"{self.name}.{self.num_starts}.log"
         self.num_starts += 1
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()/kill()
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
-        assert self.proc.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
-        line = self.proc.stdout.readline() if selector.select(timeout) else b""
-        if not line:
-            self.proc.kill()
-            raise RuntimeError(f"server did not start; log: {self.log_path.read_text()[-2000:]}")
-        announcement = json.loads(line)
-        self.port = announcement["port"]
-        self.address = f"127.0.0.1:{self.port}"
-        kv = announcement["kv_events"]["default"]
+        self.server = ServerProcess(args, self.log_path, timeout)
+        self.port, self.address = self.server.port, self.server.address
+        kv = self.server.announcement["kv_events"]["default"]
         self.events_endpoint: str = kv["endpoint"]
         self.replay_endpoint: str | None = kv["replay_endpoint"]
 
     def kill(self) -> None:
         """SIGKILL: no graceful stop, as a crashed pod."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        self.server.kill()
 
     def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return self.server.stop(timeout)
 
 
 @pytest.fixture

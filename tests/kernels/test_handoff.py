@@ -81,30 +81,18 @@ def test_prefill_fork_and_cow_decode_through_the_kernels(device):
     worker.check_attention(step)
 
 
-def test_arrays_have_the_kernels_dtypes_and_shapes():
+def test_step_tensors_have_the_kernels_dtypes_after_pickling():
+    """The arrays themselves are tests/core/test_handoff.py's; here, what a worker process receives."""
     cache = KVCache(NUM_BLOCKS, BLOCK_SIZE)
     a, b = cache.open_many([(list(range(9)), "default"), (list(range(50, 53)), "default")])
-    opens = StepArrays.from_opens([a, b])
-    assert opens.seq_ids.dtype == np.int64 and opens.seq_ids.tolist() == [a.seq_id, b.seq_id]
-    assert opens.slots.dtype == np.int64 and opens.slots.tolist() == [*a.slots.tolist(), *b.slots.tolist()]
-    assert opens.block_tables.dtype == np.int32 and opens.block_tables.shape == (2, 3)
-    assert opens.block_tables[1].tolist() == [*b.block_table, 0, 0], "short rows padded with zeros"
-    assert opens.seq_lens.dtype == np.int32 and opens.seq_lens.tolist() == [9, 3]
-    assert opens.query_starts.tolist() == [0, 9, 12] and opens.num_new_tokens.tolist() == [9, 3]
-    assert opens.copies.dtype == np.int64 and opens.copies.shape == (0, 2)
-    assert a.step_arrays().slots.tolist() == a.slots.tolist()
-
-    batch = cache.append_batch([b.seq_id], [2], [53, 54])
-    decode = batch.step_arrays(cache.block_table)
-    both = StepArrays.concat([opens, decode])
-    assert both.block_tables.shape == (3, 3) and both.query_starts.tolist() == [0, 9, 12, 14]
-    assert both.seq_lens.tolist() == [9, 3, 5]
-
-    t = step_tensors(pickle.loads(pickle.dumps(both)), "cpu")  # what a worker process receives
+    decode = cache.append_batch([b.seq_id], [2], [53, 54]).step_arrays(cache.block_table)
+    both = StepArrays.concat([StepArrays.from_opens([a, b]), decode])
+    t = step_tensors(pickle.loads(pickle.dumps(both)), "cpu")
     assert (t.slots.dtype, t.copies.dtype, t.block_tables.dtype, t.seq_lens.dtype, t.seq_ids.dtype) == (
         torch.int64, torch.int64, torch.int32, torch.int32, torch.int64,
     )  # fmt: skip
     assert t.block_tables.tolist() == both.block_tables.tolist()
+    assert t.slots.tolist() == both.slots.tolist() and t.seq_lens.tolist() == both.seq_lens.tolist()
 
 
 def test_copy_blocks_takes_what_the_core_returns(device):

@@ -161,7 +161,9 @@ def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
 
 
 def assert_defined_refusal(error: grpc.RpcError) -> str:
-    """A refusal is a status code with an ErrorInfo whose reason is known and maps to exactly that code; returns the reason."""
+    """A refusal is a status code with an ErrorInfo whose reason is known and maps to exactly that code.
+
+    Returns the reason."""
     info = error_info(error)
     code = error.code()  # type: ignore[attr-defined]
     assert info is not None, f"{code} without an ErrorInfo: {error.details()}"  # type: ignore[attr-defined]

@@ -275,8 +275,8 @@ def test_fuzzed_watch_streams_start_or_are_refused_cleanly(world: World, hardene
     def run(data: st.DataObject) -> None:
         if data.draw(st.booleans()):
             request = pb.WatchEventsRequest(
-                pool=data.draw(POOLS), session_id=world.sessions(data), namespaces=data.draw(st.lists(NAMESPACES, max_size=3)),
-                include_snapshot=True,
+                pool=data.draw(POOLS), session_id=world.sessions(data),
+                namespaces=data.draw(st.lists(NAMESPACES, max_size=3)), include_snapshot=True,
             ).SerializeToString()  # fmt: skip
         else:
             request = data.draw(RAW_MESSAGES)

@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from radixkv.client import RadixKVClient
+from radixkv.errors import LimitExceeded
+from radixkv.step import Commit, Step
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -168,7 +170,8 @@ def test_one_tenant_cannot_take_every_session(tenants) -> None:  # type: ignore[
     for _ in range(share):
         alpha.session()
     assert refused(alpha.call, "OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)) == (
-        LIMITED, "LIMIT_EXCEEDED", {"limit": "max_sessions_per_tenant", "requested": str(share + 1), "allowed": str(share)}
+        LIMITED, "LIMIT_EXCEEDED",
+        {"limit": "max_sessions_per_tenant", "requested": str(share + 1), "allowed": str(share)},
     )  # fmt: skip
     assert beta.session()  # the other tenant still opens its own
 
@@ -233,6 +236,66 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
     beta.call("CommitTokens", pb.CommitTokensRequest(session_id=other, seq_ids=[seq], num_tokens=[4 * BLOCK_SIZE + 1]))
     beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=other, seq_ids=[seq]))
     assert beta.call("Pin", pb.PinRequest(session_id=other, token_ids=[8] * (4 * BLOCK_SIZE))).num_pinned_tokens == 16  # type: ignore[attr-defined]
+
+
+def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Cached blocks count against a cache share: past it a tenant evicts its own oldest blocks, not others'."""
+    tokens = {"alpha": "alpha-cache-0000", "beta": "beta-cache-11111", "gamma": "gamma-cache-2222"}
+    (tmp_path / "tenants.toml").write_text(
+        "".join(f'[tenants.{name}]\ntoken = "{token}"\n' for name, token in tokens.items()) + "max_cached_blocks = 8\n"
+    )
+    srv = start_server(
+        "--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16",
+        "--auth-tokens", str(tmp_path / "tenants.toml"),
+    )  # fmt: skip
+    clients = {name: RadixKVClient(srv.address, token=token) for name, token in tokens.items()}
+    try:
+
+        def cache(name: str, prompt: list[int]) -> None:
+            client = clients[name]
+            seq = client.open(prompt).seq_id
+            client.commit([seq], [len(prompt)])
+            client.release(seq)
+
+        def cached(name: str, prompt: list[int]) -> int:
+            return clients[name].match(prompt) // 4
+
+        beta_prompt = [500 + t for t in range(33)]  # 8 full blocks
+        cache("beta", beta_prompt)
+        alpha_prompts = [[1000 * (p + 1) + t for t in range(33)] for p in range(14)]  # 112 blocks: the pool is 64
+        for prompt in alpha_prompts:
+            cache("alpha", prompt)
+            assert sum(cached("alpha", p) for p in alpha_prompts) <= 64 // 3, "alpha kept more than its share cached"
+        assert cached("beta", beta_prompt) == 8, "alpha's caching evicted beta's prefix"
+        assert cached("alpha", alpha_prompts[-1]) == 8 and cached("alpha", alpha_prompts[0]) == 0, "alpha's oldest go first"
+        for p in range(2):  # gamma's configured share is 8 blocks: its second prompt evicts its first
+            cache("gamma", [[7000, 8000][p] + t for t in range(33)])
+        assert (cached("gamma", [7000 + t for t in range(33)]), cached("gamma", [8000 + t for t in range(33)])) == (0, 8)
+        assert clients["beta"].stats().num_blocks_cached == 8 + 64 // 3 + 8
+        # A Session step that caches keeps the share too.
+        stepped = clients["gamma"].step(Step(opens=[([9000 + t for t in range(33)], "")])).opened[0].seq_id
+        clients["gamma"].step(Step(commit=Commit([stepped], [33]), releases=[([stepped], True)]))
+        assert (cached("gamma", [8000 + t for t in range(33)]), cached("gamma", [9000 + t for t in range(33)])) == (0, 8)
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = {"alpha": "alpha-seqs-00000", "beta": "beta-seqs-111111"}
+    (tmp_path / "tenants.toml").write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()))
+    srv = start_server(
+        "--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16",
+        "--auth-tokens", str(tmp_path / "tenants.toml"), "--max-sequences", "4",
+    )  # fmt: skip
+    with RadixKVClient(srv.address, token=tokens["alpha"]) as alpha, RadixKVClient(srv.address, token=tokens["beta"]) as beta:
+        first = alpha.open([1, 2, 3]).seq_id
+        alpha.open([4, 5, 6])
+        for take_one_more in (lambda: alpha.open([7]), lambda: alpha.fork(first, 1)):  # a share of 4 // 2
+            with pytest.raises(LimitExceeded) as caught:
+                take_one_more()
+            assert caught.value.metadata["limit"] == "max_sequences_per_tenant"
+        assert [beta.open([8]).num_cached_tokens, beta.open([9]).num_cached_tokens] == [0, 0], "beta still gets its share"
 
 
 # -- 3. a call applies and its response arrives, or it changes nothing -------------------------

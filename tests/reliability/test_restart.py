@@ -24,7 +24,9 @@ SHM = Path("/dev/shm")
 
 
 def _until_reachable(call: Callable[[], object], wait_until: Callable[..., bool]) -> object:
-    """Call until the channel has reconnected (gRPC backs off between attempts); returns what the call raised or returned."""
+    """Call until the channel has reconnected (gRPC backs off between attempts).
+
+    Returns what the call raised or returned."""
     outcome: list[object] = []
 
     def attempt() -> bool:

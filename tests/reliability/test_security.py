@@ -161,8 +161,12 @@ def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certific
         assert by_name.stats().num_blocks_total == 64  # the certificate names localhost too
     attempts = {
         "plaintext to TLS": lambda: RadixKVClient(secure.address, token=TOKENS["globex"], timeout=5),
-        "untrusted certificate": lambda: RadixKVClient(secure.address, token=TOKENS["globex"], tls_root_cert=str(certificates["stranger"][0]), timeout=5),
-        "TLS to plaintext": lambda: RadixKVClient(hardened.address, tls_root_cert=str(certificates["server"][0]), timeout=5),
+        "untrusted certificate": lambda: RadixKVClient(
+            secure.address, token=TOKENS["globex"], tls_root_cert=str(certificates["stranger"][0]), timeout=5
+        ),
+        "TLS to plaintext": lambda: RadixKVClient(
+            hardened.address, tls_root_cert=str(certificates["server"][0]), timeout=5
+        ),
     }  # fmt: skip
     for name, attempt in attempts.items():
         with pytest.raises(grpc.RpcError) as failed:

@@ -3,17 +3,14 @@
 `server`: no auth; pools "default" (256 blocks) and "tiny" (8 blocks, for refusals and eviction);
 the test-only Debug service on, so tests can ask the server to check its own invariants.
 `auth_server`: bearer tokens for tenants acme (namespaces chat, code; an 8-block quota) and globex
-(any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed certificate made here.
+(any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed
+certificate made here.
 """
 
 from __future__ import annotations
 
-import json
-import selectors
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL_FLAGS = [
-    "--pool", "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=256,dtype=float32,max_fork_children=8",
+    "--pool",
+    "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=256,dtype=float32,max_fork_children=8",
     "--pool", "tiny:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16",
 ]  # fmt: skip
 ACME_TOKEN = "acme-secret-token"
@@ -40,48 +39,6 @@ token = "{GLOBEX_TOKEN}"
 map_pools = true
 admin = true
 """
-
-
-class ServerProcess:
-    """`python -m radixkv.server.app serve ...` as a child; learns its ports from the stdout announcement."""
-
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 60.0) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 -- closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self._log,
-        )  # fmt: skip
-        announcement = self._read_line(timeout)
-        self.port: int = announcement["port"]
-        self.metrics_port: int | None = announcement["metrics_port"]
-        self.address = f"127.0.0.1:{self.port}"
-
-    def _read_line(self, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        selector = selectors.DefaultSelector()
-        selector.register(self.proc.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout):
-            self.proc.kill()
-            raise RuntimeError(
-                f"server did not announce its port in {timeout}s; log: {self.log_path.read_text()[-2000:]}"
-            )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"server exited ({self.proc.wait()}); log: {self.log_path.read_text()[-2000:]}")
-        return json.loads(line)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then wait; kill only if it does not stop in time. Returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="session")

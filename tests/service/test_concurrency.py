@@ -1,4 +1,5 @@
-"""Eight clients at once, mixing every operation for a few seconds; afterwards nothing is held and every count agrees."""
+"""Eight clients at once, mixing every operation for a few seconds; afterwards nothing is held and every
+count agrees."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every KVCache RPC through `RadixKVClient` against a real server process, checked against the server's own invariants."""
+"""Every KVCache RPC through `RadixKVClient` against a real server process, checked against the server's
+own invariants."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The wire contract's artefacts: generated code matches proto/, buf lint and buf breaking pass, the client stays torch-free."""
+"""The wire contract's artefacts: generated code matches proto/, buf lint and buf breaking pass, the client
+stays torch-free."""
 
 from __future__ import annotations
 
