@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import grpc
 
 from radixkv.client import messages as m
+from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
@@ -73,19 +74,11 @@ class RadixKVClient:
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 2**20,
     ) -> None:
-        options: list[tuple[str, Any]] = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        if tls_root_cert is not None:
-            if isinstance(tls_root_cert, str):
-                with open(tls_root_cert, "rb") as f:
-                    tls_root_cert = f.read()
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root_cert), options)
-        else:
+        credentials, options = channel_settings(max_message_bytes, tls_root_cert, tls_server_name)
+        if credentials is None:
             self._channel = grpc.insecure_channel(address, options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options)
         self._stub = kvcache_pb2_grpc.KVCacheStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
