@@ -52,13 +52,20 @@ def lock_matches(tree: RadixTree, planned: list[PlannedOpen]) -> list[tuple[Toke
 
 
 def start_sequence(
-    seq_id: int, namespace: str, node: Node, num_matched_blocks: int, new_blocks: list[int], tail: bytes, block_size: int
+    seq_id: int,
+    namespace: str,
+    node: Node,
+    num_matched_blocks: int,
+    new_blocks: list[int],
+    tail: bytes,
+    block_size: int,
 ) -> tuple[LiveSequence, OpenResult]:
     """A sequence holding the locked path to `node` plus `new_blocks` for the `tail` tokens past it, and its record.
 
     Every cached token counts as computed; the uncached ones start on a block boundary.
     """
-    table = path_blocks(node, num_matched_blocks) + new_blocks
+    table = path_blocks(node, num_matched_blocks)
+    table += new_blocks  # in place: a 128k-token table is not copied once more
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, [], num_tokens, num_cached)
@@ -66,7 +73,9 @@ def start_sequence(
     return seq, OpenResult(seq_id, num_cached, list(table), slots)
 
 
-def open_planned(blocks: Allocator, sequences: Sequences, planned: list[PlannedOpen], namespaces: list[str]) -> list[OpenResult]:
+def open_planned(
+    blocks: Allocator, sequences: Sequences, planned: list[PlannedOpen], namespaces: list[str]
+) -> list[OpenResult]:
     """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan)."""
     bs, stats = blocks.tree.block_size, blocks.stats
     results = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixkv.block_pool import BlockPool
-from radixkv.errors import OutOfBlocks
+from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.radix_tree import RadixTree
 from radixkv.stats import Stats
 
@@ -40,3 +40,9 @@ class Allocator:
         self.stats.num_evicted_blocks += len(evicted)
         self.pool.free_exclusive(evicted)  # the tree was their only holder
         return len(evicted)
+
+    def evict_checked(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        """`evict` for a caller's `num_blocks`: InvalidArgument unless a non-negative integer."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
+        return self.evict(num_blocks, namespaces) if num_blocks else 0

@@ -15,7 +15,7 @@ from radixkv.allocation import Allocator
 from radixkv.block_pool import BlockPool, cdiv
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.results import AppendBatch, SlotPlan
-from radixkv.sequence import LiveSequence
+from radixkv.sequence import LiveSequence, Sequences
 from radixkv.token_ids import TokenIds, TokenKey
 
 AppendPlan = tuple[int, int | None]  # (num_new_blocks, cow_src): the shared last block to copy first, if any
@@ -29,6 +29,13 @@ def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: s
     if counts and min(counts) < 1:
         raise InvalidArgument(field, "every sequence appends at least one token")
     return counts
+
+
+def append_many_args(requests: Sequence[tuple[int, TokenIds]]) -> tuple[list[int], list[int], bytes]:
+    """`append_many`'s requests checked, as `append_batch`'s columns: (seq_ids, counts, the tokens packed)."""
+    fields = ["token_ids"] if len(requests) == 1 else [f"requests[{i}].token_ids" for i in range(len(requests))]
+    keys = [TokenKey.of(token_ids, field) for (_, token_ids), field in zip(requests, fields, strict=True)]
+    return [seq_id for seq_id, _ in requests], [k.num_tokens for k in keys], b"".join(k.data for k in keys)
 
 
 def append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> tuple[list[int], bytes]:
@@ -59,7 +66,13 @@ def plan_append(
     return cdiv(seq.num_tokens + count, block_size) - len(table) + (cow_src is not None), cow_src
 
 
-def plan_batch(sequences: list[LiveSequence], counts: list[int], block_size: int, max_tokens: int, ref_counts: npt.NDArray[np.int32]) -> list[AppendPlan]:
+def plan_batch(
+    sequences: list[LiveSequence],
+    counts: list[int],
+    block_size: int,
+    max_tokens: int,
+    ref_counts: npt.NDArray[np.int32],
+) -> list[AppendPlan]:
     """`plan_append` for each sequence of one batch; raises LimitExceeded for one that would grow past `max_tokens`."""
     copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
     plans = []
@@ -70,7 +83,9 @@ def plan_batch(sequences: list[LiveSequence], counts: list[int], block_size: int
     return plans
 
 
-def apply_append(seq: LiveSequence, tokens: memoryview, count: int, cow_src: int | None, new_blocks: list[int], pool: BlockPool) -> int:
+def apply_append(
+    seq: LiveSequence, tokens: memoryview, count: int, cow_src: int | None, new_blocks: list[int], pool: BlockPool
+) -> int:
     """Grow `seq` by `count` tokens into `new_blocks` as planned; returns the first table entry that changed.
 
     Appending says every earlier token's K/V is written, so the watermark moves up to the old length.
@@ -91,8 +106,14 @@ def apply_append(seq: LiveSequence, tokens: memoryview, count: int, cow_src: int
 
 
 def apply_batch(
-    seq_ids: Sequence[int], sequences: list[LiveSequence], counts: list[int], plans: list[AppendPlan], new_blocks: list[int], key: bytes,
-    pool: BlockPool, block_size: int,
+    seq_ids: Sequence[int],
+    sequences: list[LiveSequence],
+    counts: list[int],
+    plans: list[AppendPlan],
+    new_blocks: list[int],
+    key: bytes,
+    pool: BlockPool,
+    block_size: int,
 ) -> AppendBatch:
     """Apply a planned batch (`new_blocks` holds every block the plans take, in order) and describe it in columns."""
     bs, view = block_size, memoryview(key)
@@ -120,11 +141,12 @@ def apply_batch(
 
 
 def append(
-    blocks: Allocator, sequences: list[LiveSequence], seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
+    blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
 ) -> AppendBatch:
     """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order."""
-    plans = plan_batch(sequences, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
+    live = sequences.batch(seq_ids)
+    plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
     new_blocks = blocks.allocate(sum(n for n, _ in plans))
-    batch = apply_batch(seq_ids, sequences, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
+    batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
     blocks.stats.num_cow_copies += len(batch.copies)
     return batch

@@ -29,13 +29,17 @@ def check_tree(tree: RadixTree) -> None:
         cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
         assert node.block_ids, f"node {node.node_id} holds no block"
         assert len(node.token_bytes) == len(node.block_ids) * bb, f"node {node.node_id}: tokens and blocks disagree"
-        assert node.parent is not None and node.parent.children.get(node.token_bytes[:bb]) is node, f"node {node.node_id}: parent link broken"
+        assert node.parent is not None and node.parent.children.get(node.token_bytes[:bb]) is node, (
+            f"node {node.node_id}: parent link broken"
+        )
         for block_id in node.block_ids:
             assert block_id not in seen, f"block {block_id} held by two tree nodes"
             seen.add(block_id)
         child_locks = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_locks, f"node {node.node_id}: lock_ref {node.lock_ref} < children's {child_locks}"
-        assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), f"node {node.node_id}: pin_ref below children's"
+        assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), (
+            f"node {node.node_id}: pin_ref below children's"
+        )
         for child in node.children.values():
             assert node.last_access >= child.last_access, f"node {node.node_id} accessed before its child"
         cached += len(node.block_ids)
@@ -48,11 +52,15 @@ def check_tree(tree: RadixTree) -> None:
     for namespace, root in tree.roots.items():
         assert root.namespace == namespace, f"root of {namespace!r} is filed under another name"
         assert root.children or root.lock_ref, f"namespace {namespace!r} holds nothing and should be gone"
-        assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), f"root of {namespace!r}: lock_ref below children's"
+        assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), (
+            f"root of {namespace!r}: lock_ref below children's"
+        )
     assert evictable == tree.num_evictable_blocks, f"evictable blocks {tree.num_evictable_blocks} != {evictable}"
     assert pinned == tree.num_pinned_blocks, f"pinned blocks {tree.num_pinned_blocks} != {pinned}"
     assert cached == tree.num_cached_blocks, f"cached blocks {tree.num_cached_blocks} != {cached}"
-    assert cached_in == tree.num_cached_blocks_in, f"cached blocks per namespace {tree.num_cached_blocks_in} != {cached_in}"
+    assert cached_in == tree.num_cached_blocks_in, (
+        f"cached blocks per namespace {tree.num_cached_blocks_in} != {cached_in}"
+    )
     listed = tree.evictable_leaves()
     assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
     keys = [lru_key(n) for n in listed]
@@ -60,7 +68,9 @@ def check_tree(tree: RadixTree) -> None:
     assert len(listed) == len(leaves), "a leaf is listed twice"
 
 
-def check_holders(pool: BlockPool, tree: RadixTree, sequences: Iterable[LiveSequence], pins: Iterable[tuple[Node, int]]) -> None:
+def check_holders(
+    pool: BlockPool, tree: RadixTree, sequences: Iterable[LiveSequence], pins: Iterable[tuple[Node, int]]
+) -> None:
     """Every ref_count equals the tree's hold plus the sequences' private holds; every lock_ref its holders."""
     pool.check_invariants()
     check_tree(tree)
@@ -79,17 +89,27 @@ def check_holders(pool: BlockPool, tree: RadixTree, sequences: Iterable[LiveSequ
         path_tokens = sum(TokenKey.count(run) for run in _path_runs(seq.lock_node))
         assert path_tokens == seq.num_tree_blocks * bs, f"seq {seq.seq_id}: locked path length wrong"
         assert TokenKey.count(seq.tail_bytes) == seq.num_tokens - path_tokens, f"seq {seq.seq_id}: tail tokens lost"
-        assert tree.roots[seq.namespace] is _root_of(seq.lock_node), f"seq {seq.seq_id}: locked path in another namespace"
+        assert tree.roots[seq.namespace] is _root_of(seq.lock_node), (
+            f"seq {seq.seq_id}: locked path in another namespace"
+        )
         private = set(seq.private_prefix)
-        for table_block, path_block in zip(seq.block_table, path_blocks(seq.lock_node, seq.num_tree_blocks), strict=False):
-            assert table_block == path_block or table_block in private, f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
+        for table_block, path_block in zip(
+            seq.block_table, path_blocks(seq.lock_node, seq.num_tree_blocks), strict=False
+        ):
+            assert table_block == path_block or table_block in private, (
+                f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
+            )
         _count_path(seq.lock_node, locks, 1)
     for node, count in pins:
         _count_path(node, locks, count)
     for node in [*tree.roots.values(), *(n for _, n in tree.nodes())]:
-        assert node.lock_ref == locks.get(node.node_id, 0), f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
+        assert node.lock_ref == locks.get(node.node_id, 0), (
+            f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
+        )
     for block_id, count in enumerate(expected):
-        assert pool.ref_counts[block_id] == count, f"block {block_id}: ref_count {pool.ref_counts[block_id]} != holders {count}"
+        assert pool.ref_counts[block_id] == count, (
+            f"block {block_id}: ref_count {pool.ref_counts[block_id]} != holders {count}"
+        )
     for block_id in tree.tree_block_ids():
         assert pool.ref_counts[block_id] == 1, f"cached block {block_id} is also held by count"
 

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from radixkv.admission import PlannedOpen, lock_prefix, open_planned, plan_open
 from radixkv.allocation import Allocator
-from radixkv.append import append, append_args, append_counts, plan_batch
+from radixkv.append import append, append_args, append_counts, append_many_args, plan_batch
 from radixkv.block_pool import BlockPool
-from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
+from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.fork import check_fork, fork
 from radixkv.invariants import check_holders
 from radixkv.limits import Limits
@@ -42,21 +42,27 @@ class KVCache:
     unlocked cached block is always reclaimable. Every error leaves every count as it was.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, limits: Limits | None = None, *, first_seq_id: int = 1) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        limits: Limits | None = None,
+        *,
+        first_seq_id: int = 1,
+        tree: RadixTree | None = None,
+    ) -> None:
         """`first_seq_id`: where sequence ids start; a server picks a fresh one per run so that an id
-        from before a restart never names a sequence after it."""
+        from before a restart never names a sequence after it. `tree`: another eviction policy to compare."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
         self.limits = limits or Limits()
         self.pool = BlockPool(num_blocks)
-        self.tree = RadixTree(block_size)
+        self.tree = tree or RadixTree(block_size)
         self.stats_counters = Stats(num_blocks_total=num_blocks)
         self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
         self._blocks = Allocator(self.pool, self.tree, self.stats_counters)
-
-    # -- sizing ----------------------------------------------------------------------------------
 
     def num_available_blocks(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""
@@ -66,9 +72,7 @@ class KVCache:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
         evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
         tenant's cache within its share (`namespaces`: only from the namespaces it accepts)."""
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
-        return self._blocks.evict(num_blocks, namespaces) if num_blocks else 0
+        return self._blocks.evict_checked(num_blocks, namespaces)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         return namespace_root(self.tree, namespace, self.limits.max_namespaces, field)
@@ -120,9 +124,7 @@ class KVCache:
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
-        keys = [TokenKey.of(t, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids") for i, (_, t) in enumerate(requests)]
-        counts = [k.num_tokens for k in keys]
-        return self._append([seq_id for seq_id, _ in requests], counts, b"".join(k.data for k in keys)).results()
+        return self._append(*append_many_args(requests)).results()
 
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
@@ -143,18 +145,18 @@ class KVCache:
         counts = append_counts(seq_ids, num_tokens, "num_tokens")
         sequences = self._sequences.batch(seq_ids)
         try:
-            plans = self._plan_append(sequences, counts)
+            return self._num_blocks_to_append(sequences, counts) <= self.num_available_blocks()
         except LimitExceeded:
             return False
-        return sum(n for n, _ in plans) <= self.num_available_blocks()
 
-    def _plan_append(self, sequences: list[LiveSequence], counts: list[int]) -> list[tuple[int, int | None]]:
-        """Per sequence: (num_new_blocks, cow_src); changes nothing (see `radixkv.append.plan_append`)."""
-        return plan_batch(sequences, counts, self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts)
+    def _num_blocks_to_append(self, sequences: list[LiveSequence], counts: list[int]) -> int:
+        """New blocks plus copies (see `radixkv.append.plan_append`); changes nothing."""
+        plans = plan_batch(sequences, counts, self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts)
+        return sum(n for n, _ in plans)
 
     def _append(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
         """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
-        return append(self._blocks, self._sequences.batch(seq_ids), seq_ids, counts, key, self.limits.max_tokens_per_request)
+        return append(self._blocks, self._sequences, seq_ids, counts, key, self.limits.max_tokens_per_request)
 
     def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Mark the K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` as written, all or none.
@@ -170,8 +172,6 @@ class KVCache:
         """Raise what `commit` would raise for these arguments; changes nothing."""
         self._sequences.for_commit(seq_ids, num_tokens)
 
-    # -- fork ------------------------------------------------------------------------------------
-
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
 
@@ -182,7 +182,7 @@ class KVCache:
         self.stats_counters.num_forked_sequences += num_children
         return children
 
-    # -- cache / release -------------------------------------------------------------------------
+    # -- fork, cache, release --------------------------------------------------------------------
 
     def cache(self, seq_id: int) -> int:
         """Insert the sequence's computed full blocks into the tree now, so the next turn hits;
@@ -253,11 +253,13 @@ class KVCache:
         finally:
             self.tree.drop_empty_roots()  # namespaces the dry run created
 
-    def check_append(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds, num_blocks_taken: int = 0) -> None:
+    def check_append(
+        self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds, num_blocks_taken: int = 0
+    ) -> None:
         """Raise what `append_batch(...)` would raise once `num_blocks_taken` of the available blocks
         are gone (to opens applied before it). Changes nothing but the allocation-failure counter."""
         counts, _ = append_args(seq_ids, num_token_ids, token_ids)
-        needed = sum(n for n, _ in self._plan_append(self._sequences.batch(seq_ids), counts))
+        needed = self._num_blocks_to_append(self._sequences.batch(seq_ids), counts)
         self._blocks.refuse_unless(needed, self.num_available_blocks() - num_blocks_taken)
 
     def check_fork(self, seq_id: int, num_children: int) -> None:
@@ -295,4 +297,3 @@ class KVCache:
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare; raises AssertionError naming what broke."""
         check_holders(self.pool, self.tree, self._sequences, self._pins.holders())
-

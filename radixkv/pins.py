@@ -21,7 +21,9 @@ class Pins:
         tree = self.tree
         match = tree.match(root, key.data) if root is not None else None
         if match is None or match.num_blocks == 0:
-            raise FailedPrecondition("nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace)
+            raise FailedPrecondition(
+                "nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace
+            )
         added = tree.blocks_to_pin(match.path, match.num_blocks_in_node)
         if tree.num_pinned_blocks + added > max_pinned_blocks:
             raise LimitExceeded("pinned_blocks", tree.num_pinned_blocks + added, max_pinned_blocks)

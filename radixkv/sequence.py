@@ -95,7 +95,9 @@ class Sequences:
     def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[LiveSequence]:
         """The sequences `commit(seq_ids, num_tokens)` would move, or the error it would raise."""
         if len(num_tokens) != len(seq_ids):
-            raise InvalidArgument("num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}")
+            raise InvalidArgument(
+                "num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}"
+            )
         sequences = self.batch(seq_ids)
         check_watermarks(sequences, num_tokens)
         return sequences
@@ -120,6 +122,8 @@ def check_watermarks(sequences: list[LiveSequence], num_tokens: Sequence[int]) -
         if not isinstance(n, int | np.integer) or isinstance(n, bool):
             raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
         if n < seq.num_computed_tokens:
-            raise InvalidArgument(f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed")
+            raise InvalidArgument(
+                f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed"
+            )
         if n > seq.num_tokens:
             raise InvalidArgument(f"num_tokens[{i}]", f"{n} is past the sequence's {seq.num_tokens} tokens")
