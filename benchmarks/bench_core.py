@@ -42,12 +42,16 @@ BLOCK_SIZE = 16
 class WholeLeafTree(RadixTree):
     """The alternative policy: evict whole LRU leaves, as SGLang's RadixCache does."""
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> list[int]:
+        assert namespaces is None, "the replay has no tenant cache shares"
         freed: list[int] = []
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
             leaf = leaves.pop(0)
             freed.extend(leaf.block_ids)
+            self.num_cached_blocks_in[leaf.namespace] -= len(leaf.block_ids)  # tenant shares: unused here, kept exact
+            if not self.num_cached_blocks_in[leaf.namespace]:
+                del self.num_cached_blocks_in[leaf.namespace]
             self._detach(leaf)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
@@ -86,8 +90,7 @@ def bench_trace(total_tokens: int) -> dict:
             best = result
     timed_cache = KVCache(num_blocks, BLOCK_SIZE)
     timed = replay(timed_cache, trace, timed=True)
-    whole_leaf = KVCache(num_blocks, BLOCK_SIZE)
-    whole_leaf.tree = WholeLeafTree(BLOCK_SIZE)
+    whole_leaf = KVCache(num_blocks, BLOCK_SIZE, tree=WholeLeafTree(BLOCK_SIZE))
     whole_leaf_result = replay(whole_leaf, trace)
     assert best is not None
     return {

@@ -8,58 +8,16 @@ on each block it keeps; the caller (`KVCache`) turns the block ids the tree drop
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 import numpy as np
 from sortedcontainers import SortedList
 
+from radixkv.invariants import check_tree
+from radixkv.radix_node import Match, Node, TreeObserver, lru_key
 from radixkv.token_ids import TOKEN_BYTES
 
-_node_ids = itertools.count()
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Node:
-    token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
-    block_ids: list[int]  # the blocks holding them, one per block_size tokens; the tree's hold on each
-    parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
-    namespace: str  # the root's namespace: hits never cross namespaces
-    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
-    lock_ref: int = 0  # live sequences and pins whose locked path runs through here (root: of the namespace)
-    pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
-    last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
-    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-
-class TreeObserver(Protocol):
-    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
-
-    def blocks_stored(self, node: Node) -> None:
-        """`node` is a new leaf: all its blocks are newly cached."""
-
-    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
-        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
-
-
-def _lru_key(node: Node) -> tuple[int, int]:
-    return (node.last_access, node.node_id)
-
-
-@dataclasses.dataclass(slots=True)
-class Match:
-    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
-
-    node: Node
-    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
-    num_blocks: int  # blocks matched from the root
-    path: list[Node]  # root excluded, top-down, `node` last
+__all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key"]
 
 
 class RadixTree:
@@ -82,7 +40,7 @@ class RadixTree:
         self.observer = observer
         self.block_bytes = block_size * TOKEN_BYTES
         self.roots: dict[str, Node] = {}
-        self._evictable_leaves: SortedList = SortedList(key=_lru_key)
+        self._evictable_leaves: SortedList = SortedList(key=lru_key)
         self.num_evictable_blocks = 0
         self.num_pinned_blocks = 0
         self.num_cached_blocks = 0
@@ -302,42 +260,8 @@ class RadixTree:
                 stack.extend(node.children.values())
 
     def check_invariants(self) -> None:
-        seen: set[int] = set()
-        evictable = pinned = cached = 0
-        leaves = set()
-        cached_in: dict[str, int] = {}
-        for namespace, node in self.nodes():
-            cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
-            assert node.block_ids, f"node {node.node_id} holds no block"
-            assert len(node.token_bytes) == len(node.block_ids) * self.block_bytes, f"node {node.node_id}: tokens and blocks disagree"
-            assert node.parent is not None and node.parent.children.get(node.token_bytes[: self.block_bytes]) is node, f"node {node.node_id}: parent link broken"
-            for block_id in node.block_ids:
-                assert block_id not in seen, f"block {block_id} held by two tree nodes"
-                seen.add(block_id)
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, f"node {node.node_id}: lock_ref {node.lock_ref} < children's {child_locks}"
-            assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), f"node {node.node_id}: pin_ref below children's"
-            for child in node.children.values():
-                assert node.last_access >= child.last_access, f"node {node.node_id} accessed before its child"
-            cached += len(node.block_ids)
-            if node.lock_ref == 0:
-                evictable += len(node.block_ids)
-                if not node.children:
-                    leaves.add(node.node_id)
-            if node.pin_ref:
-                pinned += len(node.block_ids)
-        for namespace, root in self.roots.items():
-            assert root.namespace == namespace, f"root of {namespace!r} is filed under another name"
-            assert root.children or root.lock_ref, f"namespace {namespace!r} holds nothing and should be gone"
-            assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), f"root of {namespace!r}: lock_ref below children's"
-        assert evictable == self.num_evictable_blocks, f"evictable blocks {self.num_evictable_blocks} != {evictable}"
-        assert pinned == self.num_pinned_blocks, f"pinned blocks {self.num_pinned_blocks} != {pinned}"
-        assert cached == self.num_cached_blocks, f"cached blocks {self.num_cached_blocks} != {cached}"
-        assert cached_in == self.num_cached_blocks_in, f"cached blocks per namespace {self.num_cached_blocks_in} != {cached_in}"
-        assert {n.node_id for n in self._evictable_leaves} == leaves, "evictable leaf list != unlocked leaves"
-        keys = [_lru_key(n) for n in self._evictable_leaves]
-        assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
-        assert len(self._evictable_leaves) == len(leaves), "a leaf is listed twice"
+        """Recount from scratch and compare (see `radixkv.invariants.check_tree`)."""
+        check_tree(self)
 
     def tree_block_ids(self) -> list[int]:
         return [b for _, node in self.nodes() for b in node.block_ids]

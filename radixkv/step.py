@@ -25,7 +25,8 @@ class Append:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Commit:
-    """Computed watermarks in columns, as `commit` takes them: `seq_ids[i]`'s first `num_tokens[i]` tokens are written."""
+    """Computed watermarks in columns, as `commit` takes them: `seq_ids[i]`'s first `num_tokens[i]` tokens
+    are written."""
 
     seq_ids: Sequence[int]
     num_tokens: Sequence[int]

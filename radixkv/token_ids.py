@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.errors import InvalidArgument
+from radixkv.errors import InvalidArgument, LimitExceeded
 
 TOKEN_BYTES = 4
 MAX_TOKEN_ID = 2**31 - 1
@@ -65,9 +65,12 @@ class TokenKey:
         self.data = data  # already validated: use `TokenKey.of` for a caller's token ids
 
     @classmethod
-    def of(cls, token_ids: TokenIds, field: str = "token_ids") -> TokenKey:
-        """Raises InvalidArgument naming `field` (see `to_token_bytes`)."""
-        return cls(to_token_bytes(token_ids, field))
+    def of(cls, token_ids: TokenIds, field: str = "token_ids", *, max_tokens: int | None = None) -> TokenKey:
+        """Raises InvalidArgument naming `field` (see `to_token_bytes`), LimitExceeded past `max_tokens`."""
+        key = cls(to_token_bytes(token_ids, field))
+        if max_tokens is not None and key.num_tokens > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", key.num_tokens, max_tokens)
+        return key
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ import pytest
 from radixkv import KVCache
 from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
 from radixkv.kv_cache import Limits
+from radixkv.radix_tree import RadixTree
 
 
 def counts(cache):
@@ -382,3 +383,24 @@ def test_fork_does_not_copy_the_token_history_into_every_child() -> None:
         tracemalloc.stop()
     # Copies of the history cost 16 MiB here, copies of the tables alone 2 MiB: the history must be shared.
     assert allocated < 4 * 2**20, f"{allocated / 2**20:.1f} MiB for 64 children"
+
+
+def test_a_cache_built_on_another_tree_evicts_through_it():
+    """`KVCache(tree=...)` (how bench_core compares eviction policies): allocation evicts via that tree."""
+    calls = []
+
+    class CountingTree(RadixTree):
+        def evict(self, num_blocks, namespaces=None):
+            calls.append(num_blocks)
+            return super().evict(num_blocks, namespaces)
+
+    tree = CountingTree(4)
+    cache = KVCache(4, 4, tree=tree)
+    assert cache.tree is tree
+    first = cache.open(list(range(9)))  # 3 blocks
+    cache.commit([first.seq_id], [9])
+    cache.release(first.seq_id)  # 2 full blocks cached, 2 free
+    assert tree.num_cached_blocks == 2
+    cache.open(list(range(100, 112)))  # 3 blocks: one must be evicted
+    assert calls == [1] and tree.num_cached_blocks == 1
+    cache.check_invariants()

@@ -1,4 +1,5 @@
-"""`ServerProcess`, the one way tests, the demo and the benchmarks start a server: ready when built, gone when stopped."""
+"""`ServerProcess`, the one way tests, the demo and the benchmarks start a server: ready when built, gone
+when stopped."""
 
 from __future__ import annotations
 

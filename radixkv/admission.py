@@ -1,0 +1,101 @@
+"""Opening sequences: match each prompt, count what the batch takes, then lock every matched prefix.
+
+Planning changes nothing, so `check_open` and `open_many` refuse the same requests.
+"""
+
+from __future__ import annotations
+
+from radixkv.allocation import Allocator
+from radixkv.block_pool import cdiv
+from radixkv.radix_node import Match, Node
+from radixkv.radix_tree import RadixTree
+from radixkv.results import OpenResult, SlotPlan
+from radixkv.sequence import LiveSequence, Sequences, path_blocks
+from radixkv.token_ids import TokenKey
+
+PlannedOpen = tuple[TokenKey, Node, Match]  # the prompt, its namespace's root, its cached prefix
+
+
+def plan_open(tree: RadixTree, requests: list[tuple[TokenKey, Node]]) -> tuple[list[PlannedOpen], int, int]:
+    """Match each prompt; returns the matches, the blocks to allocate, and the blocks newly locked.
+
+    A fully cached prompt still recomputes its last token (the model needs its logits), so each
+    match stops one token short, in whole blocks. Newly locked blocks stop being evictable, so the
+    allocation must fit in what is available after them.
+    """
+    bs = tree.block_size
+    needed = 0
+    newly_locked: dict[int, int] = {}
+    planned: list[PlannedOpen] = []
+    for key, root in requests:
+        match = tree.match(root, key.data, (key.num_tokens - 1) // bs)
+        planned.append((key, root, match))
+        needed += cdiv(key.num_tokens, bs) - match.num_blocks
+        for node in match.path:
+            if node.lock_ref == 0:
+                in_node = match.num_blocks_in_node if node is match.node else len(node.block_ids)
+                newly_locked[node.node_id] = max(newly_locked.get(node.node_id, 0), in_node)
+    return planned, needed, sum(newly_locked.values())
+
+
+def lock_matches(tree: RadixTree, planned: list[PlannedOpen]) -> list[tuple[TokenKey, Node, int]]:
+    """Lock every planned prefix before anything is allocated, so one request's allocation cannot
+    evict another's hit; returns each prompt with its locked node and matched block count."""
+    locked = []
+    for i, (key, root, match) in enumerate(planned):
+        if i:  # an earlier item's split may have moved this item's match
+            match = tree.match(root, key.data, (key.num_tokens - 1) // tree.block_size)
+        node = tree.split(match)
+        tree.lock(node)
+        locked.append((key, node, match.num_blocks))
+    return locked
+
+
+def start_sequence(
+    seq_id: int,
+    namespace: str,
+    node: Node,
+    num_matched_blocks: int,
+    new_blocks: list[int],
+    tail: bytes,
+    block_size: int,
+) -> tuple[LiveSequence, OpenResult]:
+    """A sequence holding the locked path to `node` plus `new_blocks` for the `tail` tokens past it, and its record.
+
+    Every cached token counts as computed; the uncached ones start on a block boundary.
+    """
+    table = path_blocks(node, num_matched_blocks)
+    table += new_blocks  # in place: a 128k-token table is not copied once more
+    num_cached = num_matched_blocks * block_size
+    num_tokens = num_cached + TokenKey.count(tail)
+    seq = LiveSequence(seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, [], num_tokens, num_cached)
+    slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
+    return seq, OpenResult(seq_id, num_cached, list(table), slots)
+
+
+def open_planned(
+    blocks: Allocator, sequences: Sequences, planned: list[PlannedOpen], namespaces: list[str]
+) -> list[OpenResult]:
+    """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan)."""
+    bs, stats = blocks.tree.block_size, blocks.stats
+    results = []
+    for (key, node, num_matched_blocks), namespace in zip(lock_matches(blocks.tree, planned), namespaces, strict=True):
+        new_blocks = blocks.allocate(cdiv(key.num_tokens, bs) - num_matched_blocks)
+        tail = key.tail_after(num_matched_blocks * bs)
+        seq, opened = start_sequence(sequences.next_id(), namespace, node, num_matched_blocks, new_blocks, tail, bs)
+        sequences.add(seq)
+        stats.num_requested_tokens += key.num_tokens
+        stats.num_hit_tokens += opened.num_cached_tokens
+        stats.num_opened_sequences += 1
+        results.append(opened)
+    return results
+
+
+def lock_prefix(tree: RadixTree, sequences: Sequences, root: Node, key: TokenKey, namespace: str) -> OpenResult:
+    """Start a sequence holding just the cached prefix of `key` (every token may match), allocating nothing."""
+    match = tree.match(root, key.data)
+    node = tree.split(match)
+    tree.lock(node)
+    seq, opened = start_sequence(sequences.next_id(), namespace, node, match.num_blocks, [], b"", tree.block_size)
+    sequences.add(seq)
+    return opened

@@ -1,0 +1,48 @@
+"""Taking blocks: from the free stack first, then by evicting unlocked cached blocks, LRU first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from radixkv.block_pool import BlockPool
+from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.radix_tree import RadixTree
+from radixkv.stats import Stats
+
+
+class Allocator:
+    """The pool and the tree's evictable blocks seen as one supply, with the counters they move."""
+
+    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats) -> None:
+        self.pool, self.tree, self.stats = pool, tree, stats
+
+    def num_available(self) -> int:
+        """Free now, or free after evicting every unlocked cached block."""
+        return self.pool.num_free + self.tree.num_evictable_blocks
+
+    def refuse_unless(self, needed: int, available: int) -> None:
+        """Raise OutOfBlocks (and count the failure) when `needed` exceeds `available`."""
+        if needed > available:
+            self.stats.num_allocation_failures += 1
+            raise OutOfBlocks(needed, available)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` blocks, evicting the shortfall first; all or none."""
+        self.refuse_unless(n, self.num_available())
+        shortfall = n - self.pool.num_free
+        if shortfall > 0:
+            self.evict(shortfall)
+        return self.pool.allocate(n)
+
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        """Evict up to `num_blocks` (only from the namespaces `namespaces` accepts, if given); returns how many."""
+        evicted = self.tree.evict(num_blocks, namespaces)
+        self.stats.num_evicted_blocks += len(evicted)
+        self.pool.free_exclusive(evicted)  # the tree was their only holder
+        return len(evicted)
+
+    def evict_checked(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        """`evict` for a caller's `num_blocks`: InvalidArgument unless a non-negative integer."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
+        return self.evict(num_blocks, namespaces) if num_blocks else 0

@@ -1,0 +1,152 @@
+"""Appending tokens to live sequences in two steps: plan (blocks to take, copy-on-write) then apply.
+
+Planning changes nothing, so a dry run (`check_append`, `can_append`) and the append itself count
+new blocks and copies the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from radixkv.allocation import Allocator
+from radixkv.block_pool import BlockPool, cdiv
+from radixkv.errors import InvalidArgument, LimitExceeded
+from radixkv.results import AppendBatch, SlotPlan
+from radixkv.sequence import LiveSequence, Sequences
+from radixkv.token_ids import TokenIds, TokenKey
+
+AppendPlan = tuple[int, int | None]  # (num_new_blocks, cow_src): the shared last block to copy first, if any
+
+
+def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: str) -> list[int]:
+    """`num_token_ids` checked against `seq_ids`, as ints."""
+    if len(num_token_ids) != len(seq_ids):
+        raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
+    counts = [int(n) for n in num_token_ids]
+    if counts and min(counts) < 1:
+        raise InvalidArgument(field, "every sequence appends at least one token")
+    return counts
+
+
+def append_many_args(requests: Sequence[tuple[int, TokenIds]]) -> tuple[list[int], list[int], bytes]:
+    """`append_many`'s requests checked, as `append_batch`'s columns: (seq_ids, counts, the tokens packed)."""
+    fields = ["token_ids"] if len(requests) == 1 else [f"requests[{i}].token_ids" for i in range(len(requests))]
+    keys = [TokenKey.of(token_ids, field) for (_, token_ids), field in zip(requests, fields, strict=True)]
+    return [seq_id for seq_id, _ in requests], [k.num_tokens for k in keys], b"".join(k.data for k in keys)
+
+
+def append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> tuple[list[int], bytes]:
+    """`append_batch`'s arguments checked: (the counts as ints, the tokens packed)."""
+    counts = append_counts(seq_ids, num_token_ids, "num_token_ids")
+    key = TokenKey.of(token_ids)
+    if sum(counts) != key.num_tokens:
+        raise InvalidArgument("token_ids", f"sum(num_token_ids) is {sum(counts)}, token_ids holds {key.num_tokens}")
+    return counts, key.data
+
+
+def plan_append(
+    seq: LiveSequence, count: int, block_size: int, ref_counts: npt.NDArray[np.int32], copied_away: dict[int, int]
+) -> AppendPlan:
+    """How many blocks appending `count` tokens to `seq` takes, and which block it copies first.
+
+    A partial last block shared with another holder is copied before the write, unless every other
+    holder in this batch (`copied_away`, updated here) already copies it away: the last holder of a
+    shared block writes in place. Changes nothing else.
+    """
+    table = seq.block_table
+    cow_src = None
+    if seq.num_tokens % block_size:
+        last = table[-1]
+        if ref_counts[last] - copied_away.get(last, 0) > 1:
+            copied_away[last] = copied_away.get(last, 0) + 1
+            cow_src = last
+    return cdiv(seq.num_tokens + count, block_size) - len(table) + (cow_src is not None), cow_src
+
+
+def plan_batch(
+    sequences: list[LiveSequence],
+    counts: list[int],
+    block_size: int,
+    max_tokens: int,
+    ref_counts: npt.NDArray[np.int32],
+) -> list[AppendPlan]:
+    """`plan_append` for each sequence of one batch; raises LimitExceeded for one that would grow past `max_tokens`."""
+    copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
+    plans = []
+    for seq, count in zip(sequences, counts, strict=True):
+        if seq.num_tokens + count > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", seq.num_tokens + count, max_tokens)
+        plans.append(plan_append(seq, count, block_size, ref_counts, copied_away))
+    return plans
+
+
+def apply_append(
+    seq: LiveSequence, tokens: memoryview, count: int, cow_src: int | None, new_blocks: list[int], pool: BlockPool
+) -> int:
+    """Grow `seq` by `count` tokens into `new_blocks` as planned; returns the first table entry that changed.
+
+    Appending says every earlier token's K/V is written, so the watermark moves up to the old length.
+    """
+    table = seq.block_table
+    offset = len(table)
+    if cow_src is not None:
+        pool.decref([cow_src])
+        table[-1] = new_blocks[0]
+        offset -= 1
+        table.extend(new_blocks[1:])
+    else:
+        table.extend(new_blocks)
+    seq.tail_bytes += tokens
+    seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens)
+    seq.num_tokens += count
+    return offset
+
+
+def apply_batch(
+    seq_ids: Sequence[int],
+    sequences: list[LiveSequence],
+    counts: list[int],
+    plans: list[AppendPlan],
+    new_blocks: list[int],
+    key: bytes,
+    pool: BlockPool,
+    block_size: int,
+) -> AppendBatch:
+    """Apply a planned batch (`new_blocks` holds every block the plans take, in order) and describe it in columns."""
+    bs, view = block_size, memoryview(key)
+    num_tokens_after, offsets, num_block_ids, block_ids, copies = [], [], [], [], []
+    span_blocks: list[int] = []  # per sequence, the table blocks its new tokens land in
+    span_starts: list[int] = []  # position of each sequence's first new token, relative to its span
+    taken = byte = 0
+    for i, (seq, count, (num_new, cow_src)) in enumerate(zip(sequences, counts, plans, strict=True)):
+        mine = new_blocks[taken : taken + num_new]
+        taken += num_new
+        start, num_bytes = seq.num_tokens, TokenKey.num_bytes(count)
+        offset = apply_append(seq, view[byte : byte + num_bytes], count, cow_src, mine, pool)
+        byte += num_bytes
+        if cow_src is not None:
+            copies.append((cow_src, mine[0], i))
+        table, first = seq.block_table, start // bs
+        span_starts.append(len(span_blocks) * bs + start - first * bs)
+        span_blocks.extend(table[first : cdiv(seq.num_tokens, bs)])
+        num_tokens_after.append(seq.num_tokens)
+        offsets.append(offset)
+        num_block_ids.append(len(table) - offset)
+        block_ids.extend(table[offset:])
+    plan = SlotPlan(bs, span_blocks, span_starts, counts)
+    return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
+
+
+def append(
+    blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
+) -> AppendBatch:
+    """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order."""
+    live = sequences.batch(seq_ids)
+    plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
+    new_blocks = blocks.allocate(sum(n for n, _ in plans))
+    batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
+    blocks.stats.num_cow_copies += len(batch.copies)
+    return batch

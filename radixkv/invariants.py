@@ -1,0 +1,133 @@
+"""Recount the core's bookkeeping from scratch and compare: what tests and `CheckInvariants` run after every step.
+
+Raises AssertionError naming the first thing that disagrees. Slow on purpose (a walk of every
+node, sequence and block); never on a hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from radixkv.block_pool import BlockPool, cdiv
+from radixkv.radix_node import Node, lru_key
+from radixkv.sequence import LiveSequence, path_blocks
+from radixkv.token_ids import TokenKey
+
+if TYPE_CHECKING:
+    from radixkv.radix_tree import RadixTree  # which calls `check_tree` from here
+
+
+def check_tree(tree: RadixTree) -> None:
+    """Links, lock and pin counts, the cached/evictable/pinned totals and the LRU list's order."""
+    seen: set[int] = set()
+    evictable = pinned = cached = 0
+    leaves = set()
+    cached_in: dict[str, int] = {}
+    bb = tree.block_bytes
+    for namespace, node in tree.nodes():
+        cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
+        assert node.block_ids, f"node {node.node_id} holds no block"
+        assert len(node.token_bytes) == len(node.block_ids) * bb, f"node {node.node_id}: tokens and blocks disagree"
+        assert node.parent is not None and node.parent.children.get(node.token_bytes[:bb]) is node, (
+            f"node {node.node_id}: parent link broken"
+        )
+        for block_id in node.block_ids:
+            assert block_id not in seen, f"block {block_id} held by two tree nodes"
+            seen.add(block_id)
+        child_locks = sum(c.lock_ref for c in node.children.values())
+        assert node.lock_ref >= child_locks, f"node {node.node_id}: lock_ref {node.lock_ref} < children's {child_locks}"
+        assert node.pin_ref >= sum(c.pin_ref for c in node.children.values()), (
+            f"node {node.node_id}: pin_ref below children's"
+        )
+        for child in node.children.values():
+            assert node.last_access >= child.last_access, f"node {node.node_id} accessed before its child"
+        cached += len(node.block_ids)
+        if node.lock_ref == 0:
+            evictable += len(node.block_ids)
+            if not node.children:
+                leaves.add(node.node_id)
+        if node.pin_ref:
+            pinned += len(node.block_ids)
+    for namespace, root in tree.roots.items():
+        assert root.namespace == namespace, f"root of {namespace!r} is filed under another name"
+        assert root.children or root.lock_ref, f"namespace {namespace!r} holds nothing and should be gone"
+        assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), (
+            f"root of {namespace!r}: lock_ref below children's"
+        )
+    assert evictable == tree.num_evictable_blocks, f"evictable blocks {tree.num_evictable_blocks} != {evictable}"
+    assert pinned == tree.num_pinned_blocks, f"pinned blocks {tree.num_pinned_blocks} != {pinned}"
+    assert cached == tree.num_cached_blocks, f"cached blocks {tree.num_cached_blocks} != {cached}"
+    assert cached_in == tree.num_cached_blocks_in, (
+        f"cached blocks per namespace {tree.num_cached_blocks_in} != {cached_in}"
+    )
+    listed = tree.evictable_leaves()
+    assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
+    keys = [lru_key(n) for n in listed]
+    assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
+    assert len(listed) == len(leaves), "a leaf is listed twice"
+
+
+def check_holders(
+    pool: BlockPool, tree: RadixTree, sequences: Iterable[LiveSequence], pins: Iterable[tuple[Node, int]]
+) -> None:
+    """Every ref_count equals the tree's hold plus the sequences' private holds; every lock_ref its holders."""
+    pool.check_invariants()
+    check_tree(tree)
+    bs = tree.block_size
+    expected = [0] * pool.num_blocks
+    for block_id in tree.tree_block_ids():
+        expected[block_id] += 1
+    locks: dict[int, int] = {}
+    for seq in sequences:
+        assert len(seq.block_table) == cdiv(seq.num_tokens, bs), f"seq {seq.seq_id}: table length wrong"
+        assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block twice in one table"
+        assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id}: computed past its length"
+        assert seq.num_tree_blocks * bs <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"
+        for block_id in seq.private_blocks():
+            expected[block_id] += 1
+        path_tokens = sum(TokenKey.count(run) for run in _path_runs(seq.lock_node))
+        assert path_tokens == seq.num_tree_blocks * bs, f"seq {seq.seq_id}: locked path length wrong"
+        assert TokenKey.count(seq.tail_bytes) == seq.num_tokens - path_tokens, f"seq {seq.seq_id}: tail tokens lost"
+        assert tree.roots[seq.namespace] is _root_of(seq.lock_node), (
+            f"seq {seq.seq_id}: locked path in another namespace"
+        )
+        private = set(seq.private_prefix)
+        for table_block, path_block in zip(
+            seq.block_table, path_blocks(seq.lock_node, seq.num_tree_blocks), strict=False
+        ):
+            assert table_block == path_block or table_block in private, (
+                f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
+            )
+        _count_path(seq.lock_node, locks, 1)
+    for node, count in pins:
+        _count_path(node, locks, count)
+    for node in [*tree.roots.values(), *(n for _, n in tree.nodes())]:
+        assert node.lock_ref == locks.get(node.node_id, 0), (
+            f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
+        )
+    for block_id, count in enumerate(expected):
+        assert pool.ref_counts[block_id] == count, (
+            f"block {block_id}: ref_count {pool.ref_counts[block_id]} != holders {count}"
+        )
+    for block_id in tree.tree_block_ids():
+        assert pool.ref_counts[block_id] == 1, f"cached block {block_id} is also held by count"
+
+
+def _path_runs(node: Node) -> Iterable[bytes]:
+    while node.parent is not None:
+        yield node.token_bytes
+        node = node.parent
+
+
+def _root_of(node: Node) -> Node:
+    while node.parent is not None:
+        node = node.parent
+    return node
+
+
+def _count_path(node: Node | None, locks: dict[int, int], count: int) -> None:
+    """Add `count` locks to `node` and every ancestor, the namespace's root included."""
+    while node is not None:
+        locks[node.node_id] = locks.get(node.node_id, 0) + count
+        node = node.parent

@@ -1,0 +1,129 @@
+"""Live sequences: what each one holds, how far its K/V is written, and the registry that names them.
+
+The computed watermark (`num_computed_tokens`): only full blocks below it are ever cached (by
+`cache`, `release(cache=True)` and `fork`), so a later request never hits K/V the worker has not
+written. `append` raises it to the tokens before the appended ones; `commit` raises it for the rest
+(after a prefill, before caching, forking or releasing a sequence whose last tokens are written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from radixkv.errors import InvalidArgument, UnknownSequence
+from radixkv.radix_node import Node
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LiveSequence:
+    seq_id: int
+    namespace: str
+    # Tokens past the locked path (int32 bytes): all a sequence must keep of its history, since the
+    # tree holds the rest. After a fork (which caches first) that is less than one block per child.
+    tail_bytes: bytearray
+    block_table: list[int]
+    lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
+    num_tree_blocks: int  # leading blocks of the table that the locked path covers
+    # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
+    # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
+    private_prefix: list[int]
+    num_tokens: int
+    # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
+    # full blocks below this watermark are ever published to the tree.
+    num_computed_tokens: int
+
+    def private_blocks(self) -> list[int]:
+        return self.private_prefix + self.block_table[self.num_tree_blocks :]
+
+    def fork_child(self, seq_id: int) -> LiveSequence:
+        """A copy sharing every block (the caller adds the child's holds on them)."""
+        return LiveSequence(
+            seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node, self.num_tree_blocks,
+            list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
+        )  # fmt: skip
+
+
+class Sequences:
+    """The live sequences by id; ids are never reused within one run."""
+
+    def __init__(self, first_seq_id: int) -> None:
+        self._live: dict[int, LiveSequence] = {}
+        self._seq_ids = itertools.count(first_seq_id)
+
+    def next_id(self) -> int:
+        return next(self._seq_ids)
+
+    def add(self, seq: LiveSequence) -> None:
+        self._live[seq.seq_id] = seq
+
+    def remove(self, seq: LiveSequence) -> None:
+        del self._live[seq.seq_id]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[LiveSequence]:
+        return iter(self._live.values())
+
+    def ids(self) -> list[int]:
+        return list(self._live)
+
+    def get(self, seq_id: int, field: str = "seq_id") -> LiveSequence:
+        """The live sequence `seq_id`, or the error naming `field`."""
+        seq = self._live.get(seq_id) if isinstance(seq_id, int) else None
+        if seq is None:
+            if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+                raise InvalidArgument(field, f"must be an integer, got {type(seq_id).__name__}")
+            raise UnknownSequence(seq_id)
+        return seq
+
+    def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
+        """The live sequences of a batch, each once, or the error naming the first bad entry."""
+        live = self._live
+        found = [live.get(s) if isinstance(s, int) else None for s in seq_ids]
+        for i, seq in enumerate(found):
+            if seq is None:
+                self.get(seq_ids[i], f"seq_ids[{i}]")  # raises
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        return found  # type: ignore[return-value]  # no None is left
+
+    def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[LiveSequence]:
+        """The sequences `commit(seq_ids, num_tokens)` would move, or the error it would raise."""
+        if len(num_tokens) != len(seq_ids):
+            raise InvalidArgument(
+                "num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}"
+            )
+        sequences = self.batch(seq_ids)
+        check_watermarks(sequences, num_tokens)
+        return sequences
+
+
+def path_blocks(node: Node, num_blocks: int) -> list[int]:
+    """The blocks of the tree path ending at `node`, top-down: a locked sequence's table head."""
+    runs = []
+    while node.parent is not None:
+        runs.append(node.block_ids)
+        node = node.parent
+    blocks: list[int] = []
+    for run in reversed(runs):  # one C-level extend per node, never a Python step per block
+        blocks += run
+    assert len(blocks) == num_blocks, "locked path and match length disagree"
+    return blocks
+
+
+def check_watermarks(sequences: list[LiveSequence], num_tokens: Sequence[int]) -> None:
+    """Raise unless each `num_tokens[i]` is a valid new computed watermark for `sequences[i]`."""
+    for i, (seq, n) in enumerate(zip(sequences, num_tokens, strict=True)):
+        if not isinstance(n, int | np.integer) or isinstance(n, bool):
+            raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
+        if n < seq.num_computed_tokens:
+            raise InvalidArgument(
+                f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed"
+            )
+        if n > seq.num_tokens:
+            raise InvalidArgument(f"num_tokens[{i}]", f"{n} is past the sequence's {seq.num_tokens} tokens")
