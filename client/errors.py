@@ -35,15 +35,13 @@ def error_from_rpc(error: grpc.RpcError) -> Exception:
     return error
 
 
-class HashContractMismatch(RadixKVError):
+class HashContractMismatch(RuntimeError):
     """An instance names blocks by another hash scheme than this client or router: mixing them would
-    turn every lookup into a silent miss, so it is refused. `differences` maps each field to (ours, theirs)."""
-
-    reason = "HASH_CONTRACT_MISMATCH"
-    grpc_code = "FAILED_PRECONDITION"
+    turn every lookup into a silent miss, so it is refused. Raised client-side, never on the wire.
+    `differences` maps each field to (ours, theirs)."""
 
     def __init__(self, endpoint: str, differences: dict[str, tuple[object, object]]) -> None:
         detail = ", ".join(f"{name}: ours {ours!r}, theirs {theirs!r}" for name, (ours, theirs) in differences.items())
-        super().__init__(f"{endpoint} uses another block-hash contract ({detail})", endpoint=endpoint)
+        super().__init__(f"{endpoint} uses another block-hash contract ({detail})")
         self.endpoint = endpoint
         self.differences = differences
