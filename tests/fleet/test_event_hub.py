@@ -12,21 +12,6 @@ from radixkv.kv_cache import KVCache
 from radixkv.server.events import EventHub, EventKind
 
 
-def _workload(cache: KVCache, seed: int) -> None:
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(60) for _ in range(rng.randrange(4, 28))] for _ in range(5)]
-    live: list[int] = []
-    for _ in range(120):
-        if rng.random() < 0.55 or not live:
-            tokens = rng.choice(prefixes)[: rng.randrange(1, 29)] + [rng.randrange(60) for _ in range(rng.randrange(6))]
-            try:
-                live.append(cache.open(tokens or [3], rng.choice(["default", "chat"])).seq_id)
-            except OutOfBlocks:
-                pass
-        else:
-            cache.release(live.pop(rng.randrange(len(live))))
-
-
 def _written_workload(cache: KVCache, seed: int) -> None:
     """Prompts written in full (committed) then released cached, in two namespaces, until blocks run short."""
     rng = random.Random(seed)
@@ -62,7 +47,8 @@ def _expected_snapshot_hashes(cache: KVCache, only: str | None = None) -> set[in
 def test_an_unwatched_hub_keeps_hashes_and_a_late_snapshot_is_the_tree_in_hash_form() -> None:
     cache = KVCache(40, 4)
     hub = EventHub(cache, 100)
-    _workload(cache, 0)  # nobody watching: no events built, but every block hashed as it is cached
+    _written_workload(cache, 0)  # nobody watching: no events built, but every block hashed as it is cached
+    assert cache.tree.num_cached_blocks > 0, "the workload caches something"
     hub.hashes.check_against(cache.tree.tree_block_ids())
     snapshot = hub.snapshot(lambda namespace: True)
     assert {h for e in snapshot for h in e.block_hashes} == _expected_snapshot_hashes(cache)
@@ -74,8 +60,9 @@ def test_watched_events_carry_hashes_parents_and_pool_wide_numbers() -> None:
     cache = KVCache(40, 4)
     hub = EventHub(cache, 10_000)
     watcher = hub.watch(lambda namespace: True)
-    _workload(cache, 1)
+    _written_workload(cache, 1)
     events, _ = watcher.take(0)
+    assert any(e.kind is EventKind.BLOCKS_REMOVED for e in events), "the workload evicts"
     assert [e.pool_sequence_number for e in events] == list(range(1, hub.num_events + 1))
     held: set[int] = set()
     for e in events:
