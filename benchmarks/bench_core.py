@@ -1,4 +1,4 @@
-"""Core bookkeeping speed: a seeded serving trace under eviction pressure, match, evict, memory.
+"""Core bookkeeping speed: a seeded serving trace under eviction pressure, match (and explain), evict, memory.
 
 Prints a table and writes JSON. Alternatives are compared inside the same run as ratios:
 SGLang's RadixCache with its token/paged allocators (on CPU torch) driven over the same trace at
@@ -31,6 +31,9 @@ import numpy as np
 
 from radixkv import KVCache
 from radixkv.radix_tree import RadixTree
+from radixkv.server.events import EventHub
+from radixkv.server.miss_reasons import explain_miss
+from radixkv.server.tenants import ANONYMOUS
 from radixkv.workload import Request, WorkingSet, make_trace, replay, working_set
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
@@ -202,6 +205,28 @@ def bench_long_match(num_tokens: int, peer: object | None) -> dict:
     return out
 
 
+def bench_explain(num_tokens: int) -> dict:
+    """Match against Match with explain, on a cached prompt of `num_tokens` at block 16 plus one fresh
+    block: the plain path is the same call with or without the event hub (which explain reads)."""
+    tokens = np.random.default_rng(11).integers(0, 32000, num_tokens + BLOCK_SIZE, dtype=np.int32)
+    key = tokens.tobytes()
+    bare = KVCache(num_tokens // BLOCK_SIZE + 64, BLOCK_SIZE)
+    cache_prompt(bare, tokens[:num_tokens])
+    watched = KVCache(num_tokens // BLOCK_SIZE + 64, BLOCK_SIZE)
+    hub = EventHub(watched, 1)
+    cache_prompt(watched, tokens[:num_tokens])
+
+    def explained() -> None:
+        explain_miss(watched, hub, ANONYMOUS, key, "default", watched.match(tokens))
+
+    return {
+        "tokens": num_tokens,
+        "match_us": best_of(lambda: bare.match(tokens), reps=50) * 1e6,
+        "match_with_hub_us": best_of(lambda: watched.match(tokens), reps=50) * 1e6,
+        "match_explain_us": best_of(explained, reps=50) * 1e6,
+    }
+
+
 def best_of(fn: Callable[[], object], reps: int, rounds: int = 5) -> float:
     """Seconds per call, the best round's mean: the least disturbed by other work on the machine."""
     best = float("inf")
@@ -337,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_tokens = results["trace"]["pool_blocks"] * BLOCK_SIZE
     results["peer"] = bench_peer(make_trace(trace_tokens, seed=0), pool_tokens, peer, rounds=2 if args.quick else 3)
     results["long_match"] = bench_long_match(131_072, peer)
+    results["explain"] = x = bench_explain(32_768)
     t, m, e, mem = results["trace"], results["match"], results["evict"], results["memory"]
     rows = [
         ("trace tokens / requests", f"{t['trace_tokens']:,} / {t['trace_requests']:,}"),
@@ -352,6 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"match cached {int(n) // 1024}k tokens (us)", f"{s['match_us_int32_array']:.1f} int32 array, {s['match_us_python_list']:.0f} Python list"))
     rows.append((f"evict per block, {e['evictable_leaves']:,} leaves (us)", f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = {e['speedup']:.0f}x"))
     rows += peer_rows(results)
+    hub_ratio, explain_ratio = x["match_with_hub_us"] / x["match_us"], x["match_explain_us"] / x["match_us"]
+    rows.append(
+        (
+            f"Match {x['tokens'] // 1024}k cached + 1 block (us)",
+            f"{x['match_us']:.1f}; with event hub {x['match_with_hub_us']:.1f} = {hub_ratio:.2f}x;"
+            f" with explain {x['match_explain_us']:.1f} = {explain_ratio:.2f}x",
+        )
+    )
     rows.append(("empty pool of 1M blocks, bytes per block", f"{mem['empty_pool_bytes_per_block']:.1f}  (target <= 8)"))
     rows.append(("bookkeeping bytes per cached block", f"{mem['bytes_per_cached_block']:.0f} (of which token ids {mem['token_bytes_per_block']})"))
     width = max(len(k) for k, _ in rows)

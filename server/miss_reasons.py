@@ -15,8 +15,10 @@ import enum
 import numpy as np
 
 from radixkv.block_hash import chain_hashes, wire_hash
+from radixkv.kv_cache import KVCache
+from radixkv.namespaces import existing_root
 from radixkv.server.config import ANY_NAMESPACE
-from radixkv.server.pools import Pool
+from radixkv.server.events import EventHub
 from radixkv.server.tenants import Tenant
 
 MAX_OTHER_NAMESPACES = 16  # namespaces matched for OTHER_NAMESPACE, so an explain stays cheap
@@ -45,22 +47,40 @@ def _visible(caller: Tenant, core_namespace: str) -> bool:
     return ANY_NAMESPACE in caller.namespaces or caller.unscope(core_namespace) in caller.namespaces
 
 
-def explain_miss(pool: Pool, caller: Tenant, key: bytes, core_namespace: str, num_cached: int) -> MissExplanation:
+def _last_cached_hash(cache: KVCache, events: EventHub, key: bytes, core_namespace: str) -> bytes | None:
+    """The hub's hash of the last cached block of `key`'s prefix (None: nothing cached), so the first
+    uncached block is hashed alone instead of re-hashing the whole chain."""
+    root = existing_root(cache.tree, core_namespace)
+    if root is None:
+        return None
+    match = cache.tree.match(root, key)
+    if match.num_blocks == 0:
+        return None
+    node = match.node
+    block_id = node.block_ids[match.num_blocks_in_node - 1] if match.num_blocks_in_node else node.parent.block_ids[-1]
+    return events.hashes[int(block_id)]
+
+
+def explain_miss(
+    cache: KVCache, events: EventHub, caller: Tenant, key: bytes, core_namespace: str, num_cached: int
+) -> MissExplanation:
     """Classify the end of the cached prefix of `key` (int32 token bytes). Call under the pool's lock."""
-    block_size = pool.layout.block_size
+    block_size = cache.block_size
     num_tokens = len(key) // 4
     index, num_missed = num_cached // block_size, num_tokens - num_cached
     if num_missed == 0:
         return MissExplanation(MissReason.FULLY_CACHED, index, 0)
     if num_missed < block_size:
         return MissExplanation(MissReason.PARTIAL_BLOCK, index, num_missed)
-    tokens = np.frombuffer(key, dtype="<i4")[: (index + 1) * block_size].tolist()
-    wire = wire_hash(chain_hashes(tokens, block_size, core_namespace)[index])
-    evicted_at = pool.events.tombstones.evicted_at(wire, core_namespace)
+    block = np.frombuffer(key, dtype="<i4")[index * block_size : (index + 1) * block_size].tolist()
+    wire = wire_hash(
+        chain_hashes(block, block_size, core_namespace, _last_cached_hash(cache, events, key, core_namespace))[0]
+    )
+    evicted_at = events.tombstones.evicted_at(wire, core_namespace)
     if evicted_at is not None:
         return MissExplanation(MissReason.EVICTED, index, num_missed, evicted_at_unix_ns=evicted_at)
-    others = [ns for ns in sorted(pool.events.num_blocks) if ns != core_namespace and _visible(caller, ns)]
+    others = [ns for ns in sorted(events.num_blocks) if ns != core_namespace and _visible(caller, ns)]
     for other in others[:MAX_OTHER_NAMESPACES]:
-        if pool.cache.match(key, other) > num_cached:
+        if cache.match(key, other) > num_cached:
             return MissExplanation(MissReason.OTHER_NAMESPACE, index, num_missed, other_namespace=caller.unscope(other))
     return MissExplanation(MissReason.NEVER_CACHED, index, num_missed)

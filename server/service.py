@@ -280,6 +280,12 @@ class KVService:
         with pool.lock:
             return pool.cache.num_available_blocks()
 
+    def tombstones(self, pool_name: str) -> tuple[int, int]:
+        """(evicted block hashes remembered, their estimated bytes) for Stats."""
+        pool = self.pool(pool_name)
+        with pool.lock:
+            return len(pool.events.tombstones), pool.events.tombstones.num_bytes
+
     # -- prefixes ---------------------------------------------------------------------------------
 
     def match(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
@@ -303,7 +309,7 @@ class KVService:
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
             num_cached = pool.cache.match(key, core_namespace)
-            explanation = explain_miss(pool, caller, key, core_namespace, num_cached)
+            explanation = explain_miss(pool.cache, pool.events, caller, key, core_namespace, num_cached)
             reason = explanation.reason.name
             pool.num_miss_tokens[reason] = pool.num_miss_tokens.get(reason, 0) + explanation.num_missed_tokens
         return num_cached, explanation

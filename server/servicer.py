@@ -189,10 +189,13 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self._service.stats(current_caller(), request.session_id, request.pool)
         fields = {f: getattr(stats, f) for f in pb.PoolStats.DESCRIPTOR.fields_by_name}
+        num_tombstones, tombstone_bytes = self._service.tombstones(request.pool)
         return pb.StatsResponse(
             stats=pb.PoolStats(**fields),
             num_sessions=len(self._service.sessions),
             num_available_blocks=self._service.num_available_blocks(request.pool),
+            num_tombstones=num_tombstones,
+            tombstone_bytes=tombstone_bytes,
         )
 
     @translating_errors

@@ -320,14 +320,18 @@ class PoolStats(_message.Message):
     def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("stats", "num_sessions", "num_available_blocks")
+    __slots__ = ("stats", "num_sessions", "num_available_blocks", "num_tombstones", "tombstone_bytes")
     STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONE_BYTES_FIELD_NUMBER: _ClassVar[int]
     stats: PoolStats
     num_sessions: int
     num_available_blocks: int
-    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ..., num_sessions: _Optional[int] = ..., num_available_blocks: _Optional[int] = ...) -> None: ...
+    num_tombstones: int
+    tombstone_bytes: int
+    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ..., num_sessions: _Optional[int] = ..., num_available_blocks: _Optional[int] = ..., num_tombstones: _Optional[int] = ..., tombstone_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitTokensRequest(_message.Message):
     __slots__ = ("pool", "session_id", "seq_ids", "num_tokens")

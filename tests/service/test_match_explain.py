@@ -9,9 +9,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from radixkv.client import MatchExplanation, RadixKVClient
+from radixkv.server.events import Tombstones
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import ACME_TOKEN, GLOBEX_TOKEN
 
 _namespaces = itertools.count()
@@ -68,6 +72,10 @@ def test_evicted_after_pressure_says_when(server, debug) -> None:  # type: ignor
         assert before <= why.evicted_at_unix_ns <= after
         # The same tokens in a namespace that never held them were never cached there.
         assert client.match(prompt, f"{ns}-never", explain=True).reason == "NEVER_CACHED"
+    with grpc.insecure_channel(server.address) as channel:
+        stats = kvcache_pb2_grpc.KVCacheStub(channel).Stats(pb.StatsRequest(pool="tiny"), timeout=5)
+    assert stats.num_tombstones >= 4  # the four evicted blocks, at least
+    assert stats.tombstone_bytes == stats.num_tombstones * Tombstones.ENTRY_BYTES
     debug.check("tiny")
 
 
@@ -104,3 +112,20 @@ def test_another_tenants_prefix_is_never_cached_for_you(tenant) -> None:  # type
     # Within acme's own namespaces the reason is OTHER_NAMESPACE, named as acme names it.
     _cache(acme, prompt, "code")
     assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "OTHER_NAMESPACE", 0, other_namespace="code")
+
+
+def test_evicted_tail_past_a_cached_prefix(server, debug) -> None:  # type: ignore[no-untyped-def]
+    """Eviction trims tails first: the prefix stays, and its first missing block is EVICTED (a chained hash)."""
+    ns = f"tail-{next(_namespaces)}"
+    prompt = list(range(7000, 7016))  # 4 blocks of the 8-block tiny pool
+    with RadixKVClient(server.address, pool="tiny") as client:
+        flush = client.open(list(range(9000, 9032)), f"{ns}-flush")  # all 8 blocks: the pool holds nothing else now
+        client.release(flush.seq_id, cache=False)
+        _cache(client, prompt, ns)
+        big = client.open(list(range(8000, 8024)), f"{ns}-other")  # 6 blocks: two of the four must go
+        client.release(big.seq_id, cache=False)
+        why = client.match(prompt, ns, explain=True)
+        assert 0 < why.num_cached_tokens < 16
+        assert (why.reason, why.block_index) == ("EVICTED", why.num_cached_tokens // 4)
+        assert why.evicted_at_unix_ns > 0
+    debug.check("tiny")
