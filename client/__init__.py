@@ -7,6 +7,7 @@ when a view is opened.
 from radixkv.client.client import RadixKVClient
 from radixkv.client.errors import HashContractMismatch
 from radixkv.client.events import EventStream, KVEvent, KVEventKind
+from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo, PoolView
 from radixkv.client.router import Balance, InstanceStatus, NoInstanceAvailable, Router
 from radixkv.client.verify import VerifyResult
@@ -18,6 +19,7 @@ __all__ = [
     "InstanceStatus",
     "KVEvent",
     "KVEventKind",
+    "MatchExplanation",
     "NoInstanceAvailable",
     "PoolInfo",
     "PoolView",

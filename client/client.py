@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 
@@ -37,6 +37,7 @@ from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
+from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import UnknownSession
@@ -315,10 +316,20 @@ class RadixKVClient:
 
     # -- prefixes ---------------------------------------------------------------------------------
 
-    def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
-        """How many leading tokens are cached; changes nothing."""
-        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
-        return self._call(self._stub.Match, request).num_cached_tokens
+    @overload
+    def match(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[False] = False) -> int: ...
+    @overload
+    def match(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[True]) -> MatchExplanation: ...
+
+    def match(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, explain: bool = False
+    ) -> int | MatchExplanation:
+        """How many leading tokens are cached; changes nothing. With `explain`, also why the prefix ends there."""
+        if not explain:
+            request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+            return self._call(self._stub.Match, request).num_cached_tokens
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace, explain=True)
+        return MatchExplanation.from_response(self._call(self._stub.Match, request))
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""

@@ -186,10 +186,11 @@ def described(response: pb.DescribeSequencesResponse) -> list[tuple[int, int]]:
 
 
 def prefix_request(
-    message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str
+    message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str, **extra: object
 ) -> Request:
-    """A Match, Pin or Unpin request."""
-    return build(message, pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace)
+    """A Match, Pin or Unpin request (`extra`: e.g. Match's explain)."""
+    fields = dict(pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace, **extra)
+    return build(message, **fields)
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:

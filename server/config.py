@@ -60,10 +60,13 @@ class PoolConfig:
     kv_events_topic: str = ""  # e.g. kv@<ip:port>@<model>, as llm-d's precise prefix-cache scorer expects
     kv_events_replay_endpoint: str | None = None
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    tombstones: int = 65_536  # evicted block hashes remembered, so Match(explain) can say EVICTED
 
     def __post_init__(self) -> None:
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.tombstones < 0:
+            raise ValueError(f"pool {self.name!r}: tombstones must be >= 0")
         if self.kv_events_buffer_steps < 1:
             raise ValueError(f"pool {self.name!r}: kv_events_buffer_steps must be >= 1")
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
@@ -197,6 +200,7 @@ POOL_KEYS: dict[str, str] = {
     "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
     "kv_events_buffer_steps": "event batches kept for replay",
+    "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 150 B each)",
 }
 _DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
 _ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]

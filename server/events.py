@@ -21,6 +21,7 @@ import dataclasses
 import enum
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -90,10 +91,47 @@ class Watcher:
             self._cond.notify_all()
 
 
+class Tombstones:
+    """The last `max_size` evicted blocks: wire hash -> (Unix ns, core namespace), oldest dropped first.
+
+    The namespace is kept so a lookup can refuse a hash buried under a namespace the caller may not see
+    (the salt already makes hashes namespace-specific; this is belt and braces for tenant isolation).
+    """
+
+    ENTRY_BYTES = 150  # an OrderedDict entry: int key, a 2-tuple of int and a shared str, the link
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self._entries: collections.OrderedDict[int, tuple[int, str]] = collections.OrderedDict()
+
+    def bury(self, namespace: str, wires: tuple[int, ...]) -> None:
+        if not self.max_size:
+            return
+        now = time.time_ns()
+        for wire in wires:
+            self._entries[wire] = (now, namespace)
+            self._entries.move_to_end(wire)
+        while len(self._entries) > self.max_size:
+            self._entries.popitem(last=False)
+
+    def evicted_at(self, wire: int, namespace: str) -> int | None:
+        """When the block `wire` of `namespace` was evicted (Unix ns), or None if not remembered."""
+        entry = self._entries.get(wire)
+        return entry[0] if entry is not None and entry[1] == namespace else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_bytes(self) -> int:
+        """An estimate of the table's memory, for Stats and metrics."""
+        return len(self._entries) * self.ENTRY_BYTES
+
+
 class EventHub:
     """Numbers and fans out one pool's tree events. Call `watch`/`unwatch` under the pool's lock."""
 
-    def __init__(self, cache: KVCache, max_events_per_watcher: int) -> None:
+    def __init__(self, cache: KVCache, max_events_per_watcher: int, max_tombstones: int = 65_536) -> None:
         self._tree = cache.tree
         self._max_events = max_events_per_watcher
         self._numbers: dict[str, int] = {}  # namespace -> last sequence number issued
@@ -105,6 +143,7 @@ class EventHub:
         self.digests: dict[str, int] = {}  # namespace -> digest of its cached blocks, O(1) per block
         self.num_blocks: dict[str, int] = {}  # namespace -> cached blocks
         self.sinks: list[EventSink] = []
+        self.tombstones = Tombstones(max_tombstones)
         self._tree.observer = self
 
     def _next_number(self, namespace: str) -> int:
@@ -135,6 +174,7 @@ class EventHub:
 
     def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
+        self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
         self.num_events += 1
         number = self._next_number(namespace)

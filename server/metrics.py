@@ -59,9 +59,20 @@ class _PoolCollector:
         counters = {name: CounterMetricFamily(name, doc, labels=["pool"]) for name, _, doc in _COUNTERS}
         usage = GaugeMetricFamily("radixkv_block_usage_ratio", "Blocks in use / blocks in the pool.", labels=["pool"])
         watchers = GaugeMetricFamily("radixkv_event_watchers", "Open WatchEvents streams.", labels=["pool"])
+        misses = CounterMetricFamily(
+            "radixkv_miss_tokens", "Tokens past the cached prefix, by reason (Match with explain only).",
+            labels=["pool", "reason"],
+        )  # fmt: skip
+        tombstones = GaugeMetricFamily(
+            "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
+        )
         for pool in self._service.pools.values():
             with pool.lock:
                 stats = pool.cache.stats()
+                num_miss_tokens = dict(pool.num_miss_tokens)
+                tombstones.add_metric([pool.name], pool.events.tombstones.num_bytes)
+            for reason, num in sorted(num_miss_tokens.items()):
+                misses.add_metric([pool.name, reason], num)
             for name, field, _ in _GAUGES:
                 gauges[name].add_metric([pool.name], getattr(stats, field))
             for name, field, _ in _COUNTERS:
@@ -72,6 +83,8 @@ class _PoolCollector:
         yield from counters.values()
         yield usage
         yield watchers
+        yield misses
+        yield tombstones
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
 

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 class Pool:
     """One named pool. Attributes other than the immutable ones are guarded by `lock`."""
 
-    def __init__(self, name: str, storage: KVStorage, limits: Limits, watch_queue_size: int) -> None:
+    def __init__(
+        self, name: str, storage: KVStorage, limits: Limits, watch_queue_size: int, tombstones: int = 65_536
+    ) -> None:
         self.name = name
         self.storage = storage
         self.layout: PoolLayout = storage.layout
@@ -33,9 +35,10 @@ class Pool:
         self.lock = threading.Lock()
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1)
-        self.events = EventHub(self.cache, watch_queue_size)
+        self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None
+        self.num_miss_tokens: dict[str, int] = {}  # reason -> tokens, counted by Match with explain
 
     def publish_kv_events(self, config: PoolConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
@@ -82,7 +85,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
             reserved_bytes=c.reserved_bytes,
         )  # fmt: skip
     storage = KVStorage.create(layout, config.device)
-    pool = Pool(config.name, storage, config.limits, watch_queue_size)
+    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones)
     if config.kv_events_endpoint is not None:
         try:
             pool.publish_kv_events(config)

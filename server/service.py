@@ -39,6 +39,7 @@ from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.events import BlockEvent
 from radixkv.server.ledger import Pin
+from radixkv.server.miss_reasons import MissExplanation, explain_miss
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session, SessionRegistry
 from radixkv.server.shares import Shares
@@ -290,6 +291,22 @@ class KVService:
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
             return pool.cache.match(key, core_namespace)
+
+    def explain_match(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
+    ) -> tuple[int, MissExplanation]:
+        """`match`, and why the cached prefix ends there (hashes one block; see `miss_reasons`)."""
+        pool = self.pool(pool_name)
+        check_request_size(pool, _num_tokens(token_ids))
+        if session_id:
+            self.sessions.get(session_id, caller)
+        core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
+        with pool.lock:
+            num_cached = pool.cache.match(key, core_namespace)
+            explanation = explain_miss(pool, caller, key, core_namespace, num_cached)
+            reason = explanation.reason.name
+            pool.num_miss_tokens[reason] = pool.num_miss_tokens.get(reason, 0) + explanation.num_missed_tokens
+        return num_cached, explanation
 
     def pin(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str, request_id: int = 0

@@ -7,11 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MISS_REASON_UNSPECIFIED: _ClassVar[MissReason]
+    MISS_REASON_FULLY_CACHED: _ClassVar[MissReason]
+    MISS_REASON_NEVER_CACHED: _ClassVar[MissReason]
+    MISS_REASON_EVICTED: _ClassVar[MissReason]
+    MISS_REASON_PARTIAL_BLOCK: _ClassVar[MissReason]
+    MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
+
 class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCKS_STORED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCKS_REMOVED: _ClassVar[KVEventKind]
+MISS_REASON_UNSPECIFIED: MissReason
+MISS_REASON_FULLY_CACHED: MissReason
+MISS_REASON_NEVER_CACHED: MissReason
+MISS_REASON_EVICTED: MissReason
+MISS_REASON_PARTIAL_BLOCK: MissReason
+MISS_REASON_OTHER_NAMESPACE: MissReason
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
@@ -195,22 +210,32 @@ class ReleaseSequencesResponse(_message.Message):
     def __init__(self, num_released_sequences: _Optional[int] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "token_ids", "namespace")
+    __slots__ = ("pool", "session_id", "token_ids", "namespace", "explain")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    explain: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("num_cached_tokens",)
+    __slots__ = ("num_cached_tokens", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
-    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+    miss_reason: MissReason
+    miss_block_index: int
+    evicted_at_unix_ns: int
+    other_namespace: str
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pool", "session_id", "token_ids", "namespace", "request_id")

@@ -9,7 +9,7 @@ import numpy as np
 from radixkv.block_hash import chain_hashes, digest_of, mix64, wire_hash
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import KVCache
-from radixkv.server.events import EventHub, EventKind
+from radixkv.server.events import EventHub, EventKind, Tombstones
 
 
 def _written_workload(cache: KVCache, seed: int) -> None:
@@ -99,3 +99,29 @@ def test_the_digest_moves_in_step_with_the_tree_and_each_event_carries_it() -> N
         running[e.namespace] = (running.get(e.namespace, 0) + sign * sum(mix64(h) for h in e.block_hashes)) % 2**64
         assert e.namespace_digest == running[e.namespace]
     assert digest_of([1, 2, 3]) == digest_of([3, 1, 2]) != digest_of([1, 2])
+
+
+def test_tombstones_keep_the_newest_evictions_per_namespace() -> None:
+    tombstones = Tombstones(3)
+    tombstones.bury("a", (1, 2))
+    tombstones.bury("b", (3, 4))  # 1, the oldest, is forgotten
+    assert len(tombstones) == 3 and tombstones.num_bytes == 3 * Tombstones.ENTRY_BYTES
+    assert tombstones.evicted_at(1, "a") is None
+    evicted_at = tombstones.evicted_at(2, "a")
+    assert evicted_at is not None and evicted_at > 0
+    assert tombstones.evicted_at(2, "b") is None  # buried under another namespace: not for this one
+    assert tombstones.evicted_at(4, "b") is not None
+    nothing = Tombstones(0)
+    nothing.bury("a", (1,))
+    assert len(nothing) == 0 and nothing.evicted_at(1, "a") is None
+
+
+def test_hub_buries_every_evicted_block_hash() -> None:
+    cache = KVCache(4, 2)
+    hub = EventHub(cache, 100, max_tombstones=16)
+    first = cache.open(np.arange(4, dtype=np.int32))
+    cache.commit([first.seq_id], [4])
+    cache.release(first.seq_id)
+    cache.open(np.arange(100, 108, dtype=np.int32))  # needs all 4 blocks: evicts both cached
+    for wire in (wire_hash(h) for h in chain_hashes(list(range(4)), 2)):
+        assert hub.tombstones.evicted_at(wire, "default") is not None

@@ -1,0 +1,30 @@
+"""`RadixKVClient.match(..., explain=True)`: the cached prefix and why it ends where it does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from radixkv.v1 import kvcache_pb2 as pb
+
+_PREFIX = "MISS_REASON_"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatchExplanation:
+    """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE."""
+
+    num_cached_tokens: int
+    reason: str
+    block_index: int  # the first uncached block
+    evicted_at_unix_ns: int = 0  # EVICTED: when
+    other_namespace: str = ""  # OTHER_NAMESPACE: where the same tokens are cached
+
+    @classmethod
+    def from_response(cls, response: pb.MatchResponse) -> MatchExplanation:
+        return cls(
+            response.num_cached_tokens,
+            pb.MissReason.Name(response.miss_reason).removeprefix(_PREFIX),
+            response.miss_block_index,
+            response.evicted_at_unix_ns,
+            response.other_namespace,
+        )

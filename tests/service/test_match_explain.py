@@ -1,0 +1,106 @@
+"""Match with explain: each reason produced on purpose against a real server, and tenant isolation."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from radixkv.client import MatchExplanation, RadixKVClient
+from tests.service.conftest import ACME_TOKEN, GLOBEX_TOKEN
+
+_namespaces = itertools.count()
+
+
+def _cache(client: RadixKVClient, prompt: list[int], namespace: str) -> None:
+    """Compute (commit) every token of `prompt` and cache its full blocks."""
+    opened = client.open(prompt, namespace)
+    client.commit([opened.seq_id], [len(prompt)])
+    client.release(opened.seq_id)
+
+
+def _miss_tokens(server, reason: str) -> float:  # type: ignore[no-untyped-def]
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.search(rf'^radixkv_miss_tokens_total{{pool="default",reason="{reason}"}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_plain_match_still_returns_an_int(server) -> None:  # type: ignore[no-untyped-def]
+    with RadixKVClient(server.address) as client:
+        assert client.match(list(range(5000, 5008)), f"plain-{next(_namespaces)}") == 0
+
+
+def test_never_cached_partial_block_and_fully_cached(server, debug) -> None:  # type: ignore[no-untyped-def]
+    ns = f"explain-{next(_namespaces)}"
+    prompt = list(range(1000, 1008))  # two blocks of 4
+    with RadixKVClient(server.address) as client:
+        before = _miss_tokens(server, "NEVER_CACHED")
+        never = client.match(prompt, ns, explain=True)
+        assert never == MatchExplanation(0, "NEVER_CACHED", 0)
+        assert _miss_tokens(server, "NEVER_CACHED") == before + 8
+        _cache(client, prompt, ns)
+        assert client.match(prompt, ns, explain=True) == MatchExplanation(8, "FULLY_CACHED", 2)
+        partial = client.match([*prompt, 7, 7, 7], ns, explain=True)
+        assert partial == MatchExplanation(8, "PARTIAL_BLOCK", 2)
+        # A full block past the cached prefix that nobody ever cached.
+        assert client.match([*prompt, 1, 2, 3, 4], ns, explain=True) == MatchExplanation(8, "NEVER_CACHED", 2)
+    debug.check()
+
+
+def test_evicted_after_pressure_says_when(server, debug) -> None:  # type: ignore[no-untyped-def]
+    ns = f"evict-{next(_namespaces)}"
+    prompt = list(range(2000, 2016))  # 4 full blocks of the 8-block tiny pool
+    with RadixKVClient(server.address, pool="tiny") as client:
+        _cache(client, prompt, ns)
+        assert client.match(prompt, ns) == 16
+        before = time.time_ns()
+        big = client.open(list(range(3000, 3032)), f"{ns}-other")  # 8 blocks: evicts all four
+        after = time.time_ns()
+        client.release(big.seq_id, cache=False)
+        why = client.match(prompt, ns, explain=True)
+        assert (why.num_cached_tokens, why.reason, why.block_index) == (0, "EVICTED", 0)
+        assert before <= why.evicted_at_unix_ns <= after
+        # The same tokens in a namespace that never held them were never cached there.
+        assert client.match(prompt, f"{ns}-never", explain=True).reason == "NEVER_CACHED"
+    debug.check("tiny")
+
+
+def test_other_namespace_names_where_the_tokens_are(server) -> None:  # type: ignore[no-untyped-def]
+    ns = f"other-{next(_namespaces)}"
+    prompt = list(range(4000, 4012))
+    with RadixKVClient(server.address) as client:
+        _cache(client, prompt, f"{ns}-b")
+        why = client.match(prompt, f"{ns}-a", explain=True)
+        assert why == MatchExplanation(0, "OTHER_NAMESPACE", 0, other_namespace=f"{ns}-b")
+
+
+@pytest.fixture
+def tenant(auth_server, tls_files: tuple[Path, Path]) -> Iterator:  # type: ignore[no-untyped-def,type-arg]
+    opened: list[RadixKVClient] = []
+
+    def connect(token: str) -> RadixKVClient:
+        opened.append(RadixKVClient(auth_server.address, token=token, tls_root_cert=str(tls_files[0])))
+        return opened[-1]
+
+    yield connect
+    for client in opened:
+        client.close()
+
+
+def test_another_tenants_prefix_is_never_cached_for_you(tenant) -> None:  # type: ignore[no-untyped-def]
+    acme, globex = tenant(ACME_TOKEN), tenant(GLOBEX_TOKEN)
+    prompt = list(range(6000, 6008))
+    _cache(globex, prompt, "0-explain")  # globex's own namespace (sorts first among the few explain matches)
+    # acme's "chat": the same tokens sit in globex's namespaces only, which acme may never learn of.
+    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "NEVER_CACHED", 0)
+    # globex itself is told where they are.
+    assert globex.match(prompt, "chat", explain=True).other_namespace == "0-explain"
+    # Within acme's own namespaces the reason is OTHER_NAMESPACE, named as acme names it.
+    _cache(acme, prompt, "code")
+    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "OTHER_NAMESPACE", 0, other_namespace="code")
