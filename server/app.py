@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixkv.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
+from radixkv.server.audit import PoolAuditor
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (
     CPU_DEFAULT_POOL_BYTES,
@@ -65,6 +66,7 @@ class RadixKVServer:
         health_servicer: health.HealthServicer,
         metrics: ServerMetrics,
         config: ServerConfig,
+        auditor: PoolAuditor | None = None,
     ) -> None:
         self._server = server
         self.service = service
@@ -72,6 +74,7 @@ class RadixKVServer:
         self.metrics = metrics
         self._config = config
         self.metrics_port: int | None = None
+        self.auditor = auditor
         self._services = [KVCACHE_SERVICE, *([DEBUG_SERVICE] if config.debug_rpc else [])]
 
     def start(self) -> None:
@@ -81,6 +84,8 @@ class RadixKVServer:
             self.metrics_port = self.metrics.start_http(self._config.host, self._config.metrics_port)
         for name in ("", *self._services):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.auditor is not None:
+            self.auditor.start()
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, end event streams, let in-flight RPCs finish within `grace`, then free everything."""
@@ -88,6 +93,8 @@ class RadixKVServer:
         for pool in self.service.pools.values():
             pool.events.close_all()
         self._server.stop(self._config.grace_seconds if grace is None else grace).wait()
+        if self.auditor is not None:
+            self.auditor.stop()
         self.service.close()
         self.metrics.stop_http()
 
@@ -158,7 +165,8 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         for pool in pools.values():
             pool.close()
         raise
-    return RadixKVServer(server, service, health_servicer, metrics, config), port
+    auditor = PoolAuditor(pools, config.audit_interval_seconds, metrics.registry) if config.audit_interval_seconds else None
+    return RadixKVServer(server, service, health_servicer, metrics, config, auditor), port
 
 
 def serve(config: ServerConfig) -> None:
@@ -273,6 +281,13 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
     parser.add_argument(
         "--kv-events-replay-endpoint", metavar="ENDPOINT", help="ROUTER socket answering replay requests, e.g. tcp://*:5558"
+    )
+    parser.add_argument(
+        "--audit-interval",
+        type=float,
+        dest="audit_interval_seconds",
+        metavar="S",
+        help="every S seconds, recount one pool's bookkeeping under its lock (server/audit.py); 0: off (default)",
     )
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

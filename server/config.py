@@ -136,6 +136,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     debug_rpc: bool = False  # serve radixkv.v1.Debug (tests only)
+    audit_interval_seconds: float = 0.0  # online audit: one pool's recount per interval (server/audit.py); 0: off
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -168,6 +169,8 @@ class ServerConfig:
                 object.__setattr__(self, name, min(default, self.max_streams))
             elif not 0 <= getattr(self, name) <= self.max_streams:
                 raise ValueError(f"{name} must lie in [0, max_streams]: streams must leave threads for unary calls")
+        if self.audit_interval_seconds < 0:
+            raise ValueError("audit_interval_seconds must be >= 0 (0: no audit)")
         for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -1,7 +1,8 @@
 """`radixkv.v1.Debug`: what integration tests must ask the server itself (served only with --debug-rpc).
 
 A test running the server as a separate process cannot call `check_invariants()` on its cache or
-read its storage; these two RPCs do it server-side and return the verdict.
+read its storage; these RPCs do it server-side and return the verdict. `CorruptRefCount` breaks a pool
+on purpose, so a test can prove the online audit (`radixkv.server.audit`) catches it.
 """
 
 from __future__ import annotations
@@ -71,3 +72,19 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
         return pb.ChecksumBlocksResponse(
             sha256=checksum_blocks(self._service.pool(request.pool), list(request.block_ids))
         )
+
+    @translating_errors
+    def CorruptRefCount(
+        self, request: pb.CorruptRefCountRequest, context: grpc.ServicerContext
+    ) -> pb.CorruptRefCountResponse:
+        """Breaks the pool on purpose (tests of the online audit); it stays broken until a restart."""
+        self._check_admin()
+        pool = self._service.pool(request.pool)
+        if not 0 <= request.block_id < pool.layout.num_blocks:
+            raise InvalidArgument("block_id", f"must lie in [0, {pool.layout.num_blocks}), got {request.block_id}")
+        if request.delta == 0:
+            raise InvalidArgument("delta", "must not be 0")
+        with pool.lock:
+            ref_counts = pool.cache.pool.ref_counts
+            ref_counts[request.block_id] += request.delta
+            return pb.CorruptRefCountResponse(ref_count=int(ref_counts[request.block_id]))

@@ -37,3 +37,19 @@ class ChecksumBlocksResponse(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     sha256: str
     def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+
+class CorruptRefCountRequest(_message.Message):
+    __slots__ = ("pool", "block_id", "delta")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    block_id: int
+    delta: int
+    def __init__(self, pool: _Optional[str] = ..., block_id: _Optional[int] = ..., delta: _Optional[int] = ...) -> None: ...
+
+class CorruptRefCountResponse(_message.Message):
+    __slots__ = ("ref_count",)
+    REF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ref_count: int
+    def __init__(self, ref_count: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DebugStub:
                 request_serializer=radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksResponse.FromString,
                 _registered_method=True)
+        self.CorruptRefCount = channel.unary_unary(
+                '/radixkv.v1.Debug/CorruptRefCount',
+                request_serializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.FromString,
+                _registered_method=True)
 
 
 class DebugServicer:
@@ -65,6 +70,14 @@ class DebugServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CorruptRefCount(self, request, context):
+        """CorruptRefCount adds delta to one block's ref_count, breaking the pool on purpose, so a test can
+        prove the online audit (--audit-interval) notices. The pool stays broken until the server restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DebugServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_DebugServicer_to_server(servicer, server):
                     servicer.ChecksumBlocks,
                     request_deserializer=radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksResponse.SerializeToString,
+            ),
+            'CorruptRefCount': grpc.unary_unary_rpc_method_handler(
+                    servicer.CorruptRefCount,
+                    request_deserializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Debug:
             '/radixkv.v1.Debug/ChecksumBlocks',
             radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksRequest.SerializeToString,
             radixkv_dot_v1_dot_debug__pb2.ChecksumBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CorruptRefCount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.Debug/CorruptRefCount',
+            radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.SerializeToString,
+            radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.FromString,
             options,
             channel_credentials,
             insecure,
