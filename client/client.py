@@ -185,9 +185,28 @@ class RadixKVClient:
 
     # -- sequences --------------------------------------------------------------------------------
 
-    def open(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
-        """Start a sequence, reusing the longest cached prefix; see `KVCache.open`."""
-        return self.open_many([(token_ids, namespace)])[0]
+    @overload
+    def open(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[False] = False) -> OpenResult: ...
+    @overload
+    def open(
+        self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[True]
+    ) -> tuple[OpenResult, MatchExplanation]: ...
+
+    def open(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, explain: bool = False
+    ) -> OpenResult | tuple[OpenResult, MatchExplanation]:
+        """Start a sequence, reusing the longest cached prefix; see `KVCache.open`.
+
+        With `explain`, also why the cached prefix ends where it does (LAST_TOKEN for a fully cached prompt).
+        """
+        if not explain:
+            return self.open_many([(token_ids, namespace)])[0]
+        request = m.open_request(self.pool, self.session_id, [(token_ids, namespace)])
+        request.explain = True
+        response = self._apply(self._stub.OpenSequences, request)
+        results = m.open_results(response)
+        self._tables.opened(results)
+        return results[0], MatchExplanation.from_response(response.sequences[0])
 
     def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
         """Open several sequences, all or none."""

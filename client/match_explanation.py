@@ -1,4 +1,4 @@
-"""`RadixKVClient.match(..., explain=True)`: the cached prefix and why it ends where it does."""
+"""`RadixKVClient.match(..., explain=True)` and `open(..., explain=True)`: the cached prefix and why it ends there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ _PREFIX = "MISS_REASON_"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MatchExplanation:
-    """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE."""
+    """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE, LAST_TOKEN
+    (open only); UNSPECIFIED for an open retried after a lost reply (answered without explanation)."""
 
     num_cached_tokens: int
     reason: str
@@ -20,7 +21,7 @@ class MatchExplanation:
     other_namespace: str = ""  # OTHER_NAMESPACE: where the same tokens are cached
 
     @classmethod
-    def from_response(cls, response: pb.MatchResponse) -> MatchExplanation:
+    def from_response(cls, response: pb.MatchResponse | pb.OpenedSequence) -> MatchExplanation:
         return cls(
             response.num_cached_tokens,
             pb.MissReason.Name(response.miss_reason).removeprefix(_PREFIX),

@@ -30,6 +30,7 @@ class MissReason(enum.Enum):
     EVICTED = 3
     PARTIAL_BLOCK = 4
     OTHER_NAMESPACE = 5
+    LAST_TOKEN = 6  # open only
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,6 +46,23 @@ def _visible(caller: Tenant, core_namespace: str) -> bool:
     if not caller.owns(core_namespace):
         return False
     return ANY_NAMESPACE in caller.namespaces or caller.unscope(core_namespace) in caller.namespaces
+
+
+def explain_open(cache: KVCache, events: EventHub, caller: Tenant, key: bytes, core_namespace: str) -> MissExplanation:
+    """Before `open`: what its cached prefix will be and why. Call under the pool's lock, then `after_open`."""
+    return explain_miss(cache, events, caller, key, core_namespace, cache.match(key, core_namespace))
+
+
+def after_open(before: MissExplanation, num_cached_tokens: int, block_size: int) -> MissExplanation:
+    """`before` (from `explain_open`), corrected by what open served: a fully cached prompt leaves its
+    last token (so at least its last block) to compute."""
+    if before.reason is MissReason.FULLY_CACHED and before.num_missed_tokens == 0:
+        num_tokens = before.block_index * block_size
+        if num_cached_tokens < num_tokens:
+            return MissExplanation(
+                MissReason.LAST_TOKEN, num_cached_tokens // block_size, num_tokens - num_cached_tokens
+            )
+    return before
 
 
 def _last_cached_hash(cache: KVCache, events: EventHub, key: bytes, core_namespace: str) -> bytes | None:

@@ -39,7 +39,7 @@ from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.events import BlockEvent
 from radixkv.server.ledger import Pin
-from radixkv.server.miss_reasons import MissExplanation, explain_miss
+from radixkv.server.miss_reasons import MissExplanation, after_open, explain_miss, explain_open
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session, SessionRegistry
 from radixkv.server.shares import Shares
@@ -129,8 +129,13 @@ class KVService:
         pool_name: str,
         prompts: Sequence[tuple[TokenIds, str]],
         request_id: int = 0,
+        explanations: list[MissExplanation] | None = None,
     ) -> list[OpenResult]:
-        """Open a batch of prompts, all or none (the whole batch counts against the request limits)."""
+        """Open a batch of prompts, all or none (the whole batch counts against the request limits).
+
+        `explanations`, when given, receives why each prompt's cached prefix ends where it does (nothing
+        on a retry answered from the request window: the batch is not applied again).
+        """
         pool = self.pool(pool_name)
         counts = [_num_tokens(t) for t, _ in prompts]
         check_request_size(pool, sum(counts), open_response_bytes(pool, counts), self.max_message_bytes)
@@ -149,9 +154,16 @@ class KVService:
                 self.check_num_sequences(pool, session, len(requests))
                 self.check_namespaces(pool, caller, {ns for _, ns in requests})
                 ledger.check_quota(caller, sum(ledger.blocks_for(len(t) // TOKEN_BYTES) for t, _ in requests))
+                before = None
+                if explanations is not None:
+                    before = [explain_open(pool.cache, pool.events, caller, key, ns) for key, ns in requests]
                 results = pool.cache.open_many(requests)
                 for result in results:
                     ledger.adopt(session, result.seq_id, len(result.block_table))
+                if before is not None and explanations is not None:
+                    size = pool.layout.block_size
+                    pairs = zip(before, results, strict=True)
+                    explanations[:] = [after_open(b, r.num_cached_tokens, size) for b, r in pairs]
                 return results
 
             return session.requests.once(

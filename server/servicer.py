@@ -23,6 +23,7 @@ from radixkv.block_hash import WIRE_MASK, HashContract
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
+from radixkv.server.miss_reasons import MissExplanation
 from radixkv.server.service import KVService
 from radixkv.server.session_stream import Observe, SessionStreams
 from radixkv.server.status import translating_errors, translating_stream
@@ -66,10 +67,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # The repeated fields go to the core as they are: numpy reads them in one pass, where a list
         # would cost a Python int per token (and memory to match) before any limit is checked.
         prompts = [(p.token_ids, p.namespace) for p in request.prompts]
+        explanations: list[MissExplanation] | None = [] if request.explain else None
         results = self._service.open_sequences(
-            current_caller(), request.session_id, request.pool, prompts, request.request_id
+            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations
         )
-        return pb.OpenSequencesResponse(
+        response = pb.OpenSequencesResponse(
             sequences=[
                 pb.OpenedSequence(
                     seq_id=r.seq_id,
@@ -80,6 +82,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 for r in results
             ]
         )
+        for opened, why in zip(response.sequences, explanations or (), strict=False):
+            opened.miss_reason = pb.MissReason.Value(f"MISS_REASON_{why.reason.name}")
+            opened.miss_block_index, opened.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
+            opened.other_namespace = why.other_namespace
+        return response
 
     @translating_errors
     def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.ServicerContext) -> pb.AppendTokensResponse:

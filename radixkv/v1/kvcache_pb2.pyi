@@ -15,6 +15,7 @@ class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISS_REASON_EVICTED: _ClassVar[MissReason]
     MISS_REASON_PARTIAL_BLOCK: _ClassVar[MissReason]
     MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
+    MISS_REASON_LAST_TOKEN: _ClassVar[MissReason]
 
 class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ MISS_REASON_NEVER_CACHED: MissReason
 MISS_REASON_EVICTED: MissReason
 MISS_REASON_PARTIAL_BLOCK: MissReason
 MISS_REASON_OTHER_NAMESPACE: MissReason
+MISS_REASON_LAST_TOKEN: MissReason
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
@@ -80,28 +82,38 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class OpenSequencesRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "prompts", "request_id")
+    __slots__ = ("pool", "session_id", "prompts", "request_id", "explain")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     request_id: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    explain: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., request_id: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class OpenedSequence(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    miss_reason: MissReason
+    miss_block_index: int
+    evicted_at_unix_ns: int
+    other_namespace: str
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
 
 class OpenSequencesResponse(_message.Message):
     __slots__ = ("sequences",)

@@ -129,3 +129,36 @@ def test_evicted_tail_past_a_cached_prefix(server, debug) -> None:  # type: igno
         assert (why.reason, why.block_index) == ("EVICTED", why.num_cached_tokens // 4)
         assert why.evicted_at_unix_ns > 0
     debug.check("tiny")
+
+
+def test_open_explains_last_token_and_misses(server, debug) -> None:  # type: ignore[no-untyped-def]
+    ns = f"open-{next(_namespaces)}"
+    prompt = list(range(11000, 11008))  # two blocks of 4
+    with RadixKVClient(server.address) as client:
+        first, why = client.open(prompt, ns, explain=True)
+        assert (first.num_cached_tokens, why) == (0, MatchExplanation(0, "NEVER_CACHED", 0))
+        client.commit([first.seq_id], [8])
+        client.release(first.seq_id)
+        # Fully cached: open still leaves the last token (so its block) to compute.
+        again, why = client.open(prompt, ns, explain=True)
+        assert again.num_cached_tokens == 4
+        assert why == MatchExplanation(4, "LAST_TOKEN", 1)
+        client.release(again.seq_id, cache=False)
+        longer, why = client.open([*prompt, 9, 9], ns, explain=True)
+        assert (longer.num_cached_tokens, why) == (8, MatchExplanation(8, "PARTIAL_BLOCK", 2))
+        client.release(longer.seq_id, cache=False)
+        assert isinstance(client.open(prompt, ns), type(first))  # the plain open is unchanged
+    debug.check()
+
+
+def test_open_retry_from_the_window_carries_no_explanation(server) -> None:  # type: ignore[no-untyped-def]
+    with RadixKVClient(server.address) as client, grpc.insecure_channel(server.address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
+        prompt = pb.Prompt(token_ids=list(range(12000, 12006)), namespace=f"retry-{next(_namespaces)}")
+        request = pb.OpenSequencesRequest(
+            pool="default", session_id=client.session_id, prompts=[prompt], request_id=424242, explain=True
+        )
+        first = stub.OpenSequences(request, timeout=5).sequences[0]
+        again = stub.OpenSequences(request, timeout=5).sequences[0]
+        assert first.miss_reason == pb.MISS_REASON_NEVER_CACHED
+        assert again.seq_id == first.seq_id and again.miss_reason == pb.MISS_REASON_UNSPECIFIED
