@@ -21,7 +21,7 @@ from radixkv.server.config import ANY_NAMESPACE
 from radixkv.server.events import EventHub
 from radixkv.server.tenants import Tenant
 
-MAX_OTHER_NAMESPACES = 16  # namespaces matched for OTHER_NAMESPACE, so an explain stays cheap
+MAX_OTHER_NAMESPACES = 16  # namespaces fully matched for OTHER_NAMESPACE, so an explain stays cheap
 
 
 class MissReason(enum.Enum):
@@ -40,6 +40,11 @@ class MissExplanation:
     num_missed_tokens: int  # tokens after the cached prefix
     evicted_at_unix_ns: int = 0  # EVICTED
     other_namespace: str = ""  # OTHER_NAMESPACE: the caller's name for it
+
+
+def _starts_with(cache: KVCache, core_namespace: str, first_block: bytes) -> bool:
+    root = cache.tree.roots.get(core_namespace)
+    return root is not None and first_block in root.children
 
 
 def _visible(caller: Tenant, core_namespace: str) -> bool:
@@ -97,7 +102,14 @@ def explain_miss(
     evicted_at = events.tombstones.evicted_at(wire, core_namespace)
     if evicted_at is not None:
         return MissExplanation(MissReason.EVICTED, index, num_missed, evicted_at_unix_ns=evicted_at)
-    others = [ns for ns in sorted(events.num_blocks) if ns != core_namespace and _visible(caller, ns)]
+    # Every visible namespace is screened by its first block, O(1) each (the pool's max_namespaces bounds
+    # them); only those that start the same way are matched in full.
+    first_block = key[: block_size * 4]
+    others = [
+        ns
+        for ns in sorted(events.num_blocks)
+        if ns != core_namespace and _visible(caller, ns) and _starts_with(cache, ns, first_block)
+    ]
     for other in others[:MAX_OTHER_NAMESPACES]:
         if cache.match(key, other) > num_cached:
             return MissExplanation(MissReason.OTHER_NAMESPACE, index, num_missed, other_namespace=caller.unscope(other))

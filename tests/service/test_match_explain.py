@@ -19,6 +19,7 @@ from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import ACME_TOKEN, GLOBEX_TOKEN
 
 _namespaces = itertools.count()
+_BASE = 7_340_000  # token ids no other test of the shared server uses, so only these tests cache them
 
 
 def _cache(client: RadixKVClient, prompt: list[int], namespace: str) -> None:
@@ -37,12 +38,12 @@ def _miss_tokens(server, reason: str) -> float:  # type: ignore[no-untyped-def]
 
 def test_plain_match_still_returns_an_int(server) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client:
-        assert client.match(list(range(5000, 5008)), f"plain-{next(_namespaces)}") == 0
+        assert client.match(list(range(_BASE + 5000, _BASE + 5008)), f"plain-{next(_namespaces)}") == 0
 
 
 def test_never_cached_partial_block_and_fully_cached(server, debug) -> None:  # type: ignore[no-untyped-def]
     ns = f"explain-{next(_namespaces)}"
-    prompt = list(range(1000, 1008))  # two blocks of 4
+    prompt = list(range(_BASE + 1000, _BASE + 1008))  # two blocks of 4
     with RadixKVClient(server.address) as client:
         before = _miss_tokens(server, "NEVER_CACHED")
         never = client.match(prompt, ns, explain=True)
@@ -59,12 +60,12 @@ def test_never_cached_partial_block_and_fully_cached(server, debug) -> None:  # 
 
 def test_evicted_after_pressure_says_when(server, debug) -> None:  # type: ignore[no-untyped-def]
     ns = f"evict-{next(_namespaces)}"
-    prompt = list(range(2000, 2016))  # 4 full blocks of the 8-block tiny pool
+    prompt = list(range(_BASE + 2000, _BASE + 2016))  # 4 full blocks of the 8-block tiny pool
     with RadixKVClient(server.address, pool="tiny") as client:
         _cache(client, prompt, ns)
         assert client.match(prompt, ns) == 16
         before = time.time_ns()
-        big = client.open(list(range(3000, 3032)), f"{ns}-other")  # 8 blocks: evicts all four
+        big = client.open(list(range(_BASE + 3000, _BASE + 3032)), f"{ns}-other")  # 8 blocks: evicts all four
         after = time.time_ns()
         client.release(big.seq_id, cache=False)
         why = client.match(prompt, ns, explain=True)
@@ -81,7 +82,7 @@ def test_evicted_after_pressure_says_when(server, debug) -> None:  # type: ignor
 
 def test_other_namespace_names_where_the_tokens_are(server) -> None:  # type: ignore[no-untyped-def]
     ns = f"other-{next(_namespaces)}"
-    prompt = list(range(4000, 4012))
+    prompt = list(range(_BASE + 4000, _BASE + 4012))
     with RadixKVClient(server.address) as client:
         _cache(client, prompt, f"{ns}-b")
         why = client.match(prompt, f"{ns}-a", explain=True)
@@ -103,7 +104,7 @@ def tenant(auth_server, tls_files: tuple[Path, Path]) -> Iterator:  # type: igno
 
 def test_another_tenants_prefix_is_never_cached_for_you(tenant) -> None:  # type: ignore[no-untyped-def]
     acme, globex = tenant(ACME_TOKEN), tenant(GLOBEX_TOKEN)
-    prompt = list(range(6000, 6008))
+    prompt = list(range(_BASE + 6000, _BASE + 6008))
     _cache(globex, prompt, "0-explain")  # globex's own namespace (sorts first among the few explain matches)
     # acme's "chat": the same tokens sit in globex's namespaces only, which acme may never learn of.
     assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "NEVER_CACHED", 0)
@@ -117,12 +118,14 @@ def test_another_tenants_prefix_is_never_cached_for_you(tenant) -> None:  # type
 def test_evicted_tail_past_a_cached_prefix(server, debug) -> None:  # type: ignore[no-untyped-def]
     """Eviction trims tails first: the prefix stays, and its first missing block is EVICTED (a chained hash)."""
     ns = f"tail-{next(_namespaces)}"
-    prompt = list(range(7000, 7016))  # 4 blocks of the 8-block tiny pool
+    prompt = list(range(_BASE + 7000, _BASE + 7016))  # 4 blocks of the 8-block tiny pool
     with RadixKVClient(server.address, pool="tiny") as client:
-        flush = client.open(list(range(9000, 9032)), f"{ns}-flush")  # all 8 blocks: the pool holds nothing else now
+        flush = client.open(
+            list(range(_BASE + 9000, _BASE + 9032)), f"{ns}-flush"
+        )  # all 8 blocks: the pool holds nothing else now
         client.release(flush.seq_id, cache=False)
         _cache(client, prompt, ns)
-        big = client.open(list(range(8000, 8024)), f"{ns}-other")  # 6 blocks: two of the four must go
+        big = client.open(list(range(_BASE + 8000, _BASE + 8024)), f"{ns}-other")  # 6 blocks: two of the four must go
         client.release(big.seq_id, cache=False)
         why = client.match(prompt, ns, explain=True)
         assert 0 < why.num_cached_tokens < 16
@@ -133,7 +136,7 @@ def test_evicted_tail_past_a_cached_prefix(server, debug) -> None:  # type: igno
 
 def test_open_explains_last_token_and_misses(server, debug) -> None:  # type: ignore[no-untyped-def]
     ns = f"open-{next(_namespaces)}"
-    prompt = list(range(11000, 11008))  # two blocks of 4
+    prompt = list(range(_BASE + 11000, _BASE + 11008))  # two blocks of 4
     with RadixKVClient(server.address) as client:
         first, why = client.open(prompt, ns, explain=True)
         assert (first.num_cached_tokens, why) == (0, MatchExplanation(0, "NEVER_CACHED", 0))
@@ -154,7 +157,7 @@ def test_open_explains_last_token_and_misses(server, debug) -> None:  # type: ig
 def test_open_retry_from_the_window_carries_no_explanation(server) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client, grpc.insecure_channel(server.address) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
-        prompt = pb.Prompt(token_ids=list(range(12000, 12006)), namespace=f"retry-{next(_namespaces)}")
+        prompt = pb.Prompt(token_ids=list(range(_BASE + 12000, _BASE + 12006)), namespace=f"retry-{next(_namespaces)}")
         request = pb.OpenSequencesRequest(
             pool="default", session_id=client.session_id, prompts=[prompt], request_id=424242, explain=True
         )
