@@ -1,5 +1,6 @@
-"""The online audit (`--audit-interval`) on a real server process: it runs, passes a healthy pool under
-traffic, and catches a ref count corrupted through the Debug service, logging the block and going on."""
+"""The online audit (`--audit-interval`): on a real server process it runs, passes a healthy pool under traffic,
+and catches a ref count corrupted through the Debug service, logging the block and going on; in process, the
+digest recount names a drifted namespace and a busy pool skips its slice."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from radixkv.client import RadixKVClient
 from radixkv.server.app import parse_args
+from radixkv.server.audit import PoolAuditor, check_digests, check_pool
+from radixkv.server.config import PoolConfig
+from radixkv.server.pools import build_pool
 from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
@@ -121,3 +126,39 @@ def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_fi
                 timeout=10,
             )
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_digest_recount_names_a_namespace_whose_digest_or_count_drifted() -> None:
+    pool = build_pool(PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=32), 16)
+    try:
+        for namespace in ("a", "b"):
+            opened = pool.cache.open(list(range(1, 14)), namespace)
+            pool.cache.commit([opened.seq_id], [13])
+            pool.cache.release(opened.seq_id)
+        check_pool(pool)  # a healthy pool passes every recount
+        assert pool.events.num_blocks == {"a": 3, "b": 3}
+        pool.events.digests["b"] ^= 1
+        with pytest.raises(AssertionError, match="namespace 'b': event hub digest"):
+            check_digests(pool)
+        pool.events.digests["b"] ^= 1
+        pool.events.num_blocks["a"] += 1
+        with pytest.raises(AssertionError, match="event hub block counts"):
+            check_digests(pool)
+    finally:
+        pool.close()
+
+
+def test_a_busy_pool_skips_its_slice_instead_of_waiting() -> None:
+    pool = build_pool(PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=8), 16)
+    registry = CollectorRegistry()
+    auditor = PoolAuditor({"p": pool}, 1.0, registry)
+    try:
+        with pool.lock:  # an RPC holds the pool
+            assert auditor.audit(pool) is None
+        assert registry.get_sample_value("radixkv_audit_skipped_total", {"pool": "p"}) == 1
+        assert registry.get_sample_value("radixkv_audit_runs_total", {"pool": "p"}) is None
+        assert auditor.audit(pool) is True
+        assert registry.get_sample_value("radixkv_audit_runs_total", {"pool": "p"}) == 1
+        assert not pool.lock.locked()
+    finally:
+        pool.close()
