@@ -17,7 +17,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -26,6 +26,7 @@ from radixkv.client import messages as m
 from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import KVEvent, event_batch
+from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
@@ -278,9 +279,17 @@ class AsyncRadixKVClient:
 
     # -- prefixes ---------------------------------------------------------------------------------
 
-    async def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
-        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
-        return (await self._call(self._stub.Match, request)).num_cached_tokens
+    @overload
+    async def match(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[False] = False) -> int: ...
+    @overload
+    async def match(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[True]) -> MatchExplanation: ...
+
+    async def match(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, explain: bool = False
+    ) -> int | MatchExplanation:
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace, explain=explain)
+        response = await self._call(self._stub.Match, request)
+        return MatchExplanation.from_response(response) if explain else response.num_cached_tokens
 
     async def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from radixkv.client import MatchExplanation, RadixKVClient
+from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.server.events import Tombstones
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -165,3 +166,12 @@ def test_open_retry_from_the_window_carries_no_explanation(server) -> None:  # t
         again = stub.OpenSequences(request, timeout=5).sequences[0]
         assert first.miss_reason == pb.MISS_REASON_NEVER_CACHED
         assert again.seq_id == first.seq_id and again.miss_reason == pb.MISS_REASON_UNSPECIFIED
+
+
+@pytest.mark.asyncio
+async def test_the_async_client_explains_a_match(server) -> None:  # type: ignore[no-untyped-def]
+    prompt = list(range(_BASE + 13000, _BASE + 13008))
+    async with AsyncRadixKVClient(server.address) as client:
+        assert await client.match(prompt, f"aio-{next(_namespaces)}") == 0
+        why = await client.match(prompt, f"aio-{next(_namespaces)}", explain=True)
+        assert why == MatchExplanation(0, "NEVER_CACHED", 0)
