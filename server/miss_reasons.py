@@ -80,7 +80,10 @@ def _last_cached_hash(cache: KVCache, events: EventHub, key: bytes, core_namespa
     if match.num_blocks == 0:
         return None
     node = match.node
-    block_id = node.block_ids[match.num_blocks_in_node - 1] if match.num_blocks_in_node else node.parent.block_ids[-1]
+    if not match.num_blocks_in_node:  # the match ends before `node`'s first block: its parent holds the last one
+        assert node.parent is not None
+        node = node.parent
+    block_id = node.block_ids[match.num_blocks_in_node - 1 if match.num_blocks_in_node else -1]
     return events.hashes[int(block_id)]
 
 

@@ -83,9 +83,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             ]
         )
         for opened, why in zip(response.sequences, explanations or (), strict=False):
-            opened.miss_reason = pb.MissReason.Value(f"MISS_REASON_{why.reason.name}")
-            opened.miss_block_index, opened.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
-            opened.other_namespace = why.other_namespace
+            opened.MergeFrom(
+                pb.OpenedSequence(
+                    miss_reason=f"MISS_REASON_{why.reason.name}", miss_block_index=why.block_index,
+                    evicted_at_unix_ns=why.evicted_at_unix_ns, other_namespace=why.other_namespace,
+                )
+            )  # fmt: skip
         return response
 
     @translating_errors
@@ -169,7 +172,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, miss_reason=pb.MissReason.Value(f"MISS_REASON_{why.reason.name}"),
+                num_cached_tokens=num, miss_reason=f"MISS_REASON_{why.reason.name}",
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
