@@ -190,7 +190,7 @@ def prefix_request(
 ) -> Request:
     """A Match, Pin or Unpin request (`extra`: e.g. Match's explain)."""
     fields = dict(pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace, **extra)
-    return build(message, **fields)
+    return build(message, "", **fields)
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:

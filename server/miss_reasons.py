@@ -80,7 +80,11 @@ def _last_cached_hash(cache: KVCache, events: EventHub, key: bytes, core_namespa
     if match.num_blocks == 0:
         return None
     node = match.node
-    block_id = node.block_ids[match.num_blocks_in_node - 1] if match.num_blocks_in_node else node.parent.block_ids[-1]
+    if match.num_blocks_in_node:
+        block_id = node.block_ids[match.num_blocks_in_node - 1]
+    else:  # the match ends where `node` begins: its last block is the parent's (a node, not a root, as blocks matched)
+        assert node.parent is not None, "a match of some blocks ends below a namespace's root"
+        block_id = node.parent.block_ids[-1]
     return events.hashes[int(block_id)]
 
 
