@@ -189,9 +189,8 @@ def prefix_request(
     message: Callable[..., Request], pool: str, session_id: str, token_ids: TokenIds, namespace: str, **extra: object
 ) -> Request:
     """A Match, Pin or Unpin request (`extra`: e.g. Match's explain)."""
-    return build(
-        message, "", pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace, **extra
-    )
+    fields = dict(pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace, **extra)
+    return build(message, "", **fields)
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:

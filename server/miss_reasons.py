@@ -80,10 +80,11 @@ def _last_cached_hash(cache: KVCache, events: EventHub, key: bytes, core_namespa
     if match.num_blocks == 0:
         return None
     node = match.node
-    if not match.num_blocks_in_node:  # the match ends before `node`'s first block: its parent holds the last one
-        assert node.parent is not None
-        node = node.parent
-    block_id = node.block_ids[match.num_blocks_in_node - 1 if match.num_blocks_in_node else -1]
+    if match.num_blocks_in_node:
+        block_id = node.block_ids[match.num_blocks_in_node - 1]
+    else:  # the match ends where `node` begins: its last block is the parent's (a node, not a root, as blocks matched)
+        assert node.parent is not None, "a match of some blocks ends below a namespace's root"
+        block_id = node.parent.block_ids[-1]
     return events.hashes[int(block_id)]
 
 

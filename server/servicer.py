@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import cast
 
 import grpc
 import numpy as np
@@ -83,12 +84,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             ]
         )
         for opened, why in zip(response.sequences, explanations or (), strict=False):
-            opened.MergeFrom(
-                pb.OpenedSequence(
-                    miss_reason=f"MISS_REASON_{why.reason.name}", miss_block_index=why.block_index,
-                    evicted_at_unix_ns=why.evicted_at_unix_ns, other_namespace=why.other_namespace,
-                )
-            )  # fmt: skip
+            opened.miss_reason = _miss_reason(why)
+            opened.miss_block_index, opened.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
+            opened.other_namespace = why.other_namespace
         return response
 
     @translating_errors
@@ -172,7 +170,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, miss_reason=f"MISS_REASON_{why.reason.name}",
+                num_cached_tokens=num, miss_reason=_miss_reason(why),
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
@@ -274,6 +272,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # The caller is read now: the responses are produced after this returns (see session_stream).
         responses = self._session_streams.serve(self._service, current_caller(), request_iterator, self._observe)
         return translating_stream(context, "Session", responses)
+
+
+def _miss_reason(why: MissExplanation) -> pb.MissReason:
+    """The wire enum of a miss reason; protobuf enum values are ints at run time, the stubs name the enum."""
+    return cast(pb.MissReason, pb.MissReason.Value(f"MISS_REASON_{why.reason.name}"))
 
 
 def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
