@@ -200,7 +200,7 @@ POOL_KEYS: dict[str, str] = {
     "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
     "kv_events_buffer_steps": "event batches kept for replay",
-    "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 150 B each)",
+    "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
 }
 _DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
 _ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]

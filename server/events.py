@@ -98,7 +98,7 @@ class Tombstones:
     (the salt already makes hashes namespace-specific; this is belt and braces for tenant isolation).
     """
 
-    ENTRY_BYTES = 150  # an OrderedDict entry: int key, a 2-tuple of int and a shared str, the link
+    ENTRY_BYTES = 180  # an OrderedDict entry (int key, a 2-tuple of int and a shared str, the link): tracemalloc
 
     def __init__(self, max_size: int) -> None:
         self.max_size = max_size
