@@ -107,7 +107,10 @@ def bench_trace(total_tokens: int) -> dict:
         "infinite_cache_hit_ratio": infinite.hit_ratio,
         "whole_leaf_lru_hit_ratio": whole_leaf_result.hit_ratio,
         "evicted_blocks": best.num_evicted_blocks,
-        "op_us": {op: {"p50": percentile_us(s, 50), "p99": percentile_us(s, 99), "count": len(s)} for op, s in timed.op_seconds.items()},
+        "op_us": {
+            op: {"p50": percentile_us(s, 50), "p99": percentile_us(s, 99), "count": len(s)}
+            for op, s in timed.op_seconds.items()
+        },
     }
 
 
@@ -281,7 +284,12 @@ def bench_evict(num_leaves: int) -> dict:
         heapq.heapify(heap)
         heapq.heappop(heap)
     heap_s = (time.perf_counter() - t0) / reps
-    return {"evictable_leaves": len(leaves), "evict_us_per_block": sorted_list_s * 1e6, "heap_rebuild_us_per_eviction": heap_s * 1e6, "speedup": heap_s / sorted_list_s}
+    return {
+        "evictable_leaves": len(leaves),
+        "evict_us_per_block": sorted_list_s * 1e6,
+        "heap_rebuild_us_per_eviction": heap_s * 1e6,
+        "speedup": heap_s / sorted_list_s,
+    }
 
 
 def bench_memory(num_cached_blocks: int) -> dict:
@@ -327,7 +335,9 @@ def peer_rows(results: dict) -> list[tuple[str, str]]:
         total = f"{ours['total_seconds'] * 1e3:.0f}" + (f" / {theirs['total_seconds'] * 1e3:.0f}" if theirs else "")
         speedup = f"  = {row['speedup']:.2f}x faster (target >= 3x)" if theirs else ""
         rows.append((f"  block {block_size}: total (ms)", total + speedup))
-        tps = f"{ours['tokens_per_second'] / 1e6:.2f} M" + (f" / {theirs['tokens_per_second'] / 1e6:.2f} M" if theirs else "")
+        tps = f"{ours['tokens_per_second'] / 1e6:.2f} M" + (
+            f" / {theirs['tokens_per_second'] / 1e6:.2f} M" if theirs else ""
+        )
         rows.append((f"  block {block_size}: tokens/s", tps))
         hit = f"{ours['hit_ratio']:.3f}" + (f" / {theirs['hit_ratio']:.3f}" if theirs else "")
         rows.append((f"  block {block_size}: hit ratio", hit))
@@ -366,17 +376,36 @@ def main(argv: list[str] | None = None) -> int:
     t, m, e, mem = results["trace"], results["match"], results["evict"], results["memory"]
     rows = [
         ("trace tokens / requests", f"{t['trace_tokens']:,} / {t['trace_requests']:,}"),
-        ("pool blocks (of working set)", f"{t['pool_blocks']:,} ({t['pool_blocks'] / t['working_set_blocks']:.0%} of {t['working_set_blocks']:,})"),
+        (
+            "pool blocks (of working set)",
+            f"{t['pool_blocks']:,} ({t['pool_blocks'] / t['working_set_blocks']:.0%} of {t['working_set_blocks']:,})",
+        ),
         ("trace tokens/s", f"{t['tokens_per_second'] / 1e6:.2f} M  (target > 15 M)"),
-        ("hit ratio / infinite cache", f"{t['hit_ratio']:.3f} / {t['infinite_cache_hit_ratio']:.3f} = {t['hit_ratio'] / t['infinite_cache_hit_ratio']:.3f}"),
-        ("hit ratio / whole-leaf LRU", f"{t['hit_ratio']:.3f} / {t['whole_leaf_lru_hit_ratio']:.3f} = {t['hit_ratio'] / t['whole_leaf_lru_hit_ratio']:.3f}"),
+        (
+            "hit ratio / infinite cache",
+            f"{t['hit_ratio']:.3f} / {t['infinite_cache_hit_ratio']:.3f} = {t['hit_ratio'] / t['infinite_cache_hit_ratio']:.3f}",
+        ),
+        (
+            "hit ratio / whole-leaf LRU",
+            f"{t['hit_ratio']:.3f} / {t['whole_leaf_lru_hit_ratio']:.3f} = {t['hit_ratio'] / t['whole_leaf_lru_hit_ratio']:.3f}",
+        ),
         ("evicted blocks", f"{t['evicted_blocks']:,}"),
     ]
     for op, s in t["op_us"].items():
         rows.append((f"{op} p50 / p99 (us)", f"{s['p50']:.1f} / {s['p99']:.1f}  (n={s['count']})"))
     for n, s in m.items():
-        rows.append((f"match cached {int(n) // 1024}k tokens (us)", f"{s['match_us_int32_array']:.1f} int32 array, {s['match_us_python_list']:.0f} Python list"))
-    rows.append((f"evict per block, {e['evictable_leaves']:,} leaves (us)", f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = {e['speedup']:.0f}x"))
+        rows.append(
+            (
+                f"match cached {int(n) // 1024}k tokens (us)",
+                f"{s['match_us_int32_array']:.1f} int32 array, {s['match_us_python_list']:.0f} Python list",
+            )
+        )
+    rows.append(
+        (
+            f"evict per block, {e['evictable_leaves']:,} leaves (us)",
+            f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = {e['speedup']:.0f}x",
+        )
+    )
     rows += peer_rows(results)
     hub_ratio, explain_ratio = x["match_with_hub_us"] / x["match_us"], x["match_explain_us"] / x["match_us"]
     rows.append(
@@ -387,7 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     rows.append(("empty pool of 1M blocks, bytes per block", f"{mem['empty_pool_bytes_per_block']:.1f}  (target <= 8)"))
-    rows.append(("bookkeeping bytes per cached block", f"{mem['bytes_per_cached_block']:.0f} (of which token ids {mem['token_bytes_per_block']})"))
+    rows.append(
+        (
+            "bookkeeping bytes per cached block",
+            f"{mem['bytes_per_cached_block']:.0f} (of which token ids {mem['token_bytes_per_block']})",
+        )
+    )
     width = max(len(k) for k, _ in rows)
     print(f"bench_core (block_size {BLOCK_SIZE}{', quick' if args.quick else ''})")
     print("-" * (width + 50))

@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         "router max/mean load <= 1.3": rows["router"]["load_imbalance_max_over_mean"] <= 1.3,
         "none routed to the dead instance after its health check failed": rows["router_kill"]["kill"][
             "routed_to_dead_after_detected"
-        ] == 0,
+        ]
+        == 0,
     }
     print_table(report)
     if args.out:
@@ -475,7 +476,9 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row['prefill_tokens']:>11} {imbalance if imbalance is not None else '-':>13} {lag:>21}"
         )
     print(f"router decision time p50 {report['router_decision_us_p50']} us, p99 {report['router_decision_us_p99']} us")
-    print(f"router hit / single cache {report['router_hit_over_single']}, router hit / random {report['router_hit_over_random']}")
+    print(
+        f"router hit / single cache {report['router_hit_over_single']}, router hit / random {report['router_hit_over_random']}"
+    )
     print(f"kill and restart: {report['policies']['router_kill']['kill']}")
     h = report["hash_cost"]
     print(

@@ -30,7 +30,15 @@ import numpy as np
 from radixkv import KVCache
 
 BLOCK_SIZES = (1, 8, 16, 32)
-MODES: tuple[tuple[str, int], ...] = (("sample", 1), ("sample", 2), ("sample", 4), ("sample", 6), ("beam", 2), ("beam", 4), ("beam", 6))
+MODES: tuple[tuple[str, int], ...] = (
+    ("sample", 1),
+    ("sample", 2),
+    ("sample", 4),
+    ("sample", 6),
+    ("beam", 2),
+    ("beam", 4),
+    ("beam", 6),
+)
 VOCAB = 32000
 PAPER_BLOCK_SIZE = 16  # the paper's default
 PAPER_SAVINGS = {"sample": (6.1, 9.8), "beam": (37.6, 55.2)}  # percent, Alpaca, against paging without sharing
@@ -101,7 +109,9 @@ class Usage:
     num_cow_copies: int = 0
 
 
-def replay(requests: list[Request], mode: str, width: int, block_size: int, max_new_tokens: int, max_live: int, seed: int) -> Usage:
+def replay(
+    requests: list[Request], mode: str, width: int, block_size: int, max_new_tokens: int, max_live: int, seed: int
+) -> Usage:
     """Drive `KVCache` through the requests, at most `max_live` requests at a time; charge every step."""
     rng = np.random.default_rng(seed)
     max_len = max(len(r.prompt) for r in requests) + max_new_tokens
@@ -129,7 +139,9 @@ def replay(requests: list[Request], mode: str, width: int, block_size: int, max_
                     live[i] = (request, _next_beams(kv, beams, rng))
         seqs = [s for _, group in live for s in group]
         tokens = rng.integers(0, VOCAB, (len(seqs), 1), dtype=np.int32)
-        for seq, result in zip(seqs, kv.append_many(list(zip([s.seq_id for s in seqs], tokens, strict=True))), strict=True):
+        for seq, result in zip(
+            seqs, kv.append_many(list(zip([s.seq_id for s in seqs], tokens, strict=True))), strict=True
+        ):
             seq.num_tokens = result.num_tokens
             seq.last_block = result.block_ids[-1] if result.block_ids else seq.last_block
             usage.num_cow_copies += len(result.copies)
@@ -160,7 +172,9 @@ def _next_beams(kv: KVCache, beams: list[_Seq], rng: np.random.Generator) -> lis
     return survivors
 
 
-def _charge(usage: Usage, kv: KVCache, live: list[tuple[Request, list[_Seq]]], block_size: int, max_new_tokens: int) -> None:
+def _charge(
+    usage: Usage, kv: KVCache, live: list[tuple[Request, list[_Seq]]], block_size: int, max_new_tokens: int
+) -> None:
     seqs = [(request, s) for request, group in live for s in group]
     in_use = kv.stats().num_blocks_in_use * block_size
     # Every block in use is full except the sequences' last blocks; a last block shared by several
@@ -202,7 +216,10 @@ def measure(trace: str, mode: str, width: int, block_size: int, num_requests: in
     start = time.perf_counter()
     u = replay(requests, mode, width, block_size, shape.max_new_tokens, max_live, seed + 1)
     return Row(
-        trace, mode, width, block_size,
+        trace,
+        mode,
+        width,
+        block_size,
         util_contiguous=u.tokens / u.contiguous,
         util_paged=u.tokens / u.paged,
         util_radixkv=u.radixkv_filled / u.radixkv,
@@ -232,12 +249,22 @@ def format_table(rows: list[Row]) -> str:
 
 def paper_comparison(rows: list[Row]) -> str:
     """Where radixkv stands beside the PagedAttention paper's sharing savings (Alpaca, block size 16)."""
-    lines = [f"beside the PagedAttention paper (alpaca, block size {PAPER_BLOCK_SIZE}, saving against paging without sharing):"]
+    lines = [
+        f"beside the PagedAttention paper (alpaca, block size {PAPER_BLOCK_SIZE}, saving against paging without sharing):"
+    ]
     for mode, (low, high) in PAPER_SAVINGS.items():
-        ours = [r for r in rows if r.trace == "alpaca" and r.mode == mode and r.width > 1 and r.block_size == PAPER_BLOCK_SIZE]
+        ours = [
+            r
+            for r in rows
+            if r.trace == "alpaca" and r.mode == mode and r.width > 1 and r.block_size == PAPER_BLOCK_SIZE
+        ]
         if ours:
-            measured = ", ".join(f"{'n' if mode == 'sample' else 'k'}={r.width}: {r.saving_vs_paged:.1f}%" for r in ours)
-            lines.append(f"  {'parallel sampling' if mode == 'sample' else 'beam search':<17}  radixkv {measured}   paper {low}-{high}%")
+            measured = ", ".join(
+                f"{'n' if mode == 'sample' else 'k'}={r.width}: {r.saving_vs_paged:.1f}%" for r in ours
+            )
+            lines.append(
+                f"  {'parallel sampling' if mode == 'sample' else 'beam search':<17}  radixkv {measured}   paper {low}-{high}%"
+            )
     return "\n".join(lines)
 
 
@@ -257,10 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     print()
     print(paper_comparison(rows))
-    print(f"\n{sum(r.seconds for r in rows):.1f} s of replay; requests per run: {num_requests}, at most {max_live} live at once")
+    print(
+        f"\n{sum(r.seconds for r in rows):.1f} s of replay; requests per run: {num_requests}, at most {max_live} live at once"
+    )
     if args.out:
-        settings = {"quick": args.quick, "seed": args.seed, "num_requests": num_requests, "max_live_requests": max_live,
-                    "traces": {name: dataclasses.asdict(shape) for name, shape in TRACES.items()}}
+        settings = {
+            "quick": args.quick,
+            "seed": args.seed,
+            "num_requests": num_requests,
+            "max_live_requests": max_live,
+            "traces": {name: dataclasses.asdict(shape) for name, shape in TRACES.items()},
+        }
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=2)
     return 0

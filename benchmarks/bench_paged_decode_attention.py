@@ -48,9 +48,20 @@ KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": torch.
 CONFIG_SHAPES = ("64x4k", "1x32k")  # where --configs times the neighbours
 # Peak HBM bandwidth in bytes/s by device-name substring, most specific first.
 PEAK_BANDWIDTH = [
-    ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12),
-    ("B200", 8.0e12), ("GH200", 4.0e12), ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12),
-    ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12), ("A10G", 0.6e12), ("RTX 4090", 1.008e12),
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("H800", 3.35e12),
+    ("B200", 8.0e12),
+    ("GH200", 4.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+    ("L4", 0.3e12),
+    ("A10G", 0.6e12),
+    ("RTX 4090", 1.008e12),
 ]
 
 
@@ -92,8 +103,12 @@ def build_inputs(lens: list[int], kv_dtype: torch.dtype, device: torch.device) -
         block_tables[i, :n] = perm[start : start + n]
         start += n
     return Inputs(
-        q=torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device), kv_layer=kv, kv_scales=kv_scales,
-        block_tables=block_tables, seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), lens=lens,
+        q=torch.randn(len(lens), NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device),
+        kv_layer=kv,
+        kv_scales=kv_scales,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        lens=lens,
         scale=HEAD_DIM**-0.5,
     )
 
@@ -126,8 +141,14 @@ def ours(inputs: Inputs, *, num_splits: int | None = None, config: DecodeConfig 
     if device.type != "cuda":
         return lambda: paged_decode_attention(*inputs.args(), kv_scales=inputs.kv_scales, backend="torch")
     plan = plan_decode(
-        inputs.lens, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-        cache_dtype=inputs.kv_layer.dtype, device=device, num_splits=num_splits, config=config,
+        inputs.lens,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        cache_dtype=inputs.kv_layer.dtype,
+        device=device,
+        num_splits=num_splits,
+        config=config,
     )
     return lambda: paged_decode_attention(*inputs.args(), kv_scales=inputs.kv_scales, plan=plan, validate=False)
 
@@ -164,9 +185,16 @@ def flashinfer_decode(inputs: Inputs) -> Callable[[], torch.Tensor] | None:
         torch.empty(128 * 2**20, dtype=torch.uint8, device=device), "NHD", use_tensor_cores=True
     )
     wrapper.plan(
-        indptr, indices, torch.tensor(last, dtype=torch.int32, device=device),
-        NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-        q_data_type=inputs.q.dtype, kv_data_type=inputs.kv_layer.dtype, sm_scale=inputs.scale,
+        indptr,
+        indices,
+        torch.tensor(last, dtype=torch.int32, device=device),
+        NUM_Q_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        q_data_type=inputs.q.dtype,
+        kv_data_type=inputs.kv_layer.dtype,
+        sm_scale=inputs.scale,
     )
     return lambda: wrapper.run(inputs.q, (inputs.kv_layer[0], inputs.kv_layer[1]))
 
@@ -180,8 +208,12 @@ def vllm_decode(inputs: Inputs) -> Callable[[], torch.Tensor] | None:
         return None
     q = inputs.q[:, None]  # [batch, 1, num_q_heads, head_dim]
     return lambda: flash_attn_with_kvcache(
-        q, inputs.kv_layer[0], inputs.kv_layer[1], cache_seqlens=inputs.seq_lens,
-        block_table=inputs.block_tables, softmax_scale=inputs.scale,
+        q,
+        inputs.kv_layer[0],
+        inputs.kv_layer[1],
+        cache_seqlens=inputs.seq_lens,
+        block_table=inputs.block_tables,
+        softmax_scale=inputs.scale,
     )[:, 0]
 
 
@@ -191,19 +223,35 @@ ALTERNATIVES = [("sdpa", dense_sdpa), ("flashinfer", flashinfer_decode), ("vllm"
 def bench_shape(name: str, lens: list[int], kv_name: str, device: torch.device, peak: float | None) -> dict:
     kv_dtype = KV_DTYPES[kv_name]
     inputs = build_inputs(lens, kv_dtype, device)
-    expected = paged_decode_attention(*inputs.args(), kv_scales=inputs.kv_scales, backend="torch", validate=False) \
-        if device.type != "cuda" or sum(lens) <= 40_000 else None  # the per-sequence torch loop is slow at 128k
+    expected = (
+        paged_decode_attention(*inputs.args(), kv_scales=inputs.kv_scales, backend="torch", validate=False)
+        if device.type != "cuda" or sum(lens) <= 40_000
+        else None
+    )  # the per-sequence torch loop is slow at 128k
     us = time_us(ours(inputs), device)
     kv_bytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     on_cuda = device.type == "cuda"
     plan = plan_decode(
-        lens, num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, cache_dtype=kv_dtype,
-        device="meta", num_sms=torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 132,
+        lens,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        cache_dtype=kv_dtype,
+        device="meta",
+        num_sms=torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 132,
     )
     row: dict = dict(
-        shape=name, kv_dtype=kv_name, num_seqs=len(lens), tokens=sum(lens), path="triton" if on_cuda else "torch",
-        num_splits=plan.num_splits, split_len=plan.split_len, radixkv_us=us, kv_bytes=kv_bytes,
-        radixkv_GBps=kv_bytes / us / 1e3, peak_fraction=kv_bytes / (us * 1e-6) / peak if peak else None,
+        shape=name,
+        kv_dtype=kv_name,
+        num_seqs=len(lens),
+        tokens=sum(lens),
+        path="triton" if on_cuda else "torch",
+        num_splits=plan.num_splits,
+        split_len=plan.split_len,
+        radixkv_us=us,
+        kv_bytes=kv_bytes,
+        radixkv_GBps=kv_bytes / us / 1e3,
+        peak_fraction=kv_bytes / (us * 1e-6) / peak if peak else None,
     )
     if on_cuda:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -229,11 +277,11 @@ def bench_configs(name: str, lens: list[int], kv_name: str, device: torch.device
     inputs = build_inputs(lens, kv_dtype, device)
     default = decode_config(HEAD_DIM, kv_dtype)
     base_us = time_us(ours(inputs, config=default), device)
-    candidates = {
-        dataclasses.replace(default, tile_n=t) for t in (default.tile_n // 2, default.tile_n * 2) if 16 <= t <= 256
-    } | {dataclasses.replace(default, num_stages=s) for s in (3, 4, 5)} | {
-        dataclasses.replace(default, num_warps=w) for w in (4, 8)
-    }
+    candidates = (
+        {dataclasses.replace(default, tile_n=t) for t in (default.tile_n // 2, default.tile_n * 2) if 16 <= t <= 256}
+        | {dataclasses.replace(default, num_stages=s) for s in (3, 4, 5)}
+        | {dataclasses.replace(default, num_warps=w) for w in (4, 8)}
+    )
     rows = []
     for config in sorted(candidates - {default}, key=dataclasses.astuple):
         try:
@@ -294,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_names = [k for k in kv_names if k != "bfloat16"]
     peak = peak_bandwidth(device)
     name = torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu"
-    print(f"device {name}; peak {fmt(peak and peak / 1e9, '.0f')} GB/s; q/kv heads {NUM_Q_HEADS}/{NUM_KV_HEADS}, "
-          f"head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}")
+    print(
+        f"device {name}; peak {fmt(peak and peak / 1e9, '.0f')} GB/s; q/kv heads {NUM_Q_HEADS}/{NUM_KV_HEADS}, "
+        f"head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}"
+    )
     if not on_cuda:
         print("CPU: the torch path on tiny shapes. CPU figures are not bandwidth figures: run on CUDA for those.")
     for module, package in (("flashinfer", "flashinfer-python"), ("vllm", "vllm")):
@@ -315,11 +365,18 @@ def main(argv: list[str] | None = None) -> int:
                 config_rows += bench_configs(shape, SHAPES[shape], kv, device)
         print(f"\n{'shape':<10}{'kv':>9}{'tile':>6}{'warps':>6}{'stages':>7}{'us':>10}{'/default':>9}")
         for r in config_rows:
-            print(f"{r['shape']:<10}{r['kv_dtype']:>9}{r['tile_n']:>6}{r['num_warps']:>6}{r['num_stages']:>7}"
-                  f"{r['us']:>10.1f}{r['over_default']:>9.2f}")
+            print(
+                f"{r['shape']:<10}{r['kv_dtype']:>9}{r['tile_n']:>6}{r['num_warps']:>6}{r['num_stages']:>7}"
+                f"{r['us']:>10.1f}{r['over_default']:>9.2f}"
+            )
     if args.out:
-        meta = dict(device=name, peak_bytes_per_s=peak, torch=torch.__version__, triton=triton.__version__,
-                    bandwidth_figures=on_cuda)
+        meta = dict(
+            device=name,
+            peak_bytes_per_s=peak,
+            torch=torch.__version__,
+            triton=triton.__version__,
+            bandwidth_figures=on_cuda,
+        )
         with open(args.out, "w") as f:
             json.dump(meta | {"rows": rows, "configs": config_rows}, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.out}")

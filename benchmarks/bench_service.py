@@ -268,15 +268,21 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
         slots = np.arange(n, dtype=np.int64) * 3
 
         def repeated(tokens: np.ndarray = tokens, slots: np.ndarray = slots) -> object:
-            request = pb.AppendTokensRequest.FromString(pb.AppendTokensRequest(token_ids=tokens.tolist()).SerializeToString())
+            request = pb.AppendTokensRequest.FromString(
+                pb.AppendTokensRequest(token_ids=tokens.tolist()).SerializeToString()
+            )
             np.array(request.token_ids, dtype=np.uint32).view(np.int32)
-            response = pb.AppendTokensResponse.FromString(pb.AppendTokensResponse(slots=slots.tolist()).SerializeToString())
+            response = pb.AppendTokensResponse.FromString(
+                pb.AppendTokensResponse(slots=slots.tolist()).SerializeToString()
+            )
             return np.array(response.slots, dtype=np.int64)
 
         def packed(tokens: np.ndarray = tokens, slots: np.ndarray = slots) -> object:
             request = pb.StepAppend.FromString(pb.StepAppend(token_ids=tokens.tobytes()).SerializeToString())
             np.frombuffer(request.token_ids, dtype="<i4")
-            response = pb.StepAppended.FromString(pb.StepAppended(slots=slots.astype("<i8").tobytes()).SerializeToString())
+            response = pb.StepAppended.FromString(
+                pb.StepAppended(slots=slots.astype("<i8").tobytes()).SerializeToString()
+            )
             return np.frombuffer(response.slots, dtype="<i8")
 
         results[str(n)] = {"repeated_us": per_call_us(repeated), "packed_us": per_call_us(packed)}
@@ -292,7 +298,10 @@ def run(quick: bool) -> dict[str, Any]:
     server = start_server()
     address, proc = server.address, server.proc
     try:
-        results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "quick": quick}
+        results: dict[str, Any] = {
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "quick": quick,
+        }
         results["decode_256"] = {"in_process": decode_in_process(steps), **decode_over_grpc(address, proc.pid, steps)}
         results["health"] = health_round_trip(address, steps * 5)
         results["open_release"] = {str(n): open_release(address, proc.pid, n, seconds) for n in CLIENTS}
@@ -306,27 +315,71 @@ def table(r: dict[str, Any]) -> str:
     d, health = r["decode_256"], r["health"]
     floor = d["in_process"]["p50_ms"] + health["sync"]["p50_ms"]
     rows = [("measurement", "p50", "p99", "vs in-process", "server CPU", "note")]
-    rows.append(("decode step 256 seqs, in-process", f"{d['in_process']['p50_ms']:.2f} ms", f"{d['in_process']['p99_ms']:.2f} ms", "1.0x", "", ""))
-    for key, label in (("unary", "unary AppendTokens"), ("stream", "stream step, sync"), ("stream_asyncio", "stream step, asyncio")):
+    rows.append(
+        (
+            "decode step 256 seqs, in-process",
+            f"{d['in_process']['p50_ms']:.2f} ms",
+            f"{d['in_process']['p99_ms']:.2f} ms",
+            "1.0x",
+            "",
+            "",
+        )
+    )
+    for key, label in (
+        ("unary", "unary AppendTokens"),
+        ("stream", "stream step, sync"),
+        ("stream_asyncio", "stream step, asyncio"),
+    ):
         x = d[key]
-        note = f"target <= {floor:.2f} ms: {'met' if x['p50_ms'] <= floor else 'MISSED'}" if key.startswith("stream") else ""
+        note = (
+            f"target <= {floor:.2f} ms: {'met' if x['p50_ms'] <= floor else 'MISSED'}"
+            if key.startswith("stream")
+            else ""
+        )
         rows.append((f"decode step 256 seqs, {label}", f"{x['p50_ms']:.2f} ms", f"{x['p99_ms']:.2f} ms",
                      f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step",
                      note))  # fmt: skip
     for mode in MODES:
         h = health[mode]
-        rows.append((f"bare health round trip, {mode}", f"{h['p50_ms']:.2f} ms", f"{h['p99_ms']:.2f} ms", "", "", "transport floor"))
+        rows.append(
+            (
+                f"bare health round trip, {mode}",
+                f"{h['p50_ms']:.2f} ms",
+                f"{h['p99_ms']:.2f} ms",
+                "",
+                "",
+                "transport floor",
+            )
+        )
     for n, by_way in r["open_release"].items():
         for mode in MODES:
             unary, stream = by_way[f"unary_{mode}"], by_way[f"stream_{mode}"]
             ratio = stream["opens_per_s"] / unary["opens_per_s"]
             note = f"target >= 3x: {'met' if ratio >= 3 else 'MISSED'}" if n == "4" else ""
-            rows.append((f"open+release x{n} clients, {mode}: unary", f"{unary['opens_per_s']:,.0f}/s", "", "", f"{unary['server_cpu_us_per_open']:.0f} us/open", ""))
+            rows.append(
+                (
+                    f"open+release x{n} clients, {mode}: unary",
+                    f"{unary['opens_per_s']:,.0f}/s",
+                    "",
+                    "",
+                    f"{unary['server_cpu_us_per_open']:.0f} us/open",
+                    "",
+                )
+            )
             rows.append((f"open+release x{n} clients, {mode}: stream", f"{stream['opens_per_s']:,.0f}/s", "",
                          f"{ratio:.2f}x unary", f"{stream['server_cpu_us_per_open']:.0f} us/open", note))  # fmt: skip
     for n, w in r["wire"].items():
         rows.append((f"wire: {n} token ids + slots, repeated", f"{w['repeated_us']:.1f} us", "", "", "", ""))
-        rows.append((f"wire: {n} token ids + slots, packed bytes", f"{w['packed_us']:.1f} us", "", f"{w['repeated_us'] / w['packed_us']:.1f}x faster", "", ""))
+        rows.append(
+            (
+                f"wire: {n} token ids + slots, packed bytes",
+                f"{w['packed_us']:.1f} us",
+                "",
+                f"{w['repeated_us'] / w['packed_us']:.1f}x faster",
+                "",
+                "",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

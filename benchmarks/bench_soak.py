@@ -74,7 +74,9 @@ class Server:
         return self.server.stop(timeout=60)
 
 
-def start_client(address: str, out_dir: Path, index: int, seed: int, deadline: float, ttl: float) -> subprocess.Popen[bytes]:
+def start_client(
+    address: str, out_dir: Path, index: int, seed: int, deadline: float, ttl: float
+) -> subprocess.Popen[bytes]:
     err = open(out_dir / f"client{index}.err", "wb")  # noqa: SIM115 -- the child holds it
     proc = subprocess.Popen(
         [sys.executable, str(CLIENT), address, str(out_dir / f"client{index}.jsonl"), str(seed), str(deadline),
@@ -85,7 +87,9 @@ def start_client(address: str, out_dir: Path, index: int, seed: int, deadline: f
     return proc
 
 
-def drive(server: Server, out_dir: Path, clients: int, duration: float, kill_every: float, ttl: float, seed: int) -> dict[str, int]:
+def drive(
+    server: Server, out_dir: Path, clients: int, duration: float, kill_every: float, ttl: float, seed: int
+) -> dict[str, int]:
     """Keep `clients` running until the deadline, SIGKILLing one every `kill_every` seconds."""
     rng = random.Random(seed)
     deadline = time.time() + duration

@@ -38,10 +38,14 @@ from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.layout import PoolLayout
 
-SYSTEM = ("You are the assistant of a company that runs language model servers. Answer in plain words, "
-          "cite the document when one is given, and say so when you do not know.")
-WORDS = ("cache block prefix token request server batch memory model layer attention decode prefill queue latency "
-         "throughput share evict tree node pool slot kernel worker session lease copy fork beam sample").split()
+SYSTEM = (
+    "You are the assistant of a company that runs language model servers. Answer in plain words, "
+    "cite the document when one is given, and say so when you do not know."
+)
+WORDS = (
+    "cache block prefix token request server batch memory model layer attention decode prefill queue latency "
+    "throughput share evict tree node pool slot kernel worker session lease copy fork beam sample"
+).split()
 BLOCK_SIZE = 16
 CPU_NOTE = "CPU figures: for comparing configurations within this run only, not a statement of serving capacity."
 
@@ -82,16 +86,30 @@ def scenarios(chat: ChatModel, s: Sizes) -> dict[str, list[RequestSpec]]:
             ]
     turns = []
     for c in range(s.num_conversations):
-        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Conversation {c}: {text(rng, s.short_prompt)}"}]
+        history = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {c}: {text(rng, s.short_prompt)}"},
+        ]
         turns.append(RequestSpec(f"c{c}t0", chat.encode_chat(history), s.short_output))
         for t in range(1, s.num_turns):
             question = f"Turn {t}: {text(rng, s.short_prompt)}"
-            turns.append(RequestSpec(f"c{c}t{t}", chat.encode_next_turn(history, question), s.short_output, follows=f"c{c}t{t - 1}"))
+            turns.append(
+                RequestSpec(
+                    f"c{c}t{t}", chat.encode_next_turn(history, question), s.short_output, follows=f"c{c}t{t - 1}"
+                )
+            )
             history += [{"role": "assistant", "content": "..."}, {"role": "user", "content": question}]
     out["multi-turn"] = turns
     documents = [text(rng, s.document_words) for _ in range(s.num_documents)]
     out["RAG, shared documents"] = [
-        RequestSpec(f"q{i}", ask(chat, f"Document {i % s.num_documents}: {documents[i % s.num_documents]}\nQuestion: {text(rng, s.short_prompt)}"), s.short_output)
+        RequestSpec(
+            f"q{i}",
+            ask(
+                chat,
+                f"Document {i % s.num_documents}: {documents[i % s.num_documents]}\nQuestion: {text(rng, s.short_prompt)}",
+            ),
+            s.short_output,
+        )
         for i in range(2 * s.num_requests)
     ]
     return out
@@ -108,7 +126,8 @@ def profile(specs: list[RequestSpec], results: list[RequestResult]) -> dict[str,
         "prompt_tokens_p50_p95_p99": percentiles([float(len(r.prompt)) for r in results]),
         "output_tokens_p50_p95_p99": percentiles([float(len(r.outputs[0])) for r in results]),
         "multi_turn_share": sum(s.follows is not None for s in specs) / len(specs),
-        "shared_system_prompt_share": sum(r.prompt[:system] == results[0].prompt[:system] for r in results) / len(results),
+        "shared_system_prompt_share": sum(r.prompt[:system] == results[0].prompt[:system] for r in results)
+        / len(results),
     }
 
 
@@ -121,13 +140,19 @@ def ask_prefix_len(results: list[RequestResult]) -> int:
     return n
 
 
-def run(chat: ChatModel, specs: list[RequestSpec], num_blocks: int, prefix_caching: bool, max_batch_tokens: int) -> dict[str, Any]:
+def run(
+    chat: ChatModel, specs: list[RequestSpec], num_blocks: int, prefix_caching: bool, max_batch_tokens: int
+) -> dict[str, Any]:
     """One scenario through a fresh server process; its figures."""
     c = chat.model.config
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         orchestrator = Orchestrator(
-            client, Worker(chat.model, view, "torch"), (), max_batch_tokens=max_batch_tokens, prefix_caching=prefix_caching
+            client,
+            Worker(chat.model, view, "torch"),
+            (),
+            max_batch_tokens=max_batch_tokens,
+            prefix_caching=prefix_caching,
         )  # no EOS: outputs have their stated lengths
         started = time.perf_counter()
         results = orchestrator.run(specs)
@@ -153,8 +178,10 @@ def run(chat: ChatModel, specs: list[RequestSpec], num_blocks: int, prefix_cachi
 
 
 def format_table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
-    header = (f"{'scenario':<24} {'cache':<5} {'prompt p50/p99':>14} {'out':>4} {'TTFT ms p50/p95/p99':>21} {'TPOT ms p50/p99':>16} "
-              f"{'prefill t/s':>11} {'decode t/s':>10} {'active':>9} {'queue':>9} {'hit':>5} {'fail':>4} {'evict':>5} {'preempt':>7}")
+    header = (
+        f"{'scenario':<24} {'cache':<5} {'prompt p50/p99':>14} {'out':>4} {'TTFT ms p50/p95/p99':>21} {'TPOT ms p50/p99':>16} "
+        f"{'prefill t/s':>11} {'decode t/s':>10} {'active':>9} {'queue':>9} {'hit':>5} {'fail':>4} {'evict':>5} {'preempt':>7}"
+    )
     lines = [header, "-" * len(header)]
     for name, by_cache in rows.items():
         for cache, r in by_cache.items():
@@ -180,7 +207,9 @@ def plot(rows: dict[str, dict[str, dict[str, Any]]], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     x = np.arange(len(names))
     for offset, cache in ((-0.2, "on"), (0.2, "off")):
-        left.bar(x + offset, [rows[n][cache]["ttft_ms_p50_p95_p99"][0] for n in names], 0.4, label=f"prefix cache {cache}")
+        left.bar(
+            x + offset, [rows[n][cache]["ttft_ms_p50_p95_p99"][0] for n in names], 0.4, label=f"prefix cache {cache}"
+        )
     left.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
     left.set_ylabel("TTFT p50 (ms, CPU)")
     left.set_title("time to first token, prefix cache on vs off")
@@ -203,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--plot", metavar="FILE.png", help="draw TTFT on/off and blocks in use per step")
-    parser.add_argument("--model", help="a GGUF file, a checkpoint directory or 'tiny' (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", help="a GGUF file, a checkpoint directory or 'tiny' (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the server shares the CPU)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: each run's server process is stopped, not orphaned
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # unwind: each run's server process is stopped, not orphaned
     torch.set_num_threads(args.threads)
     chat = load_chat_model(args.model)
     sizes = QUICK if args.quick else FULL
@@ -217,24 +250,41 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {cache: run(chat, specs, 1024, cache == "on", args.max_batch_tokens) for cache in ("on", "off")}
     # Short prompts with outputs three times as long, on a pool that holds the prompts but not their growth:
     # admission keeps a block of headroom per sequence, decodes outgrow it, the latest request is preempted.
-    specs = [dataclasses.replace(s, max_new_tokens=3 * s.max_new_tokens) for s in scenarios(chat, sizes)["short prompt, long out"]]
+    specs = [
+        dataclasses.replace(s, max_new_tokens=3 * s.max_new_tokens)
+        for s in scenarios(chat, sizes)["short prompt, long out"]
+    ]
     need = [-(-(len(s.prompt) + s.max_new_tokens) // BLOCK_SIZE) for s in specs]
     small = max(need) + 2
     rows[f"short/3x long, {small} blocks"] = {"on": run(chat, specs, small, True, args.max_batch_tokens)}
     print(format_table(rows))
-    ratios = {n: rows[n]["off"]["ttft_ms_p50_p95_p99"][0] / max(rows[n]["on"]["ttft_ms_p50_p95_p99"][0], 1e-9)
-              for n in ("multi-turn", "RAG, shared documents")}
+    ratios = {
+        n: rows[n]["off"]["ttft_ms_p50_p95_p99"][0] / max(rows[n]["on"]["ttft_ms_p50_p95_p99"][0], 1e-9)
+        for n in ("multi-turn", "RAG, shared documents")
+    }
     print()
     for n, ratio in ratios.items():
         print(f"{n}: TTFT p50 with the prefix cache off / on = {ratio:.2f}x")
     for n in rows:
         p = next(iter(rows[n].values()))["profile"]
-        print(f"profile {n}: multi-turn share {p['multi_turn_share']:.2f}, shared system prompt share {p['shared_system_prompt_share']:.2f}, "
-              f"output p50/p95/p99 {'/'.join(f'{x:.0f}' for x in p['output_tokens_p50_p95_p99'])}")
+        print(
+            f"profile {n}: multi-turn share {p['multi_turn_share']:.2f}, shared system prompt share {p['shared_system_prompt_share']:.2f}, "
+            f"output p50/p95/p99 {'/'.join(f'{x:.0f}' for x in p['output_tokens_p50_p95_p99'])}"
+        )
     print(f"\n{CPU_NOTE}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": chat.name, "sizes": dataclasses.asdict(sizes), "rows": rows, "ttft_ratio_off_on": ratios, "note": CPU_NOTE}, f, indent=2)
+            json.dump(
+                {
+                    "model": chat.name,
+                    "sizes": dataclasses.asdict(sizes),
+                    "rows": rows,
+                    "ttft_ratio_off_on": ratios,
+                    "note": CPU_NOTE,
+                },
+                f,
+                indent=2,
+            )
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")

@@ -161,7 +161,9 @@ class Engine:
         if page_size == 1:
             self.allocator = peer.token.TokenToKVPoolAllocator(num_tokens, torch.float16, "cpu", None, False)
         else:
-            self.allocator = peer.paged.PagedTokenToKVPoolAllocator(num_tokens, page_size, torch.float16, "cpu", None, False)
+            self.allocator = peer.paged.PagedTokenToKVPoolAllocator(
+                num_tokens, page_size, torch.float16, "cpu", None, False
+            )
         self.tree = peer.radix.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
         self.num_evicted_tokens = 0
 

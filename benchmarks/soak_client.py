@@ -95,7 +95,9 @@ def step(client: RadixKVClient, rng: random.Random, live: list[int], pins: list[
         weights=[6, 10, 2, 2, 5, 3, 1, 1, 1, 1, 0.3, 0.2, 0.3, 0.3],
     )[0]  # fmt: skip
     if op == "open" or not live:
-        _, opened = rec.timed("open", lambda: client.open_many([(prompt(rng), namespace) for _ in range(rng.randrange(1, 9))]))
+        _, opened = rec.timed(
+            "open", lambda: client.open_many([(prompt(rng), namespace) for _ in range(rng.randrange(1, 9))])
+        )
         live += [o.seq_id for o in opened or ()]
     elif op == "append":  # a decode step: one token for each of a batch of live sequences
         batch = rng.sample(live, min(len(live), 16))

@@ -188,7 +188,9 @@ class AsyncRadixKVClient:
     async def append_many(self, items: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         return (await self.append_batch(*m.append_items(items))).results()
 
-    async def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
+    async def append_batch(
+        self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds
+    ) -> AppendBatch:
         request = m.append_request(self.pool, self.session_id, seq_ids, num_token_ids, token_ids)
         batch = m.append_result(seq_ids, num_token_ids, await self._apply(self._stub.AppendTokens, request))
         self._tables.appended(batch)
@@ -214,7 +216,9 @@ class AsyncRadixKVClient:
 
     async def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
         """One scheduler step in one round trip on the session's stream; see `RadixKVClient.step`."""
-        request = m.step_request(self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step)
+        request = m.step_request(
+            self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
+        )
         async with self._stream_lock:
             try:
                 response = await self._send(request)
@@ -237,7 +241,9 @@ class AsyncRadixKVClient:
         await self._steps.write(request)
         response = await self._steps.read()
         if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: the server ended the stream without a status
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream ended")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream ended"
+            )
         return response
 
     def _drop_stream(self) -> None:
@@ -309,7 +315,9 @@ class AsyncRadixKVClient:
         request = pb.GetPoolRequest(pool=self.pool, session_id=self.session_id)
         return m.pool_info(await self._call(self._stub.GetPool, request))
 
-    async def watch_events(self, namespaces: Sequence[str] = (), *, include_snapshot: bool = False) -> AsyncIterator[KVEvent]:
+    async def watch_events(
+        self, namespaces: Sequence[str] = (), *, include_snapshot: bool = False
+    ) -> AsyncIterator[KVEvent]:
         """Blocks stored into and removed from the prefix tree, until the caller stops iterating."""
         request = pb.WatchEventsRequest(
             pool=self.pool, session_id=self.session_id, namespaces=list(namespaces), include_snapshot=include_snapshot

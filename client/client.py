@@ -262,7 +262,9 @@ class RadixKVClient:
         Raises:
             RadixKVError: the exception the unary call of the refused item would raise; nothing was applied.
         """
-        request = m.step_request(self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step)
+        request = m.step_request(
+            self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
+        )
         with self._stream_lock:
             try:
                 response = self._stream().send(request)
@@ -366,11 +368,15 @@ class RadixKVClient:
 
     def get_pool(self) -> PoolInfo:
         """The pool's layout and the handle a co-located worker maps it with (see `PoolView`)."""
-        return m.pool_info(self._call(self._stub.GetPool, pb.GetPoolRequest(pool=self.pool, session_id=self.session_id)))
+        return m.pool_info(
+            self._call(self._stub.GetPool, pb.GetPoolRequest(pool=self.pool, session_id=self.session_id))
+        )
 
     def verify(self) -> VerifyResult:
         """The pool's hash contract and the digest of each of your namespaces' cached blocks (see `PrefixIndex`)."""
-        return verify_result(self._call(self._stub.Verify, pb.VerifyRequest(pool=self.pool, session_id=self.session_id)))
+        return verify_result(
+            self._call(self._stub.Verify, pb.VerifyRequest(pool=self.pool, session_id=self.session_id))
+        )
 
     def watch_events(self, namespaces: Sequence[str] = (), *, include_snapshot: bool = False) -> EventStream:
         """Stream blocks stored into and removed from the prefix tree (all your namespaces when none named)."""

@@ -136,7 +136,9 @@ def append_request(
     )
 
 
-def append_result(seq_ids: Sequence[int], num_token_ids: Sequence[int], response: pb.AppendTokensResponse) -> AppendBatch:
+def append_result(
+    seq_ids: Sequence[int], num_token_ids: Sequence[int], response: pb.AppendTokensResponse
+) -> AppendBatch:
     return AppendBatch(
         list(seq_ids),
         list(num_token_ids),
@@ -199,7 +201,12 @@ def stats_result(response: pb.StatsResponse) -> Stats:
 
 def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
     layout = PoolLayout(
-        r.layout.num_layers, r.layout.num_kv_heads, r.layout.head_dim, r.layout.block_size, r.layout.num_blocks, r.layout.dtype
+        r.layout.num_layers,
+        r.layout.num_kv_heads,
+        r.layout.head_dim,
+        r.layout.block_size,
+        r.layout.num_blocks,
+        r.layout.dtype,
     )
     return PoolInfo(r.pool, layout, r.device, r.handle)
 
@@ -278,7 +285,9 @@ def packed_tokens(token_ids: TokenIds, field: str) -> bytes:
     if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT32:
         return token_ids.tobytes()
     array = np.asarray(token_list(token_ids))
-    if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or array.min() < 0 or array.max() >= _TOKEN_BOUND)):
+    if array.ndim != 1 or (
+        array.size and (array.dtype.kind not in "iu" or array.min() < 0 or array.max() >= _TOKEN_BOUND)
+    ):
         raise InvalidArgument(field, f"must be integers in [0, {_TOKEN_BOUND})")
     return array.astype(_INT32).tobytes()  # ids >= 2^31 wrap negative: the server refuses them, as uint32 on unary
 

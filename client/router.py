@@ -218,9 +218,16 @@ class Router:
     def status(self) -> list[InstanceStatus]:
         return [
             InstanceStatus(
-                i.endpoint, i.healthy, i.index.epoch, len(i.index.hashes), i.load_blocks,
-                i.index.num_resyncs, i.index.num_rebuilds, i.index.num_divergences,
-                i.index.digest, i.unhealthy_since if not i.healthy else None,
+                i.endpoint,
+                i.healthy,
+                i.index.epoch,
+                len(i.index.hashes),
+                i.load_blocks,
+                i.index.num_resyncs,
+                i.index.num_rebuilds,
+                i.index.num_divergences,
+                i.index.digest,
+                i.unhealthy_since if not i.healthy else None,
             )  # fmt: skip
             for i in self._instances
         ]
@@ -302,7 +309,9 @@ class Router:
 
     def _read_load(self, inst: _Instance) -> None:
         try:
-            response = inst.stub.Stats(pb.StatsRequest(pool=inst.pool), timeout=self.health_interval / 2, metadata=inst.metadata)
+            response = inst.stub.Stats(
+                pb.StatsRequest(pool=inst.pool), timeout=self.health_interval / 2, metadata=inst.metadata
+            )
         except grpc.RpcError:
             return
         inst.stats_blocks, inst.pending_blocks = int(response.stats.num_blocks_in_use), 0

@@ -54,7 +54,9 @@ class Admission:
         for i, tokens in enumerate(contexts):
             cached = prober.match(tokens, namespace)
             num_new = len(tokens) - max(cached, 0)
-            if self.defer_shared and any(2 * (self._shared_full_blocks(tokens, contexts[j]) - cached) >= num_new for j in chosen):
+            if self.defer_shared and any(
+                2 * (self._shared_full_blocks(tokens, contexts[j]) - cached) >= num_new for j in chosen
+            ):
                 continue  # most of its prefix is being computed now: next step it hits
             num_blocks = -(-len(tokens) // self.block_size) - cached // self.block_size
             alone = not chosen and num_decodes == 0  # nothing else runs: admit it whatever it costs

@@ -30,7 +30,9 @@ class ChatTemplate:
     """A compiled chat template; `render` turns messages into the prompt text."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = _raise_exception
         self.source = source
         self._template = env.from_string(source)
@@ -43,7 +45,9 @@ class ChatTemplate:
             ValueError: the template refuses the conversation (its `raise_exception`).
         """
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._specials)
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from e
 
@@ -58,7 +62,9 @@ class ChatTemplate:
             ValueError: the template does not render a conversation as its first turn followed by more.
         """
         first = self.render(messages) + _ANSWER_MARK
-        both = self.render([*messages, {"role": "assistant", "content": _ANSWER_MARK}, {"role": "user", "content": question}])
+        both = self.render(
+            [*messages, {"role": "assistant", "content": _ANSWER_MARK}, {"role": "user", "content": question}]
+        )
         if not both.startswith(first):
             raise ValueError("chat template: the second turn does not start with the first turn's prompt and answer")
         return both[len(first) :]

@@ -79,7 +79,9 @@ class ModelConfig:
         if raw.get("rope_scaling") or rope_type != "default":
             raise ValueError(f"config.json: RoPE scaling {raw.get('rope_scaling') or rope_type!r} is not supported")
         if raw.get("use_sliding_window") and raw.get("max_window_layers", 0) < raw["num_hidden_layers"]:
-            raise ValueError("config.json: a sliding window on only some layers (Qwen2 max_window_layers) is not supported")
+            raise ValueError(
+                "config.json: a sliding window on only some layers (Qwen2 max_window_layers) is not supported"
+            )
         num_q_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         return cls(
@@ -187,5 +189,7 @@ def _tiny_llama_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
             p + "mlp.down_proj.weight": linear(h, config.intermediate_size),
         }
     weights["model.norm.weight"] = torch.ones(h)
-    weights["lm_head.weight"] = linear(config.vocab_size, h) * 4.0  # sharper than uniform: samples differ, greedy has clear winners
+    weights["lm_head.weight"] = (
+        linear(config.vocab_size, h) * 4.0
+    )  # sharper than uniform: samples differ, greedy has clear winners
     return weights

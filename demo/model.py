@@ -75,13 +75,17 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_q_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_q_heads, self.head_dim)  # q: [num_tokens, num_q_heads, head_dim]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # k: [num_tokens, num_kv_heads, head_dim]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # v: [num_tokens, num_kv_heads, head_dim]
-        out = attention(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [num_tokens, num_q_heads, head_dim]
+        out = attention(
+            layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        )  # [num_tokens, num_q_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -106,7 +110,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
+    def forward(
+        self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
         # x: [num_tokens, hidden_size]
         x = x + self.self_attn(layer, self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -147,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         return cls.from_weights(config, weights, dtype)
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    def from_weights(
+        cls, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> LlamaForCausalLM:
         """The model holding `weights` (HF names); tied embeddings may leave `lm_head.weight` out.
 
         Raises:
@@ -161,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict(weights, strict=True, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)  # its buffer is not in the state dict
+        model.model.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta
+        )  # its buffer is not in the state dict
         return model.to(dtype).eval()
 
     @property

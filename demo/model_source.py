@@ -41,7 +41,9 @@ class ChatModel:
 
 
 def load_chat_model(
-    model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32, tiny_dir: str | os.PathLike[str] | None = None
+    model: str | os.PathLike[str] | None,
+    dtype: torch.dtype = torch.float32,
+    tiny_dir: str | os.PathLike[str] | None = None,
 ) -> ChatModel:
     """Load what `--model` names (None: the default SmolLM2 GGUF).
 
@@ -54,7 +56,9 @@ def load_chat_model(
         path = ensure_tiny_llama(tiny_dir)
         config, weights = load_checkpoint(path)
         llama = LlamaForCausalLM.from_weights(config, weights, dtype)
-        return ChatModel("tiny (seeded random weights)", llama, load_tokenizer(path, config), ChatTemplate(PLAIN_TEMPLATE), True)
+        return ChatModel(
+            "tiny (seeded random weights)", llama, load_tokenizer(path, config), ChatTemplate(PLAIN_TEMPLATE), True
+        )
     path = Path(model)
     if is_gguf(path):
         config, weights, vocabulary = load_gguf(path)
@@ -65,9 +69,15 @@ def load_chat_model(
         tokenizer = load_tokenizer(path, config)
         source = load_chat_template(path) or PLAIN_TEMPLATE
     else:
-        raise FileNotFoundError(f"--model {str(model)!r}: neither a GGUF file nor a checkpoint directory with config.json (or 'tiny')")
+        raise FileNotFoundError(
+            f"--model {str(model)!r}: neither a GGUF file nor a checkpoint directory with config.json (or 'tiny')"
+        )
     llama = LlamaForCausalLM.from_weights(config, weights, dtype)
-    template = ChatTemplate(source, _token_text(tokenizer, config.bos_token_id), _token_text(tokenizer, next(iter(config.eos_token_ids), None)))
+    template = ChatTemplate(
+        source,
+        _token_text(tokenizer, config.bos_token_id),
+        _token_text(tokenizer, next(iter(config.eos_token_ids), None)),
+    )
     return ChatModel(path.name, llama, tokenizer, template, False)
 
 

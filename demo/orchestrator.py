@@ -72,7 +72,13 @@ class Orchestrator:
         max_batch_tokens: int = 512,
         prefix_caching: bool = True,
     ) -> None:
-        self.client, self.worker, self.eos, self.namespace, self.on_step = client, worker, eos_token_ids, namespace, on_step
+        self.client, self.worker, self.eos, self.namespace, self.on_step = (
+            client,
+            worker,
+            eos_token_ids,
+            namespace,
+            on_step,
+        )
         self.block_size = client.get_pool().layout.block_size
         # Without prefix caching nothing is published to the tree (forks still share within a request).
         self.prefix_caching = prefix_caching
@@ -105,7 +111,9 @@ class Orchestrator:
             num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
             decoding = [(r, s) for r in self._live for s in r.seqs]
             out = self.worker.execute(
-                WorkerStep(copies, [self._prefill_input(r) for r in admitted], [self._decode_input(s) for _, s in decoding])
+                WorkerStep(
+                    copies, [self._prefill_input(r) for r in admitted], [self._decode_input(s) for _, s in decoding]
+                )
             )
             appends: list[tuple[_Request, _Seq, int]] = []
             for request, logprobs in zip(admitted, out.prefill_logprobs, strict=True):
@@ -122,7 +130,11 @@ class Orchestrator:
                 if not request.seqs and not request.preempted:
                     request.result.seconds = time.perf_counter() - request.arrived
                     done[request.spec.name] = request.result
-                    self._waiting += [self._arrive(s, request.result.prompt + self._answer(request)) for s in later if s.follows == request.spec.name]
+                    self._waiting += [
+                        self._arrive(s, request.result.prompt + self._answer(request))
+                        for s in later
+                        if s.follows == request.spec.name
+                    ]
             self._live = [r for r in self._live if r.seqs]
             self._record(admitted, num_prefill_tokens, len(decoding), len(copies), time.perf_counter() - started)
         return [done[s.name] for s in specs]
@@ -145,7 +157,10 @@ class Orchestrator:
         stats = self.client.stats()
         num_decodes = sum(len(r.seqs) for r in self._live)
         chosen = self.admission.choose(
-            [r.context for r in self._waiting], self.client, self.namespace, num_decodes,
+            [r.context for r in self._waiting],
+            self.client,
+            self.namespace,
+            num_decodes,
             stats.num_blocks_free + stats.num_blocks_evictable,
         )
         admitted: list[_Request] = []
@@ -248,7 +263,11 @@ class Orchestrator:
         if pruned:
             self.client.release_many(pruned, cache=False)  # a pruned beam's tail is of no use to anyone
         # Every fork before any append: a child must share its parent's blocks as they are now.
-        forks = {i: iter(self.client.fork(b.seq_id, n - 1)) for i, (b, n) in enumerate(zip(beams, counts, strict=True)) if n > 1}
+        forks = {
+            i: iter(self.client.fork(b.seq_id, n - 1))
+            for i, (b, n) in enumerate(zip(beams, counts, strict=True))
+            if n > 1
+        }
         seen: set[int] = set()
         appends = []
         request.seqs = []
@@ -270,7 +289,9 @@ class Orchestrator:
         """
         while True:
             try:
-                results = self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends]) if appends else []
+                results = (
+                    self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends]) if appends else []
+                )
                 break
             except OutOfBlocks:
                 victim = self._preempt_one({id(r) for r, _, _ in appends})
@@ -306,7 +327,8 @@ class Orchestrator:
         None when no request of the step can be.
         """
         victims = [
-            r for r in self._live
+            r
+            for r in self._live
             if id(r) in appending and len(r.seqs) == 1 and r.spec.beam_width == 0 and r.spec.sampling.n == 1
         ]
         if not victims:

@@ -118,8 +118,13 @@ class PagedDecode:
         self.scale, self.sliding_window, self.backend = scale, sliding_window, backend
         _, _, _, _, num_kv_heads, head_dim = pool.data.shape
         self.plan: DecodePlan = plan_decode(
-            seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            cache_dtype=pool.data.dtype, device=device, sliding_window=sliding_window,
+            seq_lens,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            cache_dtype=pool.data.dtype,
+            device=device,
+            sliding_window=sliding_window,
         )
         self.dtype = compute_dtype(pool.data, model_dtype)
 
@@ -129,7 +134,14 @@ class PagedDecode:
         kv_scales = self.pool.kv_scales(layer)  # fp32 [2] for an fp8 pool, else None
         store_kv(k.to(self.dtype), v.to(self.dtype), kv_layer, self.slots, kv_scales=kv_scales, backend=self.backend)
         out = paged_decode_attention(
-            q.to(self.dtype), kv_layer, self.block_tables, self.seq_lens, self.scale, kv_scales=kv_scales,
-            sliding_window=self.sliding_window, plan=self.plan, backend=self.backend,
+            q.to(self.dtype),
+            kv_layer,
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+            kv_scales=kv_scales,
+            sliding_window=self.sliding_window,
+            plan=self.plan,
+            backend=self.backend,
         )  # [num_seqs, num_q_heads, head_dim]
         return out.to(q.dtype)

@@ -32,8 +32,15 @@ class DenseKV:
 class DenseAttention:
     """Attention for several sequences' new tokens (back to back), each over its own slab."""
 
-    def __init__(self, caches: list[DenseKV], num_new_tokens: list[int], scale: float, sliding_window: int | None) -> None:
-        self.caches, self.num_new_tokens, self.scale, self.sliding_window = caches, num_new_tokens, scale, sliding_window
+    def __init__(
+        self, caches: list[DenseKV], num_new_tokens: list[int], scale: float, sliding_window: int | None
+    ) -> None:
+        self.caches, self.num_new_tokens, self.scale, self.sliding_window = (
+            caches,
+            num_new_tokens,
+            scale,
+            sliding_window,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -61,7 +68,9 @@ def forward(model: LlamaForCausalLM, caches: list[DenseKV], new_tokens: list[lis
     """Feed each sequence its new tokens; the next-token log-probs after each, fp32 `[num_seqs, vocab_size]`."""
     c = model.config
     token_ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.int64)  # [num_tokens]
-    positions = torch.cat([torch.arange(kv.num_tokens, kv.num_tokens + len(t)) for kv, t in zip(caches, new_tokens, strict=True)])
+    positions = torch.cat(
+        [torch.arange(kv.num_tokens, kv.num_tokens + len(t)) for kv, t in zip(caches, new_tokens, strict=True)]
+    )
     last_rows = torch.tensor([len(t) for t in new_tokens]).cumsum(0) - 1  # [num_seqs]
     attention = DenseAttention(caches, [len(t) for t in new_tokens], c.head_dim**-0.5, c.sliding_window)
     logprobs = model(token_ids, positions, attention, last_rows)  # [num_seqs, vocab_size]
@@ -70,7 +79,9 @@ def forward(model: LlamaForCausalLM, caches: list[DenseKV], new_tokens: list[lis
     return logprobs
 
 
-def greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None) -> list[int]:
+def greedy(
+    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, eos_token_ids: tuple[int, ...] | None = None
+) -> list[int]:
     """Greedy continuation of `prompt`: argmax each step, stopping early at EOS (included; default: the model's)."""
     eos = model.config.eos_token_ids if eos_token_ids is None else eos_token_ids
     kv = DenseKV(model, len(prompt) + max_new_tokens)

@@ -11,7 +11,11 @@ MIB = 2**20
 
 
 def format_step(r: StepRecord) -> str:
-    prefill = f"prefill {r.num_prefills} ({r.num_prefill_tokens:>3} new, {r.num_cached_tokens:>3} cached)" if r.num_prefills else "prefill 0"
+    prefill = (
+        f"prefill {r.num_prefills} ({r.num_prefill_tokens:>3} new, {r.num_cached_tokens:>3} cached)"
+        if r.num_prefills
+        else "prefill 0"
+    )
     preempted = f" | preempted {r.num_preempted}" if r.num_preempted else ""
     return (
         f"step {r.step:>3} | {prefill:<32} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs, {r.num_waiting} waiting{preempted} | "
@@ -79,10 +83,17 @@ def format_memory(m: MemorySummary) -> str:
         ("paged, no sharing", m.unshared_peak, m.unshared_mean),
         ("contiguous max-len slabs*", m.contiguous_peak, m.contiguous_mean),
     ):
-        lines.append(f"{name:<26} {peak:>11.1f} {peak * m.bytes_per_block / MIB:>9.2f} {mean:>11.1f} {mean * m.bytes_per_block / MIB:>9.2f}")
-    for name, peak, mean in (("paged, no sharing", m.unshared_peak, m.unshared_mean), ("contiguous slabs", m.contiguous_peak, m.contiguous_mean)):
+        lines.append(
+            f"{name:<26} {peak:>11.1f} {peak * m.bytes_per_block / MIB:>9.2f} {mean:>11.1f} {mean * m.bytes_per_block / MIB:>9.2f}"
+        )
+    for name, peak, mean in (
+        ("paged, no sharing", m.unshared_peak, m.unshared_mean),
+        ("contiguous slabs", m.contiguous_peak, m.contiguous_mean),
+    ):
         if peak:
-            lines.append(f"radixkv saves {1 - m.radixkv_peak / peak:.1%} at peak, {1 - m.radixkv_mean / mean:.1%} on average, against {name}")
+            lines.append(
+                f"radixkv saves {1 - m.radixkv_peak / peak:.1%} at peak, {1 - m.radixkv_mean / mean:.1%} on average, against {name}"
+            )
     lines.append("* each sequence reserves prompt + max_new_tokens slots up front, as a contiguous KV cache must")
     return "\n".join(lines)
 

@@ -53,7 +53,9 @@ class HFTokenizer:
         self.eos_token_ids = eos_token_ids
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+    def from_file(
+        cls, path: str | os.PathLike[str], bos_token_id: int | None, eos_token_ids: tuple[int, ...]
+    ) -> HFTokenizer:
         return cls(HFTokenizerModel.from_file(str(path)), bos_token_id, eos_token_ids)
 
     @classmethod
@@ -64,17 +66,23 @@ class HFTokenizer:
             ValueError: a tokenizer model other than byte-level BPE ("gpt2").
         """
         if vocabulary.model != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model {vocabulary.model!r} is not supported (only gpt2 byte-level BPE)")
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model {vocabulary.model!r} is not supported (only gpt2 byte-level BPE)"
+            )
         vocab = {token: i for i, token in enumerate(vocabulary.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in vocabulary.merges]
         tokenizer = HFTokenizerModel(models.BPE(vocab, merges, fuse_unk=False))  # type: ignore[arg-type]
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if vocabulary.pre in _DIGIT_SPLITTING_PRE:
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
         else:
             tokenizer.pre_tokenizer = byte_level
         tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.add_special_tokens([AddedToken(vocabulary.tokens[i], special=True, normalized=False) for i in vocabulary.control_token_ids])
+        tokenizer.add_special_tokens(
+            [AddedToken(vocabulary.tokens[i], special=True, normalized=False) for i in vocabulary.control_token_ids]
+        )
         eos = () if vocabulary.eos_token_id is None else (vocabulary.eos_token_id,)
         return cls(tokenizer, vocabulary.bos_token_id, eos)
 
@@ -99,5 +107,7 @@ def load_tokenizer(model_dir: str | os.PathLike[str], config: ModelConfig) -> To
     if path.is_file():
         return HFTokenizer.from_file(path, config.bos_token_id, config.eos_token_ids)
     if config.vocab_size < 256:
-        raise ValueError(f"{model_dir}: no tokenizer.json, and vocab_size {config.vocab_size} cannot hold the 256 byte tokens")
+        raise ValueError(
+            f"{model_dir}: no tokenizer.json, and vocab_size {config.vocab_size} cannot hold the 256 byte tokens"
+        )
     return ByteTokenizer(config.bos_token_id, config.eos_token_ids)

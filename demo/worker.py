@@ -103,7 +103,14 @@ class Worker:
         seq_lens = [d.position + 1 for d in decodes]  # host-side: the decode plan is made from them, no device read
         c = self.model.config
         attention = PagedDecode(
-            self.pool, slots, block_tables, seq_lens, self.scale, c.sliding_window, self.backend,
-            num_q_heads=c.num_q_heads, model_dtype=self.model.dtype,
+            self.pool,
+            slots,
+            block_tables,
+            seq_lens,
+            self.scale,
+            c.sliding_window,
+            self.backend,
+            num_q_heads=c.num_q_heads,
+            model_dtype=self.model.dtype,
         )
         return self.model(token_ids, positions, attention, torch.arange(num_seqs))  # [num_seqs, vocab_size]

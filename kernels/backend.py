@@ -24,5 +24,7 @@ def pick_backend(device: torch.device, backend: str | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and device.type != "cuda" and not INTERPRETED:
-        raise ValueError(f"backend: 'triton' on {device} tensors needs TRITON_INTERPRET=1 set before triton is imported")
+        raise ValueError(
+            f"backend: 'triton' on {device} tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        )
     return backend

@@ -22,9 +22,15 @@ _BITS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # an integer dtype of 
 
 @triton.jit
 def _copy_blocks_kernel(
-    kv_data_ptr, pairs_ptr,
-    stride_layer, stride_kv, stride_block, stride_pair, stride_pair_col,
-    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+    kv_data_ptr,
+    pairs_ptr,
+    stride_layer,
+    stride_kv,
+    stride_block,
+    stride_pair,
+    stride_pair_col,
+    BLOCK_NUMEL: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
@@ -73,9 +79,14 @@ def copy_blocks(
     chunk = min(triton.next_power_of_2(block_numel), _CHUNK)
     grid = (pairs.shape[0], num_layers * 2, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
-        kv_data, pairs,
-        kv_data.stride(0), kv_data.stride(1), kv_data.stride(2), *pairs.stride(),
-        BLOCK_NUMEL=block_numel, CHUNK=chunk,
+        kv_data,
+        pairs,
+        kv_data.stride(0),
+        kv_data.stride(1),
+        kv_data.stride(2),
+        *pairs.stride(),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=chunk,
     )
 
 
@@ -98,7 +109,9 @@ def _as_pairs(pairs: object, kv_data: object) -> torch.Tensor:
     if not isinstance(pairs, Sequence) or any(
         not isinstance(p, Sequence) or len(p) not in (2, 3) or not all(isinstance(b, int) for b in p) for p in pairs
     ):
-        raise ValueError("pairs: expected an int64 tensor [n, 2], or (src, dst) pairs / (src, dst, index) triples of ints")
+        raise ValueError(
+            "pairs: expected an int64 tensor [n, 2], or (src, dst) pairs / (src, dst, index) triples of ints"
+        )
     return torch.tensor([(p[0], p[1]) for p in pairs], dtype=torch.int64, device=device).reshape(-1, 2)
 
 

@@ -69,16 +69,40 @@ def _context(seq_lens_ptr, seq, stride_sl, sliding_window, USE_WINDOW: tl.conste
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, kv_scales_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_ml_ptr, part_acc_ptr,
-    scale, soft_cap, sliding_window, split_len,
-    stride_q_s, stride_q_h, stride_q_d,
-    stride_kv, stride_kv_b, stride_kv_t, stride_kv_h,
-    stride_bt_s, stride_bt_b, stride_sl,
-    stride_out_s, stride_out_h,
-    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, USE_KV_SCALES: tl.constexpr, SPLIT: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    kv_scales_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_ml_ptr,
+    part_acc_ptr,
+    scale,
+    soft_cap,
+    sliding_window,
+    split_len,
+    stride_q_s,
+    stride_q_h,
+    stride_q_d,
+    stride_kv,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
+    stride_bt_s,
+    stride_bt_b,
+    stride_sl,
+    stride_out_s,
+    stride_out_h,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_KV_SCALES: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -159,9 +183,20 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_ml_ptr, part_acc_ptr, seq_lens_ptr, out_ptr,
-    sliding_window, split_len, num_splits, stride_sl, stride_out_s, stride_out_h,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+    part_ml_ptr,
+    part_acc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    sliding_window,
+    split_len,
+    num_splits,
+    stride_sl,
+    stride_out_s,
+    stride_out_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -467,7 +502,13 @@ def paged_decode_attention(
         host_lens = _check_contents(block_tables, seq_lens, num_blocks, block_size, sliding_window)
     if pick_backend(q.device, backend) == "torch":
         return paged_decode_attention_reference(
-            q, kv_layer, block_tables, seq_lens, scale, kv_scales=kv_scales, sliding_window=sliding_window,
+            q,
+            kv_layer,
+            block_tables,
+            seq_lens,
+            scale,
+            kv_scales=kv_scales,
+            sliding_window=sliding_window,
             soft_cap=soft_cap,
         )
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [num_seqs, num_q_heads, head_dim]
@@ -476,33 +517,67 @@ def paged_decode_attention(
     if plan is None:
         assumed = host_lens if host_lens is not None else [block_tables.shape[1] * block_size] * num_seqs
         plan = plan_decode(
-            assumed, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            cache_dtype=kv_layer.dtype, device=q.device, sliding_window=sliding_window, num_splits=num_splits,
+            assumed,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            cache_dtype=kv_layer.dtype,
+            device=q.device,
+            sliding_window=sliding_window,
+            num_splits=num_splits,
         )
     split = plan.part_ml is not None
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     group_size = num_q_heads // num_kv_heads
     _decode_split_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q, kv_layer, kv_scales if kv_scales is not None else seq_lens, block_tables, seq_lens,
-        out, plan.part_ml if split else out, plan.part_acc if split else out,
-        float(scale), float(soft_cap or 1.0), int(sliding_window or 0), plan.split_len,
+        q,
+        kv_layer,
+        kv_scales if kv_scales is not None else seq_lens,
+        block_tables,
+        seq_lens,
+        out,
+        plan.part_ml if split else out,
+        plan.part_acc if split else out,
+        float(scale),
+        float(soft_cap or 1.0),
+        int(sliding_window or 0),
+        plan.split_len,
         *q.stride(),
         *kv_layer.stride()[:4],
-        *block_tables.stride(), seq_lens.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP_SIZE=group_size, GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=plan.config.tile_n,
-        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
-        USE_KV_SCALES=kv_layer.dtype == FP8_DTYPE, SPLIT=split,
+        *block_tables.stride(),
+        seq_lens.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP_SIZE=group_size,
+        GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=plan.config.tile_n,
+        USE_SOFT_CAP=soft_cap is not None,
+        USE_WINDOW=sliding_window is not None,
+        USE_KV_SCALES=kv_layer.dtype == FP8_DTYPE,
+        SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 gets fp32 products, not tf32
-        num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
     )
     if split:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
-            plan.part_ml, plan.part_acc, seq_lens, out,
-            int(sliding_window or 0), plan.split_len, plan.num_splits, seq_lens.stride(0), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=triton.next_power_of_2(plan.num_splits), USE_WINDOW=sliding_window is not None,
+            plan.part_ml,
+            plan.part_acc,
+            seq_lens,
+            out,
+            int(sliding_window or 0),
+            plan.split_len,
+            plan.num_splits,
+            seq_lens.stride(0),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+            USE_WINDOW=sliding_window is not None,
             num_warps=4,
         )
     return out

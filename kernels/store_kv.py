@@ -29,13 +29,28 @@ _TILE_ELEMENTS = 2048
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, kv_scales_ptr, slots_ptr,
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    kv_scales_ptr,
+    slots_ptr,
     num_kv_heads,
-    stride_key_t, stride_key_h, stride_key_d,
-    stride_value_t, stride_value_h, stride_value_d,
-    stride_kv, stride_kv_b, stride_kv_t, stride_kv_h,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    QUANTIZE: tl.constexpr, QUANT_MAX: tl.constexpr,
+    stride_key_t,
+    stride_key_h,
+    stride_key_d,
+    stride_value_t,
+    stride_value_h,
+    stride_value_d,
+    stride_kv,
+    stride_kv_b,
+    stride_kv_t,
+    stride_kv_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    QUANT_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)  # int64: block_id * stride cannot overflow
@@ -101,11 +116,21 @@ def store_kv(
     heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, _TILE_ELEMENTS // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
     _store_kv_kernel[grid](
-        key, value, kv_layer, kv_scales if quantize else slots, slots,
+        key,
+        value,
+        kv_layer,
+        kv_scales if quantize else slots,
+        slots,
         num_kv_heads,
-        *key.stride(), *value.stride(), *kv_layer.stride()[:4],
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PER_PROGRAM=heads_per_program,
-        BLOCK_SIZE=kv_layer.shape[2], QUANTIZE=quantize, QUANT_MAX=FP8_MAX,
+        *key.stride(),
+        *value.stride(),
+        *kv_layer.stride()[:4],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        HEADS_PER_PROGRAM=heads_per_program,
+        BLOCK_SIZE=kv_layer.shape[2],
+        QUANTIZE=quantize,
+        QUANT_MAX=FP8_MAX,
     )
 
 

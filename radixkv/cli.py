@@ -40,18 +40,30 @@ def _simulate(args: argparse.Namespace) -> int:
     for request in trace:
         kinds[request.kind] = kinds.get(request.kind, 0) + 1
     infinite = working_set(trace, args.block_size)
-    num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), int(infinite.peak_in_use_blocks * 1.2))
+    num_blocks = args.num_blocks or max(
+        int(infinite.num_blocks * args.pool_fraction), int(infinite.peak_in_use_blocks * 1.2)
+    )
     cache = KVCache(num_blocks, args.block_size)
-    print(f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})")
+    print(
+        f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
+    )
     print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
     started = time.perf_counter()
     result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
     stats = cache.stats()
-    print(f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s through the core")
-    print(f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted {result.num_evicted_blocks:,} blocks")
-    print(f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use {result.peak_in_use_blocks:,} blocks")
+    print(
+        f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s through the core"
+    )
+    print(
+        f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted {result.num_evicted_blocks:,} blocks"
+    )
+    print(
+        f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use {result.peak_in_use_blocks:,} blocks"
+    )
     cache.check_invariants()
-    print(f"after the run: {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} cached = {stats.num_blocks_total:,} blocks; invariants hold")
+    print(
+        f"after the run: {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} cached = {stats.num_blocks_total:,} blocks; invariants hold"
+    )
     return 0
 
 
@@ -68,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate("radixkv.server.app")
     if argv[:1] == ["demo"]:
         return _delegate("radixkv.demo.main")
-    parser = argparse.ArgumentParser(prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing.")
+    parser = argparse.ArgumentParser(
+        prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the gRPC service (see radixkv serve --help)")
     sub.add_parser("demo", help="generate with a small model through the service (see radixkv demo --help)")
@@ -83,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--kv-heads", type=int)
     plan.add_argument("--head-dim", type=int)
     plan.add_argument(
-        "--dtype", default="float16", choices=[*sorted(DTYPE_BYTES), *DTYPE_ALIASES],
+        "--dtype",
+        default="float16",
+        choices=[*sorted(DTYPE_BYTES), *DTYPE_ALIASES],
         help="KV cache dtype; fp8 = float8_e4m3fn (default: %(default)s)",
     )
     plan.add_argument(
@@ -92,11 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         help="device memory, all GPUs together; GiB = 2^30 bytes, GB = 10^9 (default: %(default)s)",
     )
     plan.add_argument(
-        "--utilization", type=float, default=0.9, help="fraction of device memory for weights + KV (default: %(default)s)"
+        "--utilization",
+        type=float,
+        default=0.9,
+        help="fraction of device memory for weights + KV (default: %(default)s)",
     )
     plan.add_argument("--weights", default="0", help="memory taken by the weights, e.g. 16GiB (default: %(default)s)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
-    plan.add_argument("--context", type=int, default=4096, help="context length for the per-sequence figures (default: %(default)s)")
+    plan.add_argument(
+        "--context", type=int, default=4096, help="context length for the per-sequence figures (default: %(default)s)"
+    )
     plan.add_argument("--device", default="cuda", help="device of the printed --pool string (default: %(default)s)")
     plan.set_defaults(run=_plan)
 
@@ -104,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--tokens", type=int, default=1_000_000, help="trace size in tokens")
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--block-size", type=int, default=16)
-    simulate.add_argument("--num-blocks", type=int, default=0, help="pool size; default: --pool-fraction of the working set")
+    simulate.add_argument(
+        "--num-blocks", type=int, default=0, help="pool size; default: --pool-fraction of the working set"
+    )
     simulate.add_argument("--pool-fraction", type=float, default=0.15)
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)

@@ -62,7 +62,9 @@ class LimitExceeded(RadixKVError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
     def __init__(self, limit: str, requested: int, allowed: int) -> None:
-        super().__init__(f"{limit}: requested {requested}, allowed {allowed}", limit=limit, requested=requested, allowed=allowed)
+        super().__init__(
+            f"{limit}: requested {requested}, allowed {allowed}", limit=limit, requested=requested, allowed=allowed
+        )
         self.limit = limit
         self.requested = requested
         self.allowed = allowed
@@ -177,8 +179,18 @@ class ServerRestarted(UnknownSession):
 ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
     cls.reason: cls
     for cls in (
-        InvalidArgument, OutOfBlocks, LimitExceeded, QuotaExceeded, UnknownSequence, NotPinned,
-        UnknownSession, UnknownPool, PermissionDenied, Unauthenticated, FailedPrecondition, ServerRestarted,
+        InvalidArgument,
+        OutOfBlocks,
+        LimitExceeded,
+        QuotaExceeded,
+        UnknownSequence,
+        NotPinned,
+        UnknownSession,
+        UnknownPool,
+        PermissionDenied,
+        Unauthenticated,
+        FailedPrecondition,
+        ServerRestarted,
         DeadlineExceeded,
     )
 }

@@ -90,7 +90,14 @@ class PoolLayout:
 
     @classmethod
     def for_budget(
-        cls, budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: str = "float16"
+        cls,
+        budget_bytes: int,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: str = "float16",
     ) -> PoolLayout:
         """The layout with as many blocks as fit in `budget_bytes`."""
         probe = cls(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)

@@ -96,7 +96,9 @@ def shape_from_hf_config(config: Mapping[str, Any], source: str = "config.json")
     try:
         num_heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim") or int(config["hidden_size"]) // num_heads
-        return ModelShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or num_heads), int(head_dim))
+        return ModelShape(
+            int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or num_heads), int(head_dim)
+        )
     except KeyError as e:
         raise ValueError(f"--model: {source} has no {e.args[0]!r}: not a decoder's config.json") from None
 

@@ -12,7 +12,17 @@ GIB = 2**30
 MIB = 2**20
 GB = 10**9
 
-__all__ = ["GB", "GIB", "MIB", "MODEL_SHAPES", "CapacityPlan", "ModelShape", "format_plan", "parse_bytes", "plan_capacity"]
+__all__ = [
+    "GB",
+    "GIB",
+    "MIB",
+    "MODEL_SHAPES",
+    "CapacityPlan",
+    "ModelShape",
+    "format_plan",
+    "parse_bytes",
+    "plan_capacity",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +70,9 @@ def plan_capacity(
     bytes_per_block = bytes_per_token * block_size
     budget = int(device_memory_bytes * memory_utilization) - weight_bytes
     if budget <= 0:
-        raise ValueError(f"no memory left for KV: {device_memory_bytes} x {memory_utilization} - {weight_bytes} weights")
+        raise ValueError(
+            f"no memory left for KV: {device_memory_bytes} x {memory_utilization} - {weight_bytes} weights"
+        )
     num_blocks = budget // bytes_per_block
     blocks_per_sequence = cdiv(context_len, block_size)
     return CapacityPlan(
@@ -90,7 +102,9 @@ def parse_bytes(text: str) -> int:
     try:
         value = float(number) * factor
     except ValueError:
-        raise ValueError(f"{text!r} is not a size: write e.g. 80GiB (2^30 bytes), 80GB (10^9 bytes) or 512MiB") from None
+        raise ValueError(
+            f"{text!r} is not a size: write e.g. 80GiB (2^30 bytes), 80GB (10^9 bytes) or 512MiB"
+        ) from None
     if value < 0:
         raise ValueError(f"{text!r}: a size must be >= 0")
     return int(value)

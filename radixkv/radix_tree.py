@@ -92,7 +92,16 @@ class RadixTree:
             return node
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
-        upper = Node(node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, node.lock_ref, node.pin_ref, node.last_access)
+        upper = Node(
+            node.token_bytes[:cut],
+            node.block_ids[:k],
+            node.parent,
+            node.namespace,
+            {},
+            node.lock_ref,
+            node.pin_ref,
+            node.last_access,
+        )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node

@@ -152,8 +152,12 @@ class KVStorage:
         if device.type == "cuda":
             if name is not None:
                 raise ValueError("name: only CPU pools live in named shared memory")
-            storage = cls(layout, *_views(torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device), layout),
-                          None, owner=True)
+            storage = cls(
+                layout,
+                *_views(torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device), layout),
+                None,
+                owner=True,
+            )
             storage._init_scales(scales)
             return storage
         if device.type != "cpu":
@@ -184,14 +188,22 @@ class KVStorage:
             shm = _attach_untracked(handle.name)
             if shm.size < layout.total_bytes:
                 shm.close()
-                raise ValueError(f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}")
+                raise ValueError(
+                    f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}"
+                )
             return cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=False)
         if handle.kind != "cuda_ipc":
             raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         torch.cuda.init()
         storage = torch.UntypedStorage._new_shared_cuda(
-            handle.device_index, handle.ipc_handle, handle.storage_size_bytes, handle.storage_offset_bytes,
-            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required,
+            handle.device_index,
+            handle.ipc_handle,
+            handle.storage_size_bytes,
+            handle.storage_offset_bytes,
+            handle.ref_counter_handle,
+            handle.ref_counter_offset,
+            handle.event_handle or None,
+            handle.event_sync_required,
         )
         buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
         buffer.set_(storage, 0, (layout.total_bytes,), (1,))
@@ -233,9 +245,16 @@ class KVStorage:
             self.data.untyped_storage()._share_cuda_()
         )
         return PoolHandle(
-            kind="cuda_ipc", device_index=device_index, ipc_handle=ipc_handle, storage_size_bytes=size,
-            storage_offset_bytes=offset, ref_counter_handle=rc_handle, ref_counter_offset=rc_offset,
-            event_handle=event_handle or b"", event_sync_required=bool(event_sync), **fields,
+            kind="cuda_ipc",
+            device_index=device_index,
+            ipc_handle=ipc_handle,
+            storage_size_bytes=size,
+            storage_offset_bytes=offset,
+            ref_counter_handle=rc_handle,
+            ref_counter_offset=rc_offset,
+            event_handle=event_handle or b"",
+            event_sync_required=bool(event_sync),
+            **fields,
         )
 
     def close(self) -> None:
@@ -259,7 +278,9 @@ class KVStorage:
 
     def check_invariants(self) -> None:
         if self._data is not None:
-            assert tuple(self._data.shape) == self.layout.shape, f"KVStorage: data shape {tuple(self._data.shape)} != layout"
+            assert tuple(self._data.shape) == self.layout.shape, (
+                f"KVStorage: data shape {tuple(self._data.shape)} != layout"
+            )
             assert self._data.dtype == TORCH_DTYPES[self.layout.dtype], f"KVStorage: dtype {self._data.dtype} != layout"
             assert self._data.is_contiguous(), "KVStorage: pool tensor is not contiguous"
             assert (self._scales is not None) == self.layout.is_scaled, "KVStorage: scales exist iff the dtype is fp8"
@@ -306,14 +327,22 @@ def layout_for_memory(
             raise ValueError(f"budget_bytes: expected a positive int, got {budget_bytes!r}")
         budget = budget_bytes
     else:
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1:
+        if (
+            isinstance(memory_fraction, bool)
+            or not isinstance(memory_fraction, (int, float))
+            or not 0 < memory_fraction <= 1
+        ):
             raise ValueError(f"memory_fraction: expected 0 < fraction <= 1, got {memory_fraction!r}")
         budget = int(free_memory_bytes(device) * memory_fraction)
     if budget - reserved_bytes <= 0:
         raise ValueError(f"reserved_bytes: {reserved_bytes} reserved leaves nothing of a {budget}-byte budget")
     return PoolLayout.for_budget(
-        budget - reserved_bytes, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype,
+        budget - reserved_bytes,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
     )
 
 
@@ -329,7 +358,9 @@ def free_memory_bytes(device: str | torch.device) -> int:
     return min(available, _shm_free_bytes()) if os.path.isdir(SHM_DIR) else available
 
 
-def _initial_scales(layout: PoolLayout, kv_scales: list[tuple[float, float]] | None) -> list[tuple[float, float]] | None:
+def _initial_scales(
+    layout: PoolLayout, kv_scales: list[tuple[float, float]] | None
+) -> list[tuple[float, float]] | None:
     """The scales a new pool starts with: one positive (k, v) pair per layer for fp8, none otherwise."""
     if not layout.is_scaled:
         if kv_scales is not None:
@@ -405,4 +436,3 @@ def _from_plain(name: str, value: object, kind: type) -> object:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"PoolHandle: {name} must be {kind.__name__}, got {type(value).__name__}")
     return value
-

@@ -33,7 +33,9 @@ class Request:
         return len(self.prompt) + sum(len(o) for o in self.outputs)
 
 
-def make_trace(total_tokens: int, seed: int = 0, *, num_system_prompts: int = 8, num_namespaces: int = 2) -> list[Request]:
+def make_trace(
+    total_tokens: int, seed: int = 0, *, num_system_prompts: int = 8, num_namespaces: int = 2
+) -> list[Request]:
     """About `total_tokens` tokens of requests (prompt plus outputs), reproducible from `seed`."""
     rng = np.random.default_rng(seed)
     vocab = 32000
@@ -82,7 +84,12 @@ class ReplayResult:
 
 
 def replay(
-    cache: KVCache, trace: list[Request], *, release_after: int = 32, timed: bool = False, check: Callable[[], None] | None = None
+    cache: KVCache,
+    trace: list[Request],
+    *,
+    release_after: int = 32,
+    timed: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> ReplayResult:
     """Run the trace through `cache`; with `timed`, record each operation's duration."""
     pending: collections.deque[list[int]] = collections.deque()

@@ -165,7 +165,9 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         for pool in pools.values():
             pool.close()
         raise
-    auditor = PoolAuditor(pools, config.audit_interval_seconds, metrics.registry) if config.audit_interval_seconds else None
+    auditor = (
+        PoolAuditor(pools, config.audit_interval_seconds, metrics.registry) if config.audit_interval_seconds else None
+    )
     return RadixKVServer(server, service, health_servicer, metrics, config, auditor), port
 
 
@@ -265,9 +267,13 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         type=int,
         help="open long-lived streams (WatchEvents, health Watch, reflection), below --max-workers (default: half)",
     )
-    parser.add_argument("--max-streams-per-peer", type=int, help="open streams per connection (default: half of --max-streams)")
     parser.add_argument(
-        "--max-public-streams", type=int, help="open streams that need no token: health, reflection (default: a quarter)"
+        "--max-streams-per-peer", type=int, help="open streams per connection (default: half of --max-streams)"
+    )
+    parser.add_argument(
+        "--max-public-streams",
+        type=int,
+        help="open streams that need no token: health, reflection (default: a quarter)",
     )
     parser.add_argument("--max-sequences", type=int, help="live sequences per pool, all sessions (default 262144)")
     parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
@@ -280,7 +286,9 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     )
     parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
     parser.add_argument(
-        "--kv-events-replay-endpoint", metavar="ENDPOINT", help="ROUTER socket answering replay requests, e.g. tcp://*:5558"
+        "--kv-events-replay-endpoint",
+        metavar="ENDPOINT",
+        help="ROUTER socket answering replay requests, e.g. tcp://*:5558",
     )
     parser.add_argument(
         "--audit-interval",

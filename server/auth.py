@@ -61,7 +61,9 @@ class AuthInterceptor(WrappingInterceptor):
         found = self._tenant(details.invocation_metadata)
         return found if found is not None else b""  # one copy per tenant, and one for refusals
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable
+    ) -> grpc.RpcMethodHandler:
         return wrap_handler(handler, _as_caller(key[1]) if isinstance(key, tuple) else _refuse)
 
 

@@ -152,7 +152,10 @@ class ServerConfig:
         if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
             raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
         if self.max_message_bytes is None:
-            needed = max(message_bytes_needed(p.limits.max_tokens_per_request, self.max_sequences_per_session) for p in self.pools)
+            needed = max(
+                message_bytes_needed(p.limits.max_tokens_per_request, self.max_sequences_per_session)
+                for p in self.pools
+            )
             object.__setattr__(self, "max_message_bytes", needed)
         if self.max_streams is None:
             object.__setattr__(self, "max_streams", self.max_workers // 2)
@@ -217,7 +220,10 @@ def pool_keys_help() -> str:
         meaning, default = POOL_KEYS.get(key, "see PoolConfig and radixkv.Limits"), _DEFAULTS[key]
         shown = "required" if default is dataclasses.MISSING else "unset" if default is None else str(default) or '""'
         rows.append(f"  {key:<24} {shown:<10} {meaning}")
-    return "pool keys (--pool NAME:key=val,... or a [pools.NAME] table):\n  key                      default\n" + "\n".join(rows)
+    return (
+        "pool keys (--pool NAME:key=val,... or a [pools.NAME] table):\n  key                      default\n"
+        + "\n".join(rows)
+    )
 
 
 def _check_pool_values(name: str, values: Mapping[str, Any]) -> None:

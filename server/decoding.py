@@ -47,7 +47,9 @@ class DecodingInterceptor(WrappingInterceptor):
             return None  # reflection keeps gRPC's handling
         return method_of(details)
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable
+    ) -> grpc.RpcMethodHandler:
         method = method_of(details)
         parse = handler.request_deserializer
         assert parse is not None

@@ -184,8 +184,14 @@ class EventHub:
         kind = EventKind.BLOCKS_REMOVED
         self._publish(
             BlockEvent(
-                number, namespace, kind, ids, block_hashes=hashes, pool_sequence_number=self.num_events,
-                namespace_digest=self.digests.get(namespace, 0), digest_delta=delta,
+                number,
+                namespace,
+                kind,
+                ids,
+                block_hashes=hashes,
+                pool_sequence_number=self.num_events,
+                namespace_digest=self.digests.get(namespace, 0),
+                digest_delta=delta,
             )  # fmt: skip
         )
 

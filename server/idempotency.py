@@ -93,4 +93,3 @@ class RequestWindow:
             assert len(self._results) <= self.max_results, "request window holds too many results"
             assert self._cost == sum(c for _, _, c in self._results.values()), "request window cost stale"
             assert self._cost <= self.max_cost, "request window over its cost bound"
-

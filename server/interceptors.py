@@ -49,7 +49,9 @@ class WrappingInterceptor(grpc.ServerInterceptor):
         """What the wrapped copy depends on besides the handler (the method, a tenant); None: pass through."""
         raise NotImplementedError
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable
+    ) -> grpc.RpcMethodHandler:
         raise NotImplementedError
 
     def intercept_service(

@@ -133,7 +133,9 @@ class PoolLedger:
         Raises:
             NotPinned: the session holds no such pin.
         """
-        held = [p for p in self._pins.get(session, ()) if p.namespace == namespace and token_bytes.startswith(p.token_bytes)]
+        held = [
+            p for p in self._pins.get(session, ()) if p.namespace == namespace and token_bytes.startswith(p.token_bytes)
+        ]
         if not held:
             raise NotPinned(session.tenant.unscope(namespace))
         pin = max(held, key=lambda p: len(p.token_bytes))
@@ -172,7 +174,9 @@ class PoolLedger:
         sequences: dict[str, int] = {}
         for seq_id, session in self._owners.items():
             assert seq_id in self._sequences.get(session, ()), f"sequence {seq_id} missing from its session"
-            assert self._num_table_blocks[seq_id] == len(cache.block_table(seq_id)), f"sequence {seq_id}: block count stale"
+            assert self._num_table_blocks[seq_id] == len(cache.block_table(seq_id)), (
+                f"sequence {seq_id}: block count stale"
+            )
             name = session.tenant.name
             blocks[name] = blocks.get(name, 0) + self._num_table_blocks[seq_id]
             sequences[name] = sequences.get(name, 0) + 1

@@ -112,7 +112,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         self._calls = Counter(
-            "radixkv_rpcs", "RPCs (streams included) by final status code.", ["method", "pool", "code"], registry=self.registry
+            "radixkv_rpcs",
+            "RPCs (streams included) by final status code.",
+            ["method", "pool", "code"],
+            registry=self.registry,
         )
         self._refusals = Counter(
             "radixkv_refusals",
@@ -176,7 +179,9 @@ class _MetricsInterceptor(WrappingInterceptor):
     def key(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> Hashable | None:
         return method_of(details).rsplit("/", 1)[-1]
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable
+    ) -> grpc.RpcMethodHandler:
         method = str(key)
         if handler.response_streaming:
             return wrap_handler(handler, lambda behaviour: self._counted(method, behaviour))
@@ -207,7 +212,9 @@ class _MetricsInterceptor(WrappingInterceptor):
             except BaseException:
                 observe(method, pool, _code_of(context) or grpc.StatusCode.UNKNOWN, None)
                 raise
-            return _counted_stream(responses, lambda: observe(method, pool, _code_of(context) or grpc.StatusCode.OK, None))
+            return _counted_stream(
+                responses, lambda: observe(method, pool, _code_of(context) or grpc.StatusCode.OK, None)
+            )
 
         return counted
 

@@ -34,7 +34,9 @@ class Pool:
         self.device = str(storage.device)
         self.lock = threading.Lock()
         # Ids start at a random point each run: an id from before a restart names nothing after it.
-        self.cache = KVCache(self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1)
+        self.cache = KVCache(
+            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1
+        )
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None

@@ -167,7 +167,10 @@ class KVService:
                 return results
 
             return session.requests.once(
-                request_id, f"OpenSequences {pool.name}", apply, lambda rs: sum(len(r.block_table) + 1 for r in rs) + sum(counts)
+                request_id,
+                f"OpenSequences {pool.name}",
+                apply,
+                lambda rs: sum(len(r.block_table) + 1 for r in rs) + sum(counts),
             )
 
     def append_tokens(
@@ -183,13 +186,17 @@ class KVService:
         """One decode step, in columns (see `KVCache.append_batch`)."""
         pool = self.pool(pool_name)
         num_tokens = _num_tokens(token_ids)
-        check_request_size(pool, num_tokens, append_response_bytes(pool, len(seq_ids), num_tokens), self.max_message_bytes)
+        check_request_size(
+            pool, num_tokens, append_response_bytes(pool, len(seq_ids), num_tokens), self.max_message_bytes
+        )
         token_ids = _as_int32(token_ids)
         with self._in_session(caller, session_id, pool_name) as (pool, session):
 
             def apply() -> AppendBatch:
                 if not seq_ids and not num_token_ids and not num_tokens:
-                    return AppendBatch([], [], [], [], [], [], [], np.empty(0, dtype=np.int64))  # an empty step: a no-op
+                    return AppendBatch(
+                        [], [], [], [], [], [], [], np.empty(0, dtype=np.int64)
+                    )  # an empty step: a no-op
                 ledger = pool.ledger
                 ledger.check_owners(session, list(seq_ids))
                 if caller.max_blocks is not None:
@@ -199,7 +206,9 @@ class KVService:
                     )
                     ledger.check_quota(caller, growth)
                 batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-                for seq_id, offset, num_blocks in zip(batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True):
+                for seq_id, offset, num_blocks in zip(
+                    batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True
+                ):
                     ledger.resize(seq_id, offset + num_blocks)
                 return batch
 
@@ -349,7 +358,9 @@ class KVService:
                 if self.shares.num_tenants > 1 and pinned + num_blocks > share:
                     raise LimitExceeded("pinned_blocks_per_tenant", pinned + num_blocks, share)
                 num_pinned = pool.cache.pin(key, core_namespace)
-                ledger.add_pin(session, Pin(core_namespace, key[: num_pinned * TOKEN_BYTES], num_pinned // pool.layout.block_size))
+                ledger.add_pin(
+                    session, Pin(core_namespace, key[: num_pinned * TOKEN_BYTES], num_pinned // pool.layout.block_size)
+                )
                 return num_pinned
 
             return session.requests.once(request_id, f"Pin {pool.name}", apply)
@@ -418,7 +429,9 @@ class KVService:
         with pool.lock:
             hub = pool.events
             digests = {
-                caller.unscope(ns): (digest, hub.num_blocks[ns]) for ns, digest in hub.digests.items() if caller.owns(ns)
+                caller.unscope(ns): (digest, hub.num_blocks[ns])
+                for ns, digest in hub.digests.items()
+                if caller.owns(ns)
             }
             return pool, digests, hub.num_events
 

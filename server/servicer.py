@@ -146,7 +146,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def DescribeSequences(
         self, request: pb.DescribeSequencesRequest, context: grpc.ServicerContext
     ) -> pb.DescribeSequencesResponse:
-        rows = self._service.describe_sequences(current_caller(), request.session_id, request.pool, list(request.seq_ids))
+        rows = self._service.describe_sequences(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids)
+        )
         return pb.DescribeSequencesResponse(num_tokens=[n for n, _ in rows], num_computed_tokens=[c for _, c in rows])
 
     @translating_errors
@@ -230,7 +232,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         pool, digests, seq = self._service.verify(current_caller(), request.session_id, request.pool)
-        namespaces = [pb.NamespaceDigest(namespace=ns, digest=d, num_blocks=n) for ns, (d, n) in sorted(digests.items())]
+        namespaces = [
+            pb.NamespaceDigest(namespace=ns, digest=d, num_blocks=n) for ns, (d, n) in sorted(digests.items())
+        ]
         return pb.VerifyResponse(
             namespaces=namespaces,
             digest=sum(d for d, _ in digests.values()) & WIRE_MASK,

@@ -108,7 +108,9 @@ class _Stream:
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""
-            return pb.SessionResponse(request_id=request.request_id, session_id=bound, error=_step_error(e)), request.pool
+            return pb.SessionResponse(
+                request_id=request.request_id, session_id=bound, error=_step_error(e)
+            ), request.pool
         return _response(request.request_id, session.session_id, result), request.pool
 
     def _bind(self, session_id: str) -> Session:
@@ -117,7 +119,9 @@ class _Stream:
         if bound is not None and session_id in ("", bound.session_id):
             return self._service.sessions.get(bound.session_id, self._caller)  # live, and renewed
         if bound is not None:
-            raise InvalidArgument("session_id", f"this stream serves session {bound.session_id!r}: one stream per session")
+            raise InvalidArgument(
+                "session_id", f"this stream serves session {bound.session_id!r}: one stream per session"
+            )
         session = self._service.sessions.get(session_id, self._caller)
         self._service.sessions.hold(session)
         self._session = session

@@ -57,4 +57,9 @@ def check_request_size(
 def message_bytes_needed(max_tokens_per_request: int, max_sequences_per_session: int) -> int:
     """A default `max_message_bytes`: room for the largest request and response these limits allow, with any layout."""
     per_token = 10 + 5  # an int64 slot and a uint32 block id, each at its widest
-    return _ENVELOPE_BYTES + max_tokens_per_request * per_token + max_sequences_per_session * (_PER_SEQUENCE_BYTES + 5) + (1 << 16)
+    return (
+        _ENVELOPE_BYTES
+        + max_tokens_per_request * per_token
+        + max_sequences_per_session * (_PER_SEQUENCE_BYTES + 5)
+        + (1 << 16)
+    )

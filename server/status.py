@@ -78,7 +78,9 @@ def _translated(context: grpc.ServicerContext, method: str) -> Iterator[None]:
     try:
         yield
     except RadixKVError as e:
-        log.debug("refused", extra={"method": method, "reason": e.reason, **{k: truncated(v) for k, v in e.metadata.items()}})
+        log.debug(
+            "refused", extra={"method": method, "reason": e.reason, **{k: truncated(v) for k, v in e.metadata.items()}}
+        )
         abort(context, e)
     except Exception:
         log.exception("internal error", extra={"method": method})

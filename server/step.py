@@ -141,7 +141,9 @@ class _StepPlan:
                 pool.ledger.check_owner(self.session, seq_id)
                 self._add_sequences(num_children)
                 if self.caller.max_blocks is not None:
-                    self._charge(max(num_children, 0) * self.table_blocks.get(seq_id, pool.ledger.num_table_blocks(seq_id)))
+                    self._charge(
+                        max(num_children, 0) * self.table_blocks.get(seq_id, pool.ledger.num_table_blocks(seq_id))
+                    )
                 cache.check_fork(seq_id, num_children)
         for i, seq_id in enumerate(step.caches):
             with _item(f"caches[{i}]"):
@@ -240,5 +242,6 @@ class _Applying:
         elif isinstance(error, RadixKVError):
             error.metadata.setdefault("item", self.name)
             if self.applied:  # a later call refused after earlier ones changed the pool: the plan missed a check
-                raise AssertionError(f"step item {self.name} refused after the step began applying: {error!r}") from error
-
+                raise AssertionError(
+                    f"step item {self.name} refused after the step began applying: {error!r}"
+                ) from error

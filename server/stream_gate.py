@@ -50,7 +50,9 @@ class StreamGate(WrappingInterceptor):
             return None
         return method_of(details)
 
-    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, key: Hashable
+    ) -> grpc.RpcMethodHandler:
         public = is_public(method_of(details))
 
         def gated(behaviour: Behaviour) -> Behaviour:

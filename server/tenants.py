@@ -28,7 +28,11 @@ class Tenant:
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
         return cls(
-            config.name, frozenset(config.namespaces), config.max_blocks, config.map_pools, config.admin,
+            config.name,
+            frozenset(config.namespaces),
+            config.max_blocks,
+            config.map_pools,
+            config.admin,
             config.max_cached_blocks,
         )
 

@@ -22,7 +22,10 @@ def test_a_shared_partial_last_block_is_copied_by_all_but_its_last_holder():
     first, second = sequence(1, list(table), 6), sequence(2, list(table), 6)
     copied_away: dict[int, int] = {}
     assert plan_append(first, 3, BLOCK_SIZE, pool.ref_counts, copied_away) == (2, table[1])  # a copy + 1 new block
-    assert plan_append(second, 3, BLOCK_SIZE, pool.ref_counts, copied_away) == (1, None)  # the last holder writes in place
+    assert plan_append(second, 3, BLOCK_SIZE, pool.ref_counts, copied_away) == (
+        1,
+        None,
+    )  # the last holder writes in place
     assert pool.ref_counts[table[1]] == 2, "planning changes nothing"
 
 

@@ -87,7 +87,9 @@ def test_table_follows_splits_trims_and_evictions(seed: int) -> None:
     for _ in range(150):
         action = rng.random()
         if action < 0.55:
-            tokens = rng.choice(prefixes)[: rng.randrange(1, 25)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 25)] + [
+                rng.randrange(50) for _ in range(rng.randrange(0, 12))
+            ]
             try:
                 tokens = tokens or [1]
                 live.append(cache.open(tokens, rng.choice([DEFAULT_NAMESPACE, "chat"])).seq_id)

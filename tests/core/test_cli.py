@@ -5,7 +5,9 @@ from radixkv.cli import main
 
 
 def test_plan_prints_the_capacity_arithmetic(capsys):
-    assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80GiB", "--weights", "16GiB", "--context", "4096"]) == 0
+    assert (
+        main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80GiB", "--weights", "16GiB", "--context", "4096"]) == 0
+    )
     out = capsys.readouterr().out
     assert "28,672" in out and "458,752" in out and "112" in out
 

@@ -13,7 +13,13 @@ from radixkv.radix_tree import RadixTree
 
 def counts(cache):
     s = cache.stats()
-    return (s.num_blocks_free, s.num_blocks_cached, s.num_blocks_evictable, s.num_live_sequences, list(cache.pool.ref_counts))
+    return (
+        s.num_blocks_free,
+        s.num_blocks_cached,
+        s.num_blocks_evictable,
+        s.num_live_sequences,
+        list(cache.pool.ref_counts),
+    )
 
 
 def cache_written(cache, token_ids, namespace="default"):
@@ -175,7 +181,9 @@ def test_pool_exhausted_mid_batch_fails_whole():
     cache = KVCache(num_blocks=6, block_size=4)
     before = counts(cache)
     with pytest.raises(OutOfBlocks):
-        cache.open_many([(list(range(8)), "default"), (list(range(20, 28)), "default"), (list(range(40, 49)), "default")])
+        cache.open_many(
+            [(list(range(8)), "default"), (list(range(20, 28)), "default"), (list(range(40, 49)), "default")]
+        )
     assert counts(cache) == before
     a = cache.open(list(range(4)))
     b = cache.open(list(range(20, 24)))
@@ -252,29 +260,32 @@ def test_pin_is_bounded_by_its_share_of_the_pool():
     cache.check_invariants()
 
 
-@pytest.mark.parametrize(("call", "error", "field"), [
-    (lambda c: c.open([]), InvalidArgument, "token_ids"),
-    (lambda c: c.open([1, -2]), InvalidArgument, "token_ids"),
-    (lambda c: c.open([1, 2**31]), InvalidArgument, "token_ids"),
-    (lambda c: c.open([1.5]), InvalidArgument, "token_ids"),
-    (lambda c: c.open([[1, 2]]), InvalidArgument, "token_ids"),
-    (lambda c: c.open([1], namespace=""), InvalidArgument, "namespace"),
-    (lambda c: c.open([1], namespace="a b"), InvalidArgument, "namespace"),
-    (lambda c: c.append(999, [1]), UnknownSequence, None),
-    (lambda c: c.append(1, []), InvalidArgument, "token_ids"),
-    (lambda c: c.fork(1, 0), InvalidArgument, "num_children"),
-    (lambda c: c.fork(1, -3), InvalidArgument, "num_children"),
-    (lambda c: c.fork(1, 10**6), LimitExceeded, None),
-    (lambda c: c.release(999), UnknownSequence, None),
-    (lambda c: c.release_many([1, 1]), InvalidArgument, "seq_ids"),
-    (lambda c: c.append_many([(1, [1]), (1, [2])]), InvalidArgument, "seq_ids"),
-    (lambda c: c.append_batch([1], [2], [5]), InvalidArgument, "token_ids"),
-    (lambda c: c.append_batch([1], [0], []), InvalidArgument, "num_token_ids"),
-    (lambda c: c.append_batch([1, 2], [1], [5]), InvalidArgument, "num_token_ids"),
-    (lambda c: c.open_many([([1], "default"), ([], "default")]), InvalidArgument, "requests[1].token_ids"),
-    (lambda c: c.cache("1"), InvalidArgument, "seq_id"),
-    (lambda c: c.match([1], namespace="bad name"), InvalidArgument, "namespace"),
-])
+@pytest.mark.parametrize(
+    ("call", "error", "field"),
+    [
+        (lambda c: c.open([]), InvalidArgument, "token_ids"),
+        (lambda c: c.open([1, -2]), InvalidArgument, "token_ids"),
+        (lambda c: c.open([1, 2**31]), InvalidArgument, "token_ids"),
+        (lambda c: c.open([1.5]), InvalidArgument, "token_ids"),
+        (lambda c: c.open([[1, 2]]), InvalidArgument, "token_ids"),
+        (lambda c: c.open([1], namespace=""), InvalidArgument, "namespace"),
+        (lambda c: c.open([1], namespace="a b"), InvalidArgument, "namespace"),
+        (lambda c: c.append(999, [1]), UnknownSequence, None),
+        (lambda c: c.append(1, []), InvalidArgument, "token_ids"),
+        (lambda c: c.fork(1, 0), InvalidArgument, "num_children"),
+        (lambda c: c.fork(1, -3), InvalidArgument, "num_children"),
+        (lambda c: c.fork(1, 10**6), LimitExceeded, None),
+        (lambda c: c.release(999), UnknownSequence, None),
+        (lambda c: c.release_many([1, 1]), InvalidArgument, "seq_ids"),
+        (lambda c: c.append_many([(1, [1]), (1, [2])]), InvalidArgument, "seq_ids"),
+        (lambda c: c.append_batch([1], [2], [5]), InvalidArgument, "token_ids"),
+        (lambda c: c.append_batch([1], [0], []), InvalidArgument, "num_token_ids"),
+        (lambda c: c.append_batch([1, 2], [1], [5]), InvalidArgument, "num_token_ids"),
+        (lambda c: c.open_many([([1], "default"), ([], "default")]), InvalidArgument, "requests[1].token_ids"),
+        (lambda c: c.cache("1"), InvalidArgument, "seq_id"),
+        (lambda c: c.match([1], namespace="bad name"), InvalidArgument, "namespace"),
+    ],
+)
 def test_caller_mistakes_raise_named_errors_and_change_nothing(cache, call, error, field):
     cache.open(list(range(6)))
     before = counts(cache)

@@ -15,7 +15,12 @@ def test_kv_per_sequence(model, context, gib_per_sequence):
 
 def test_llama3_8b_on_one_80gib_gpu():
     plan = plan_capacity(
-        MODEL_SHAPES["llama-3-8b"], device_memory_bytes=80 * GIB, memory_utilization=0.90, weight_bytes=16 * GIB, block_size=16, context_len=4096
+        MODEL_SHAPES["llama-3-8b"],
+        device_memory_bytes=80 * GIB,
+        memory_utilization=0.90,
+        weight_bytes=16 * GIB,
+        block_size=16,
+        context_len=4096,
     )
     assert plan.kv_budget_bytes == 56 * GIB
     assert plan.bytes_per_block == 2 * MIB
@@ -26,7 +31,12 @@ def test_llama3_8b_on_one_80gib_gpu():
 
 def test_llama3_70b_on_four_80gib_gpus():
     plan = plan_capacity(
-        MODEL_SHAPES["llama-3-70b"], device_memory_bytes=320 * GIB, memory_utilization=0.90, weight_bytes=140 * GIB, block_size=16, context_len=2048
+        MODEL_SHAPES["llama-3-70b"],
+        device_memory_bytes=320 * GIB,
+        memory_utilization=0.90,
+        weight_bytes=140 * GIB,
+        block_size=16,
+        context_len=2048,
     )
     assert plan.kv_budget_bytes == 148 * GIB
     assert plan.bytes_per_block == 5 * MIB
@@ -38,22 +48,34 @@ def test_llama3_70b_on_four_80gib_gpus():
 def test_plan_agrees_with_pool_layout():
     shape = MODEL_SHAPES["llama-3-8b"]
     plan = plan_capacity(shape, device_memory_bytes=80 * GIB, weight_bytes=16 * GIB)
-    layout = PoolLayout.for_budget(plan.kv_budget_bytes, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, block_size=16)
+    layout = PoolLayout.for_budget(
+        plan.kv_budget_bytes,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        block_size=16,
+    )
     assert layout.num_blocks == plan.num_blocks
     assert layout.bytes_per_token == plan.bytes_per_token
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"memory_utilization": 1.5}, "memory_utilization"),
-    ({"weight_bytes": 100 * GIB}, "no memory left"),
-    ({"dtype": "int3"}, "dtype"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"memory_utilization": 1.5}, "memory_utilization"),
+        ({"weight_bytes": 100 * GIB}, "no memory left"),
+        ({"dtype": "int3"}, "dtype"),
+    ],
+)
 def test_plan_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_capacity(MODEL_SHAPES["llama-3-8b"], device_memory_bytes=80 * GIB, **kwargs)
 
 
-@pytest.mark.parametrize(("text", "value"), [("80GiB", 80 * GIB), ("16 GB", 16 * 10**9), ("16 GiB", 16 * GIB), ("512MiB", 512 * MIB), ("1000", 1000)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("80GiB", 80 * GIB), ("16 GB", 16 * 10**9), ("16 GiB", 16 * GIB), ("512MiB", 512 * MIB), ("1000", 1000)],
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 

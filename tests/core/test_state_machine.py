@@ -75,7 +75,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------
 
-    @rule(target=seqs, base=st.sampled_from(BASES), cut=st.integers(0, 10), tail=tails, namespace=st.sampled_from(NAMESPACES))
+    @rule(
+        target=seqs,
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 10),
+        tail=tails,
+        namespace=st.sampled_from(NAMESPACES),
+    )
     def open(self, base, cut, tail, namespace):
         tokens = base[:cut] + tail or [0]
         before = self.evictable_snapshot()
@@ -87,7 +93,9 @@ class CacheMachine(RuleBasedStateMachine):
         cached = result.num_cached_tokens
         assert cached % BLOCK_SIZE == 0 and cached < len(tokens)
         if cached:
-            assert tuple(tokens[:cached]) in self.allowed[namespace], "a hit on a prefix never cached written in this namespace"
+            assert tuple(tokens[:cached]) in self.allowed[namespace], (
+                "a hit on a prefix never cached written in this namespace"
+            )
         self.track(result.seq_id, tokens, namespace, cached, cached // BLOCK_SIZE)
         return result.seq_id
 
@@ -154,7 +162,14 @@ class CacheMachine(RuleBasedStateMachine):
         shared = len(self.tokens[seq]) // BLOCK_SIZE if self.sure[seq] < len(self.tokens[seq]) // BLOCK_SIZE else 0
         self.shared_upto[seq] = max(self.shared_upto[seq], shared)
         for child in children:
-            self.track(child, list(self.tokens[seq]), self.namespace[seq], self.computed[seq], self.sure[seq], self.shared_upto[seq])
+            self.track(
+                child,
+                list(self.tokens[seq]),
+                self.namespace[seq],
+                self.computed[seq],
+                self.sure[seq],
+                self.shared_upto[seq],
+            )
             assert self.cache.block_table(child) == self.cache.block_table(seq)
             assert self.cache.num_computed_tokens(child) == self.computed[seq]
         return children[0]
@@ -193,7 +208,9 @@ class CacheMachine(RuleBasedStateMachine):
         for end in range(len(tokens) // BLOCK_SIZE * BLOCK_SIZE, m, -BLOCK_SIZE):
             when = published.get(tuple(tokens[:end]))
             if when is not None:
-                assert when < evicted_now, f"prefix of {end} tokens was cached, nothing evicted since, yet match says {m}"
+                assert when < evicted_now, (
+                    f"prefix of {end} tokens was cached, nothing evicted since, yet match says {m}"
+                )
 
     @rule(base=st.sampled_from(BASES), cut=st.integers(2, 10), namespace=st.sampled_from(NAMESPACES))
     def pin_and_unpin(self, base, cut, namespace):
@@ -227,5 +244,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.num_blocks_free + stats.num_blocks_evictable == NUM_BLOCKS, "a block leaked"
 
 
-CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_cache_state_machine = CacheMachine.TestCase

@@ -104,9 +104,22 @@ def test_handle_round_trips_through_json(storage):
     assert handle.kind == "shm" and handle.layout == LAYOUT
     plain = json.loads(json.dumps(handle.to_dict()))
     assert PoolHandle.from_dict(plain) == handle
-    cuda_like = PoolHandle("cuda_ipc", 2, 2, 16, 4, 8, "bfloat16", device_index=1, ipc_handle=b"\x00\xffipc",
-                           storage_size_bytes=4096, ref_counter_handle=b"rc", ref_counter_offset=3,
-                           event_handle=b"\x01", event_sync_required=True)
+    cuda_like = PoolHandle(
+        "cuda_ipc",
+        2,
+        2,
+        16,
+        4,
+        8,
+        "bfloat16",
+        device_index=1,
+        ipc_handle=b"\x00\xffipc",
+        storage_size_bytes=4096,
+        ref_counter_handle=b"rc",
+        ref_counter_offset=3,
+        event_handle=b"\x01",
+        event_sync_required=True,
+    )
     plain = json.loads(json.dumps(cuda_like.to_dict()))
     assert plain["ipc_handle"] == "00ff697063"
     assert PoolHandle.from_dict(plain) == cuda_like
@@ -117,9 +130,23 @@ def test_handle_round_trips_through_the_typed_proto(storage):
     typed = handle.to_proto()
     assert typed.WhichOneof("memory") == "shared_memory" and typed.shared_memory.name == handle.name
     assert PoolHandle.from_proto(pb.PoolHandle.FromString(typed.SerializeToString()), LAYOUT) == handle
-    cuda_like = PoolHandle("cuda_ipc", 2, 2, 16, 4, 8, "bfloat16", device_index=1, ipc_handle=b"\x00\xffipc",
-                           storage_size_bytes=4096, storage_offset_bytes=512, ref_counter_handle=b"rc",
-                           ref_counter_offset=3, event_handle=b"\x01", event_sync_required=True)
+    cuda_like = PoolHandle(
+        "cuda_ipc",
+        2,
+        2,
+        16,
+        4,
+        8,
+        "bfloat16",
+        device_index=1,
+        ipc_handle=b"\x00\xffipc",
+        storage_size_bytes=4096,
+        storage_offset_bytes=512,
+        ref_counter_handle=b"rc",
+        ref_counter_offset=3,
+        event_handle=b"\x01",
+        event_sync_required=True,
+    )
     typed = pb.PoolHandle.FromString(cuda_like.to_proto().SerializeToString())
     assert typed.WhichOneof("memory") == "cuda_ipc" and typed.cuda_ipc.ipc_handle == b"\x00\xffipc"
     assert PoolHandle.from_proto(typed, cuda_like.layout) == cuda_like
@@ -171,7 +198,10 @@ s.close()
 def run_worker(handle: PoolHandle, salt_in: int, salt_out: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(handle.to_dict()), str(salt_in), str(salt_out)],
-        env=dict(os.environ), capture_output=True, text=True, timeout=120,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

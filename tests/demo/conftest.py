@@ -29,8 +29,15 @@ def save_hf_llama(path: Path, **overrides: object) -> Path:
     """A small random `LlamaForCausalLM` written by transformers itself (`save_pretrained`)."""
     transformers = pytest.importorskip("transformers")
     config = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
         initializer_range=0.2,  # sharper than the default 0.02: greedy choices are not near-ties
     )
     config.update(overrides)

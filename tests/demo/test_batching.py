@@ -63,9 +63,13 @@ def test_admission_keeps_a_block_of_headroom_per_live_sequence() -> None:
 def test_preemption_by_recompute_keeps_greedy_output_exact_and_leaks_nothing(model: LlamaForCausalLM) -> None:
     c = model.config
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, 12, "float32")  # 12 blocks: too few for all three
-    specs = [RequestSpec(f"r{i}", [1] + [10 * i + j for j in range(10, 17)], 14) for i in range(1, 4)]  # 8 + 14 tokens: 6 blocks each
+    specs = [
+        RequestSpec(f"r{i}", [1] + [10 * i + j for j in range(10, 17)], 14) for i in range(1, 4)
+    ]  # 8 + 14 tokens: 6 blocks each
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
-        orchestrator = Orchestrator(client, Worker(model, view, "torch"), (), "preempt")  # no EOS: every request runs 14 tokens
+        orchestrator = Orchestrator(
+            client, Worker(model, view, "torch"), (), "preempt"
+        )  # no EOS: every request runs 14 tokens
         results = orchestrator.run(specs)
         stats = client.stats()
     assert sum(r.num_preemptions for r in results) > 0
@@ -80,8 +84,14 @@ def test_preemption_by_recompute_keeps_greedy_output_exact_and_leaks_nothing(mod
 def test_chat_template_renders_and_continues_a_conversation() -> None:
     template = ChatTemplate(SMOLLM_STYLE)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
-    assert template.render(messages) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
-    assert template.continuation(messages, "Why?") == "<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        template.render(messages)
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        template.continuation(messages, "Why?")
+        == "<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
+    )
     plain = ChatTemplate(PLAIN_TEMPLATE)
     assert plain.render(messages) == "System: Be brief.\nUser: Hi?\nAssistant: "
     assert plain.continuation(messages, "Why?") == "\nUser: Why?\nAssistant: "

@@ -37,10 +37,14 @@ def test_forks_save_and_copy_on_write_only_with_partial_blocks(bench: ModuleType
     beams = bench.measure("alpaca", "beam", 4, 16, num_requests=12, max_live=4, seed=0)
     assert 0 < samples.saving_vs_paged < beams.saving_vs_paged  # samples share the prompt; beams most of their past
     assert beams.num_cow_copies > 0
-    assert bench.measure("alpaca", "beam", 4, 1, num_requests=12, max_live=4, seed=0).num_cow_copies == 0  # no partial blocks
+    assert (
+        bench.measure("alpaca", "beam", 4, 1, num_requests=12, max_live=4, seed=0).num_cow_copies == 0
+    )  # no partial blocks
 
 
-def test_table_json_and_paper_line(bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_table_json_and_paper_line(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(bench, "BLOCK_SIZES", (16,))
     monkeypatch.setattr(bench, "MODES", (("sample", 2), ("beam", 2)))
     monkeypatch.setattr(bench, "TRACES", {"alpaca": bench.TRACES["alpaca"]})

@@ -13,8 +13,17 @@ import pytest
 from radixkv.demo.model_source import ChatModel, load_chat_model
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_workload.py"
-SIZES = dict(short_prompt=4, long_prompt=30, short_output=3, long_output=6, num_requests=3, num_conversations=2, num_turns=3,
-             num_documents=2, document_words=30)
+SIZES = dict(
+    short_prompt=4,
+    long_prompt=30,
+    short_output=3,
+    long_output=6,
+    num_requests=3,
+    num_conversations=2,
+    num_turns=3,
+    num_documents=2,
+    document_words=30,
+)
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -38,14 +47,24 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> ChatModel:
 
 def test_the_matrix_holds_every_scenario(bench: ModuleType, chat: ChatModel) -> None:
     found = bench.scenarios(chat, bench.Sizes(**SIZES))
-    assert list(found) == ["short prompt, short out", "short prompt, long out", "long prompt, short out", "long prompt, long out",
-                           "multi-turn", "RAG, shared documents"]
+    assert list(found) == [
+        "short prompt, short out",
+        "short prompt, long out",
+        "long prompt, short out",
+        "long prompt, long out",
+        "multi-turn",
+        "RAG, shared documents",
+    ]
     assert [s.max_new_tokens for s in found["short prompt, long out"]] == [6, 6, 6]
-    assert min(len(s.prompt) for s in found["long prompt, short out"]) > max(len(s.prompt) for s in found["short prompt, short out"])
+    assert min(len(s.prompt) for s in found["long prompt, short out"]) > max(
+        len(s.prompt) for s in found["short prompt, short out"]
+    )
     turns = found["multi-turn"]
     assert [s.follows for s in turns] == [None, "c0t0", "c0t1", None, "c1t0", "c1t1"]
     rag = found["RAG, shared documents"]
-    assert common(rag[0].prompt, rag[2].prompt) > common(rag[0].prompt, rag[1].prompt) + 100  # 0 and 2 read one document
+    assert (
+        common(rag[0].prompt, rag[2].prompt) > common(rag[0].prompt, rag[1].prompt) + 100
+    )  # 0 and 2 read one document
 
 
 def test_multi_turn_hits_with_the_cache_on_and_never_with_it_off(bench: ModuleType, chat: ChatModel) -> None:

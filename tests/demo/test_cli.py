@@ -12,7 +12,20 @@ from radixkv.demo.main import main
 
 def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir, plot = tmp_path / "tiny-llama", tmp_path / "blocks.png"
-    argv = ["--model", "tiny", "--model-dir", str(model_dir), "--max-new-tokens", "5", "--samples", "2", "--beam-width", "2", "--plot", str(plot)]
+    argv = [
+        "--model",
+        "tiny",
+        "--model-dir",
+        str(model_dir),
+        "--max-new-tokens",
+        "5",
+        "--samples",
+        "2",
+        "--beam-width",
+        "2",
+        "--plot",
+        str(plot),
+    ]
     argv += ["--backend", "torch"]  # the suite runs Triton interpreted (conftest): slow for a whole demo
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -38,7 +51,18 @@ def test_demo_names_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_demo_runs_with_an_fp8_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", "tiny", "--model-dir", str(tmp_path / "tiny-llama"), "--max-new-tokens", "4", "--samples", "2", "--beam-width", "2"]
+    argv = [
+        "--model",
+        "tiny",
+        "--model-dir",
+        str(tmp_path / "tiny-llama"),
+        "--max-new-tokens",
+        "4",
+        "--samples",
+        "2",
+        "--beam-width",
+        "2",
+    ]
     assert main([*argv, "--backend", "torch", "--kv-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "of float8_e4m3fn, in a server process" in out

@@ -31,10 +31,21 @@ def all_logprobs(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1, "rope_theta": 500.0}],
+    [
+        {},
+        {
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "num_key_value_heads": 1,
+            "rope_theta": 500.0,
+        },
+    ],
     ids=["gqa", "mqa-tied-biases"],
 )
-def test_logits_match_transformers(tmp_path: Path, hf_llama_factory: Callable[..., Path], overrides: dict[str, object]) -> None:
+def test_logits_match_transformers(
+    tmp_path: Path, hf_llama_factory: Callable[..., Path], overrides: dict[str, object]
+) -> None:
     path = hf_llama_factory(tmp_path, **overrides)
     ours = LlamaForCausalLM.from_pretrained(path)
     theirs = transformers.LlamaForCausalLM.from_pretrained(path).eval()

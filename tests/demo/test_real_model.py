@@ -43,7 +43,9 @@ def chat() -> ChatModel:
 @pytest.fixture(scope="module")
 def hf_model() -> transformers.PreTrainedModel:
     path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +70,19 @@ def orchestrator(chat: ChatModel, service: tuple[RadixKVClient, PoolView], names
 def test_gguf_config_and_chat_prompt_match_transformers(chat: ChatModel, hf_model, hf_tokenizer) -> None:
     c, theirs = chat.model.config, hf_model.config
     assert (c.num_layers, c.hidden_size, c.num_q_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
-    assert (c.vocab_size, c.intermediate_size, c.tie_word_embeddings) == (theirs.vocab_size, theirs.intermediate_size, True)
+    assert (c.vocab_size, c.intermediate_size, c.tie_word_embeddings) == (
+        theirs.vocab_size,
+        theirs.intermediate_size,
+        True,
+    )
     assert c.eos_token_ids == (hf_tokenizer.eos_token_id,)
     for question in QUESTIONS:
         expected = hf_tokenizer.apply_chat_template(conversation(question), add_generation_prompt=True, tokenize=True)
         expected = list(expected["input_ids"]) if "input_ids" in expected else list(expected)
         assert chat.encode_chat(conversation(question)) == expected
-    assert chat.tokenizer.decode(chat.encode_chat(conversation(QUESTIONS[0]))).endswith("What is a KV cache?\nassistant\n")
+    assert chat.tokenizer.decode(chat.encode_chat(conversation(QUESTIONS[0]))).endswith(
+        "What is a KV cache?\nassistant\n"
+    )
 
 
 def test_gguf_weights_give_transformers_logits(chat: ChatModel, hf_model) -> None:
@@ -96,7 +104,11 @@ def test_greedy_through_the_service_is_token_exact_with_transformers(chat: ChatM
     assert all(r.num_cached_tokens >= system_blocks > 0 for r in results[1:])  # the shared system prompt was hit
     for spec, result in zip(specs, results, strict=True):
         generated = hf_model.generate(
-            torch.tensor([spec.prompt]), max_new_tokens=12, do_sample=False, pad_token_id=2, attention_mask=torch.ones(1, len(spec.prompt), dtype=torch.long)
+            torch.tensor([spec.prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=2,
+            attention_mask=torch.ones(1, len(spec.prompt), dtype=torch.long),
         )
         assert result.outputs == [generated[0, len(spec.prompt) :].tolist()], spec.name
         assert chat.tokenizer.decode(result.outputs[0]).strip()  # an answer in words, not noise
@@ -109,9 +121,17 @@ def test_beam_search_through_the_service_equals_transformers(chat: ChatModel, se
     prompt = chat.encode_chat(conversation(QUESTIONS[2]))
     [result] = orchestrator(chat, service, "beam").run([RequestSpec("beam", prompt, max_new_tokens, beam_width=width)])
     out = hf_model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=max_new_tokens,
-        num_beams=width, num_return_sequences=width, early_stopping="never", length_penalty=1.0, do_sample=False,
-        pad_token_id=2, output_scores=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        num_beams=width,
+        num_return_sequences=width,
+        early_stopping="never",
+        length_penalty=1.0,
+        do_sample=False,
+        pad_token_id=2,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
     expected = [row[len(prompt) :].tolist() for row in out.sequences]
     expected = [e[: e.index(2) + 1] if 2 in e else e for e in expected]  # a hypothesis ended by EOS is padded after it

@@ -92,7 +92,9 @@ def test_the_sidecar_is_native_probed_over_grpc_and_publishes_where_the_picker_l
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert sidecar[probe]["grpc"]["port"] == int(flags["port"])
     assert re.fullmatch(r"kv@\$\(POD_IP\):\d+@\S+", flags["kv-events-topic"])
-    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in sidecar["env"])
+    assert any(
+        e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in sidecar["env"]
+    )
     model_port = int(flags["kv-events-topic"].split(":")[1].split("@")[0])
     assert model_port in {p["containerPort"] for c in pod["containers"] for p in c["ports"]}
     picker = yaml.safe_load(_find("ConfigMap", "radixkv-epp-config")["data"]["epp-config.yaml"])

@@ -19,12 +19,20 @@ BLOCK_SIZE = 4
 
 
 def pool_flag(num_blocks: int, block_size: int = BLOCK_SIZE) -> str:
-    return f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={block_size},num_blocks={num_blocks},dtype=float16"
+    return (
+        f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={block_size},num_blocks={num_blocks},dtype=float16"
+    )
 
 
 class FleetServer:
     def __init__(
-        self, log_dir: Path, name: str, num_blocks: int = 64, port: int = 0, replay: bool = True, extra: tuple[str, ...] = (),
+        self,
+        log_dir: Path,
+        name: str,
+        num_blocks: int = 64,
+        port: int = 0,
+        replay: bool = True,
+        extra: tuple[str, ...] = (),
         block_size: int = BLOCK_SIZE,
     ) -> None:
         self.log_dir, self.name, self.num_blocks, self.replay, self.extra = log_dir, name, num_blocks, replay, extra

@@ -101,7 +101,9 @@ def random_workload(client: RadixKVClient, rng: random.Random, num_ops: int) -> 
     for _ in range(num_ops):
         r = rng.random()
         if r < 0.5 or not live:
-            tokens = rng.choice(prefixes)[: rng.randrange(1, 31)] + [rng.randrange(100) for _ in range(rng.randrange(8))]
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 31)] + [
+                rng.randrange(100) for _ in range(rng.randrange(8))
+            ]
             try:
                 live.append(client.open(tokens or [7], rng.choice(["", "chat"])).seq_id)
             except OutOfBlocks:

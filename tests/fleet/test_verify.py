@@ -38,7 +38,11 @@ def test_get_pool_states_the_contract_and_mixed_block_sizes_are_refused_by_name(
     same, other = start_fleet_server(), start_fleet_server(block_size=2 * BLOCK_SIZE)
     with grpc.insecure_channel(other.address) as channel:
         contract = kvcache_pb2_grpc.KVCacheStub(channel).GetPool(pb.GetPoolRequest(pool="default")).hash_contract
-    assert (contract.algorithm, contract.root_seed, contract.block_size) == ("sha256_cbor", "vllm-none-hash", 2 * BLOCK_SIZE)
+    assert (contract.algorithm, contract.root_seed, contract.block_size) == (
+        "sha256_cbor",
+        "vllm-none-hash",
+        2 * BLOCK_SIZE,
+    )
     assert (contract.salt_rule, contract.wire_form, contract.format_version) == (
         "namespace-in-first-block-extra-keys", "low64", 1,
     )  # fmt: skip
@@ -70,7 +74,9 @@ def _random_workload(client: RadixKVClient, rng: random.Random, num_steps: int) 
     live: list[int] = []
     for _ in range(num_steps):
         if rng.random() < 0.6 or not live:
-            tokens = rng.choice(prefixes)[: rng.randrange(1, 25)] + [rng.randrange(1, 50) for _ in range(rng.randrange(6))]
+            tokens = rng.choice(prefixes)[: rng.randrange(1, 25)] + [
+                rng.randrange(1, 50) for _ in range(rng.randrange(6))
+            ]
             try:
                 live.append(client.open(tokens or [7], rng.choice(["", "chat"])).seq_id)
             except OutOfBlocks:

@@ -24,7 +24,9 @@ def case_id(value: object) -> str | None:
 def test_matches_reference(device, dtype, num_layers, block_size, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(num_layers)
     num_blocks = 10
-    kv_data = torch.randn(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    kv_data = (
+        torch.randn(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    )
     kv_data.view(torch.uint8)[..., 0, 0, 0] = 0x7F if dtype.itemsize == 1 else 0  # fp8 NaN codes: copied as bits
     before = kv_data.clone()
     pairs = torch.tensor([[1, 7], [3, 2], [9, 0], [1, 5]], device=device)  # one source copied twice

@@ -30,8 +30,23 @@ def test_smoke_mode_writes_one_json_file(tmp_path):
     tests = report["tests"]
     assert tests["failed"] == tests["errors"] == 0 and tests["passed"] == 0
     collected = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/kernels"],
-        cwd=SCRIPT.parents[1], env=dict(os.environ), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "tests/kernels",
+        ],
+        cwd=SCRIPT.parents[1],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
     ).stdout
     num_gpu_tests = sum("::" in line for line in collected.splitlines())
     assert tests["skipped"] == num_gpu_tests >= 40, "every gpu-marked kernel test ran (and skipped here)"

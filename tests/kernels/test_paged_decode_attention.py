@@ -41,6 +41,7 @@ def reference(batch, **kwargs) -> torch.Tensor:
 def case_id(value: object) -> str | None:
     return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
 
+
 # (dtype, block_size, head_dim, num_q_heads, num_kv_heads, num_splits, table): every block size,
 # head dim and GQA group size (1-8, 16, MQA) at least once per interpreted dtype.
 CASES = [
@@ -103,8 +104,14 @@ def test_matches_reference(
     device, paged_batch, tolerances, dtype, block_size, head_dim, num_q_heads, num_kv_heads, num_splits, table
 ):
     batch = paged_batch(
-        boundary_lens(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=device, table=table,
+        boundary_lens(block_size),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        table=table,
     )
     out = run(batch, num_splits=num_splits)
     assert out.dtype == dtype and out.shape == batch.q.shape
@@ -126,8 +133,15 @@ def test_matches_dense_sdpa(
     device, paged_batch, tolerances, dtype, block_size, head_dim, num_q_heads, num_kv_heads, num_splits, sliding_window
 ):
     batch = paged_batch(
-        [300, 1, 0, 2 * block_size], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=device, table="sliced", seed=1,
+        [300, 1, 0, 2 * block_size],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        table="sliced",
+        seed=1,
     )
     expected = sdpa_decode(*batch.args(), sliding_window=sliding_window)
     out = run(batch, sliding_window=sliding_window, num_splits=num_splits)
@@ -145,13 +159,17 @@ def test_sliding_window(device, paged_batch, tolerances, sliding_window, num_spl
     assert_close(out, expected, F32, tolerances)
     full = reference(batch)
     window_bites = sliding_window < max(lens)
-    assert window_bites == (not torch.allclose(expected, full, atol=1e-3)), "the window must change the result iff it cuts"
+    assert window_bites == (not torch.allclose(expected, full, atol=1e-3)), (
+        "the window must change the result iff it cuts"
+    )
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, pytest.param(BF16, marks=gpu)], ids=case_id)
 @pytest.mark.parametrize("soft_cap", [2.0, 30.0])
 def test_soft_cap(device, paged_batch, tolerances, dtype, soft_cap):
-    batch = paged_batch([150, 1, 33], num_q_heads=6, num_kv_heads=2, head_dim=80, block_size=16, dtype=dtype, device=device)
+    batch = paged_batch(
+        [150, 1, 33], num_q_heads=6, num_kv_heads=2, head_dim=80, block_size=16, dtype=dtype, device=device
+    )
     batch.q *= 4  # large logits, so the cap bends them
     out = run(batch, soft_cap=soft_cap, num_splits=2)
     expected = reference(batch, soft_cap=soft_cap)
@@ -162,7 +180,9 @@ def test_soft_cap(device, paged_batch, tolerances, dtype, soft_cap):
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_zero_length_sequences(device, paged_batch, tolerances, num_splits):
-    batch = paged_batch([0, 40, 0, 1], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=4, dtype=F16, device=device)
+    batch = paged_batch(
+        [0, 40, 0, 1], num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=4, dtype=F16, device=device
+    )
     out = run(batch, num_splits=num_splits)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
     assert_close(out, reference(batch), F16, tolerances)
@@ -234,8 +254,15 @@ def test_gpu_sweep(device, paged_batch, tolerances, dtype, kv_dtype, block_size,
     """Dtypes x block sizes x head dims on a ragged batch, the device's own plan, the default (unchecked) path."""
     num_q_heads, num_kv_heads = GPU_GROUPS[(block_size.bit_length() + head_dim) % len(GPU_GROUPS)]
     batch = paged_batch(
-        [1, 3 * block_size, 3 * block_size + 1, 1000, 20000], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=block_size, dtype=dtype, device=device, table="sliced", kv_dtype=kv_dtype,
+        [1, 3 * block_size, 3 * block_size + 1, 1000, 20000],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        table="sliced",
+        kv_dtype=kv_dtype,
     )
     out = paged_decode_attention(*batch.args(), kv_scales=batch.kv_scales)
     assert_close(out, reference(batch), dtype, tolerances)
@@ -266,12 +293,24 @@ def test_choose_split_len_sizes_from_the_longest_not_the_batch():
 )
 def test_ragged_batch(device, paged_batch, tolerances, dtype, kv_dtype, sliding_window):
     batch = paged_batch(
-        RAGGED, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, device=device,
+        RAGGED,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=device,
         kv_dtype=kv_dtype,
     )
     plan = plan_decode(
-        RAGGED, num_q_heads=8, num_kv_heads=2, head_dim=64, cache_dtype=batch.kv_layer.dtype, device=device,
-        sliding_window=sliding_window, num_sms=8,
+        RAGGED,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        cache_dtype=batch.kv_layer.dtype,
+        device=device,
+        sliding_window=sliding_window,
+        num_sms=8,
     )
     longest = min(max(RAGGED), sliding_window or max(RAGGED))
     assert plan.num_splits == -(-longest // plan.split_len) >= 2, "the long sequence is cut, the short ones are not"
@@ -324,6 +363,7 @@ def test_unvalidated_call_without_a_plan_assumes_full_tables(device, paged_batch
     batch = paged_batch(RAGGED, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=F16, device=device)
     planned = []
     real_plan = decode_module.plan_decode
+
     def recording_plan(lens, **kwargs):
         planned.append(list(lens))
         return real_plan(lens, **kwargs)
@@ -367,8 +407,15 @@ def test_fp8_matches_reference(
     """Caches quantized by torch, read by the kernel with the scales folded in, against the reference on the
     same caches dequantized: every fp8 value is exact in fp16/bf16/fp32, so q's dtype's tolerance holds."""
     batch = paged_batch(
-        boundary_lens(block_size), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=device, table="sliced", kv_dtype=FP8,
+        boundary_lens(block_size),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+        table="sliced",
+        kv_dtype=FP8,
     )
     out = run(batch, num_splits=num_splits)
     assert out.dtype == dtype
@@ -387,7 +434,13 @@ def test_fp8_error_is_the_quantization_error(device, paged_batch, soft_cap, slid
     q) or 3e-9 (fp32 q) on top. So the bound is the measured error itself, and a tenth of it for the kernel.
     """
     batch = paged_batch(
-        [300, 77, 1], num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, dtype=F32, device=device,
+        [300, 77, 1],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        dtype=F32,
+        device=device,
         kv_dtype=FP8,
     )
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window)
@@ -411,8 +464,9 @@ def test_hot_path_never_syncs(device, paged_batch, tolerances, kv_dtype):
     """A decode step as a worker runs it: copy-on-write, store the new tokens, attend, all with the default
     `validate`, under torch's sync debug mode set to raise on any GPU -> CPU synchronisation."""
     lens = [4097, 3, 1000, 17]
-    batch = paged_batch(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=F16, device=device,
-                        kv_dtype=kv_dtype)
+    batch = paged_batch(
+        lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=F16, device=device, kv_dtype=kv_dtype
+    )
     pool = batch.kv_layer[None]  # [1, 2, num_blocks, block_size, num_kv_heads, head_dim]: a one-layer pool
     key = torch.randn(len(lens), 8, 128, dtype=F16, device=device)
     value = torch.randn_like(key)

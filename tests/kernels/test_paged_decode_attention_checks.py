@@ -16,7 +16,9 @@ from radixkv.kernels import paged_decode_attention, paged_decode_attention_refer
 @pytest.fixture
 def args(paged_batch) -> dict:
     """A valid CPU call: 2 sequences (5 and 20 tokens), 4 query heads over 2 KV heads, blocks of 4, 10 blocks."""
-    batch = paged_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32, device="cpu")
+    batch = paged_batch(
+        [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32, device="cpu"
+    )
     fields = ("q", "kv_layer", "block_tables", "seq_lens", "scale")
     return {name: getattr(batch, name) for name in fields}
 
@@ -98,8 +100,15 @@ def test_bad_argument_names_itself(args, change, name):
 @pytest.mark.parametrize("num_splits", [0, 65])
 def test_plan_rejects_a_split_count_the_merge_cannot_hold(num_splits):
     with pytest.raises(ValueError, match="^num_splits"):
-        plan_decode([4096], num_q_heads=4, num_kv_heads=2, head_dim=64, cache_dtype=torch.float16, device="cpu",
-                    num_splits=num_splits)
+        plan_decode(
+            [4096],
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            cache_dtype=torch.float16,
+            device="cpu",
+            num_splits=num_splits,
+        )
 
 
 def test_valid_call_passes_checks(args):
@@ -111,7 +120,9 @@ def test_valid_call_passes_checks(args):
 
 def test_blocks_before_the_window_are_not_checked(device, args):
     # Sequence 1 (20 tokens) with a window of 8 reads only blocks 3 and 4 of its table.
-    args = _set({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, "block_tables", (1, 0), -5)
+    args = _set(
+        {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, "block_tables", (1, 0), -5
+    )
     out = paged_decode_attention(**args, sliding_window=8, backend="triton")
     torch.testing.assert_close(out, paged_decode_attention_reference(**args, sliding_window=8), atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="^block_tables"):

@@ -114,7 +114,9 @@ def test_triton_fp8_store_matches_torch(device, dtype):
 @pytest.fixture
 def args() -> dict:
     kv_layer = make_kv_layer(4, 4, 2, 64, torch.float32, "cpu")
-    return dict(key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64), kv_layer=kv_layer, slots=torch.tensor([0, 5, 15]))
+    return dict(
+        key=torch.randn(3, 2, 64), value=torch.randn(3, 2, 64), kv_layer=kv_layer, slots=torch.tensor([0, 5, 15])
+    )
 
 
 BAD = [

@@ -126,7 +126,9 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pa
 
 
 @pytest.fixture(scope="session")
-def secure(tmp_path_factory: pytest.TempPathFactory, certificates: dict[str, tuple[Path, Path]]) -> Iterator[ServerProcess]:
+def secure(
+    tmp_path_factory: pytest.TempPathFactory, certificates: dict[str, tuple[Path, Path]]
+) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("secure")
     (d / "tokens.toml").write_text(AUTH_TOKENS)
     cert, key = certificates["server"]

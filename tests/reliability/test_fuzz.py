@@ -41,7 +41,9 @@ NAMESPACES = mostly(
     st.sampled_from(["fz", "", "default"]),
     st.one_of(st.sampled_from(["fz/x", "no spaces!", "x" * 129, "ünï", "a\x00b", "*"]), st.text(max_size=12)),
 )
-POOLS = mostly(st.sampled_from(["", "default"]), st.one_of(st.sampled_from(["nope", "DEFAULT", "big "]), st.text(max_size=8)))
+POOLS = mostly(
+    st.sampled_from(["", "default"]), st.one_of(st.sampled_from(["nope", "DEFAULT", "big "]), st.text(max_size=8))
+)
 TOKEN_LISTS = st.one_of(
     st.just([]),
     st.lists(st.integers(0, 2**32 - 1), max_size=12),
@@ -100,12 +102,16 @@ def world(hardened, hardened_debug, wait_until) -> Iterator[World]:  # type: ign
     ours, theirs = (stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=120)).session_id for _ in range(2))
 
     def open_some(session: str, prompts: list[list[int]]) -> list[int]:
-        request = pb.OpenSequencesRequest(session_id=session, prompts=[pb.Prompt(token_ids=p, namespace="fz") for p in prompts])
+        request = pb.OpenSequencesRequest(
+            session_id=session, prompts=[pb.Prompt(token_ids=p, namespace="fz") for p in prompts]
+        )
         return [s.seq_id for s in stub.OpenSequences(request, timeout=10).sequences]
 
     cached = open_some(ours, [CACHED + [1]])
     stub.ReleaseSequences(pb.ReleaseSequencesRequest(session_id=ours, seq_ids=cached), timeout=10)
-    w = World(stub, channel, ours, theirs, open_some(ours, [[1, 2, 3], CACHED + [9], [5] * 9]), open_some(theirs, [[7, 7]]))
+    w = World(
+        stub, channel, ours, theirs, open_some(ours, [[1, 2, 3], CACHED + [9], [5] * 9]), open_some(theirs, [[7, 7]])
+    )
     yield w
     for session in {ours, theirs, *w.opened_sessions}:
         try:
@@ -135,7 +141,11 @@ def typed_request(world: World, data: st.DataObject) -> tuple[str, object]:
         return method, pb.CloseSessionRequest(session_id=w.sessions(d, ours=False))
     if method == "OpenSequences":
         prompt = st.builds(pb.Prompt, token_ids=TOKEN_LISTS, namespace=NAMESPACES)
-        prompts = d.draw(st.one_of(st.lists(prompt, max_size=4), st.sampled_from([65, 200]).map(lambda n: [pb.Prompt(token_ids=[1])] * n)))
+        prompts = d.draw(
+            st.one_of(
+                st.lists(prompt, max_size=4), st.sampled_from([65, 200]).map(lambda n: [pb.Prompt(token_ids=[1])] * n)
+            )
+        )
         return method, pb.OpenSequencesRequest(**common, prompts=prompts)
     if method == "AppendTokens":
         seq_ids, tokens = w.seq_ids(d), d.draw(TOKEN_LISTS)
@@ -151,7 +161,9 @@ def typed_request(world: World, data: st.DataObject) -> tuple[str, object]:
         return method, pb.CacheSequenceRequest(**common, seq_id=w.seq_id(d))
     if method == "ReleaseSequences":
         cache = d.draw(st.sampled_from([None, True, False]))
-        return method, pb.ReleaseSequencesRequest(**common, seq_ids=w.seq_ids(d), **({} if cache is None else {"cache": cache}))
+        return method, pb.ReleaseSequencesRequest(
+            **common, seq_ids=w.seq_ids(d), **({} if cache is None else {"cache": cache})
+        )
     if method in ("Match", "Pin", "Unpin"):
         message = {"Match": pb.MatchRequest, "Pin": pb.PinRequest, "Unpin": pb.UnpinRequest}[method]
         namespace = d.draw(st.one_of(st.just("fz"), NAMESPACES))
@@ -173,7 +185,9 @@ def record(world: World, method: str, request: object, response: object) -> None
             world.mine = [s for s in world.mine if s not in set(request.seq_ids)]  # type: ignore[attr-defined]
 
 
-def test_typed_requests_for_every_rpc_get_defined_answers(world: World, hardened, defined_refusal, server_errors) -> None:  # type: ignore[no-untyped-def]
+def test_typed_requests_for_every_rpc_get_defined_answers(
+    world: World, hardened, defined_refusal, server_errors
+) -> None:  # type: ignore[no-untyped-def]
     answers: dict[str, int] = {}
 
     @settings(SLOW_EXAMPLES, max_examples=1000)
@@ -213,18 +227,36 @@ def key(number: int, wire_type: int) -> bytes:
 
 
 FIELD_NUMBERS = st.one_of(st.integers(1, 6), st.sampled_from([0, 7, 19000, 2**29 - 1]))
-VARINTS = st.one_of(st.sampled_from([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
+VARINTS = st.one_of(
+    st.sampled_from([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1)
+)
 WIRE_FIELD = st.one_of(
     st.builds(lambda n, v: key(n, 0) + varint(v), FIELD_NUMBERS, VARINTS),  # 2**64 - 1 is -1: negative counts and ids
     st.builds(lambda n, b: key(n, 2) + varint(len(b)) + b, FIELD_NUMBERS, st.binary(max_size=40)),
-    st.builds(lambda n, vs: key(n, 2) + varint(len(p := b"".join(map(varint, vs)))) + p, FIELD_NUMBERS, st.lists(VARINTS, max_size=8)),
-    st.builds(lambda n, length, b: key(n, 2) + varint(length) + b, FIELD_NUMBERS, st.integers(41, 2**40), st.binary(max_size=40)),
-    st.builds(lambda n, w, b: key(n, w) + b, FIELD_NUMBERS, st.sampled_from([1, 3, 4, 5, 6, 7]), st.binary(min_size=4, max_size=8)),
+    st.builds(
+        lambda n, vs: key(n, 2) + varint(len(p := b"".join(map(varint, vs)))) + p,
+        FIELD_NUMBERS,
+        st.lists(VARINTS, max_size=8),
+    ),
+    st.builds(
+        lambda n, length, b: key(n, 2) + varint(length) + b,
+        FIELD_NUMBERS,
+        st.integers(41, 2**40),
+        st.binary(max_size=40),
+    ),
+    st.builds(
+        lambda n, w, b: key(n, w) + b,
+        FIELD_NUMBERS,
+        st.sampled_from([1, 3, 4, 5, 6, 7]),
+        st.binary(min_size=4, max_size=8),
+    ),
 )
 RAW_MESSAGES = st.one_of(
     st.binary(max_size=64),
     st.lists(WIRE_FIELD, max_size=6).map(b"".join),
-    st.tuples(st.lists(WIRE_FIELD, min_size=1, max_size=4).map(b"".join), st.integers(1, 3)).map(lambda t: t[0][: -t[1]]),
+    st.tuples(st.lists(WIRE_FIELD, min_size=1, max_size=4).map(b"".join), st.integers(1, 3)).map(
+        lambda t: t[0][: -t[1]]
+    ),
 )
 _KVCACHE = pb.DESCRIPTOR.services_by_name["KVCache"]
 UNARY_PATHS = [f"/radixkv.v1.KVCache/{m.name}" for m in _KVCACHE.methods if not m.server_streaming] + [
@@ -266,7 +298,9 @@ def test_raw_bytes_to_every_method_get_defined_answers(world: World, hardened, d
 # -- streams -----------------------------------------------------------------------------------------
 
 
-def test_fuzzed_watch_streams_start_or_are_refused_cleanly(world: World, hardened, defined_refusal, server_errors) -> None:  # type: ignore[no-untyped-def]
+def test_fuzzed_watch_streams_start_or_are_refused_cleanly(
+    world: World, hardened, defined_refusal, server_errors
+) -> None:  # type: ignore[no-untyped-def]
     outcomes: dict[str, int] = {}
     raw = world.channel.unary_stream("/radixkv.v1.KVCache/WatchEvents")
 
@@ -302,4 +336,3 @@ def test_fuzzed_watch_streams_start_or_are_refused_cleanly(world: World, hardene
     with grpc.insecure_channel(hardened.address) as channel:  # still serving
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert check.status == health_pb2.HealthCheckResponse.SERVING
-

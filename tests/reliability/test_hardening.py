@@ -94,7 +94,9 @@ class Tenant:
         return str(session_id)
 
     def open(self, session_id: str, tokens: list[int], namespace: str = "") -> int:
-        request = pb.OpenSequencesRequest(session_id=session_id, prompts=[pb.Prompt(token_ids=tokens, namespace=namespace)])
+        request = pb.OpenSequencesRequest(
+            session_id=session_id, prompts=[pb.Prompt(token_ids=tokens, namespace=namespace)]
+        )
         return int(self.call("OpenSequences", request).sequences[0].seq_id)  # type: ignore[attr-defined]
 
     def close(self) -> None:
@@ -114,7 +116,9 @@ def tenants(shared) -> Iterator[dict[str, Tenant]]:  # type: ignore[no-untyped-d
         tenant.close()
     with grpc.insecure_channel(shared.address) as channel:
         debug = debug_pb2_grpc.DebugStub(channel)
-        check = debug.CheckInvariants(debug_pb2.CheckInvariantsRequest(), metadata=[("authorization", f"Bearer {TOKENS['root']}")], timeout=10)
+        check = debug.CheckInvariants(
+            debug_pb2.CheckInvariantsRequest(), metadata=[("authorization", f"Bearer {TOKENS['root']}")], timeout=10
+        )
         assert check.violation == "" and check.num_live_sequences == 0, check
 
 
@@ -141,7 +145,9 @@ def test_sixteen_streams_without_a_token_leave_health_and_unary_calls_answered(s
             if i % 2:
                 stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
             else:
-                stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(reflection_requests(), timeout=60)
+                stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                    reflection_requests(), timeout=60
+                )
             streams.append(stream)
             try:
                 next(stream)
@@ -198,10 +204,14 @@ def test_one_tenant_cannot_take_every_watch_stream(tenants, shared) -> None:  # 
     streams = []
     try:
         for channel in channels[:share]:
-            stream = kvcache_pb2_grpc.KVCacheStub(channel).WatchEvents(pb.WatchEventsRequest(include_snapshot=True), metadata=alpha.metadata, timeout=60)
+            stream = kvcache_pb2_grpc.KVCacheStub(channel).WatchEvents(
+                pb.WatchEventsRequest(include_snapshot=True), metadata=alpha.metadata, timeout=60
+            )
             assert next(stream).snapshot
             streams.append(stream)
-        extra = kvcache_pb2_grpc.KVCacheStub(channels[share]).WatchEvents(pb.WatchEventsRequest(include_snapshot=True), metadata=alpha.metadata, timeout=10)
+        extra = kvcache_pb2_grpc.KVCacheStub(channels[share]).WatchEvents(
+            pb.WatchEventsRequest(include_snapshot=True), metadata=alpha.metadata, timeout=10
+        )
         code, reason, metadata = refused(next, extra)
         assert (code, reason, metadata["limit"]) == (LIMITED, "LIMIT_EXCEEDED", "max_streams_per_tenant")
         theirs = beta.stub.WatchEvents(pb.WatchEventsRequest(include_snapshot=True), metadata=beta.metadata, timeout=10)
@@ -224,7 +234,9 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
         alpha.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=[seq]))
     pinned = 0
     for tokens in prompts[:4]:
-        pinned += alpha.call("Pin", pb.PinRequest(session_id=session, token_ids=tokens[:-1])).num_pinned_tokens // BLOCK_SIZE  # type: ignore[attr-defined]
+        pinned += (
+            alpha.call("Pin", pb.PinRequest(session_id=session, token_ids=tokens[:-1])).num_pinned_tokens // BLOCK_SIZE
+        )  # type: ignore[attr-defined]
     assert pinned == 64
     code, reason, metadata = refused(alpha.call, "Pin", pb.PinRequest(session_id=session, token_ids=prompts[4][:-1]))
     assert (code, reason, metadata["limit"], metadata["needed"]) == (LIMITED, "QUOTA_EXCEEDED", "max_blocks", "16")
@@ -267,15 +279,23 @@ def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_p
             cache("alpha", prompt)
             assert sum(cached("alpha", p) for p in alpha_prompts) <= 64 // 3, "alpha kept more than its share cached"
         assert cached("beta", beta_prompt) == 8, "alpha's caching evicted beta's prefix"
-        assert cached("alpha", alpha_prompts[-1]) == 8 and cached("alpha", alpha_prompts[0]) == 0, "alpha's oldest go first"
+        assert cached("alpha", alpha_prompts[-1]) == 8 and cached("alpha", alpha_prompts[0]) == 0, (
+            "alpha's oldest go first"
+        )
         for p in range(2):  # gamma's configured share is 8 blocks: its second prompt evicts its first
             cache("gamma", [[7000, 8000][p] + t for t in range(33)])
-        assert (cached("gamma", [7000 + t for t in range(33)]), cached("gamma", [8000 + t for t in range(33)])) == (0, 8)
+        assert (cached("gamma", [7000 + t for t in range(33)]), cached("gamma", [8000 + t for t in range(33)])) == (
+            0,
+            8,
+        )
         assert clients["beta"].stats().num_blocks_cached == 8 + 64 // 3 + 8
         # A Session step that caches keeps the share too.
         stepped = clients["gamma"].step(Step(opens=[([9000 + t for t in range(33)], "")])).opened[0].seq_id
         clients["gamma"].step(Step(commit=Commit([stepped], [33]), releases=[([stepped], True)]))
-        assert (cached("gamma", [8000 + t for t in range(33)]), cached("gamma", [9000 + t for t in range(33)])) == (0, 8)
+        assert (cached("gamma", [8000 + t for t in range(33)]), cached("gamma", [9000 + t for t in range(33)])) == (
+            0,
+            8,
+        )
     finally:
         for client in clients.values():
             client.close()
@@ -288,14 +308,19 @@ def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path)
         "--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16",
         "--auth-tokens", str(tmp_path / "tenants.toml"), "--max-sequences", "4",
     )  # fmt: skip
-    with RadixKVClient(srv.address, token=tokens["alpha"]) as alpha, RadixKVClient(srv.address, token=tokens["beta"]) as beta:
+    with (
+        RadixKVClient(srv.address, token=tokens["alpha"]) as alpha,
+        RadixKVClient(srv.address, token=tokens["beta"]) as beta,
+    ):
         first = alpha.open([1, 2, 3]).seq_id
         alpha.open([4, 5, 6])
         for take_one_more in (lambda: alpha.open([7]), lambda: alpha.fork(first, 1)):  # a share of 4 // 2
             with pytest.raises(LimitExceeded) as caught:
                 take_one_more()
             assert caught.value.metadata["limit"] == "max_sequences_per_tenant"
-        assert [beta.open([8]).num_cached_tokens, beta.open([9]).num_cached_tokens] == [0, 0], "beta still gets its share"
+        assert [beta.open([8]).num_cached_tokens, beta.open([9]).num_cached_tokens] == [0, 0], (
+            "beta still gets its share"
+        )
 
 
 # -- 3. a call applies and its response arrives, or it changes nothing -------------------------
@@ -305,7 +330,12 @@ def test_a_response_over_the_message_limit_is_refused_before_anything_is_opened(
     beta = tenants["beta"]
     session = beta.session()
     code, reason, metadata = refused(beta.open, session, list(range(MAX_TOKENS)))  # a 33 KB request, a ~40 KB response
-    assert (code, reason, metadata["limit"], metadata["allowed"]) == (LIMITED, "LIMIT_EXCEEDED", "max_message_bytes", str(MAX_MESSAGE_BYTES))
+    assert (code, reason, metadata["limit"], metadata["allowed"]) == (
+        LIMITED,
+        "LIMIT_EXCEEDED",
+        "max_message_bytes",
+        str(MAX_MESSAGE_BYTES),
+    )
     assert beta.call("Stats", pb.StatsRequest()).stats.num_live_sequences == 0  # type: ignore[attr-defined]  # nothing opened
     seq = beta.open(session, list(range(MAX_TOKENS // 8)))  # one that fits is opened, and its response arrives
     num = MAX_TOKENS - MAX_TOKENS // 8  # within the token limit, but its slots would not fit the response
@@ -324,10 +354,15 @@ def test_calls_that_time_out_while_waiting_are_applied_once_after_retries(tenant
 
     def open_and_release() -> None:
         opened = beta.call("OpenSequences", slow).sequences  # type: ignore[attr-defined]
-        beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=[s.seq_id for s in opened], cache=False))
+        beta.call(
+            "ReleaseSequences",
+            pb.ReleaseSequencesRequest(session_id=session, seq_ids=[s.seq_id for s in opened], cache=False),
+        )
 
     def append(request_id: int, timeout: float) -> None:
-        request = pb.AppendTokensRequest(session_id=session, request_id=request_id, seq_ids=[seq], num_token_ids=[1], token_ids=[7])
+        request = pb.AppendTokensRequest(
+            session_id=session, request_id=request_id, seq_ids=[seq], num_token_ids=[1], token_ids=[7]
+        )
         beta.call("AppendTokens", request, timeout=timeout)
 
     timed_out = []
@@ -350,11 +385,15 @@ def test_calls_that_time_out_while_waiting_are_applied_once_after_retries(tenant
 def test_a_retried_request_id_is_answered_with_the_first_result_and_applied_once(tenants) -> None:  # type: ignore[no-untyped-def]
     beta = tenants["beta"]
     session = beta.session()
-    open_request = pb.OpenSequencesRequest(session_id=session, request_id=41, prompts=[pb.Prompt(token_ids=[1, 2, 3, 4, 5])])
+    open_request = pb.OpenSequencesRequest(
+        session_id=session, request_id=41, prompts=[pb.Prompt(token_ids=[1, 2, 3, 4, 5])]
+    )
     first, again = beta.call("OpenSequences", open_request), beta.call("OpenSequences", open_request)
     assert first == again  # same seq id, same blocks: nothing opened twice
     seq = first.sequences[0].seq_id  # type: ignore[attr-defined]
-    append = pb.AppendTokensRequest(session_id=session, request_id=42, seq_ids=[seq], num_token_ids=[3], token_ids=[6, 7, 8])
+    append = pb.AppendTokensRequest(
+        session_id=session, request_id=42, seq_ids=[seq], num_token_ids=[3], token_ids=[6, 7, 8]
+    )
     assert beta.call("AppendTokens", append) == beta.call("AppendTokens", append)
     assert beta.call("AppendTokens", append).num_tokens == [8]  # type: ignore[attr-defined]  # appended once
     reuse = pb.ForkSequenceRequest(session_id=session, request_id=42, seq_id=seq, num_children=1)
@@ -401,7 +440,9 @@ def test_every_token_limit_is_checked_before_the_tokens_are_read(tenants, method
         "Pin": pb.PinRequest(session_id=session, token_ids=tokens),
         "Unpin": pb.UnpinRequest(session_id=session, token_ids=tokens),
         "OpenSequences": pb.OpenSequencesRequest(session_id=session, prompts=[pb.Prompt(token_ids=tokens)]),
-        "AppendTokens": pb.AppendTokensRequest(session_id=session, seq_ids=[1], num_token_ids=[len(tokens)], token_ids=tokens),
+        "AppendTokens": pb.AppendTokensRequest(
+            session_id=session, seq_ids=[1], num_token_ids=[len(tokens)], token_ids=tokens
+        ),
     }
     code, reason, metadata = refused(beta.call, method, requests[method])
     assert (code, reason, metadata["limit"]) == (LIMITED, "LIMIT_EXCEEDED", "max_tokens_per_request")
@@ -459,7 +500,12 @@ def test_refusals_are_counted_by_limit_and_streams_are_counted(tenants, shared) 
     stream.cancel()
 
     def scrape() -> list[str]:
-        return urllib.request.urlopen(f"http://127.0.0.1:{shared.metrics_port}/metrics", timeout=10).read().decode().splitlines()
+        return (
+            urllib.request.urlopen(f"http://127.0.0.1:{shared.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+            .splitlines()
+        )
 
     refusals = [line for line in scrape() if line.startswith("radixkv_refusals_total{")]
     assert any('method="Match"' in line and 'limit="max_tokens_per_request"' in line for line in refusals), refusals

@@ -46,7 +46,9 @@ def session(hardened, hardened_debug) -> Iterator[Session]:  # type: ignore[no-u
         assert hardened_debug.check(pool).num_live_sequences == 0
 
 
-def test_max_tokens_per_request_counts_each_prompt_and_the_whole_batch(session: Session, refusal, hardened_debug) -> None:  # type: ignore[no-untyped-def]
+def test_max_tokens_per_request_counts_each_prompt_and_the_whole_batch(
+    session: Session, refusal, hardened_debug
+) -> None:  # type: ignore[no-untyped-def]
     one = pb.OpenSequencesRequest(session_id=session.id, prompts=[pb.Prompt(token_ids=[1] * 4097)])
     assert refusal(session.stub.OpenSequences, one) == (
         LIMITED, "LIMIT_EXCEEDED", {"limit": "max_tokens_per_request", "requested": "4097", "allowed": "4096"}
@@ -55,10 +57,15 @@ def test_max_tokens_per_request_counts_each_prompt_and_the_whole_batch(session: 
     two = pb.OpenSequencesRequest(session_id=session.id, prompts=[pb.Prompt(token_ids=[1] * 2049)] * 2)
     assert refusal(session.stub.OpenSequences, two)[2]["requested"] == "4098"
     match = pb.MatchRequest(session_id=session.id, token_ids=[1] * 4097)
-    assert refusal(session.stub.Match, match)[1:] == ("LIMIT_EXCEEDED", {"limit": "max_tokens_per_request", "requested": "4097", "allowed": "4096"})
+    assert refusal(session.stub.Match, match)[1:] == (
+        "LIMIT_EXCEEDED",
+        {"limit": "max_tokens_per_request", "requested": "4097", "allowed": "4096"},
+    )
     # A sequence may not grow past it either.
     (seq_id,) = session.open([[1] * 4090])
-    append = pb.AppendTokensRequest(pool="big", session_id=session.id, seq_ids=[seq_id], num_token_ids=[7], token_ids=[2] * 7)
+    append = pb.AppendTokensRequest(
+        pool="big", session_id=session.id, seq_ids=[seq_id], num_token_ids=[7], token_ids=[2] * 7
+    )
     assert refusal(session.stub.AppendTokens, append)[2]["limit"] == "max_tokens_per_request"
     assert hardened_debug.check("big").num_live_sequences == 1
 
@@ -71,14 +78,21 @@ def test_forks_are_limited_per_call_and_per_session(session: Session, refusal, h
     )  # fmt: skip
     million = pb.ForkSequenceRequest(pool="big", session_id=session.id, seq_id=parent, num_children=10**6)
     code, reason, metadata = refusal(session.stub.ForkSequence, million)
-    assert (code, reason, metadata["limit"], metadata["requested"]) == (LIMITED, "LIMIT_EXCEEDED", "max_sequences_per_session", str(10**6 + 1))
+    assert (code, reason, metadata["limit"], metadata["requested"]) == (
+        LIMITED,
+        "LIMIT_EXCEEDED",
+        "max_sequences_per_session",
+        str(10**6 + 1),
+    )
     for count in (0, 2**32 - 1):
         request = pb.ForkSequenceRequest(pool="big", session_id=session.id, seq_id=parent, num_children=count)
         assert refusal(session.stub.ForkSequence, request)[0] in (grpc.StatusCode.INVALID_ARGUMENT, LIMITED)
     assert hardened_debug.check("big").num_live_sequences == 1
 
 
-def test_max_sequences_per_session_refuses_before_opening_anything(session: Session, refusal, hardened, hardened_debug, limits) -> None:  # type: ignore[no-untyped-def]
+def test_max_sequences_per_session_refuses_before_opening_anything(
+    session: Session, refusal, hardened, hardened_debug, limits
+) -> None:  # type: ignore[no-untyped-def]
     limit = limits["max_sequences_per_session"]
     batch = pb.OpenSequencesRequest(pool="big", session_id=session.id, prompts=[pb.Prompt(token_ids=[5])] * (limit + 1))
     assert refusal(session.stub.OpenSequences, batch)[1:] == (
@@ -86,7 +100,13 @@ def test_max_sequences_per_session_refuses_before_opening_anything(session: Sess
     )  # fmt: skip
     assert hardened_debug.check("big").num_live_sequences == 0  # all or none
     assert len(session.open([[5]] * limit)) == limit
-    assert refusal(session.stub.OpenSequences, pb.OpenSequencesRequest(pool="big", session_id=session.id, prompts=[pb.Prompt(token_ids=[6])]))[1] == "LIMIT_EXCEEDED"
+    assert (
+        refusal(
+            session.stub.OpenSequences,
+            pb.OpenSequencesRequest(pool="big", session_id=session.id, prompts=[pb.Prompt(token_ids=[6])]),
+        )[1]
+        == "LIMIT_EXCEEDED"
+    )
     other = Session(hardened.address)
     try:
         assert len(other.open([[5]])) == 1  # the limit is per session
@@ -106,11 +126,15 @@ def test_max_pins_per_session(session: Session, refusal, limits) -> None:  # typ
     assert refusal(session.stub.Pin, pin) == (
         LIMITED, "LIMIT_EXCEEDED", {"limit": "max_pins_per_session", "requested": "17", "allowed": "16"}
     )  # fmt: skip
-    session.stub.Unpin(pb.UnpinRequest(pool="big", session_id=session.id, token_ids=prefix, namespace="limits"), timeout=10)
+    session.stub.Unpin(
+        pb.UnpinRequest(pool="big", session_id=session.id, token_ids=prefix, namespace="limits"), timeout=10
+    )
     assert session.stub.Pin(pin, timeout=10).num_pinned_tokens == 8
 
 
-def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(session: Session, described, limits, wait_until, hardened_debug) -> None:  # type: ignore[no-untyped-def]
+def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(
+    session: Session, described, limits, wait_until, hardened_debug
+) -> None:  # type: ignore[no-untyped-def]
     assert wait_until(lambda: hardened_debug.check().num_watch_streams == 0, timeout=10)  # no stream of another test
     watch = pb.WatchEventsRequest(pool="big", session_id=session.id, include_snapshot=True)
     streams = [session.stub.WatchEvents(watch, timeout=60) for _ in range(limits["max_watch_streams"])]
@@ -120,7 +144,11 @@ def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(session: Se
         fifth = session.stub.WatchEvents(watch, timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             next(fifth)  # the refusal comes as the stream starts
-        assert described(refused.value) == (LIMITED, "LIMIT_EXCEEDED", {"limit": "max_watch_streams", "requested": "5", "allowed": "4"})
+        assert described(refused.value) == (
+            LIMITED,
+            "LIMIT_EXCEEDED",
+            {"limit": "max_watch_streams", "requested": "5", "allowed": "4"},
+        )
         assert session.stub.Stats(pb.StatsRequest(pool="big"), timeout=10).stats.num_blocks_total == 8192
     finally:
         for stream in streams:
@@ -168,7 +196,9 @@ def test_limits_come_from_flags_and_toml(tmp_path: Path) -> None:
         "max_sequences_per_session = 7\nmax_pins_per_session = 3\nmax_workers = 6\n"
         "[pools.default]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 4\nnum_blocks = 8\nmax_tokens_per_request = 99\n"
     )
-    config, _ = parse_args(["serve", "--config", str(config_file), "--max-pins-per-session", "5", "--max-sessions", "9"])
+    config, _ = parse_args(
+        ["serve", "--config", str(config_file), "--max-pins-per-session", "5", "--max-sessions", "9"]
+    )
     assert (config.max_sequences_per_session, config.max_pins_per_session, config.max_sessions) == (7, 5, 9)
     assert config.max_watch_streams == 3  # half the RPC threads by default
     assert config.pools[0].limits.max_tokens_per_request == 99

@@ -43,7 +43,9 @@ class Writable:
             self._owner = {b: s for b, s in self._owner.items() if s not in seq_ids}
 
 
-def _client_thread(address: str, worker: int, writable: Writable, seen: dict[str, int], failures: list[BaseException]) -> None:
+def _client_thread(
+    address: str, worker: int, writable: Writable, seen: dict[str, int], failures: list[BaseException]
+) -> None:
     rng = random.Random(worker)
     told = dict.fromkeys(COUNTERS, 0)
     try:

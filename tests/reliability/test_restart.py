@@ -65,11 +65,18 @@ def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_rec
         raised = _until_reachable(lambda: client.append(opened.seq_id, [2]), wait_until)
         assert isinstance(raised, ServerRestarted) and isinstance(raised, UnknownSession), raised
         # One exception, whatever the call: every request names the old session.
-        for call in (lambda: client.open(prompt, "restart"), client.keep_alive, client.stats, lambda: client.release(opened.seq_id)):
+        for call in (
+            lambda: client.open(prompt, "restart"),
+            client.keep_alive,
+            client.stats,
+            lambda: client.release(opened.seq_id),
+        ):
             with pytest.raises(ServerRestarted):
                 call()
         with grpc.insecure_channel(second.address) as channel, pytest.raises(grpc.RpcError) as wire:
-            kvcache_pb2_grpc.KVCacheStub(channel).KeepAlive(pb.KeepAliveRequest(session_id=client.session_id), timeout=5)
+            kvcache_pb2_grpc.KVCacheStub(channel).KeepAlive(
+                pb.KeepAliveRequest(session_id=client.session_id), timeout=5
+            )
         assert wire.value.code() == grpc.StatusCode.NOT_FOUND  # on the wire: the session is gone for good
 
         client.reopen()

@@ -22,9 +22,9 @@ from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
 TOKENS = {"acme": "acme-token-0123456789", "globex": "globex-token-9876543210"}  # conftest.AUTH_TOKENS
-METHODS = [(f"/radixkv.v1.KVCache/{m.name}", m.server_streaming) for m in pb.DESCRIPTOR.services_by_name["KVCache"].methods] + [
-    (f"/radixkv.v1.Debug/{m.name}", False) for m in debug_pb2.DESCRIPTOR.services_by_name["Debug"].methods
-]
+METHODS = [
+    (f"/radixkv.v1.KVCache/{m.name}", m.server_streaming) for m in pb.DESCRIPTOR.services_by_name["KVCache"].methods
+] + [(f"/radixkv.v1.Debug/{m.name}", False) for m in debug_pb2.DESCRIPTOR.services_by_name["Debug"].methods]
 Connect = Callable[..., RadixKVClient]
 
 
@@ -38,7 +38,9 @@ def connect(secure, certificates) -> Iterator[Connect]:  # type: ignore[no-untyp
     opened: list[RadixKVClient] = []
 
     def connect(tenant: str) -> RadixKVClient:
-        client = RadixKVClient(secure.address, token=TOKENS[tenant], tls_root_cert=str(certificates["server"][0]), timeout=10)
+        client = RadixKVClient(
+            secure.address, token=TOKENS[tenant], tls_root_cert=str(certificates["server"][0]), timeout=10
+        )
         opened.append(client)
         return client
 
@@ -52,7 +54,9 @@ def connect(secure, certificates) -> Iterator[Connect]:  # type: ignore[no-untyp
     [None, "Bearer not-a-token", f"Basic {TOKENS['acme']}", "Bearer ", f"Bearer {TOKENS['acme']}x", TOKENS["acme"]],
     ids=["none", "wrong", "basic scheme", "empty", "one char more", "no scheme"],
 )
-def test_every_method_refuses_a_caller_without_a_valid_token(secure, credentials, authorization, defined_refusal) -> None:  # type: ignore[no-untyped-def]
+def test_every_method_refuses_a_caller_without_a_valid_token(
+    secure, credentials, authorization, defined_refusal
+) -> None:  # type: ignore[no-untyped-def]
     metadata = [("authorization", authorization)] if authorization else None
     with grpc.secure_channel(secure.address, credentials) as channel:
         for path, streaming in METHODS:
@@ -62,12 +66,17 @@ def test_every_method_refuses_a_caller_without_a_valid_token(secure, credentials
                     response = call(body, metadata=metadata, timeout=10)
                     if streaming:
                         next(response)
-                assert (refused.value.code(), defined_refusal(refused.value)) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"), path
+                assert (refused.value.code(), defined_refusal(refused.value)) == (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "UNAUTHENTICATED",
+                ), path
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
 
 
-def test_another_tenants_session_and_sequences_are_refused_and_left_untouched(connect: Connect, secure, credentials, refusal) -> None:  # type: ignore[no-untyped-def]
+def test_another_tenants_session_and_sequences_are_refused_and_left_untouched(
+    connect: Connect, secure, credentials, refusal
+) -> None:  # type: ignore[no-untyped-def]
     acme, globex = connect("acme"), connect("globex")
     theirs = acme.open([1, 2, 3, 4, 5], "chat").seq_id
     for trespass in (
@@ -87,7 +96,10 @@ def test_another_tenants_session_and_sequences_are_refused_and_left_untouched(co
             (stub.OpenSequences, pb.OpenSequencesRequest(**stolen, prompts=[pb.Prompt(token_ids=[1])])),
             (stub.Stats, pb.StatsRequest(**stolen)),
         ):
-            assert refusal(rpc, request, metadata=as_globex)[:2] == (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED")
+            assert refusal(rpc, request, metadata=as_globex)[:2] == (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "PERMISSION_DENIED",
+            )
     assert acme.append(theirs, [6]).num_tokens == 6  # acme's sequence and session are as they were
     acme.release(theirs, cache=False)
 
@@ -125,7 +137,10 @@ def test_watch_events_never_show_another_tenants_blocks(connect: Connect) -> Non
     acme, globex = connect("acme"), connect("globex")
     acme_prompt, marker = list(range(6000, 6016)), list(range(6100, 6104))
     acme_blocks = set(acme.open(acme_prompt + [1], "code").block_table)  # live during the snapshot below
-    with globex.watch_events(include_snapshot=True) as everything, globex.watch_events(["code"], include_snapshot=True) as same_name:
+    with (
+        globex.watch_events(include_snapshot=True) as everything,
+        globex.watch_events(["code"], include_snapshot=True) as same_name,
+    ):
         acme.release(_written(acme, acme.open(list(range(6200, 6216)) + [1], "code")))  # stored while globex watches
         globex.release(_written(globex, globex.open(marker + [1], "marker")))
         globex.release(_written(globex, globex.open(marker + [2], "code")))
@@ -157,7 +172,9 @@ def test_the_block_quota_names_itself(connect: Connect) -> None:
 def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certificates, connect: Connect) -> None:  # type: ignore[no-untyped-def]
     client = connect("globex")
     client.release(_written(client, client.open([1, 2, 3], "tls")))  # a round trip over TLS
-    with RadixKVClient(f"localhost:{secure.port}", token=TOKENS["globex"], tls_root_cert=str(certificates["server"][0]), timeout=10) as by_name:
+    with RadixKVClient(
+        f"localhost:{secure.port}", token=TOKENS["globex"], tls_root_cert=str(certificates["server"][0]), timeout=10
+    ) as by_name:
         assert by_name.stats().num_blocks_total == 64  # the certificate names localhost too
     attempts = {
         "plaintext to TLS": lambda: RadixKVClient(secure.address, token=TOKENS["globex"], timeout=5),

@@ -17,8 +17,23 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 # What the mix may legitimately hear under load: a full pool, a pin of a prompt evicted meanwhile,
 # the deliberate fork past the limit, the deliberate append to a sequence that does not exist.
 EXPECTED = {"OK", "OUT_OF_BLOCKS", "FAILED_PRECONDITION", "LIMIT_EXCEEDED", "UNKNOWN_SEQUENCE"}
-EVERY_OP = {"open", "append", "fork", "cache", "release", "match", "pin", "unpin", "stats", "keep_alive", "watch", "reopen"}
-RSS_GROWTH_BOUND = 32 * 2**20  # after warm-up; on an idle machine ~3000 requests follow it: a leak of ~10 KiB each fails
+EVERY_OP = {
+    "open",
+    "append",
+    "fork",
+    "cache",
+    "release",
+    "match",
+    "pin",
+    "unpin",
+    "stats",
+    "keep_alive",
+    "watch",
+    "reopen",
+}
+RSS_GROWTH_BOUND = (
+    32 * 2**20
+)  # after warm-up; on an idle machine ~3000 requests follow it: a leak of ~10 KiB each fails
 
 
 def _bench() -> ModuleType:

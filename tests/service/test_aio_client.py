@@ -46,7 +46,9 @@ async def test_the_async_client_mirrors_the_blocking_one(server, debug) -> None:
 @pytest.mark.asyncio
 async def test_async_steps_run_concurrently_with_other_coroutines(server, debug) -> None:  # type: ignore[no-untyped-def]
     async with AsyncRadixKVClient(server.address) as client:
-        opened = (await client.step(Step(opens=[(list(range(100, 106)), "aio-step"), (list(range(200, 203)), "aio-step")]))).opened
+        opened = (
+            await client.step(Step(opens=[(list(range(100, 106)), "aio-step"), (list(range(200, 203)), "aio-step")]))
+        ).opened
         ids = [o.seq_id for o in opened]
         ticks = 0
 

@@ -141,7 +141,9 @@ def _written(client: RadixKVClient, opened: OpenResult) -> int:
     return opened.seq_id
 
 
-def test_verify_gives_each_tenant_the_digests_of_its_own_namespaces_only(connect: Connect, tokens: dict[str, str]) -> None:
+def test_verify_gives_each_tenant_the_digests_of_its_own_namespaces_only(
+    connect: Connect, tokens: dict[str, str]
+) -> None:
     acme, globex = connect(tokens["acme"]), connect(tokens["globex"])
     acme_before, globex_before = acme.verify(), globex.verify()
     prompt = list(range(700, 709))  # two full blocks of 4 (the auth server's block size)

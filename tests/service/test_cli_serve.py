@@ -24,9 +24,17 @@ def test_help_lists_every_pool_key_with_its_default(capsys):
     with pytest.raises(SystemExit):
         parse_args(["serve", "--help"])
     out = capsys.readouterr().out
-    keys = [f for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name not in ("name", "limits")]
+    keys = [
+        f for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name not in ("name", "limits")
+    ]
     for field in keys:
-        default = "required" if field.default is dataclasses.MISSING else "unset" if field.default is None else str(field.default) or '""'
+        default = (
+            "required"
+            if field.default is dataclasses.MISSING
+            else "unset"
+            if field.default is None
+            else str(field.default) or '""'
+        )
         line = next((line for line in out.splitlines() if line.split()[:1] == [field.name]), None)
         assert line is not None, f"--help does not list pool key {field.name}"
         assert line.split()[1] == default and len(line.split()) > 2, f"{field.name}: default and meaning: {line!r}"
@@ -36,15 +44,27 @@ def test_help_lists_every_pool_key_with_its_default(capsys):
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
-        ("p:num_blocks=4", "pool 'p': missing num_layers, num_kv_heads, head_dim; radixkv serve --help lists every key"),
+        (
+            "p:num_blocks=4",
+            "pool 'p': missing num_layers, num_kv_heads, head_dim; radixkv serve --help lists every key",
+        ),
         (
             "p:num_layer=2,num_kv_heads=1,head_dim=8,num_blocks=4",
             "pool 'p': unknown key 'num_layer' (did you mean num_layers?); radixkv serve --help lists every key",
         ),
-        ("p:num_layers=x,num_kv_heads=1,head_dim=8,num_blocks=4", "pool 'p': num_layers='x' must be a whole number >= 0"),
-        ("p:num_layers=2,num_kv_heads=1,head_dim=8,num_blocks=4,block_size=24", "pool 'p': block_size must be a power of two, got 24"),
+        (
+            "p:num_layers=x,num_kv_heads=1,head_dim=8,num_blocks=4",
+            "pool 'p': num_layers='x' must be a whole number >= 0",
+        ),
+        (
+            "p:num_layers=2,num_kv_heads=1,head_dim=8,num_blocks=4,block_size=24",
+            "pool 'p': block_size must be a power of two, got 24",
+        ),
         ("p:num_layers=2,num_kv_heads=1,head_dim=8,num_blocks=4,dtype=int4", "pool 'p': dtype must be one of"),
-        ("p:num_layers=2,num_kv_heads=1,head_dim=8", "pool 'p': give exactly one of num_blocks, memory_bytes, memory_fraction"),
+        (
+            "p:num_layers=2,num_kv_heads=1,head_dim=8",
+            "pool 'p': give exactly one of num_blocks, memory_bytes, memory_fraction",
+        ),
     ],
 )
 def test_a_wrong_or_missing_key_is_one_line(capsys, flag, message):
@@ -56,10 +76,16 @@ def test_a_wrong_or_missing_key_is_one_line(capsys, flag, message):
 def test_a_bad_pool_never_reaches_a_traceback():
     # A real process: the message is all a user sees, with no traceback in the logs either.
     done = subprocess.run(
-        [sys.executable, "-m", "radixkv.cli", "serve", "--pool", "p:num_blocks=4"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "radixkv.cli", "serve", "--pool", "p:num_blocks=4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == "radixkv serve: pool 'p': missing num_layers, num_kv_heads, head_dim; radixkv serve --help lists every key\n"
+    assert (
+        done.stderr
+        == "radixkv serve: pool 'p': missing num_layers, num_kv_heads, head_dim; radixkv serve --help lists every key\n"
+    )
 
 
 def test_no_pool_flags_give_the_default_pool(monkeypatch):
@@ -80,7 +106,10 @@ def test_model_shapes_the_default_pool(tmp_path, capsys):
     )
     (pool,) = parse_args(["serve", "--model", str(tmp_path), "--device", "cpu"])[0].pools
     assert (pool.name, pool.num_layers, pool.num_kv_heads, pool.head_dim) == ("default", 16, 8, 64)
-    assert main(["serve", "--model", str(tmp_path), "--pool", "p:num_layers=1,num_kv_heads=1,head_dim=8,num_blocks=4"]) == 2
+    assert (
+        main(["serve", "--model", str(tmp_path), "--pool", "p:num_layers=1,num_kv_heads=1,head_dim=8,num_blocks=4"])
+        == 2
+    )
     assert "--model, --device and --memory-fraction shape the default pool" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "nothing.gguf")]) == 2
     assert "not a known model" in capsys.readouterr().err

@@ -53,7 +53,9 @@ class LedgerMachine(RuleBasedStateMachine):
         if not live:
             return
         seq_id = data.draw(st.sampled_from(live))
-        growth = max(0, self.ledger.blocks_for(self.cache.num_tokens(seq_id) + num_tokens) - self.ledger.num_table_blocks(seq_id))
+        growth = max(
+            0, self.ledger.blocks_for(self.cache.num_tokens(seq_id) + num_tokens) - self.ledger.num_table_blocks(seq_id)
+        )
         try:
             self.ledger.check_quota(self.sessions[who].tenant, growth)
             batch = self.cache.append_batch([seq_id], [num_tokens], [1] * num_tokens)

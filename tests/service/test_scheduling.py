@@ -128,7 +128,9 @@ def test_an_expired_lease_caches_nothing_even_what_was_committed(server, debug, 
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         baseline = debug.check().num_live_sequences
         session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.3)).session_id
-        (opened,) = stub.OpenSequences(pb.OpenSequencesRequest(session_id=session, prompts=[pb.Prompt(token_ids=prompt)])).sequences
+        (opened,) = stub.OpenSequences(
+            pb.OpenSequencesRequest(session_id=session, prompts=[pb.Prompt(token_ids=prompt)])
+        ).sequences
         stub.CommitTokens(pb.CommitTokensRequest(session_id=session, seq_ids=[opened.seq_id], num_tokens=[12]))
         assert wait_until(lambda: debug.check().num_live_sequences == baseline, timeout=5)
         assert stub.Match(pb.MatchRequest(token_ids=prompt)).num_cached_tokens == 0

@@ -170,9 +170,7 @@ def comparable(r: StepResult) -> tuple:
     opened = [(o.num_cached_tokens, o.block_table, o.slots.tolist()) for o in r.opened]
     a = r.appended
     appended = (
-        None
-        if a is None
-        else (a.num_tokens, a.table_offsets, a.num_block_ids, a.block_ids, a.copies, a.slots.tolist())
+        None if a is None else (a.num_tokens, a.table_offsets, a.num_block_ids, a.block_ids, a.copies, a.slots.tolist())
     )
     return opened, appended, [len(c) for c in r.forked], r.num_cached_tokens, r.num_released_sequences
 
@@ -219,7 +217,9 @@ def test_a_step_equals_its_unary_calls_and_a_refused_step_changes_nothing(twin_s
                 assert unary_refusal is not None, f"the stream refused {refusal!r}, the unary calls did not"
                 assert (type(refusal), refusal.reason) == (type(unary_refusal), unary_refusal.reason)
                 assert refusal.metadata.pop("item") == refused_item
-                twin_ids = {str(s): str(u) for s, u in zip(stream.live + stream.dead, unary.live + unary.dead, strict=True)}
+                twin_ids = {
+                    str(s): str(u) for s, u in zip(stream.live + stream.dead, unary.live + unary.dead, strict=True)
+                }
                 if "seq_id" in refusal.metadata:  # each pool numbers its sequences from its own start
                     refusal.metadata["seq_id"] = twin_ids.get(refusal.metadata["seq_id"], refusal.metadata["seq_id"])
                 assert refusal.metadata == unary_refusal.metadata
@@ -284,7 +284,9 @@ def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: Server
 
 
 def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) -> None:  # type: ignore[no-untyped-def]
-    srv = start_server("--session-ttl", "0.4", "--max-workers", "6", "--max-watch-streams", "2", "--max-session-streams", "1")
+    srv = start_server(
+        "--session-ttl", "0.4", "--max-workers", "6", "--max-watch-streams", "2", "--max-session-streams", "1"
+    )
     with grpc.insecure_channel(srv.address) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         streamed, idle = (stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(2))
@@ -322,7 +324,9 @@ def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, deb
         [again] = list(stub.Session(iter([step]), timeout=10))
         assert again == first and not first.HasField("error")
         assert client.stats().num_opened_sequences == opened, "the re-sent step was applied twice"
-        release = pb.SessionRequest(session_id=client.session_id, request_id=42, releases=[pb.StepRelease(seq_ids=[first.opened[0].seq_id])])
+        release = pb.SessionRequest(
+            session_id=client.session_id, request_id=42, releases=[pb.StepRelease(seq_ids=[first.opened[0].seq_id])]
+        )
         responses = list(stub.Session(iter([release, release]), timeout=10))  # re-sent on the same stream too
         assert [r.num_released_sequences for r in responses] == [1, 1] and not responses[1].HasField("error")
         reused = pb.SessionRequest(session_id=client.session_id, request_id=42, pool="tiny", cache_seq_ids=[1])

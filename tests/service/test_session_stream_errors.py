@@ -118,7 +118,9 @@ def test_bytes_that_are_not_a_step_get_the_unary_status_in_band(server, debug) -
         status = rpc_status.from_call(caught.value)  # type: ignore[arg-type]
         info = error_details_pb2.ErrorInfo()
         assert status is not None and status.details[0].Unpack(info)
-        stream = channel.stream_stream("/radixkv.v1.KVCache/Session", response_deserializer=pb.SessionResponse.FromString)
+        stream = channel.stream_stream(
+            "/radixkv.v1.KVCache/Session", response_deserializer=pb.SessionResponse.FromString
+        )
         responses = list(stream(iter([garbage, garbage]), timeout=10))
     assert len(responses) == 2  # the stream stayed open for the second message
     for response in responses:

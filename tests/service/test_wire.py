@@ -46,7 +46,11 @@ def test_wire_changes_are_additive_against_the_released_proto() -> None:
     """`buf breaking` against the image of the last released proto (refresh it with `make proto-baseline`)."""
     baseline = ROOT / "proto" / "baseline" / "radixkv-v0.1.binpb"
     result = subprocess.run(
-        [_buf(), "breaking", "--against", str(baseline)], cwd=ROOT / "proto", capture_output=True, text=True, timeout=120
+        [_buf(), "breaking", "--against", str(baseline)],
+        cwd=ROOT / "proto",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
