@@ -28,6 +28,7 @@ test: $(STAMP)
 # under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	rm -rf build/mypy && $(BIN)/pip install -q --no-deps --target build/mypy/site .
 	cd build/mypy && MYPYPATH=site $(CURDIR)/$(BIN)/mypy -p radixkv --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/.mypy_cache

@@ -383,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         ("trace tokens/s", f"{t['tokens_per_second'] / 1e6:.2f} M  (target > 15 M)"),
         (
             "hit ratio / infinite cache",
-            f"{t['hit_ratio']:.3f} / {t['infinite_cache_hit_ratio']:.3f} = {t['hit_ratio'] / t['infinite_cache_hit_ratio']:.3f}",
+            f"{t['hit_ratio']:.3f} / {t['infinite_cache_hit_ratio']:.3f} = "
+            f"{t['hit_ratio'] / t['infinite_cache_hit_ratio']:.3f}",
         ),
         (
             "hit ratio / whole-leaf LRU",
-            f"{t['hit_ratio']:.3f} / {t['whole_leaf_lru_hit_ratio']:.3f} = {t['hit_ratio'] / t['whole_leaf_lru_hit_ratio']:.3f}",
+            f"{t['hit_ratio']:.3f} / {t['whole_leaf_lru_hit_ratio']:.3f} = "
+            f"{t['hit_ratio'] / t['whole_leaf_lru_hit_ratio']:.3f}",
         ),
         ("evicted blocks", f"{t['evicted_blocks']:,}"),
     ]
@@ -403,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(
         (
             f"evict per block, {e['evictable_leaves']:,} leaves (us)",
-            f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = {e['speedup']:.0f}x",
+            f"{e['evict_us_per_block']:.2f}  vs heap rebuild {e['heap_rebuild_us_per_eviction']:.0f} = "
+            f"{e['speedup']:.0f}x",
         )
     )
     rows += peer_rows(results)

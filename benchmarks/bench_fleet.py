@@ -477,14 +477,17 @@ def print_table(report: dict[str, Any]) -> None:
         )
     print(f"router decision time p50 {report['router_decision_us_p50']} us, p99 {report['router_decision_us_p99']} us")
     print(
-        f"router hit / single cache {report['router_hit_over_single']}, router hit / random {report['router_hit_over_random']}"
+        f"router hit / single cache {report['router_hit_over_single']}, router hit / random "
+        f"{report['router_hit_over_random']}"
     )
     print(f"kill and restart: {report['policies']['router_kill']['kill']}")
     h = report["hash_cost"]
     print(
         f"hashing (in-process core trace, {h['trace_tokens']:,} prompt tokens, {h['hashed_blocks']:,} blocks hashed): "
-        f"replay {h['replay_s_plain']} s plain, {h['replay_s_hashed']} s with the event hub = {h['hashed_over_plain']}x; "
-        f"{h['us_per_hashed_block_in_replay']} us per hashed block with its event, {h['us_per_block_hash']} us per block_hash"
+        f"replay {h['replay_s_plain']} s plain, {h['replay_s_hashed']} s with the event hub = "
+        f"{h['hashed_over_plain']}x; "
+        f"{h['us_per_hashed_block_in_replay']} us per hashed block with its event, {h['us_per_block_hash']} us per "
+        "block_hash"
     )
     for target, met in report["targets"].items():
         print(f"  [{'met' if met else 'MISSED'}] {target}")

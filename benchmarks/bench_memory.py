@@ -240,7 +240,8 @@ def format_table(rows: list[Row]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.trace:<9} {f'{r.mode} {r.width}':<9} {r.block_size:>5} | {r.util_contiguous:>11.1%} {r.util_paged:>10.1%} "
+            f"{r.trace:<9} {f'{r.mode} {r.width}':<9} {r.block_size:>5} | {r.util_contiguous:>11.1%} "
+            f"{r.util_paged:>10.1%} "
             f"{r.util_radixkv:>12.1%} | {r.saving_vs_contiguous:>14.1f}% {r.saving_vs_paged:>13.1f}% | "
             f"{r.peak_saving_vs_contiguous:>13.1f}% {r.peak_saving_vs_paged:>12.1f}% | {r.num_cow_copies:>6}"
         )
@@ -250,7 +251,8 @@ def format_table(rows: list[Row]) -> str:
 def paper_comparison(rows: list[Row]) -> str:
     """Where radixkv stands beside the PagedAttention paper's sharing savings (Alpaca, block size 16)."""
     lines = [
-        f"beside the PagedAttention paper (alpaca, block size {PAPER_BLOCK_SIZE}, saving against paging without sharing):"
+        f"beside the PagedAttention paper (alpaca, block size {PAPER_BLOCK_SIZE}, saving against paging without "
+        "sharing):"
     ]
     for mode, (low, high) in PAPER_SAVINGS.items():
         ours = [
@@ -263,7 +265,8 @@ def paper_comparison(rows: list[Row]) -> str:
                 f"{'n' if mode == 'sample' else 'k'}={r.width}: {r.saving_vs_paged:.1f}%" for r in ours
             )
             lines.append(
-                f"  {'parallel sampling' if mode == 'sample' else 'beam search':<17}  radixkv {measured}   paper {low}-{high}%"
+                f"  {'parallel sampling' if mode == 'sample' else 'beam search':<17}  radixkv {measured}   paper "
+                f"{low}-{high}%"
             )
     return "\n".join(lines)
 
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(paper_comparison(rows))
     print(
-        f"\n{sum(r.seconds for r in rows):.1f} s of replay; requests per run: {num_requests}, at most {max_live} live at once"
+        f"\n{sum(r.seconds for r in rows):.1f} s of replay; requests per run: {num_requests}, at most {max_live} live "
+        "at once"
     )
     if args.out:
         settings = {

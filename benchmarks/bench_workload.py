@@ -106,7 +106,8 @@ def scenarios(chat: ChatModel, s: Sizes) -> dict[str, list[RequestSpec]]:
             f"q{i}",
             ask(
                 chat,
-                f"Document {i % s.num_documents}: {documents[i % s.num_documents]}\nQuestion: {text(rng, s.short_prompt)}",
+                f"Document {i % s.num_documents}: {documents[i % s.num_documents]}\nQuestion: "
+                f"{text(rng, s.short_prompt)}",
             ),
             s.short_output,
         )
@@ -179,8 +180,10 @@ def run(
 
 def format_table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
     header = (
-        f"{'scenario':<24} {'cache':<5} {'prompt p50/p99':>14} {'out':>4} {'TTFT ms p50/p95/p99':>21} {'TPOT ms p50/p99':>16} "
-        f"{'prefill t/s':>11} {'decode t/s':>10} {'active':>9} {'queue':>9} {'hit':>5} {'fail':>4} {'evict':>5} {'preempt':>7}"
+        f"{'scenario':<24} {'cache':<5} {'prompt p50/p99':>14} {'out':>4} {'TTFT ms p50/p95/p99':>21} "
+        f"{'TPOT ms p50/p99':>16} "
+        f"{'prefill t/s':>11} {'decode t/s':>10} {'active':>9} {'queue':>9} {'hit':>5} {'fail':>4} {'evict':>5} "
+        f"{'preempt':>7}"
     )
     lines = [header, "-" * len(header)]
     for name, by_cache in rows.items():
@@ -191,7 +194,8 @@ def format_table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"{name:<24} {cache:<5} {prompt[0]:>6.0f}/{prompt[2]:<7.0f} {p['output_tokens_p50_p95_p99'][0]:>4.0f} "
                 f"{ttft[0]:>6.0f}/{ttft[1]:>6.0f}/{ttft[2]:>7.0f} {tpot[0]:>7.1f}/{tpot[2]:>8.1f} "
                 f"{r['prefill_tokens_per_s']:>11.0f} {r['decode_tokens_per_s']:>10.1f} "
-                f"{r['active_seqs_mean_max'][0]:>5.1f}/{r['active_seqs_mean_max'][1]:<3} {r['waiting_mean_max'][0]:>5.1f}/{r['waiting_mean_max'][1]:<3} "
+                f"{r['active_seqs_mean_max'][0]:>5.1f}/{r['active_seqs_mean_max'][1]:<3} "
+                f"{r['waiting_mean_max'][0]:>5.1f}/{r['waiting_mean_max'][1]:<3} "
                 f"{r['hit_ratio']:>5.2f} {r['allocation_failures']:>4} {r['evicted_blocks']:>5} {r['preemptions']:>7}"
             )
     return "\n".join(lines)
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in rows:
         p = next(iter(rows[n].values()))["profile"]
         print(
-            f"profile {n}: multi-turn share {p['multi_turn_share']:.2f}, shared system prompt share {p['shared_system_prompt_share']:.2f}, "
+            f"profile {n}: multi-turn share {p['multi_turn_share']:.2f}, shared system prompt share "
+            f"{p['shared_system_prompt_share']:.2f}, "
             f"output p50/p95/p99 {'/'.join(f'{x:.0f}' for x in p['output_tokens_p50_p95_p99'])}"
         )
     print(f"\n{CPU_NOTE}")

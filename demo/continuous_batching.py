@@ -217,7 +217,8 @@ def main() -> None:
     for r in requests:
         print(f"{r.name:<9} prompt {len(r.prompt):>3}  hit {report.hits[r.name]:>3}  generated {len(r.output)}")
     print(
-        f"{report.num_steps} steps, {report.num_preempted} preemptions, max attention error {report.max_attention_error:.1e}"
+        f"{report.num_steps} steps, {report.num_preempted} preemptions, max attention error "
+        f"{report.max_attention_error:.1e}"
     )
 
 

@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, kv_dtype)
     specs = demo_requests(chat, args)
     print(
-        f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv heads, "
+        f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv "
+        "heads, "
         f"head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)"
     )
     print(
-        f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of {kv_dtype}, in a server process"
+        f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of "
+        f"{kv_dtype}, in a server process"
     )
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_memory(MemorySummary.of(orchestrator.steps, layout)))
     print(
         f"\nserver after the run: {stats.num_blocks_free} blocks free, {stats.num_blocks_cached} cached, "
-        f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} prompt tokens"
+        f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} "
+        "prompt tokens"
     )
     print(f"{len(orchestrator.steps)} steps in {seconds:.1f} s\n")
     if chat.random_weights:

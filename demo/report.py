@@ -18,8 +18,10 @@ def format_step(r: StepRecord) -> str:
     )
     preempted = f" | preempted {r.num_preempted}" if r.num_preempted else ""
     return (
-        f"step {r.step:>3} | {prefill:<32} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs, {r.num_waiting} waiting{preempted} | "
-        f"blocks: radixkv {r.blocks_radixkv:>3}, unshared {r.blocks_unshared:>3}, contiguous {r.blocks_contiguous:>5.1f} | "
+        f"step {r.step:>3} | {prefill:<32} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs, "
+        f"{r.num_waiting} waiting{preempted} | "
+        f"blocks: radixkv {r.blocks_radixkv:>3}, unshared {r.blocks_unshared:>3}, contiguous "
+        f"{r.blocks_contiguous:>5.1f} | "
         f"cow {r.num_copies}"
     )
 
@@ -84,7 +86,8 @@ def format_memory(m: MemorySummary) -> str:
         ("contiguous max-len slabs*", m.contiguous_peak, m.contiguous_mean),
     ):
         lines.append(
-            f"{name:<26} {peak:>11.1f} {peak * m.bytes_per_block / MIB:>9.2f} {mean:>11.1f} {mean * m.bytes_per_block / MIB:>9.2f}"
+            f"{name:<26} {peak:>11.1f} {peak * m.bytes_per_block / MIB:>9.2f} {mean:>11.1f} "
+            f"{mean * m.bytes_per_block / MIB:>9.2f}"
         )
     for name, peak, mean in (
         ("paged, no sharing", m.unshared_peak, m.unshared_mean),
@@ -92,7 +95,8 @@ def format_memory(m: MemorySummary) -> str:
     ):
         if peak:
             lines.append(
-                f"radixkv saves {1 - m.radixkv_peak / peak:.1%} at peak, {1 - m.radixkv_mean / mean:.1%} on average, against {name}"
+                f"radixkv saves {1 - m.radixkv_peak / peak:.1%} at peak, {1 - m.radixkv_mean / mean:.1%} on average, "
+                f"against {name}"
             )
     lines.append("* each sequence reserves prompt + max_new_tokens slots up front, as a contiguous KV cache must")
     return "\n".join(lines)

@@ -63,7 +63,8 @@ class Worker:
         num_layers, _, _, _, num_kv_heads, head_dim = pool.data.shape
         if (num_layers, num_kv_heads, head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ValueError(
-                f"pool: layout (layers, kv heads, head_dim) = {(num_layers, num_kv_heads, head_dim)} does not fit the model's "
+                f"pool: layout (layers, kv heads, head_dim) = {(num_layers, num_kv_heads, head_dim)} does not fit the "
+                "model's "
                 f"{(c.num_layers, c.num_kv_heads, c.head_dim)}"
             )
         self.model, self.pool, self.backend = model, pool, backend

@@ -45,24 +45,29 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     cache = KVCache(num_blocks, args.block_size)
     print(
-        f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
+        f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens "
+        f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
     )
     print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
     started = time.perf_counter()
     result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
     stats = cache.stats()
     print(
-        f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s through the core"
+        f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s "
+        "through the core"
     )
     print(
-        f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted {result.num_evicted_blocks:,} blocks"
+        f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted "
+        f"{result.num_evicted_blocks:,} blocks"
     )
     print(
-        f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use {result.peak_in_use_blocks:,} blocks"
+        f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use "
+        f"{result.peak_in_use_blocks:,} blocks"
     )
     cache.check_invariants()
     print(
-        f"after the run: {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} cached = {stats.num_blocks_total:,} blocks; invariants hold"
+        f"after the run: {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} cached = "
+        f"{stats.num_blocks_total:,} blocks; invariants hold"
     )
     return 0
 

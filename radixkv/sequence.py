@@ -42,8 +42,8 @@ class LiveSequence:
     def fork_child(self, seq_id: int) -> LiveSequence:
         """A copy sharing every block (the caller adds the child's holds on them)."""
         return LiveSequence(
-            seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node, self.num_tree_blocks,
-            list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
+            seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node,
+            self.num_tree_blocks, list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
         )  # fmt: skip
 
 

@@ -315,7 +315,8 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         pools = (default_pool(shape, device=ns.device or _default_device(), memory_fraction=ns.memory_fraction),)
     elif ns.model or ns.device or ns.memory_fraction is not None:
         raise ValueError(
-            "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them there"
+            "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them "
+            "there"
         )
     kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
     if kv_events:

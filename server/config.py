@@ -72,7 +72,8 @@ class PoolConfig:
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
         if len(sizes) != 1:
             raise ValueError(
-                f"pool {self.name!r}: give exactly one of num_blocks, memory_bytes, memory_fraction (got {sizes or 'none'})"
+                f"pool {self.name!r}: give exactly one of num_blocks, memory_bytes, memory_fraction (got "
+                f"{sizes or 'none'})"
             )
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"pool {self.name!r}: memory_fraction must lie in (0, 1]")

@@ -41,7 +41,8 @@ class WatchStreams:
         include_snapshot: bool,
         is_active: Callable[[], bool],
     ) -> Iterator[tuple[list[BlockEvent], bool, int]]:
-        """Batches of events with the digest after each (first the snapshot, if asked) until the caller leaves or the server stops.
+        """Batches of events with the digest after each (first the snapshot, if asked) until the caller leaves
+        or the server stops.
 
         A generator: the slot is taken when the first batch is asked for and given back when the
         stream ends, so a stream never iterated holds nothing.
