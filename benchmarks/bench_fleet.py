@@ -185,20 +185,6 @@ class Fleet:
                 pass
 
 
-class _CommittingCache:
-    """A `KVCache` releasing as the server does: a cached release vouches for every token's K/V."""
-
-    def __init__(self, num_blocks: int) -> None:
-        from radixkv.kv_cache import KVCache
-
-        self.cache = KVCache(num_blocks, BLOCK_SIZE)
-        self.open, self.append = self.cache.open, self.cache.append
-
-    def release(self, seq_id: int) -> None:
-        self.cache.commit([seq_id], [self.cache.num_tokens(seq_id)])
-        self.cache.release(seq_id)
-
-
 class LocalFleet:
     """One in-process cache behind the same calls as `Fleet` (open, append, release)."""
 
@@ -206,7 +192,9 @@ class LocalFleet:
 
     def __init__(self, num_blocks: int) -> None:
         self.addresses = [self.ADDRESS]
-        self.clients = {self.ADDRESS: _CommittingCache(num_blocks)}
+        from radixkv.kv_cache import KVCache
+
+        self.clients = {self.ADDRESS: KVCache(num_blocks, BLOCK_SIZE)}
 
 
 def run_policy(
@@ -230,6 +218,7 @@ def run_policy(
         client = fleet.clients[address]
         try:
             client.append(seq_id, request.reply)
+            client.commit([seq_id], [len(request.prompt) + len(request.reply)])  # the worker wrote it all
             client.release(seq_id)
         except (RadixKVError, grpc.RpcError):
             return  # its server died meanwhile
