@@ -58,6 +58,7 @@ def measure(num_blocks: int, audit_seconds: float, log_dir: Path) -> dict[str, f
                 start = time.perf_counter()
                 opened = client.open(list(range(1, 3 * BLOCK_SIZE)), "probe")  # a hit after the first
                 opens.append(time.perf_counter() - start)
+                client.commit([opened.seq_id], [3 * BLOCK_SIZE - 1])  # written: its full blocks stay cached
                 client.release(opened.seq_id)
             text = _metrics(server.metrics_port)
     finally:
