@@ -64,7 +64,7 @@ class BlockTables:
     def opened(self, results: Iterable[OpenResult]) -> None:
         with self._lock:
             for result in results:
-                self._tables[result.seq_id] = list(result.block_table)
+                self._tables[result.seq_id] = result.block_table.tolist()
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
@@ -116,9 +116,16 @@ def open_request(pool: str, session_id: str, prompts: Sequence[tuple[TokenIds, s
     )
 
 
+def _int32(block_ids: Iterable[int]) -> np.ndarray:
+    """A block table from the wire as the core returns it: a read-only int32 array."""
+    table = np.fromiter(block_ids, dtype=np.int32)
+    table.flags.writeable = False
+    return table
+
+
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
     return [
-        OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
+        OpenResult(s.seq_id, s.num_cached_tokens, _int32(s.block_ids), np.array(s.slots, dtype=np.int64))
         for s in response.sequences
     ]
 
@@ -238,7 +245,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     if response.HasField("error"):
         raise step_error(response.error)
     opened = [
-        OpenResult(o.seq_id, o.num_cached_tokens, list(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        OpenResult(o.seq_id, o.num_cached_tokens, _int32(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
         for o in response.opened
     ]
     appended = None

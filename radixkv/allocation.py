@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.block_pool import BlockPool
 from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.radix_tree import RadixTree
@@ -26,7 +29,7 @@ class Allocator:
             self.stats.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> npt.NDArray[np.int32]:
         """`n` blocks, evicting the shortfall first; all or none."""
         self.refuse_unless(n, self.num_available())
         shortfall = n - self.pool.num_free

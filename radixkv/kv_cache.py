@@ -269,7 +269,7 @@ class KVCache:
     # -- introspection ---------------------------------------------------------------------------
 
     def block_table(self, seq_id: int) -> list[int]:
-        return list(self._sequences.get(seq_id).block_table)
+        return self._sequences.get(seq_id).block_table.tolist()
 
     def num_tokens(self, seq_id: int) -> int:
         return self._sequences.get(seq_id).num_tokens

@@ -27,7 +27,7 @@ def freeable_blocks(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSeque
             locks[node.node_id] += 1
             nodes[node.node_id] = node
             node = node.parent
-    held = np.asarray([b for seq in sequences for b in seq.private_blocks()], dtype=np.intp)
+    held = np.concatenate([np.empty(0, np.int32), *(seq.private_blocks() for seq in sequences)])
     block_ids, holds = np.unique(held, return_counts=True)
     freed = int(np.count_nonzero(ref_counts[block_ids] == holds))
     unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)

@@ -77,7 +77,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 pb.OpenedSequence(
                     seq_id=r.seq_id,
                     num_cached_tokens=r.num_cached_tokens,
-                    block_ids=r.block_table,
+                    block_ids=r.block_table.tolist(),
                     slots=np.asarray(r.slots).tolist(),
                 )
                 for r in results

@@ -155,7 +155,7 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
             pb.StepOpened(
                 seq_id=r.seq_id,
                 num_cached_tokens=r.num_cached_tokens,
-                block_ids=r.block_table,
+                block_ids=r.block_table.tolist(),
                 slots=r.slots.astype(_INT64, copy=False).tobytes(),
             )
             for r in result.opened
