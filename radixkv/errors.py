@@ -176,6 +176,22 @@ class ServerRestarted(UnknownSession):
         )
 
 
+class SnapshotRefused(RadixKVError):
+    """A snapshot that must not be adopted: nothing of it is used, and the pool starts cold.
+
+    `why` says which check refused it: TRUNCATED, NOT_A_SNAPSHOT, VERSION, CORRUPTED (checksum),
+    OTHER_POOL, LAYOUT, HASH_CONTRACT, MEMORY (the memory is fresh or not the memory the snapshot
+    describes), KV_CHECKSUM (the memory's bytes differ from the snapshot's), INCONSISTENT.
+    """
+
+    reason = "SNAPSHOT_REFUSED"
+    grpc_code = "FAILED_PRECONDITION"
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(f"snapshot refused ({why}): {message}", why=why)
+        self.why = why
+
+
 ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
     cls.reason: cls
     for cls in (
@@ -192,5 +208,6 @@ ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
         FailedPrecondition,
         ServerRestarted,
         DeadlineExceeded,
+        SnapshotRefused,
     )
 }

@@ -9,7 +9,6 @@ written. `append` raises it to the tokens before the appended ones; `commit` rai
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -52,10 +51,12 @@ class Sequences:
 
     def __init__(self, first_seq_id: int) -> None:
         self._live: dict[int, LiveSequence] = {}
-        self._seq_ids = itertools.count(first_seq_id)
+        self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
 
     def next_id(self) -> int:
-        return next(self._seq_ids)
+        seq_id = self.next_seq_id
+        self.next_seq_id = seq_id + 1
+        return seq_id
 
     def add(self, seq: LiveSequence) -> None:
         self._live[seq.seq_id] = seq
