@@ -164,7 +164,7 @@ def test_serve_with_a_state_dir_starts_a_detached_keeper_that_outlives_the_serve
     assert second.stop() == 0
 
 
-def test_a_second_keeper_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
+def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_first(tmp_path: Path) -> None:
     with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
         second = subprocess.run(
             [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(tmp_path / "state")],
@@ -173,6 +173,16 @@ def test_a_second_keeper_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
         assert second.returncode == 1
         assert "another keeper is running" in second.stderr
         assert KeeperClient(keeper.socket).info["incarnation"] == keeper.incarnation
+        probe = subprocess.run(
+            [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(tmp_path / "state"), "--check"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert probe.returncode == 0 and json.loads(probe.stdout)["incarnation"] == keeper.incarnation
+    probe = subprocess.run(
+        [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(tmp_path / "state"), "--check"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert probe.returncode == 1 and "no keeper answers" in probe.stderr
 
 
 @pytest.mark.gpu

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from radixkv.layout import PoolLayout
 from radixkv.server import keeper as keeper_module
-from radixkv.server.keeper import KeeperServer, socket_path
+from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame
+from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
 from radixkv.storage import SHM_DIR, KVStorage
 
