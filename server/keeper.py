@@ -202,7 +202,8 @@ def check(state_dir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`radixkv keeper --state-dir DIR`: 0 after SIGTERM, 1 when it cannot keep (another keeper, a bad dir)."""
+    """`radixkv keeper --state-dir DIR`: 0 after SIGTERM, 1 when it cannot keep (another keeper, a bad dir),
+    2 when torch (the server extra) is missing."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["keeper"]:
         args = args[1:]
@@ -223,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(ns.log_level)
     try:
         run(ns.state_dir.absolute(), sys.stdout)
+    except ModuleNotFoundError as e:
+        print(f"radixkv keeper: needs the {e.name} package: pip install 'radixkv[server]'", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError, ValueError) as e:
         print(f"radixkv keeper: {e}", file=sys.stderr)
         return 1
