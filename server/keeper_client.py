@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.layout import PoolLayout
-from radixkv.server.keeper import LOCK_NAME, socket_path
-from radixkv.server.keeper_protocol import KeeperError, decode_object, recv_frame, send_frame
+from radixkv.server.keeper_protocol import LOCK_NAME, KeeperError, decode_object, recv_frame, send_frame, socket_path
 from radixkv.storage import PoolHandle
 
 log = logging.getLogger("radixkv.server")

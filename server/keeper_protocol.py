@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 VERSION = 1
+SOCKET_NAME = "keeper.sock"  # in the state directory, beside LOCK_NAME (held by the live keeper)
+LOCK_NAME = "keeper.lock"
 MAX_FRAME_BYTES = 64 * 1024
 _LENGTH = struct.Struct(">I")
 _NAME_MAX = 128
@@ -25,6 +28,10 @@ REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     "create_or_attach": ("pool", "layout", "device"),
     "release": ("pool",),
 }
+
+
+def socket_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / SOCKET_NAME
 
 
 class KeeperError(Exception):

@@ -82,6 +82,11 @@ class _PoolCollector:
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
         )
+        restart_safe = GaugeMetricFamily(
+            "radixkv_pool_restart_safe",
+            "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
+            labels=["pool"],
+        )
         for pool in self._service.pools.values():
             with pool.lock:
                 stats = pool.cache.stats()
@@ -100,6 +105,7 @@ class _PoolCollector:
                 counters[name].add_metric([pool.name], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
+            restart_safe.add_metric([pool.name], 1 if pool.restart_safe() else 0)
         yield from gauges.values()
         yield from counters.values()
         yield usage
@@ -108,6 +114,7 @@ class _PoolCollector:
         yield preemptions
         yield refusals
         yield tombstones
+        yield restart_safe
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
 

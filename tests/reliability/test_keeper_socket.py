@@ -10,6 +10,8 @@ import pickle
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
@@ -23,9 +25,9 @@ from hypothesis import strategies as st
 
 from radixkv.layout import PoolLayout
 from radixkv.server import keeper as keeper_module
-from radixkv.server.keeper import KeeperServer, socket_path
+from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame
+from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
 from radixkv.storage import SHM_DIR, KVStorage
 
@@ -256,3 +258,14 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     finally:
         bystander.close()
         bystander.unlink()
+
+
+def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None; from radixkv.server.keeper import main; "
+        f"sys.exit(main(['--state-dir', {str(tmp_path / 'state')!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "needs the torch package: pip install 'radixkv[server]'" in result.stderr
+    assert "Traceback" not in result.stderr
