@@ -294,6 +294,10 @@ class KVCache:
             num_namespaces=len(self.tree.roots),
         )
 
+    def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
+        """The live sequences and the pins (deepest node, count): what the online audit copies."""
+        return self._sequences, self._pins.holders()
+
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare; raises AssertionError naming what broke."""
-        check_holders(self.pool, self.tree, self._sequences, self._pins.holders())
+        check_holders(self.pool, self.tree, *self.holders())
