@@ -138,6 +138,7 @@ class PoolImage:
         sequences, pins = pool.cache.holders()
         try:
             pool.ledger.check_invariants(pool.cache)
+            pool.cache.check_reservations()
             ledger_violation = None
         except AssertionError as e:
             ledger_violation = f"ledger: {e}"
