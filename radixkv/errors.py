@@ -30,6 +30,8 @@ class RadixKVError(Exception):
         RadixKVError.__init__(err, message, **metadata)
         for key, value in metadata.items():
             setattr(err, key, int(value) if value.lstrip("-").isdigit() else value)
+        if isinstance(getattr(err, "retry_after_ms", None), int):  # TOKEN_BUDGET (a stream's refusal has no RetryInfo)
+            err.retry_delay = err.retry_after_ms / 1000  # type: ignore[attr-defined]
         return err
 
 

@@ -79,7 +79,8 @@ def run_step(
         def check_and_apply() -> StepResult:
             _StepPlan(service, pool, session, caller).check(step, requests)
             cost = sum(_num_tokens(t) for t, _ in requests) + sum(step.max_new_tokens) if requests else 0
-            service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
+            with _item("opens"):
+                service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
                 return _apply(service, pool, session, step, requests)
             except BaseException:

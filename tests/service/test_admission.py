@@ -37,7 +37,7 @@ from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import Debug
 
 OPS = "ops-token"
-SLOW = [f"slow-{i}-token" for i in range(3)]  # one tenant per test: each starts with a full bucket
+SLOW = [f"slow-{i}-token" for i in range(4)]  # one tenant per test: each starts with a full bucket
 TOKENS = f"""
 [tenants.ops]
 token = "{OPS}"
@@ -300,6 +300,18 @@ def test_a_token_budget_refusal_carries_retry_info_on_the_wire(server: ServerPro
     assert any(d.Unpack(retry) for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR))
     # 61 tokens from a bucket of 40 leave it 21 in debt; the next needs 40: (21 + 40) / 40 s, less what refilled.
     assert 1.4 < retry.retry_delay.ToTimedelta().total_seconds() <= 1.525
+
+
+def test_a_session_step_over_the_token_budget_is_refused_whole(server: ServerProcess, debug: Debug) -> None:
+    with RadixKVClient(server.address, pool="small", token=SLOW[3]) as slow:
+        a = slow.step(Step(opens=[([1, 2, 3], "chat")], max_new_tokens=[30])).opened[0]  # 33 of 40 tokens
+        with pytest.raises(TokenBudget) as refused:
+            slow.step(Step(opens=[([4, 5, 6], "chat")], max_new_tokens=[7], append=Append([a.seq_id], [1], [9])))
+        e = refused.value
+        assert (e.metadata["item"], e.num_tokens) == ("opens", 10) and e.retry_delay == e.retry_after_ms / 1000 > 0
+        assert slow.describe_sequences([a.seq_id]) == [(3, 0)], "the refused step's append was not applied"
+        slow.release(a.seq_id, cache=False)
+    debug.check("small")
 
 
 def test_a_refused_open_is_not_charged(server: ServerProcess) -> None:
