@@ -8,7 +8,7 @@ each half one concept and a readable size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from radixkv.admission import PlannedOpen, plan_open
 from radixkv.allocation import Allocator
@@ -182,8 +182,16 @@ class CacheQueries:
             num_preempted_sequences=len(self._sequences.preempted),
         )
 
+    def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
+        """The live sequences and the pins (deepest node, count): what the online audit copies."""
+        return self._sequences, self._pins.holders()
+
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare; raises AssertionError naming what broke."""
-        check_holders(self.pool, self.tree, self._sequences, self._pins.holders())
+        check_holders(self.pool, self.tree, *self.holders())
+        self.check_reservations()
+
+    def check_reservations(self) -> None:
+        """Admission's reservations recounted: O(live sequences), so the online audit runs it under the lock."""
         blocks, sequences = self._blocks, self._sequences
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
