@@ -148,35 +148,35 @@ def _step(request: pb.SessionRequest) -> Step:
 
 
 def _response(request_id: int, session_id: str, result: StepResult) -> pb.SessionResponse:
-    """Only the fields the step has results for are set (protobuf costs per field given, even empty ones)."""
-    fields: dict[str, object] = {"request_id": request_id, "session_id": session_id}
-    if result.opened:
-        fields["opened"] = [
-            pb.StepOpened(
-                seq_id=r.seq_id,
-                num_cached_tokens=r.num_cached_tokens,
-                block_ids=r.block_table,
-                slots=r.slots.astype(_INT64, copy=False).tobytes(),
-            )
-            for r in result.opened
-        ]
+    """Only the fields the step has results for are set, in place (protobuf costs per field given, even an
+    empty one, and a submessage passed to a constructor is copied again)."""
+    response = pb.SessionResponse(request_id=request_id, session_id=session_id)
+    for r in result.opened:
+        response.opened.add(
+            seq_id=r.seq_id,
+            num_cached_tokens=r.num_cached_tokens,
+            block_ids=r.block_table,
+            slots=r.slots.astype(_INT64, copy=False).tobytes(),
+        )
     b = result.appended
     if b is not None:
-        fields["appended"] = pb.StepAppended(
-            num_tokens=b.num_tokens,
-            table_offsets=b.table_offsets,
-            num_block_ids=b.num_block_ids,
-            block_ids=b.block_ids,
-            slots=b.slots.astype(_INT64, copy=False).tobytes(),
-            copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
-        )
-    if result.forked:
-        fields["forked"] = [pb.StepForked(child_seq_ids=children) for children in result.forked]
+        appended = response.appended
+        appended.SetInParent()  # an append of no sequences still answers with an (empty) `appended`
+        appended.num_tokens.extend(b.num_tokens)
+        appended.table_offsets.extend(b.table_offsets)
+        appended.num_block_ids.extend(b.num_block_ids)
+        if b.block_ids:
+            appended.block_ids.extend(b.block_ids)
+        appended.slots = b.slots.astype(_INT64, copy=False).tobytes()
+        for s, d, i in b.copies:
+            appended.copies.add(src_block_id=s, dst_block_id=d, sequence_index=i)
+    for children in result.forked:
+        response.forked.add(child_seq_ids=children)
     if result.num_cached_tokens:
-        fields["num_cached_tokens"] = result.num_cached_tokens
+        response.num_cached_tokens.extend(result.num_cached_tokens)
     if result.num_released_sequences:
-        fields["num_released_sequences"] = result.num_released_sequences
-    return pb.SessionResponse(**fields)  # type: ignore[arg-type]
+        response.num_released_sequences = result.num_released_sequences
+    return response
 
 
 def _step_error(error: RadixKVError) -> pb.StepError:
