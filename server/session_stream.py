@@ -13,6 +13,10 @@ The stream serves the session its first request names; later requests may leave 
 empty. While the stream is open the session's lease does not run out (`SessionRegistry.hold`), and
 the server's keepalive pings end the streams of peers that vanished. A step with a `request_id`
 that this session already answered (re-sent after a reconnect) is answered again, not re-applied.
+
+A client with several steps queued sends them as one frame (`SessionRequest.steps`, see
+client/step_stream.py): each is answered exactly as if it came alone, in order, and the answers go
+back in one message, so gRPC's per-message cost is paid once for them.
 """
 
 from __future__ import annotations
@@ -71,15 +75,39 @@ class SessionStreams:
                     request = next(incoming)
                 except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
                     return
-                start = time.perf_counter()
-                response, pool = stream.answer(request)
-                code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
-                observe("Session", pool, code, time.perf_counter() - start)
-                yield response
+                if isinstance(request, Undecodable) or not request.steps:
+                    yield _answer(stream, request, observe)
+                else:
+                    yield _answer_frame(stream, request, observe)
         finally:
             stream.close()
             with self._lock:
                 self._num_open -= 1
+
+
+def _answer(stream: _Stream, request: pb.SessionRequest | Undecodable, observe: Observe) -> pb.SessionResponse:
+    start = time.perf_counter()
+    response, pool = stream.answer(request)
+    code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
+    observe("Session", pool, code, time.perf_counter() - start)
+    return response
+
+
+def _answer_frame(stream: _Stream, frame: pb.SessionRequest, observe: Observe) -> pb.SessionResponse:
+    """A frame's steps, each answered as if it came alone, in order; their responses in one message."""
+    response = pb.SessionResponse()
+    if len(frame.ListFields()) > 1:  # `steps` and something else
+        refusal = _step_error(InvalidArgument("steps", "a frame of steps sets no other field"))
+        for _ in frame.steps:
+            response.steps.add(error=refusal)
+        return response
+    for i, step in enumerate(frame.steps):
+        if step.steps:
+            refused = _step_error(InvalidArgument(f"steps[{i}].steps", "a step inside a frame is not a frame"))
+            response.steps.add(request_id=step.request_id, error=refused)
+        else:
+            response.steps.append(_answer(stream, step, observe))
+    return response
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
