@@ -41,6 +41,10 @@ class Pool:
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None
         self.num_miss_tokens: dict[str, int] = {}  # reason -> tokens, counted by Match with explain
+        # Set under the lock once a restart's snapshot is taken: from then on no call changes the pool.
+        self.frozen = False
+        self.snapshot_refusals: dict[str, int] = {}  # why -> snapshots refused at start (server/restart.py)
+        self.num_adopted_blocks = 0  # cached blocks adopted from the previous server's snapshot
 
     def publish_kv_events(self, config: PoolConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
@@ -54,6 +58,7 @@ class Pool:
             self.layout.block_size,
             config.kv_events_replay_endpoint,
             config.kv_events_buffer_steps,
+            adopted=self.events.snapshot(lambda namespace: True) if self.num_adopted_blocks else None,
         )
         publisher.start()
         with self.lock:
