@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,9 @@ def run_scenario(scenario: str, shape: TraceShape, keeper: KeeperProcess, workdi
             result["num_adopted_blocks"] = adopted.get("num_cached_blocks", 0)
             if scenario == "crash":
                 client.reopen()  # the crash policy: the old session is gone with the index
-        after = _retrying(lambda: run_turns(client, system, conversations, histories, range(shape.restart_turn, shape.num_turns)))
+        after = _retrying(
+            lambda: run_turns(client, system, conversations, histories, range(shape.restart_turn, shape.num_turns))
+        )
         second.stop()
     finally:
         client.close()
@@ -183,14 +186,15 @@ def run_scenario(scenario: str, shape: TraceShape, keeper: KeeperProcess, workdi
     return result
 
 
-def _retrying(run: Any) -> Any:
-    """The first calls after a restart may find the server not yet answering: retried, as a scheduler would."""
-    for _ in range(50):
+def _retrying(call: Callable[[], object]) -> None:
+    """The first call after a restart may find the channel still reconnecting: retried, as a scheduler would."""
+    for _ in range(100):
         try:
-            return run()
+            call()
+            return
         except (RadixKVError, grpc.RpcError):
-            time.sleep(0.1)
-    return run()
+            time.sleep(0.05)
+    call()
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -200,7 +204,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"{r['scenario']:<9} {r.get('seconds_to_serving') or 0:>12.2f} {r['hit_ratio_before']:>10.3f} "
             f"{r['hit_ratio_after']:>9.3f} {r['prefill_tokens_after']:>13} {r.get('snapshot_bytes') or 0:>10} "
-            f"{r.get('snapshot_write_s') or 0:>8.3f} {r.get('adopt_s') or 0:>8.3f} {r.get('num_adopted_blocks') or 0:>14}"
+            f"{r.get('snapshot_write_s') or 0:>8.3f} {r.get('adopt_s') or 0:>8.3f} "
+            f"{r.get('num_adopted_blocks') or 0:>14}"
         )
     ratios = report["ratios"]
     print(f"upgrade hit ratio after / no restart:        {ratios['upgrade_over_none_hit_after']:.3f}")
