@@ -56,7 +56,7 @@ class TraceShape:
 
 
 QUICK = TraceShape(12, 6, 3, 64, 24, 48, 1024, 2, 64)
-FULL = TraceShape(64, 10, 5, 256, 48, 128, 16384, 8, 128)
+FULL = TraceShape(48, 10, 5, 256, 48, 128, 4096, 4, 128)
 
 
 def make_conversations(shape: TraceShape, seed: int = 0) -> list[list[tuple[list[int], list[int]]]]:
@@ -120,7 +120,7 @@ def _log_event(log_path: Path, message: str) -> dict[str, Any]:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("message") == message:
+        if record.get("msg") == message:
             found = record
     return found
 
@@ -169,11 +169,10 @@ def run_scenario(scenario: str, shape: TraceShape, keeper: KeeperProcess, workdi
             adopted = _log_event(workdir / f"{scenario}-2.log", "snapshot adopted")
             result["adopt_s"] = adopted.get("seconds")
             result["num_adopted_blocks"] = adopted.get("num_cached_blocks", 0)
-            if scenario == "crash":
-                client.reopen()  # the crash policy: the old session is gone with the index
-        after = _retrying(
-            lambda: run_turns(client, system, conversations, histories, range(shape.restart_turn, shape.num_turns))
-        )
+            # The crash policy: the old session is gone with the index, so the scheduler reopens; an upgrade
+            # keeps it. Retried until the channel has reconnected, as a scheduler would.
+            _retrying(client.reopen if scenario == "crash" else client.keep_alive)
+        after = run_turns(client, system, conversations, histories, range(shape.restart_turn, shape.num_turns))
         second.stop()
     finally:
         client.close()

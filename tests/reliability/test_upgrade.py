@@ -14,7 +14,9 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import msgpack
@@ -22,13 +24,14 @@ import pytest
 import torch
 import zmq
 
-from radixkv.client import PoolView, RadixKVClient
+from radixkv.client import PoolView, RadixKVClient, Router
 from radixkv.errors import RadixKVError, ServerRestarted
 from radixkv.server.process import KeeperProcess, ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import Debug
 
+T = TypeVar("T")
 BLOCK_SIZE = 4
 POOL = ["--pool", f"default:num_layers=2,num_kv_heads=1,head_dim=8,block_size={BLOCK_SIZE},num_blocks=2048"]
 PROMPTS = [[1000 + 7 * i] * 3 + list(range(2000 + 50 * i, 2000 + 50 * i + 37)) for i in range(12)]
@@ -69,9 +72,21 @@ def _upgrade(address: str) -> pb.UpgradeResponse:
         return kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), timeout=30)
 
 
+def _once_reachable(call: Callable[[], T]) -> T:
+    """`call`, retried while the channel is still reconnecting to the restarted server (UNAVAILABLE)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:  # type: ignore[attr-defined]
+                raise
+            time.sleep(0.1)
+
+
 def _log_lines(path: Path, message: str) -> list[dict[str, object]]:
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("message") == message]
+    return [line for line in lines if line.get("msg") == message]
 
 
 class Load:
@@ -160,29 +175,37 @@ def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper
         second.stop()
 
 
-def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
     zmq_flags = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     first = _serve(keeper, tmp_path / "server1.log", *zmq_flags)
     client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    router = Router([first.address], block_size=BLOCK_SIZE, health_interval=0.2)
     _warm(client)
     before = client.verify()
+    routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
+    assert wait_until(lambda: router.status()[0].digest == before.digest, timeout=10)
     assert first.stop() == 0  # SIGTERM: the same snapshot as Upgrade
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port), *zmq_flags)
     try:
-        after = client.verify()  # the session is the same one
+        after = _once_reachable(client.verify)  # the session is the same one
         assert after.digest == before.digest and after.epoch != before.epoch
-        assert {n.namespace: n.digest for n in after.namespaces} == {n.namespace: n.digest for n in before.namespaces}
+        assert after.digests == before.digests and after.num_blocks == before.num_blocks
+        # The router sees a new incarnation whose snapshot is the index it held: the same prefixes route here.
+        assert wait_until(lambda: router.status()[0].epoch == after.epoch and router.status()[0].healthy, timeout=20)
+        assert router.status()[0].digest == after.digest and router.status()[0].num_rebuilds == 1
+        assert [router.num_cached_blocks(first.address, p) for p in PROMPTS] == routed_before
         # vLLM's stream of the new incarnation opens with the adopted blocks, not AllBlocksCleared.
         replayed = _replayed_events(second.announcement["kv_events"]["default"]["replay_endpoint"])
         kinds = {e["type"] for e in replayed}
         assert kinds == {"BlockStored"}, kinds
-        assert sum(len(e["block_hashes"]) for e in replayed) == before.num_blocks
+        assert sum(len(e["block_hashes"]) for e in replayed) == sum(before.num_blocks.values())
         # Twice in a row: the next server adopts what this one adopted.
         assert second.stop() == 0
         third = _serve(keeper, tmp_path / "server3.log", "--port", str(first.port))
-        assert client.verify().digest == before.digest
+        assert _once_reachable(client.verify).digest == before.digest
         third.stop()
     finally:
+        router.close()
         client.close()
 
 
@@ -209,7 +232,7 @@ def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(k
     client = RadixKVClient(first.address, session_ttl=60, timeout=5)
     _warm(client)
     assert first.stop() == 0
-    snapshot = keeper.state_dir / "snapshots" / "default.snapshot"
+    snapshot = Path(keeper.announcement["state_dir"]) / "snapshots" / "default.snapshot"
     data = bytearray(snapshot.read_bytes())
     data[len(data) // 2] ^= 0x10
     snapshot.write_bytes(bytes(data))
@@ -220,7 +243,7 @@ def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(k
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{second.metrics_port}/metrics", timeout=10).read().decode()
         assert 'radixkv_snapshot_refusals_total{pool="default",why="CORRUPTED"} 1.0' in metrics
         with pytest.raises(ServerRestarted):
-            client.match(PROMPTS[0])  # nothing adopted: not the session either
+            _once_reachable(lambda: client.match(PROMPTS[0]))  # nothing adopted: not the session either
         client.reopen()
         assert _hit_ratio(client) == 0.0
         Debug(second.address).check()
@@ -238,7 +261,7 @@ def test_a_sigkill_of_the_server_is_a_cold_start(keeper, tmp_path) -> None:  # t
     try:
         assert not _log_lines(tmp_path / "server2.log", "snapshot adopted")
         with pytest.raises(ServerRestarted):
-            client.match(PROMPTS[0])
+            _once_reachable(lambda: client.match(PROMPTS[0]))
         client.reopen()
         assert _hit_ratio(client) == 0.0, "a crash adopts nothing: no snapshot proves the index"
         assert client.verify().digest == 0
