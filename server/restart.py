@@ -78,16 +78,29 @@ class Written:
 
 
 def kv_checksums(storage: KVStorage, block_ids: list[int]) -> bytes:
-    """sha256 of each block's K/V bytes (every layer, K then V), concatenated in `block_ids` order."""
+    """sha256 of each block's K/V bytes (every layer, K then V), concatenated in `block_ids` order.
+
+    A CPU pool is hashed in place, block by block (each layer's K or V of one block is contiguous);
+    a CUDA pool is gathered to the host a chunk of blocks at a time.
+    """
     import torch  # the server's pools need it anyway; imported here to keep this module light
 
     data = storage.data  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     digests = []
     for start in range(0, len(block_ids), _CHECKSUM_CHUNK_BLOCKS):
-        ids = torch.tensor(block_ids[start : start + _CHECKSUM_CHUNK_BLOCKS], dtype=torch.long, device=data.device)
-        # chunk: [n, num_layers, 2, block_size, num_kv_heads, head_dim] as bytes, one row per block
-        chunk = data[:, :, ids].movedim(2, 0).contiguous().view(torch.uint8).reshape(ids.numel(), -1).cpu().numpy()
-        digests.extend(hashlib.sha256(row).digest() for row in chunk)
+        ids = block_ids[start : start + _CHECKSUM_CHUNK_BLOCKS]
+        if data.device.type == "cpu":
+            chunk, rows = data, ids
+        else:
+            chunk = data[:, :, torch.tensor(ids, dtype=torch.long, device=data.device)].cpu()
+            rows = list(range(len(ids)))
+        raw = chunk.view(torch.uint8).numpy()  # [num_layers, 2, n, block_size, num_kv_heads, head_dim * dtype bytes]
+        for row in rows:
+            digest = hashlib.sha256()
+            for layer in raw:
+                digest.update(layer[0, row])
+                digest.update(layer[1, row])
+            digests.append(digest.digest())
     return b"".join(digests)
 
 
@@ -122,12 +135,14 @@ def snapshot_all(pools: dict[str, Pool], sessions: SessionRegistry) -> list[Writ
     Leases stop running out from now on (a session ended now would be ended in memory only after its
     pool froze). Idempotent: a pool already frozen is not written again.
     """
+    kept = [pool for pool in pools.values() if pool.keeper is not None and not pool.frozen]
+    if not kept:
+        return []
     sessions.pause()
     live = sessions.live()
     written = []
-    for pool in pools.values():
-        if pool.keeper is None or pool.frozen:
-            continue
+    for pool in kept:
+        assert pool.keeper is not None
         if not pool.restart_safe():
             log.warning("keeper gone: no snapshot (the memory goes with this server)", extra={"pool": pool.name})
             continue

@@ -29,7 +29,7 @@ from radixkv.errors import RadixKVError, ServerRestarted
 from radixkv.server.process import KeeperProcess, ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
-from tests.reliability.conftest import Debug
+from tests.reliability.conftest import TOKENS, Debug
 
 T = TypeVar("T")
 BLOCK_SIZE = 4
@@ -278,3 +278,12 @@ def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with RadixKVClient(server.address, timeout=5) as client:
         assert client.match(PROMPTS[0]) == 0
+
+
+@pytest.mark.parametrize(("tenant", "code"), [("acme", "PERMISSION_DENIED"), ("globex", "FAILED_PRECONDITION")])
+def test_upgrade_is_for_admins_only(secure, certificates, tenant: str, code: str) -> None:  # type: ignore[no-untyped-def]
+    credentials = grpc.ssl_channel_credentials(certificates["server"][0].read_bytes())
+    metadata = (("authorization", f"Bearer {TOKENS[tenant]}"),)
+    with grpc.secure_channel(secure.address, credentials) as channel, pytest.raises(grpc.RpcError) as refused:
+        kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), metadata=metadata, timeout=10)
+    assert refused.value.code() == getattr(grpc.StatusCode, code)  # globex may, but no keeper holds the pools
