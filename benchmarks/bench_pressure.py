@@ -6,6 +6,8 @@ by a small continuous-batching loop (benchmarks/pressure_loop.py) under each pol
 (benchmarks/pressure_policies.py), in one run:
   - no host tier: on OutOfBlocks the orchestrator releases the latest arrival without caching and
     re-opens it later, recomputing what the tree no longer holds (radixkv before issue 11);
+  - preempt by recompute: admission by token budget, the core's victims preempted by recompute (their
+    computed blocks published to the tree) and resumed under their ids, re-matching what is still cached;
 
 Reported per scenario and policy: prefill tokens computed, and of them recomputed (computed before in
 the run); device and host hit ratios of new requests; preemptions; blocks and bytes moved between device
@@ -31,7 +33,7 @@ from radixkv.plan import GIB, plan_capacity
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pressure_trace  # noqa: E402 - sibling scripts, not a package
 from pressure_loop import Counters, Scheduler  # noqa: E402
-from pressure_policies import NoHostTier, Policy  # noqa: E402
+from pressure_policies import NoHostTier, Policy, PreemptRecompute  # noqa: E402
 
 BLOCK_SIZE = 16
 POOL_FRACTION = 0.25  # of each scenario's working set
@@ -63,7 +65,7 @@ FULL = Settings(pressure_trace.FULL, max_num_seqs=64, max_batch_tokens=8192)
 
 
 def policies() -> list[Policy]:
-    return [NoHostTier()]
+    return [NoHostTier(), PreemptRecompute()]
 
 
 def bytes_per_block() -> int:

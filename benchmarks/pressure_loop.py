@@ -37,6 +37,9 @@ class Counters:
     num_recomputed_tokens: int = 0  # of those, tokens whose K/V had been computed before in the run
     prefill_positions_sum: int = 0  # sum of the prefilled tokens' positions: attention FLOPs grow with it
     num_preemptions: int = 0
+    # Re-opens and resumes of preempted requests: their tokens, and how many of those the cache still held.
+    num_reopened_tokens: int = 0
+    num_reopen_hit_tokens: int = 0
     # Revisits (a conversation's later turns): of the tokens computed before, how many each tier served.
     num_revisit_prior_tokens: int = 0
     num_revisit_device_hit_tokens: int = 0
@@ -56,6 +59,7 @@ class Live:
     seq_id: int = -1
     num_generated: int = 0
     num_opens: int = 0
+    preempted: bool = False  # preempted under its seq_id (swap or recompute): it resumes, not re-opens
 
     @property
     def context(self) -> np.ndarray:
@@ -142,8 +146,9 @@ class Scheduler:
                     raise RuntimeError(
                         f"the pool cannot hold request {self.running[0].request.name} alone: {e}"
                     ) from None
-                for victim in self.policy.victims(self.cache, self.running, e.needed):
+                for victim in self.policy.victims(self.cache, self.running, e.needed - e.free):
                     self.running.remove(victim)
+                    self.cache.commit([victim.seq_id], [victim.num_held_tokens])  # every token it holds is computed
                     self.ever.add(victim.context[: victim.num_held_tokens])
                     self.policy.preempt(self.cache, victim, self.counters)
                     self.waiting.appendleft(victim)
@@ -172,20 +177,29 @@ class Scheduler:
         admitted: list[Live] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             live = self.waiting[0]
-            context = live.context
+            # A preempted sequence that kept its id resumes its held tokens, and its next decode appends the
+            # token it had sampled; a new (or released) one opens its whole context and samples from the prefill.
+            context = live.context[: live.num_held_tokens] if live.preempted else live.context
             num_new = len(context) - self.cache.match(context, NAMESPACE)
             if (admitted or self.running) and num_new > budget:
                 break
-            opened = self.policy.admit(self.cache, live, context, len(self.running) + len(admitted), self.counters)
-            if opened is None:
+            num_running = len(self.running) + len(admitted)
+            if live.preempted:
+                restored = self.policy.resume(self.cache, live, self.counters)
+                hits = None if restored is None else (restored, 0)
+            else:
+                hits = self.policy.admit(self.cache, live, context, num_running, self.counters)
+            if hits is None:
                 break
             self.waiting.popleft()
-            device_hits, host_hits = opened
-            self._count_prefill(live, context, device_hits, host_hits)
-            budget -= len(context) - device_hits - host_hits
+            self._count_prefill(live, context, *hits)
+            budget -= len(context) - sum(hits)
+            if live.preempted:
+                live.preempted = False
+            else:
+                live.num_generated += 1  # the prefill's last logits sample the next token
+                self.counters.num_generated_tokens += 1
             live.num_opens += 1
-            live.num_generated += 1  # the prefill's last logits sample the next token
-            self.counters.num_generated_tokens += 1
             admitted.append(live)
         self.running += admitted
         self._finish(step)
@@ -198,7 +212,10 @@ class Scheduler:
         c.num_recomputed_tokens += max(0, computed_before - device_hits - host_hits)
         start = device_hits + host_hits
         c.prefill_positions_sum += (start + len(context) - 1) * num_prefill // 2
-        if live.num_opens == 0:
+        if live.num_opens:
+            c.num_reopened_tokens += len(context)
+            c.num_reopen_hit_tokens += device_hits + host_hits
+        else:  # a request's first open
             c.num_prompt_tokens += len(context)
             c.num_device_hit_tokens += device_hits
             c.num_host_hit_tokens += host_hits

@@ -18,17 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.budget import Budget, reservation
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache
 from radixkv.limits import Limits
 from radixkv.radix_node import Node
-from radixkv.sequence import LiveSequence
+from radixkv.sequence import LiveSequence, PreemptedSequence
 from radixkv.stats import Stats
 
 # Stats fields that are gauges, read from the structures at `stats()` time: never restored.
 _GAUGES = frozenset(
     {"num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use",
-     "num_live_sequences", "num_namespaces", "num_blocks_total"}
+     "num_live_sequences", "num_namespaces", "num_blocks_total", "num_blocks_reserved", "num_preempted_sequences"}
 )  # fmt: skip
 
 
@@ -58,9 +59,14 @@ def capture(cache: KVCache) -> dict[str, Any]:
     roots = [tree.roots[name] for name in names]
     sequences = [
         [s.seq_id, s.namespace, bytes(s.tail_bytes), _i32(s.block_table), ref(s.lock_node), s.num_tree_blocks,
-         _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens]
+         _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
         for s in cache._sequences
     ]  # fmt: skip
+    # Preempted by recompute: tokens only. A swapped-out sequence's host blocks are the host tier's to capture.
+    preempted = [
+        [p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
+        for p in cache._sequences.preempted.values()
+    ]
     pins = [[namespace, key, ref(node), count] for (namespace, key), (node, count) in cache._pins._pins.items()]
     return {
         "block_size": cache.block_size,
@@ -83,6 +89,8 @@ def capture(cache: KVCache) -> dict[str, Any]:
             .tobytes(),
         },
         "sequences": sequences,
+        "preempted": preempted,
+        "budget": [cache.budget.reserve_fraction, cache.budget.watermark_blocks],
         "pins": pins,
         "ref_counts": pool.ref_counts.astype("<i4").tobytes(),
         "free": _i32(pool._free[: pool.num_free]),
@@ -136,16 +144,25 @@ def _rebuild(state: dict[str, Any], limits: Limits | None) -> KVCache:
     pool.ref_counts[:] = ref_counts
     pool._free[: free.size] = free
     pool._num_free = int(free.size)
-    for seq_id, namespace, tail, table, lock_at, num_tree_blocks, private, num_tokens, num_computed in state[
-        "sequences"
-    ]:
+    reserve_fraction, watermark_blocks = state["budget"]
+    cache.budget = Budget(float(reserve_fraction), int(watermark_blocks))
+    for row in state["sequences"]:
+        seq_id, namespace, tail, table, lock_at, num_tree_blocks, private, num_tokens, num_computed, rank, until = row
         lock_node = node_at(int(lock_at))
         if lock_node.namespace != namespace:
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
-        cache._sequences.add(
-            LiveSequence(int(seq_id), namespace, bytearray(tail), _ids(table), lock_node, int(num_tree_blocks),
-                         _ids(private), int(num_tokens), int(num_computed))
+        seq = LiveSequence(
+            int(seq_id), namespace, bytearray(tail), _ids(table), lock_node, int(num_tree_blocks), _ids(private),
+            int(num_tokens), int(num_computed), int(rank), int(until),
         )  # fmt: skip
+        cache._sequences.add(seq)
+        cache._blocks.num_reserved += reservation(seq)
+    for seq_id, namespace, token_bytes, num_computed, rank, until, mode in state["preempted"]:
+        if mode != "recompute":
+            raise ValueError(f"sequence {seq_id}: preempted by {mode!r}, which a snapshot does not carry")
+        cache._sequences.preempted[int(seq_id)] = PreemptedSequence(
+            int(seq_id), namespace, bytes(token_bytes), int(num_computed), int(rank), int(until), mode
+        )
     for namespace, key, node_at_index, count in state["pins"]:
         cache._pins._pins[(namespace, bytes(key))] = (node_at(int(node_at_index)), int(count))
     known = {f.name for f in dataclasses.fields(Stats)} - _GAUGES

@@ -73,6 +73,11 @@ class _PoolCollector:
         adopted = GaugeMetricFamily(
             "radixkv_adopted_blocks", "Cached blocks adopted from the previous server's snapshot.", labels=["pool"]
         )
+        restart_safe = GaugeMetricFamily(
+            "radixkv_pool_restart_safe",
+            "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
+            labels=["pool"],
+        )
         for pool in self._service.pools.values():
             for why, num in sorted(pool.snapshot_refusals.items()):
                 refused.add_metric([pool.name, why], num)
@@ -89,6 +94,7 @@ class _PoolCollector:
                 counters[name].add_metric([pool.name], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
+            restart_safe.add_metric([pool.name], 1 if pool.restart_safe() else 0)
         yield from gauges.values()
         yield from counters.values()
         yield usage
@@ -97,6 +103,7 @@ class _PoolCollector:
         yield tombstones
         yield refused
         yield adopted
+        yield restart_safe
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import pressure_trace  # noqa: E402 - sibling scripts of the benchmark, not a package
 from pressure_loop import Scheduler  # noqa: E402
-from pressure_policies import NoHostTier  # noqa: E402
+from pressure_policies import NoHostTier, PreemptRecompute  # noqa: E402
 
 BLOCK_SIZE = 16
 TINY = pressure_trace.Sizes(
@@ -101,6 +101,23 @@ def test_no_host_tier_under_pressure_preempts_and_recomputes_what_it_dropped() -
     assert counters.num_recomputed_tokens > 0
     assert counters.num_recomputed_tokens <= counters.num_prefill_tokens
     assert counters.num_offloaded_blocks == counters.num_loaded_blocks == 0
+
+
+@pytest.mark.parametrize("scenario", ["short prompt, long out", "long prompt, long out"])
+def test_preempt_by_recompute_resumes_under_the_same_ids_and_hits_what_it_published(scenario: str) -> None:
+    requests = pressure_trace.scenarios(TINY)[scenario]
+    num_blocks = pressure_trace.working_set_blocks(requests, BLOCK_SIZE) // 3
+    scratch, _ = serve(requests, num_blocks, NoHostTier())
+    recompute, cache = serve(requests, num_blocks, PreemptRecompute())
+    stats = cache.stats()
+    assert recompute.num_preemptions > 0
+    assert stats.num_preemptions_recompute == stats.num_resumed_sequences == recompute.num_preemptions
+    assert stats.num_opened_sequences == len(requests)  # a resume is not a new sequence
+    # Published at preemption, a victim's generated blocks are still cached when it resumes: more of what it
+    # re-opens hits than when it was released without caching (only its prompt, published at prefill, stays).
+    assert scratch.num_reopened_tokens and recompute.num_reopened_tokens
+    hit = recompute.num_reopen_hit_tokens / recompute.num_reopened_tokens
+    assert hit > scratch.num_reopen_hit_tokens / scratch.num_reopened_tokens and hit > 0.8
 
 
 def test_multi_turn_on_a_small_pool_loses_revisited_history() -> None:

@@ -44,8 +44,11 @@ def fingerprint(cache: KVCache) -> dict[str, object]:
         "ref_counts": cache.pool.ref_counts.tolist(),
         "free": cache.pool.free_block_ids(),
         "sequences": {
-            s: (cache.block_table(s), cache.num_tokens(s), cache.num_computed_tokens(s)) for s in cache.sequence_ids()
+            s.seq_id: (cache.block_table(s.seq_id), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until)
+            for s in cache._sequences
         },
+        "preempted": {p.seq_id: dataclasses.astuple(p) for p in cache._sequences.preempted.values()},
+        "budget": cache.budget,
         "stats": dataclasses.asdict(cache.stats()),
         "next_seq_id": cache._sequences.next_seq_id,
         "pins": {k: (path(node), count) for k, (node, count) in cache._pins._pins.items()},
@@ -68,7 +71,7 @@ class RestartingCacheMachine(CacheMachine):
         try:
             self.cache.pin(base[:cut], namespace)
         except Exception as e:  # noqa: BLE001 - any refusal must be one of ours
-            assert getattr(e, "reason", None) in ("FAILED_PRECONDITION", "LIMIT_EXCEEDED"), repr(e)
+            assert getattr(e, "reason", None) in ("FAILED_PRECONDITION", "LIMIT_EXCEEDED", "OUT_OF_BLOCKS"), repr(e)
             return
         self.held_pins.append((base[:cut], namespace))
 
