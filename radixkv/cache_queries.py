@@ -101,10 +101,11 @@ class CacheQueries:
         without `cache` (see `radixkv.scheduling`). Changes nothing."""
         return freeable_blocks(self.pool.ref_counts, self._sequences.batch(list(seq_ids)))
 
-    def victims(self, num_blocks: int) -> list[int]:
+    def victims(self, num_blocks: int, among: Sequence[int] | None = None) -> list[int]:
         """Live sequences to preempt to give `num_blocks` back: lowest priority, then latest arrival, first
-        (see `radixkv.scheduling.victims`). Changes nothing."""
-        return victims(self.pool.ref_counts, list(self._sequences), num_blocks)
+        (see `radixkv.scheduling.victims`); only from `among` when given (a session's own). Changes nothing."""
+        candidates = list(self._sequences) if among is None else self._sequences.batch(list(among))
+        return victims(self.pool.ref_counts, candidates, num_blocks)
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens are cached (whole blocks); locks and refreshes nothing."""

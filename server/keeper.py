@@ -183,14 +183,15 @@ def run(state_dir: Path, announce: IO[str] | None = None) -> None:
         log.info("stopped")
 
 
-def check(state_dir: Path) -> int:
-    """Exit status of a liveness probe: 0 when the keeper on `state_dir` answers hello (printed), else 1."""
+def ask(state_dir: Path, request: dict[str, Any]) -> int:
+    """One request to the keeper on `state_dir` from the command line (`--check`, `--list`, `--release`): prints
+    the reply; the exit status is 0 when the keeper answered ok, else 1."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
+            sock.settimeout(60)
             sock.connect(str(socket_path(state_dir)))
-            send_frame(sock, {"op": "hello"})
-            body = recv_frame(sock, 5)
+            send_frame(sock, request)
+            body = recv_frame(sock, 60)
     except (OSError, KeeperError) as e:
         print(f"radixkv keeper: no keeper answers on {socket_path(state_dir)}: {e}", file=sys.stderr)
         return 1
@@ -198,7 +199,7 @@ def check(state_dir: Path) -> int:
         print(f"radixkv keeper: the keeper on {socket_path(state_dir)} closed the connection", file=sys.stderr)
         return 1
     print(body.decode())
-    return 0
+    return 0 if json.loads(body).get("ok") is True else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,14 +214,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--state-dir", required=True, type=Path, help="socket, state file and snapshots live here")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument(
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument(
         "--check",
         action="store_true",
         help="do not keep: ask the keeper on --state-dir for hello, print it, exit 0 if it answered (a probe)",
     )
+    instead.add_argument("--list", action="store_true", help="do not keep: print the pools the keeper holds")
+    instead.add_argument(
+        "--release",
+        metavar="POOL",
+        help="do not keep: free POOL's memory (its cache is lost; the next server creates it afresh, any layout)",
+    )
     ns = parser.parse_args(args)
-    if ns.check:
-        return check(ns.state_dir)
+    if ns.check or ns.list or ns.release:
+        op = {"op": "hello"} if ns.check else {"op": "list"} if ns.list else {"op": "release", "pool": ns.release}
+        return ask(ns.state_dir, op)
     configure_logging(ns.log_level)
     try:
         run(ns.state_dir.absolute(), sys.stdout)

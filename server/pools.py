@@ -35,6 +35,9 @@ class Pool:
         tombstones: int = 65_536,
         keeper: KeeperAttachment | None = None,
         keeper_lost: threading.Event | None = None,
+        *,
+        reserve_fraction: float = 1.0,
+        watermark_fraction: float = 0.01,
     ) -> None:
         self.name = name
         self.storage = storage
@@ -47,12 +50,14 @@ class Pool:
         self.lock = threading.Lock()
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(
-            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1
-        )
+            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1,
+            reserve_fraction=reserve_fraction, watermark_fraction=watermark_fraction,
+        )  # fmt: skip
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None
         self.num_miss_tokens: dict[str, int] = {}  # reason -> tokens, counted by Match with explain
+        self.num_token_budget_refusals = 0  # opens refused by a tenant's token bucket (NOT_ADMITTED: the core counts)
         # Set under the lock once a restart's snapshot is taken: from then on no call changes the pool.
         self.frozen = False
         self.snapshot_refusals: dict[str, int] = {}  # why -> snapshots refused at start (server/restart.py)
@@ -112,7 +117,10 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
         attachment = keeper.create_or_attach(config.name, layout, _device_with_index(config.device))
         storage = KVStorage.open(attachment.handle)
     lost = keeper.lost if keeper is not None else None
-    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost)
+    pool = Pool(
+        config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost,
+        reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
+    )  # fmt: skip
     if attachment is not None:
         from radixkv.server.restart import adopt_snapshot
 

@@ -155,6 +155,22 @@ def test_a_layout_mismatch_stops_the_server_with_a_clear_error(tmp_path: Path) -
         assert again.announcement["keeper"]["pools"] == {"default": "retained"}
         assert again.stop() == 0
 
+        # To change the layout, the operator releases the kept pool (its cache is lost).
+        listed = _keeper_cli(tmp_path / "state", "--list")
+        assert listed.returncode == 0 and [p["layout"]["num_blocks"] for p in json.loads(listed.stdout)["pools"]] == [
+            64
+        ]
+        assert _keeper_cli(tmp_path / "state", "--release", "default").returncode == 0
+        assert json.loads(_keeper_cli(tmp_path / "state", "--list").stdout)["pools"] == []
+        resized = ServerProcess(bigger, tmp_path / "fourth.log", keeper=keeper.socket)
+        assert resized.announcement["keeper"]["pools"] == {"default": "fresh"}
+        assert resized.stop() == 0
+
+
+def _keeper_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(state), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
 
 def test_serve_without_a_keeper_listening_refuses(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited \(1\) before serving.*no keeper answers"):
@@ -186,15 +202,11 @@ def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_firs
         assert second.returncode == 1
         assert "another keeper is running" in second.stderr
         assert KeeperClient(keeper.socket).info["incarnation"] == keeper.incarnation
-        probe = subprocess.run(
-            [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(tmp_path / "state"), "--check"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        probe = _keeper_cli(tmp_path / "state", "--check")
         assert probe.returncode == 0 and json.loads(probe.stdout)["incarnation"] == keeper.incarnation
-    probe = subprocess.run(
-        [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(tmp_path / "state"), "--check"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        unknown = _keeper_cli(tmp_path / "state", "--release", "nothing")
+        assert unknown.returncode == 1 and json.loads(unknown.stdout)["reason"] == "UNKNOWN_POOL"
+    probe = _keeper_cli(tmp_path / "state", "--check")
     assert probe.returncode == 1 and "no keeper answers" in probe.stderr
 
 

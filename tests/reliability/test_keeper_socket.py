@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -269,3 +270,50 @@ def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> 
     assert result.returncode == 2, result.stderr
     assert "needs the torch package: pip install 'radixkv[server]'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_connections_past_the_limit_are_refused_and_slots_come_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keeper_module, "MAX_CONNECTIONS", 2)
+    state = tmp_path / "state"
+    state.mkdir()
+    server = KeeperServer(Keeper(state), socket_path(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        first, second = _connect(server), _connect(server)
+        assert _hello_works(first) and _hello_works(second)
+        with _connect(server) as third:
+            reply = recv_frame(third, 5)
+            assert reply is not None and json.loads(reply)["reason"] == "TOO_MANY"
+            assert third.recv(1) == b""
+        first.close()
+
+        def a_slot_is_free() -> bool:
+            with _connect(server) as sock:
+                try:
+                    return _hello_works(sock)
+                except (KeeperError, OSError):  # refused and closed: the slot is not back yet
+                    return False
+
+        deadline = time.monotonic() + 5
+        while not a_slot_is_free():
+            assert time.monotonic() < deadline, "the closed connection's slot never came back"
+            time.sleep(0.05)
+        assert _hello_works(second)
+        second.close()
+    finally:
+        server.stop()
+        thread.join(5)
+        server.close()
+        server.keeper.close()
+
+
+def test_a_state_dir_too_long_for_a_unix_socket_is_refused_clearly(tmp_path: Path) -> None:
+    state = tmp_path / ("d" * 120)
+    state.mkdir()
+    keeper = Keeper(state)
+    with pytest.raises(ValueError, match="longer than 107 bytes"):
+        KeeperServer(keeper, socket_path(state))
+    keeper.close()
