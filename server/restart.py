@@ -111,9 +111,10 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
         pool.frozen = True
         cache = pool.cache
         tree_block_ids = sorted(int(b) for b in cache.tree.tree_block_ids())
+        owned = cache.sequence_ids() + cache.preempted_sequence_ids()  # every sequence has its session
         extras = {
             "sessions": [[s.session_id, s.tenant.name, s.ttl] for s in sessions],
-            "owners": [[seq_id, pool.ledger.owner(seq_id).session_id] for seq_id in cache.sequence_ids()],  # type: ignore[union-attr]
+            "owners": [[seq_id, pool.ledger.owner(seq_id).session_id] for seq_id in owned],  # type: ignore[union-attr]
             "pins": [
                 [s.session_id, p.namespace, p.token_bytes, p.num_blocks] for s in sessions for p in pool.ledger.pins(s)
             ],

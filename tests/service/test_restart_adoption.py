@@ -66,8 +66,10 @@ def _serve_some(pool: Pool) -> tuple[KVService, str, int]:
         service.commit(ANONYMOUS, session.session_id, "default", [opened.seq_id], [len(prompt)])
         service.release(ANONYMOUS, session.session_id, "default", [opened.seq_id], True)
     (live,) = service.open_sequences(ANONYMOUS, session.session_id, "default", [(PROMPTS[0] + [7, 7, 7], "")])
+    (parked,) = service.open_sequences(ANONYMOUS, session.session_id, "default", [(PROMPTS[2] + [8, 8], "")])
+    service.preempt(ANONYMOUS, session.session_id, "default", [parked.seq_id], "recompute")
     service.pin(ANONYMOUS, session.session_id, "default", PROMPTS[1], "")
-    return service, session.session_id, live.seq_id
+    return service, session.session_id, live.seq_id, parked.seq_id
 
 
 def _state(pool: Pool) -> dict[str, object]:
@@ -81,7 +83,7 @@ def _state(pool: Pool) -> dict[str, object]:
 
 def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequences(tmp_path, memory) -> None:
     first = _pool(memory)
-    service, session_id, seq_id = _serve_some(first)
+    service, session_id, seq_id, parked_id = _serve_some(first)
     before = _state(first)
     kv_before = memory.data.clone()
     written = write_snapshot(first, Memory(tmp_path), service.sessions.live())
@@ -100,12 +102,15 @@ def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequen
     result = service2.append_tokens(ANONYMOUS, session_id, "default", [seq_id], [1], [9])
     assert result.num_tokens == [len(PROMPTS[0]) + 4]
     service2.unpin(ANONYMOUS, session_id, "default", PROMPTS[1], "")
+    # A sequence preempted before the restart resumes under its id, its cached prefix hit again.
+    resumed = service2.resume(ANONYMOUS, session_id, "default", parked_id)
+    assert len(resumed.block_table) == len(PROMPTS[2] + [8, 8]) // 4 + 1
     service2.check_invariants("default")
 
 
 def _refusal(tmp_path, memory, adopter_memory: Memory, tamper=None, pool_name="default", layout=None) -> Pool:
     first = _pool(memory)
-    service, _, _ = _serve_some(first)
+    service, *_ = _serve_some(first)
     written = write_snapshot(first, Memory(tmp_path), service.sessions.live())
     if tamper is not None:
         tamper(written.path, memory)
