@@ -135,7 +135,9 @@ class KeeperServer:
         if op == "list":
             return self.keeper.list_pools()
         if op == "create_or_attach":
-            return self.keeper.create_or_attach(conn_id, request["pool"], request["layout"], request["device"])
+            return self.keeper.create_or_attach(
+                conn_id, request["pool"], request["layout"], request["device"], request["tier"]
+            )
         assert op == "release", f"keeper_protocol.REQUEST_KEYS has an op the keeper does not serve: {op}"
         return self.keeper.release(conn_id, request["pool"])
 

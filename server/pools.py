@@ -148,7 +148,8 @@ def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
                  "block_size": c.block_size, "dtype": c.dtype}  # fmt: skip
         for kept in keeper.list_pools():
             kept_shape = {k: v for k, v in kept["layout"].items() if k != "num_blocks"}
-            if kept["pool"] == c.name and kept_shape == shape and kept["device"] == _device_with_index(c.device):
+            same_pool = kept["pool"] == c.name and kept["tier"] == "device"
+            if same_pool and kept_shape == shape and kept["device"] == _device_with_index(c.device):
                 return PoolLayout(**kept["layout"])
     return layout_for_memory(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,

@@ -68,8 +68,9 @@ def _hello_works(sock: socket.socket) -> bool:
     return reply is not None and reply["ok"] is True
 
 
-def _attach(layout: dict[str, Any], pool: object = "default", device: object = "cpu") -> bytes:
-    return json.dumps({"op": "create_or_attach", "pool": pool, "layout": layout, "device": device}).encode()
+def _attach(layout: dict[str, Any], pool: object = "default", device: object = "cpu", tier: object = "device") -> bytes:
+    request = {"op": "create_or_attach", "pool": pool, "layout": layout, "device": device, "tier": tier}
+    return json.dumps(request).encode()
 
 
 BAD_FRAMES = {
@@ -95,6 +96,8 @@ BAD_FRAMES = {
     "empty pool name": (_attach(GOOD_LAYOUT, pool=""), "BAD_REQUEST"),
     "pool name not printable": (_attach(GOOD_LAYOUT, pool="a\nb"), "BAD_REQUEST"),
     "pool name too long": (_attach(GOOD_LAYOUT, pool="p" * 129), "BAD_REQUEST"),
+    "unknown tier": (_attach(GOOD_LAYOUT, tier="disk"), "BAD_REQUEST"),
+    "a host tier on a GPU": (_attach(GOOD_LAYOUT, device="cuda:0", tier="host"), "BAD_REQUEST"),
     "release unknown pool": (b'{"op": "release", "pool": "nope"}', "UNKNOWN_POOL"),
 }
 
@@ -245,7 +248,7 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     stale.close()
     bystander = shared_memory.SharedMemory(name="not-radixkv-bystander", create=True, size=4096)
     (state / "snapshots" / "default.snapshot").write_bytes(b"old index")
-    pools = {"default": {"segment": stale.name}, "evil": {"segment": "not-radixkv-bystander"}}
+    pools = [{"pool": "default", "segment": stale.name}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
     (state / STATE_FILE).write_text(json.dumps({"incarnation": "dead", "pid": 1, "pools": pools}))
     try:
         keeper = Keeper(state)
@@ -317,3 +320,21 @@ def test_a_state_dir_too_long_for_a_unix_socket_is_refused_clearly(tmp_path: Pat
     with pytest.raises(ValueError, match="longer than 107 bytes"):
         KeeperServer(keeper, socket_path(state))
     keeper.close()
+
+
+def test_a_host_tier_is_kept_apart_from_its_pool_and_released_with_it(keeper: KeeperServer) -> None:
+    client = KeeperClient(keeper.path)
+    host_layout = PoolLayout(2, 2, 8, 4, 48, "float32")
+    device = client.create_or_attach("default", LAYOUT, "cpu")
+    host = client.create_or_attach("default", host_layout, "cpu", tier="host")
+    assert host.fresh and host.handle.name != device.handle.name and host.handle.num_blocks == 48
+    assert sorted((p["pool"], p["tier"]) for p in client.list_pools()) == [("default", "device"), ("default", "host")]
+    client.close()
+    other = KeeperClient(keeper.path)
+    again = other.create_or_attach("default", host_layout, "cpu", busy_timeout=5, tier="host")
+    assert not again.fresh and again.handle.name == host.handle.name
+    other.release("default")  # both tiers: they are indexed by one tree
+    assert other.list_pools() == []
+    for segment in (device.handle.name, host.handle.name):
+        assert not os.path.exists(os.path.join(SHM_DIR, segment))
+    other.close()
