@@ -149,6 +149,7 @@ class ServerConfig:
     tls_key: str | None = None
     debug_rpc: bool = False  # serve radixkv.v1.Debug (tests only)
     audit_interval_seconds: float = 0.0  # online audit: one pool's recount per interval (server/audit.py); 0: off
+    audit_slice_ms: float = 2.0  # the longest the audit holds a pool's lock at once (about; server/audit_image.py)
     # The pools' memory from a keeper (server/keeper.py) so it outlives this process: attach to the keeper on
     # this socket, or to the one on this state directory, started there when none listens. Neither: own it.
     keeper_socket: str | None = None
@@ -192,6 +193,8 @@ class ServerConfig:
             raise ValueError("give keeper_socket (attach to a running keeper) or state_dir (start one), not both")
         if self.audit_interval_seconds < 0:
             raise ValueError("audit_interval_seconds must be >= 0 (0: no audit)")
+        if self.audit_slice_ms <= 0:
+            raise ValueError("audit_slice_ms must be > 0")
         for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
