@@ -33,6 +33,9 @@ class RadixTree:
     before writing, `unlock` writes a node that is still locked and lists it (with the new key) only
     once its count reaches 0. A split gives the new upper node its child's key and leaves the listed
     child as it is; trimming a leaf's tail keeps its key. `check_invariants` verifies the order.
+
+    `touched`, while not None (an online audit copying the tree over several lock holds), collects every
+    non-root node whose fields or children change: every write to a node goes through a method here.
     """
 
     def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
@@ -46,6 +49,7 @@ class RadixTree:
         self.num_cached_blocks = 0
         self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
+        self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
 
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
@@ -103,6 +107,8 @@ class RadixTree:
             node.last_access,
         )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
+        if self.touched is not None:
+            self.touched.update((node, upper, node.parent))
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
         return upper
@@ -133,6 +139,8 @@ class RadixTree:
             if node.lock_ref == 0 and not node.children and not node.is_root:
                 self._evictable_leaves.discard(node)
             node.children[key[pos : pos + self.block_bytes]] = child
+            if self.touched is not None:
+                self.touched.update((node, child))
             self._evictable_leaves.add(child)
             self.num_evictable_blocks += len(new_ids)
             self.num_cached_blocks += len(new_ids)
@@ -152,7 +160,10 @@ class RadixTree:
         The root counts its namespace's holders too: a namespace lives while it holds a lock or a node.
         """
         now = self.tick()
+        touched = self.touched
         while node.parent is not None:
+            if touched is not None:
+                touched.add(node)
             if node.lock_ref == 0:
                 self.num_evictable_blocks -= len(node.block_ids)
                 if not node.children:
@@ -164,7 +175,10 @@ class RadixTree:
 
     def unlock(self, node: Node, count: int = 1) -> None:
         now = self.tick()
+        touched = self.touched
         while node.parent is not None:
+            if touched is not None:
+                touched.add(node)
             node.lock_ref -= count
             assert node.lock_ref >= 0, "unlock without a matching lock"
             node.last_access = now
@@ -189,6 +203,8 @@ class RadixTree:
     def add_pin(self, node: Node, delta: int) -> None:
         """Count `node`'s path as pinned (delta +1) or not (-1); the caller also locks/unlocks it."""
         while node.parent is not None:
+            if self.touched is not None:
+                self.touched.add(node)
             before = node.pin_ref
             node.pin_ref += delta
             if (before == 0) != (node.pin_ref == 0):
@@ -220,6 +236,8 @@ class RadixTree:
             if leaf is None:
                 break
             need = num_blocks - len(freed)
+            if self.touched is not None:
+                self.touched.add(leaf)
             if len(leaf.block_ids) > need:
                 dropped = leaf.block_ids[-need:]
                 del leaf.block_ids[-need:]
@@ -247,6 +265,8 @@ class RadixTree:
         parent = leaf.parent
         assert parent is not None
         del parent.children[leaf.token_bytes[: self.block_bytes]]
+        if self.touched is not None:
+            self.touched.add(parent)
         leaf.parent = None
         if not parent.children and parent.lock_ref == 0:
             if parent.parent is None:
@@ -256,6 +276,14 @@ class RadixTree:
 
     def evictable_leaves(self) -> list[Node]:
         return list(self._evictable_leaves)
+
+    def is_listed_evictable(self, node: Node) -> bool:
+        """Is `node` on the evictable list, found under its current LRU key? (O(log n), for the audit.)"""
+        return node in self._evictable_leaves
+
+    @property
+    def num_listed_evictable(self) -> int:
+        return len(self._evictable_leaves)
 
     # -- inspection -------------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ replay request `[identity, "", start_seq u64]` with every buffered batch from `s
 
 Ordering comes from the tree: a node is announced when it becomes a leaf, after its parent; a
 split moves no block and announces nothing; a fork stores nothing until its blocks are cached.
-`AllBlocksCleared` opens the stream, so a consumer that replays from 0 starts from nothing.
+`AllBlocksCleared` opens the stream, so a consumer that replays from 0 starts from nothing; after a restart
+that adopted the previous server's snapshot (`radixkv.server.restart`), BlockStored events of every
+adopted block open it instead: a consumer keeps what it indexed, and one replaying from 0 learns it.
 
 The hub calls `publish` under the pool's lock, so it only queues; one thread owns both sockets
 (ZMQ sockets are not thread-safe) and sends whatever has queued as one batch.
@@ -70,7 +72,10 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         max_events_per_batch: int = 1024,
+        adopted: list[BlockEvent] | None = None,
     ) -> None:
+        """`adopted`: the cache this server adopted from its predecessor's snapshot (`EventHub.snapshot`),
+        announced as BlockStored events instead of `AllBlocksCleared`, so consumers keep their index."""
         self.topic = topic.encode()
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
@@ -95,7 +100,10 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise RuntimeError(f"cannot bind the KV-events socket: {e}") from e
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
-        self._queue.put(_ALL_BLOCKS_CLEARED)  # every stream starts from nothing
+        if adopted is None:
+            self._queue.put(_ALL_BLOCKS_CLEARED)  # a cold start: every stream starts from nothing
+        for event in adopted or ():
+            self._queue.put(stored_event(event, block_size))
 
     def start(self) -> None:
         self._thread.start()

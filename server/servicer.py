@@ -32,6 +32,7 @@ from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
+_PREEMPT_MODES = {pb.PREEMPT_MODE_SWAP: "swap", pb.PREEMPT_MODE_RECOMPUTE: "recompute"}
 _EVENT_KINDS = {
     EventKind.BLOCKS_STORED: pb.KV_EVENT_KIND_BLOCKS_STORED,
     EventKind.BLOCKS_REMOVED: pb.KV_EVENT_KIND_BLOCKS_REMOVED,
@@ -69,9 +70,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # would cost a Python int per token (and memory to match) before any limit is checked.
         prompts = [(p.token_ids, p.namespace) for p in request.prompts]
         explanations: list[MissExplanation] | None = [] if request.explain else None
+        budgets = [p.max_new_tokens for p in request.prompts]
+        priorities = [p.priority for p in request.prompts]
         results = self._service.open_sequences(
-            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations
-        )
+            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations,
+            budgets if any(budgets) else None, priorities if any(priorities) else None,
+        )  # fmt: skip
         response = pb.OpenSequencesResponse(
             sequences=[
                 pb.OpenedSequence(
@@ -164,6 +168,32 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> pb.FreeableBlocksResponse:
         num = self._service.freeable_blocks(current_caller(), request.session_id, request.pool, list(request.seq_ids))
         return pb.FreeableBlocksResponse(num_freeable_blocks=num)
+
+    @translating_errors
+    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
+        mode = _PREEMPT_MODES.get(request.mode, f"PreemptMode {request.mode}")  # the core refuses it, naming `mode`
+        result = self._service.preempt(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), mode, request.request_id
+        )
+        return pb.PreemptResponse(
+            offloads=[pb.BlockTransfer(src_block_id=d, dst_block_id=h) for d, h in result.offloads],
+            num_freed_blocks=result.num_freed_blocks,
+            num_unreserved_blocks=result.num_unreserved_blocks,
+        )
+
+    @translating_errors
+    def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
+        r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
+        return pb.ResumeResponse(
+            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table,
+            slots=np.asarray(r.slots).tolist(),
+            loads=[pb.BlockTransfer(src_block_id=h, dst_block_id=d) for h, d in r.loads],
+        )  # fmt: skip
+
+    @translating_errors
+    def Victims(self, request: pb.VictimsRequest, context: grpc.ServicerContext) -> pb.VictimsResponse:
+        seq_ids = self._service.victims(current_caller(), request.session_id, request.pool, request.num_blocks)
+        return pb.VictimsResponse(seq_ids=seq_ids)
 
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
@@ -276,6 +306,23 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # The caller is read now: the responses are produced after this returns (see session_stream).
         responses = self._session_streams.serve(self._service, current_caller(), request_iterator, self._observe)
         return translating_stream(context, "Session", responses)
+
+    @translating_errors
+    def Upgrade(self, request: pb.UpgradeRequest, context: grpc.ServicerContext) -> pb.UpgradeResponse:
+        written = self._service.upgrade(current_caller())
+        return pb.UpgradeResponse(
+            snapshots=[
+                pb.PoolSnapshot(
+                    pool=w.pool,
+                    path=str(w.path),
+                    num_bytes=w.num_bytes,
+                    num_cached_blocks=w.num_cached_blocks,
+                    num_live_sequences=w.num_live_sequences,
+                    seconds=w.seconds,
+                )
+                for w in written
+            ]  # fmt: skip
+        )
 
 
 def _miss_reason(why: MissExplanation) -> pb.MissReason:

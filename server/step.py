@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
+from radixkv.errors import (
+    InvalidArgument,
+    QuotaExceeded,
+    RadixKVError,
+    ServerRestarting,
+    UnknownSequence,
+    UnknownSession,
+)
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
@@ -74,11 +81,20 @@ def run_step(
     with pool.lock:
         if session.closed:
             raise UnknownSession(session.session_id)
+        if pool.frozen:
+            raise ServerRestarting()
         check_deadline()
 
         def check_and_apply() -> StepResult:
             _StepPlan(service, pool, session, caller).check(step, requests)
-            return _apply(service, pool, session, step, requests)
+            cost = sum(_num_tokens(t) for t, _ in requests) + sum(step.max_new_tokens) if requests else 0
+            with _item("opens"):
+                service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
+            try:
+                return _apply(service, pool, session, step, requests)
+            except BaseException:
+                service.token_buckets.refund(caller, cost)
+                raise
 
         num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
         return session.requests.once(
@@ -122,7 +138,7 @@ class _StepPlan:
                 self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
                 self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
                 if step.append is not None or after_append:
-                    num_taken = cache.check_open(requests)
+                    num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
             with _item("append"):
                 append = step.append
@@ -187,7 +203,7 @@ def _apply(
     opened: list[OpenResult] = []
     if requests:
         with applying.item("opens"):
-            opened = cache.open_many(requests)
+            opened = cache.open_many(requests, **_budgets(step))
             for result in opened:
                 ledger.adopt(session, result.seq_id, len(result.block_table))
     appended = None
@@ -218,6 +234,11 @@ def _apply(
     if step.forks or step.caches or any(keep for _, keep in step.releases):
         service.keep_cache_share(pool, session.tenant)
     return StepResult(opened, appended, forked, num_cached, num_released)
+
+
+def _budgets(step: Step) -> dict[str, Sequence[int] | None]:
+    """The opens' max_new_tokens and priorities as `open_many` takes them (None: not given)."""
+    return {"max_new_tokens": step.max_new_tokens or None, "priorities": step.priorities or None}
 
 
 class _Applying:
