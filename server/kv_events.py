@@ -9,7 +9,9 @@ replay request `[identity, "", start_seq u64]` with every buffered batch from `s
 
 Ordering comes from the tree: a node is announced when it becomes a leaf, after its parent; a
 split moves no block and announces nothing; a fork stores nothing until its blocks are cached.
-`AllBlocksCleared` opens the stream, so a consumer that replays from 0 starts from nothing.
+`AllBlocksCleared` opens the stream, so a consumer that replays from 0 starts from nothing; after a restart
+that adopted the previous server's snapshot (`radixkv.server.restart`), BlockStored events of every
+adopted block open it instead: a consumer keeps what it indexed, and one replaying from 0 learns it.
 
 The hub calls `publish` under the pool's lock, so it only queues; one thread owns both sockets
 (ZMQ sockets are not thread-safe) and sends whatever has queued as one batch.
@@ -41,7 +43,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from radixkv.block_hash import WIRE_MASK
+from radixkv.block_hash import WIRE_MASK, mix64
 from radixkv.server.events import BlockEvent, EventKind
 
 log = logging.getLogger("radixkv.server.kv_events")
@@ -90,11 +92,14 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         max_events_per_batch: int = 1024,
+        adopted: list[BlockEvent] | None = None,
         epoch: int = 0,
         digest: int = 0,
         num_events: int = 0,
     ) -> None:
-        """`epoch`, `digest`, `num_events`: the event hub's incarnation, pool-wide digest and event count now
+        """`adopted`: the cache this server adopted from its predecessor's snapshot (`EventHub.snapshot`),
+        announced as BlockStored events instead of `AllBlocksCleared`, so consumers keep their index.
+        `epoch`, `digest`, `num_events`: the event hub's incarnation, pool-wide digest and event count now
         (what the stream starts from; call under the pool's lock, then add this sink under the same hold)."""
         self.topic = topic.encode()
         self.digest_topic = digest_topic(topic).encode()
@@ -124,7 +129,12 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise RuntimeError(f"cannot bind the KV-events socket: {e}") from e
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
-        self._queue.put((_ALL_BLOCKS_CLEARED, digest, num_events))  # every stream starts from nothing
+        if adopted is None:  # a cold start: every stream starts from nothing
+            self._queue.put((_ALL_BLOCKS_CLEARED, digest, num_events))
+        running = 0  # the digest of what the adopted events announced so far: `digest` after the last
+        for event in adopted or ():
+            running = (running + sum(mix64(h) for h in event.block_hashes)) & WIRE_MASK
+            self._queue.put((stored_event(event, block_size), running, num_events))
 
     def start(self) -> None:
         self._thread.start()

@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
+from radixkv.errors import (
+    InvalidArgument,
+    QuotaExceeded,
+    RadixKVError,
+    ServerRestarting,
+    UnknownSequence,
+    UnknownSession,
+)
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
@@ -74,6 +81,8 @@ def run_step(
     with pool.lock:
         if session.closed:
             raise UnknownSession(session.session_id)
+        if pool.frozen:
+            raise ServerRestarting()
         check_deadline()
 
         def check_and_apply() -> StepResult:

@@ -832,3 +832,29 @@ class VictimsResponse(_message.Message):
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpgradeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolSnapshot(_message.Message):
+    __slots__ = ("pool", "path", "num_bytes", "num_cached_blocks", "num_live_sequences", "seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    path: str
+    num_bytes: int
+    num_cached_blocks: int
+    num_live_sequences: int
+    seconds: float
+    def __init__(self, pool: _Optional[str] = ..., path: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class UpgradeResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[PoolSnapshot]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[PoolSnapshot, _Mapping]]] = ...) -> None: ...
