@@ -206,3 +206,29 @@ def test_the_routers_decoders_take_every_batch_and_never_see_a_digest(start_flee
         assert VLLM_DECODER.decode(payload).events == []
         with pytest.raises(ValueError, match="number of fields"):
             llm_d_decode(payload)  # which is why the digest never rides in the batch itself
+
+
+def test_an_adopted_stream_carries_the_digest_of_what_it_announced_so_far() -> None:
+    """After a restart that adopted a snapshot the stream opens with BlockStored events, batch by batch here."""
+    from radixkv.server.events import BlockEvent, EventKind
+    from radixkv.server.kv_events import ZmqEventPublisher
+
+    adopted = [
+        BlockEvent(1, "", EventKind.BLOCKS_STORED, (i,), bytes(4 * BLOCK_SIZE), None, (1000 + i,), None, (None,))
+        for i in range(3)
+    ]
+    total = digest_of([1000, 1001, 1002])
+    publisher = ZmqEventPublisher(
+        "tcp://127.0.0.1:0", "kv@x@m", BLOCK_SIZE, max_events_per_batch=1, adopted=adopted, epoch=5, digest=total
+    )
+    sub = _subscribe(publisher.endpoint, digest_topic("kv@x@m"))
+    try:
+        wait_until(lambda: False, timeout=0.3)  # the subscription reaches the publisher before anything is sent
+        publisher.start()
+        proofs = [msgpack.unpackb(payload)[3] for _, _, payload in _collect(sub)]
+    finally:
+        sub.close()
+        publisher.close()
+    assert [p["seq"] for p in proofs] == [0, 1, 2]
+    assert [p["digest"] for p in proofs] == [digest_of([1000]), digest_of([1000, 1001]), total]
+    assert {p["epoch"] for p in proofs} == {5}
