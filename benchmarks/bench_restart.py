@@ -163,6 +163,7 @@ def run_scenario(scenario: str, shape: TraceShape, keeper: KeeperProcess, workdi
                 first.stop()
             else:
                 first.kill()
+            result["seconds_to_exit"] = time.perf_counter() - started
             second = ServerProcess(args + port, log_path=workdir / f"{scenario}-2.log")
             _wait_serving(second.address, pool)
             result["seconds_to_serving"] = time.perf_counter() - started
@@ -197,14 +198,18 @@ def _retrying(call: Callable[[], object]) -> None:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{'scenario':<9} {'to serving s':>12} {'hit before':>10} {'hit after':>9} {'prefill after':>13} "
-          f"{'snapshot B':>10} {'write s':>8} {'adopt s':>8} {'adopted blocks':>14}")  # fmt: skip
+    columns = [  # (title, key, format)
+        ("scenario", "scenario", "<9"), ("to exit s", "seconds_to_exit", ">9.2f"),
+        ("to serving s", "seconds_to_serving", ">12.2f"), ("hit before", "hit_ratio_before", ">10.3f"),
+        ("hit after", "hit_ratio_after", ">9.3f"), ("prefill after", "prefill_tokens_after", ">13"),
+        ("snapshot B", "snapshot_bytes", ">10"), ("write s", "snapshot_write_s", ">8.3f"),
+        ("adopt s", "adopt_s", ">8.3f"), ("adopted blocks", "num_adopted_blocks", ">14"),
+    ]  # fmt: skip
+    widths = [int(fmt.lstrip("<>").split(".")[0]) for _, _, fmt in columns]
+    print(" ".join(f"{title:{fmt[0]}{width}}" for (title, _, fmt), width in zip(columns, widths, strict=True)))
     for r in report["scenarios"]:
         print(
-            f"{r['scenario']:<9} {r.get('seconds_to_serving') or 0:>12.2f} {r['hit_ratio_before']:>10.3f} "
-            f"{r['hit_ratio_after']:>9.3f} {r['prefill_tokens_after']:>13} {r.get('snapshot_bytes') or 0:>10} "
-            f"{r.get('snapshot_write_s') or 0:>8.3f} {r.get('adopt_s') or 0:>8.3f} "
-            f"{r.get('num_adopted_blocks') or 0:>14}"
+            " ".join(f"{r.get(key) or 0:{fmt}}" if key != "scenario" else f"{r[key]:{fmt}}" for _, key, fmt in columns)
         )
     ratios = report["ratios"]
     print(f"upgrade hit ratio after / no restart:        {ratios['upgrade_over_none_hit_after']:.3f}")
