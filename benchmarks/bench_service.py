@@ -336,7 +336,7 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
 
 def run(quick: bool) -> dict[str, Any]:
     steps = 40 if quick else 300
-    seconds = 0.5 if quick else 3.0
+    seconds = 0.4 if quick else 3.0
     server = start_server()
     address, proc = server.address, server.proc
     try:
