@@ -234,7 +234,8 @@ class AsyncStepStream:
     async def _write_queued(self) -> None:
         try:
             while self._outbox and not self.closed:
-                requests, num_bytes = [], 0
+                requests: list[pb.SessionRequest] = []
+                num_bytes = 0
                 for pending in self._outbox[:MAX_FRAME_STEPS]:
                     size = pending.request.ByteSize()
                     if requests and num_bytes + size > MAX_FRAME_BYTES:
