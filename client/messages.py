@@ -67,7 +67,7 @@ class BlockTables:
     def opened(self, results: Iterable[OpenResult]) -> None:
         with self._lock:
             for result in results:
-                self._tables[result.seq_id] = list(result.block_table)
+                self._tables[result.seq_id] = result.block_table.tolist()
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
@@ -141,6 +141,13 @@ def open_request(
     )
 
 
+def _int32(block_ids: Iterable[int]) -> np.ndarray:
+    """A block table from the wire as the core returns it: a read-only int32 array."""
+    table = np.fromiter(block_ids, dtype=np.int32)
+    table.flags.writeable = False
+    return table
+
+
 def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
     """A per-prompt column (None: all 0); InvalidArgument naming it when its length is wrong."""
     if values is None:
@@ -152,7 +159,7 @@ def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> li
 
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
     return [
-        OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
+        OpenResult(s.seq_id, s.num_cached_tokens, _int32(s.block_ids), np.array(s.slots, dtype=np.int64))
         for s in response.sequences
     ]
 
@@ -235,7 +242,7 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     loads = [(t.src_block_id, t.dst_block_id) for t in r.loads]
-    return ResumeResult(r.seq_id, r.num_cached_tokens, list(r.block_ids), slots, loads)
+    return ResumeResult(r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, loads)
 
 
 def victims_request(pool: str, session_id: str, num_blocks: int) -> pb.VictimsRequest:
@@ -304,7 +311,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     if response.HasField("error"):
         raise step_error(response.error)
     opened = [
-        OpenResult(o.seq_id, o.num_cached_tokens, list(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        OpenResult(o.seq_id, o.num_cached_tokens, _int32(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
         for o in response.opened
     ]
     appended = None

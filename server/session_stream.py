@@ -189,7 +189,7 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
         response.opened.add(
             seq_id=r.seq_id,
             num_cached_tokens=r.num_cached_tokens,
-            block_ids=r.block_table,
+            block_ids=r.block_table.tolist(),
             slots=r.slots.astype(_INT64, copy=False).tobytes(),
         )
     for item, why in zip(response.opened, result.explanations, strict=False):  # explained opens: as OpenSequences
