@@ -25,6 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import Node
@@ -146,6 +149,19 @@ class EventHub:
         self.tombstones = Tombstones(max_tombstones)
         self._tree.observer = self
 
+    def adopt(self, cache: KVCache) -> None:
+        """Observe `cache` (restored from a snapshot) instead of the empty one: hash its blocks, unannounced.
+
+        Recomputing the hashes (rather than reading them from the snapshot) proves the index still
+        names its blocks as the contract says; the digests come out as the previous server's.
+        """
+        assert not self.num_blocks and not self.num_events, "adopt before anything is cached or watched"
+        self._tree.observer = None
+        self._tree = cache.tree
+        self._tree.observer = self
+        for _, node in self._tree.nodes():  # parents before children, as they were stored
+            self._add_to_digest(node.namespace, tuple(wire_hash(h) for h in self.hashes.store(node)), 1)
+
     def _next_number(self, namespace: str) -> int:
         number = self._numbers.get(namespace, 0) + 1
         self._numbers[namespace] = number
@@ -172,7 +188,7 @@ class EventHub:
         if self.sinks or self._watchers:  # nobody listening: the table, digest and numbers are all that must move
             self._publish(self._stored_event(number, node, delta))
 
-    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
         self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
@@ -180,7 +196,7 @@ class EventHub:
         number = self._next_number(namespace)
         if not (self.sinks or self._watchers):
             return
-        ids = tuple(int(b) for b in block_ids)
+        ids = tuple(block_ids.tolist())
         kind = EventKind.BLOCKS_REMOVED
         self._publish(
             BlockEvent(
@@ -203,7 +219,7 @@ class EventHub:
             number,
             node.namespace,
             EventKind.BLOCKS_STORED,
-            tuple(int(b) for b in node.block_ids),
+            tuple(node.block_ids.tolist()),
             bytes(node.token_bytes),
             parent_block,
             tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
