@@ -230,36 +230,6 @@ def bench_explain(num_tokens: int) -> dict:
     }
 
 
-def bench_admission(num_seqs: int) -> dict:
-    """What admission by token budget costs: a 1k-token open with and without `max_new_tokens`, a decode step
-    of `num_seqs` sequences drawing on their reservations against one with none, and a preempt(recompute) +
-    resume round trip of a committed 1k-token sequence (its last block recomputed)."""
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(0, 32000, 1024, dtype=np.int32)
-    out: dict[str, float] = {}
-    for name, budget in (("open_us", 0), ("open_budgeted_us", 256)):
-        cache = KVCache(1 << 20, BLOCK_SIZE, watermark_fraction=0.0)
-        out[name] = best_of(lambda c=cache, b=budget: c.open(prompt, max_new_tokens=b), reps=100) * 1e6
-    ones, counts = np.ones(num_seqs, dtype=np.int32), [1] * num_seqs
-    for name, budget in (("append_us", 0), ("append_budgeted_us", 4096)):
-        cache = KVCache(1 << 20, BLOCK_SIZE, watermark_fraction=0.0)
-        seqs = [cache.open(rng.integers(0, 32000, 50, dtype=np.int32), max_new_tokens=budget).seq_id
-                for _ in range(num_seqs)]  # fmt: skip
-        out[name] = best_of(lambda c=cache, s=seqs: c.append_batch(s, counts, ones), reps=20) * 1e6
-    cache = KVCache(1 << 16, BLOCK_SIZE)
-    seq = cache.open(prompt).seq_id
-    cache.commit([seq], [len(prompt)])
-
-    def round_trip() -> None:
-        cache.preempt([seq], "recompute")
-        cache.resume(seq)
-        cache.commit([seq], [len(prompt)])
-
-    out["preempt_resume_us"] = best_of(round_trip, reps=50) * 1e6
-    out["num_seqs"] = num_seqs
-    return out
-
-
 def best_of(fn: Callable[[], object], reps: int, rounds: int = 5) -> float:
     """Seconds per call, the best round's mean: the least disturbed by other work on the machine."""
     best = float("inf")
@@ -403,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
     results["peer"] = bench_peer(make_trace(trace_tokens, seed=0), pool_tokens, peer, rounds=2 if args.quick else 3)
     results["long_match"] = bench_long_match(131_072, peer)
     results["explain"] = x = bench_explain(32_768)
-    results["admission"] = a = bench_admission(256)
     t, m, e, mem = results["trace"], results["match"], results["evict"], results["memory"]
     rows = [
         ("trace tokens / requests", f"{t['trace_tokens']:,} / {t['trace_requests']:,}"),
@@ -449,21 +418,6 @@ def main(argv: list[str] | None = None) -> int:
             f" with explain {x['match_explain_us']:.1f} = {explain_ratio:.2f}x",
         )
     )
-    rows.append(
-        (
-            "open 1k tokens, budgeted (us)",
-            f"{a['open_us']:.1f}; with max_new_tokens {a['open_budgeted_us']:.1f} = "
-            f"{a['open_budgeted_us'] / a['open_us']:.2f}x",
-        )
-    )
-    rows.append(
-        (
-            f"append_batch of {a['num_seqs']}, reserving (us)",
-            f"{a['append_us']:.0f}; drawing on reservations {a['append_budgeted_us']:.0f} = "
-            f"{a['append_budgeted_us'] / a['append_us']:.2f}x",
-        )
-    )
-    rows.append(("preempt(recompute) + resume, 1k tokens (us)", f"{a['preempt_resume_us']:.0f}"))
     rows.append(("empty pool of 1M blocks, bytes per block", f"{mem['empty_pool_bytes_per_block']:.1f}  (target <= 8)"))
     rows.append(
         (
