@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 
-from radixkv.client.pool_view import PoolInfo
+from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
 from radixkv.results import AppendBatch, OpenResult
@@ -200,15 +200,14 @@ def stats_result(response: pb.StatsResponse) -> Stats:
 
 
 def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
-    layout = PoolLayout(
-        r.layout.num_layers,
-        r.layout.num_kv_heads,
-        r.layout.head_dim,
-        r.layout.block_size,
-        r.layout.num_blocks,
-        r.layout.dtype,
+    host = HostTierInfo(pool_layout(r.host_layout), r.host_handle) if r.HasField("host_handle") else None
+    return PoolInfo(r.pool, pool_layout(r.layout), r.device, r.handle, host)
+
+
+def pool_layout(layout: pb.PoolLayout) -> PoolLayout:
+    return PoolLayout(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.num_blocks, layout.dtype
     )
-    return PoolInfo(r.pool, layout, r.device, r.handle)
 
 
 # -- steps on the Session stream -----------------------------------------------------------------

@@ -7,6 +7,7 @@ agree with it (the ledger: who owns each sequence, each tenant's blocks and pins
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 from typing import TYPE_CHECKING
@@ -26,10 +27,17 @@ class Pool:
     """One named pool. Attributes other than the immutable ones are guarded by `lock`."""
 
     def __init__(
-        self, name: str, storage: KVStorage, limits: Limits, watch_queue_size: int, tombstones: int = 65_536
+        self,
+        name: str,
+        storage: KVStorage,
+        limits: Limits,
+        watch_queue_size: int,
+        tombstones: int = 65_536,
+        host_storage: KVStorage | None = None,
     ) -> None:
         self.name = name
         self.storage = storage
+        self.host_storage = host_storage  # the host tier's memory (same layout, its own num_blocks), if any
         self.layout: PoolLayout = storage.layout
         self.device = str(storage.device)
         self.lock = threading.Lock()
@@ -68,8 +76,10 @@ class Pool:
             self.events.sinks.clear()
         if publisher is not None:
             publisher.close()
-        self.storage.close()
-        self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
+        for storage in (self.storage, self.host_storage):
+            if storage is not None:
+                storage.close()
+                storage.unlink()  # CUDA: a no-op; the memory goes with this process
 
 
 def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
@@ -87,7 +97,13 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
             reserved_bytes=c.reserved_bytes,
         )  # fmt: skip
     storage = KVStorage.create(layout, config.device)
-    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones)
+    try:
+        host = _host_storage(config, layout, pin=storage.device.type == "cuda")
+    except BaseException:
+        storage.close()
+        storage.unlink()
+        raise
+    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones, host)
     if config.kv_events_endpoint is not None:
         try:
             pool.publish_kv_events(config)
@@ -95,3 +111,18 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
             pool.close()
             raise
     return pool
+
+
+def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool) -> KVStorage | None:
+    """The host tier's memory: the device pool's layout with `host_num_blocks`, or as many as `host_memory_bytes`
+    holds; None without either. Page-locked (`pin`) beside a CUDA pool, so swaps read and write it directly."""
+    from radixkv.storage import KVStorage
+
+    if config.host_num_blocks:
+        host_layout = dataclasses.replace(layout, num_blocks=config.host_num_blocks)
+    elif config.host_memory_bytes:
+        shape = {f: getattr(layout, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}
+        host_layout = PoolLayout.for_budget(config.host_memory_bytes, **shape)
+    else:
+        return None
+    return KVStorage.create_host(host_layout, pin=pin)

@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from radixkv.block_hash import WIRE_MASK, HashContract
+from radixkv.layout import PoolLayout
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
@@ -213,21 +214,18 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
         layout = pool.layout
         handle = pool.storage.export_handle()
-        return pb.GetPoolResponse(
+        response = pb.GetPoolResponse(
             pool=pool.name,
-            layout=pb.PoolLayout(
-                num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                block_size=layout.block_size,
-                num_blocks=layout.num_blocks,
-                dtype=layout.dtype,
-            ),
+            layout=_layout(layout),
             device=pool.device,
             handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
             handle=handle.to_proto(),
             hash_contract=_hash_contract(layout.block_size),
         )
+        if pool.host_storage is not None:
+            response.host_layout.CopyFrom(_layout(pool.host_storage.layout))
+            response.host_handle.CopyFrom(pool.host_storage.export_handle().to_proto())
+        return response
 
     @translating_errors
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
@@ -294,6 +292,17 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
         block_hashes=event.block_hashes,
         parent_block_hash=event.parent_block_hash,
         namespace_digest=event.namespace_digest,
+    )
+
+
+def _layout(layout: PoolLayout) -> pb.PoolLayout:
+    return pb.PoolLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        dtype=layout.dtype,
     )
 
 
