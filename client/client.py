@@ -352,6 +352,13 @@ class RadixKVClient:
         request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace, explain=True)
         return MatchExplanation.from_response(self._call(self._stub.Match, request))
 
+    def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens): the leading tokens cached on the device, then how many more the pool's
+        host tier holds (an open would load those back rather than compute them). Changes nothing."""
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+        response = self._call(self._stub.Match, request)
+        return response.num_cached_tokens, response.num_host_cached_tokens
+
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)

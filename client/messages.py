@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
@@ -117,10 +118,25 @@ def open_request(pool: str, session_id: str, prompts: Sequence[tuple[TokenIds, s
 
 
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
-    return [
-        OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
+    """The batch's host-tier transfers come on its first result (the worker applies each result's in turn)."""
+    results = [
+        OpenResult(
+            s.seq_id,
+            s.num_cached_tokens,
+            list(s.block_ids),
+            np.array(s.slots, dtype=np.int64),
+            num_host_hit_tokens=s.num_host_hit_tokens,
+        )
         for s in response.sequences
     ]
+    if results:
+        results[0].offloads, results[0].loads = transfer_pairs(response.offloads), transfer_pairs(response.loads)
+    return results
+
+
+def transfer_pairs(transfers: Sequence[pb.BlockTransfer]) -> npt.NDArray[np.int64]:
+    """Wire transfers as int64 `[n, 2]` (src_block, dst_block): `kernels.swap_blocks`' pairs."""
+    return np.array([(t.src_block_id, t.dst_block_id) for t in transfers], dtype=np.int64).reshape(-1, 2)
 
 
 def append_request(
@@ -148,6 +164,7 @@ def append_result(
         list(response.block_ids),
         [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
         np.array(response.slots, dtype=np.int64),
+        transfer_pairs(response.offloads),
     )
 
 
@@ -237,7 +254,13 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     if response.HasField("error"):
         raise step_error(response.error)
     opened = [
-        OpenResult(o.seq_id, o.num_cached_tokens, list(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        OpenResult(
+            o.seq_id,
+            o.num_cached_tokens,
+            list(o.block_ids),
+            np.frombuffer(o.slots, dtype=_INT64),
+            num_host_hit_tokens=o.num_host_hit_tokens,
+        )
         for o in response.opened
     ]
     appended = None
@@ -254,7 +277,15 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
             np.frombuffer(r.slots, dtype=_INT64),
         )
     forked = [list(f.child_seq_ids) for f in response.forked]
-    return StepResult(opened, appended, forked, list(response.num_cached_tokens), response.num_released_sequences)
+    return StepResult(
+        opened,
+        appended,
+        forked,
+        list(response.num_cached_tokens),
+        response.num_released_sequences,
+        transfer_pairs(response.offloads),
+        transfer_pairs(response.loads),
+    )
 
 
 def step_error(error: pb.StepError) -> RadixKVError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from radixkv.allocation import Allocator
 from radixkv.block_pool import cdiv
+from radixkv.host_tier import NO_PAIRS
 from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan
@@ -77,13 +78,23 @@ def open_planned(
     blocks: Allocator, sequences: Sequences, planned: list[PlannedOpen], namespaces: list[str]
 ) -> list[OpenResult]:
     """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan)."""
-    bs, stats = blocks.tree.block_size, blocks.stats
+    bs, stats, host = blocks.tree.block_size, blocks.stats, blocks.tree.host
     results = []
     for (key, node, num_matched_blocks), namespace in zip(lock_matches(blocks.tree, planned), namespaces, strict=True):
+        # The prefix may continue on the host tier: load it into the first new blocks.
+        on_host = host.plan_load(key.data, node, num_matched_blocks, (key.num_tokens - 1) // bs) if host else None
         new_blocks = blocks.allocate(cdiv(key.num_tokens, bs) - num_matched_blocks)
+        num_loaded, loads = 0, NO_PAIRS
+        if host is not None and on_host is not None:
+            node, loads = host.load_back(node, on_host, new_blocks)
+            num_loaded = on_host[2]
+            num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
         tail = key.tail_after(num_matched_blocks * bs)
         seq, opened = start_sequence(sequences.next_id(), namespace, node, num_matched_blocks, new_blocks, tail, bs)
         sequences.add(seq)
+        if host is not None:
+            opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()
+            stats.num_host_hit_tokens += num_loaded * bs
         stats.num_requested_tokens += key.num_tokens
         stats.num_hit_tokens += opened.num_cached_tokens
         stats.num_opened_sequences += 1

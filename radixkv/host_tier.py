@@ -20,13 +20,15 @@ its copy-on-write copies, then its loads, then runs its step. That order is safe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
-from radixkv.block_pool import NO_BLOCKS, BlockPool
+from radixkv.block_pool import BlockPool
+from radixkv.invariants import check_host_tier
 from radixkv.radix_node import Match, Node, lru_key
 from radixkv.stats import Stats
 from radixkv.token_ids import TOKEN_BYTES
@@ -35,12 +37,20 @@ if TYPE_CHECKING:
     from radixkv.radix_tree import RadixTree
 
 Pairs = npt.NDArray[np.int64]  # [n, 2] (src_block, dst_block)
+BlockIds = npt.NDArray[np.int32] | list[int]
+HostPath = tuple[list["Node"], int, int]  # host-only nodes top-down, blocks matched in the last one, in all
 NO_PAIRS: Pairs = np.empty((0, 2), dtype=np.int64)
 NO_PAIRS.flags.writeable = False
 
 
-def pairs_of(src: npt.NDArray[np.int32], dst: npt.NDArray[np.int32]) -> Pairs:
+def pairs_of(src: BlockIds, dst: BlockIds) -> Pairs:
     return np.stack([src, dst], axis=1).astype(np.int64)
+
+
+def concat_pairs(runs: Iterable[Pairs]) -> Pairs:
+    """Runs of pairs, in order, as one array (results of several calls that the worker applies as one)."""
+    runs = [run for run in runs if len(run)]
+    return np.concatenate(runs) if runs else NO_PAIRS
 
 
 class HostTier:
@@ -60,17 +70,22 @@ class HostTier:
         self._leaves: SortedList = SortedList(key=lru_key)  # host-only nodes without host children: evict LRU first
         self._copies: dict[int, Node] = {}  # node_id -> device node keeping a host copy; evicted first, oldest first
         self._fresh: dict[int, Node] = {}  # copies made by the result being built: kept until `settle`
+        self._protected: dict[int, tuple[Node, int]] = {}  # end of a path an open will load -> the path's blocks
         self._deferred: list[npt.NDArray[np.int32]] = []  # host blocks freed by the result being built
         self._pending: list[Pairs] = []  # offloads not yet handed to the worker, in order
         self.num_cached_blocks = 0  # host blocks held by tree nodes (host-only nodes and copies)
+        self.num_swapped_blocks = 0  # host blocks held by swapped sequences (freed or deferred at resume)
+        self.num_swapped_sequences = 0  # counted by whoever swaps sequences out and back
 
     @property
     def num_free(self) -> int:
         return self.pool.num_free
 
     def num_evictable(self) -> int:
-        """Host blocks of the tree that eviction may free now (all but this result's fresh copies)."""
-        return self.num_cached_blocks - sum(len(n.host_block_ids) for n in self._fresh.values())
+        """Host blocks of the tree that eviction may free now (all but this result's fresh copies and the paths
+        opens are about to load)."""
+        fresh = sum(len(n.host_block_ids) for n in self._fresh.values())
+        return self.num_cached_blocks - fresh - sum(n for _, n in self._protected.values())
 
     # -- the device tier evicts into this one ---------------------------------------------------------
 
@@ -98,24 +113,35 @@ class HostTier:
             self._drop_subtree(leaf)
             tree.unlink(leaf, to_host=False)
             return dropped
-        leaf.block_ids = NO_BLOCKS
+        leaf.block_ids = []
         tree.unlink(leaf, to_host=True)
         if not leaf.host_children:
             self._leaves.add(leaf)
         return dropped
 
-    def offload_private(self, block_ids: npt.NDArray[np.int32]) -> npt.NDArray[np.int32] | None:
+    def offload_private(self, block_ids: BlockIds) -> BlockIds | None:
         """Host blocks holding copies of `block_ids` (a sequence swapped out), offloads queued; None: no room."""
         if not self._make_room(len(block_ids)):
             return None
         host_ids = self.pool.allocate(len(block_ids))
         self._pending.append(pairs_of(block_ids, host_ids))
         self.stats.num_offloaded_blocks += len(block_ids)
+        self.num_swapped_blocks += len(host_ids)
         return host_ids
 
-    def free_after_load(self, host_ids: npt.NDArray[np.int32]) -> None:
-        """A swapped sequence's host blocks, read by loads of the result being built: free once it settles."""
-        self._deferred.append(host_ids)
+    def load_private(self, host_ids: BlockIds, device_ids: BlockIds) -> Pairs:
+        """A swapped sequence comes back into `device_ids`: its load pairs. Its host blocks are read by them, so
+        they are freed only once the result settles."""
+        self._deferred.append(np.asarray(host_ids, dtype=np.int32))
+        self.num_swapped_blocks -= len(host_ids)
+        self.stats.num_loaded_blocks += len(host_ids)
+        return pairs_of(host_ids, device_ids)
+
+    def release_swapped(self, host_ids: BlockIds) -> None:
+        """A swapped sequence ends without coming back: its host blocks are free (any pending offload into them
+        still comes first, in order, and nothing reads them)."""
+        self.pool.free_exclusive(host_ids)
+        self.num_swapped_blocks -= len(host_ids)
 
     def can_make_room(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free + self.num_evictable()
@@ -140,7 +166,7 @@ class HostTier:
             node = self._copies.pop(next(iter(self._copies)))
             freed += len(node.host_block_ids)
             self.pool.free_exclusive(node.host_block_ids)
-            node.host_block_ids = NO_BLOCKS
+            node.host_block_ids = []
         while freed < num_blocks and self._leaves:
             leaf = self._leaves.pop(0)
             freed += self._free_node(leaf)
@@ -149,8 +175,8 @@ class HostTier:
             del parent.host_children[leaf.token_bytes[: self.block_bytes]]
             leaf.parent = None
             if parent.parent is None:
-                self.tree.drop_if_empty(parent)
-            elif not len(parent.block_ids) and not parent.host_children:
+                self.tree.drop_empty_roots()  # rare: a host leaf right under a root
+            elif not len(parent.block_ids) and not parent.host_children and parent.node_id not in self._protected:
                 self._leaves.add(parent)
         self.num_cached_blocks -= freed
         self.stats.num_host_evicted_blocks += freed
@@ -159,7 +185,7 @@ class HostTier:
     def _free_node(self, node: Node) -> int:
         n = len(node.host_block_ids)
         self.pool.free_exclusive(node.host_block_ids)
-        node.host_block_ids = NO_BLOCKS
+        node.host_block_ids = []
         return n
 
     def _drop_subtree(self, node: Node) -> None:
@@ -191,7 +217,7 @@ class HostTier:
 
     # -- matching and loading back --------------------------------------------------------------------
 
-    def match(self, match: Match, key: bytes, max_blocks: int, block_size: int) -> tuple[list[Node], int, int]:
+    def match(self, match: Match, key: bytes, max_blocks: int) -> tuple[list[Node], int, int]:
         """Where the host tier continues a device match of `key` (at most `max_blocks` from the root).
 
         Returns the host-only nodes on the way (top-down), the blocks matched in the last one, and the blocks
@@ -215,12 +241,39 @@ class HostTier:
             n = min(len(run), end - pos) // TOKEN_BYTES
             ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
             differ = np.flatnonzero(ours != np.frombuffer(run, dtype="<i4", count=n))
-            num_in_last = (int(differ[0]) if differ.size else n) // block_size
+            num_in_last = (int(differ[0]) if differ.size else n) // self.tree.block_size
             pos += num_in_last * bb
             break
         return path, num_in_last, pos // bb - match.num_blocks
 
-    def load(self, path: list[Node], num_in_last: int, device_ids: npt.NDArray[np.int32]) -> tuple[Node, Pairs]:
+    def plan_load(self, key: bytes, node: Node, num_matched: int, max_blocks: int) -> HostPath:
+        """Where the host tier continues `key` past the locked device node `node` (a node boundary, `num_matched`
+        blocks from the root), kept from host eviction until `load_back` (the open's own allocation, which may
+        offload, must not evict what it is about to load)."""
+        path, num_in_last, num_blocks = self.match(Match(node, len(node.block_ids), num_matched, []), key, max_blocks)
+        if num_blocks:
+            end = path[-1]
+            self._leaves.discard(end)
+            held = sum(len(n.host_block_ids) for n in path)
+            self._protected[end.node_id] = (end, held)
+        return path, num_in_last, num_blocks
+
+    def load_back(self, node: Node, planned: HostPath, device_ids: BlockIds) -> tuple[Node, Pairs]:
+        """Load the planned host path into the first of `device_ids` and move the lock from `node` down to the
+        last loaded node; returns it and the load pairs."""
+        path, num_in_last, num_blocks = planned
+        if not num_blocks:
+            return node, NO_PAIRS
+        end = path[-1]
+        del self._protected[end.node_id]
+        last, pairs = self.load(path, num_in_last, device_ids[:num_blocks])
+        if not len(end.block_ids) and not end.host_children:  # split: its host-only tail is a leaf again
+            self._leaves.add(end)
+        self.tree.lock(last)
+        self.tree.unlock(node)
+        return last, pairs
+
+    def load(self, path: list[Node], num_in_last: int, device_ids: BlockIds) -> tuple[Node, Pairs]:
         """Bring the host path `path` (as `match` returned it) back to the device into `device_ids`.
 
         Each node becomes a device node keeping its host copy. Returns the deepest loaded node (the caller locks
@@ -245,7 +298,7 @@ class HostTier:
         """Split host-only `node` after its first `k` blocks; returns the new upper node (`node` keeps the tail)."""
         parent, bb = node.parent, self.block_bytes
         assert parent is not None and 0 < k < len(node.host_block_ids), "a host split cuts inside a host node"
-        upper = Node(node.token_bytes[: k * bb], NO_BLOCKS, parent, node.namespace, last_access=node.last_access)
+        upper = Node(node.token_bytes[: k * bb], [], parent, node.namespace, last_access=node.last_access)
         upper.host_block_ids = node.host_block_ids[:k]
         parent.host_children[node.token_bytes[:bb]] = upper
         node.token_bytes, node.host_block_ids, node.parent = node.token_bytes[k * bb :], node.host_block_ids[k:], upper
@@ -256,6 +309,25 @@ class HostTier:
         """A device split of `node` gave `upper` the head of its host copy: list it as `node` is listed."""
         registry = self._fresh if node.node_id in self._fresh else self._copies
         registry[upper.node_id] = upper
+
+    def check_invariants(self, swapped: Iterable[BlockIds]) -> None:
+        """Recount the host tier from the tree and the swapped sequences' host blocks `swapped` (see
+        `radixkv.invariants.check_host_tier`)."""
+        check_host_tier(self, swapped)
+
+    def listed(self) -> tuple[list[Node], list[Node], list[Node], list[BlockIds]]:
+        """For the recount: the host leaves in LRU order, the copies, the fresh copies, the deferred frees."""
+        return list(self._leaves), list(self._copies.values()), list(self._fresh.values()), list(self._deferred)
+
+    def gauges(self) -> dict[str, int]:
+        """The host tier's `Stats` gauges."""
+        return {
+            "num_host_blocks_total": self.pool.num_blocks,
+            "num_host_blocks_free": self.pool.num_free,
+            "num_host_blocks_cached": self.num_cached_blocks,
+            "num_host_blocks_swapped": self.num_swapped_blocks,
+            "num_swapped_sequences": self.num_swapped_sequences,
+        }
 
     # -- handing instructions to the worker -----------------------------------------------------------
 

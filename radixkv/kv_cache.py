@@ -8,8 +8,9 @@ here; when a write would land in a shared block, the caller gets a `(src_block, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from radixkv.admission import PlannedOpen, lock_prefix, open_planned, plan_open
 from radixkv.allocation import Allocator
@@ -17,6 +18,7 @@ from radixkv.append import append, append_args, append_counts, append_many_args,
 from radixkv.block_pool import BlockPool
 from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.fork import check_fork, fork
+from radixkv.host_tier import HostTier
 from radixkv.invariants import check_holders
 from radixkv.limits import Limits
 from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
@@ -50,9 +52,11 @@ class KVCache:
         *,
         first_seq_id: int = 1,
         tree: RadixTree | None = None,
+        host_num_blocks: int = 0,
     ) -> None:
         """`first_seq_id`: where sequence ids start; a server picks a fresh one per run so that an id
-        from before a restart never names a sequence after it. `tree`: another eviction policy to compare."""
+        from before a restart never names a sequence after it. `tree`: another eviction policy to compare.
+        `host_num_blocks`: the host tier's size (`radixkv.host_tier`); 0: none, evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
@@ -63,6 +67,8 @@ class KVCache:
         self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
         self._blocks = Allocator(self.pool, self.tree, self.stats_counters)
+        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
+        self._num_open_results = 0  # depth of `one_result` scopes
 
     def num_available_blocks(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""
@@ -109,7 +115,21 @@ class KVCache:
         except RadixKVError:
             self.tree.drop_empty_roots()  # namespaces this refused request created
             raise
-        return open_planned(self._blocks, self._sequences, planned, [namespace for _, namespace in requests])
+        with self.one_result():
+            return open_planned(self._blocks, self._sequences, planned, [namespace for _, namespace in requests])
+
+    @contextlib.contextmanager
+    def one_result(self) -> Iterator[None]:
+        """Calls inside hand the worker one result: it applies all their offloads, then all their copies, then
+        all their loads (a server step is one). Until the outermost scope ends, no host block a load reads is
+        reused by an offload (see `radixkv.host_tier`); each call outside any scope is one result by itself."""
+        self._num_open_results += 1
+        try:
+            yield
+        finally:
+            self._num_open_results -= 1
+            if not self._num_open_results and self.host is not None:
+                self.host.settle()
 
     # -- append ----------------------------------------------------------------------------------
 
@@ -223,10 +243,19 @@ class KVCache:
         return opened
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
-        """How many leading tokens are cached (whole blocks); locks and refreshes nothing."""
+        """How many leading tokens are cached on the device (whole blocks); locks and refreshes nothing."""
+        return self.match_tiers(token_ids, namespace)[0]
+
+    def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens): the leading tokens cached on the device, then how many more the host
+        tier holds (an open would load those back rather than compute them). Changes nothing."""
         key = self._key(token_ids, "token_ids")
         root = existing_root(self.tree, namespace)
-        return self.tree.match(root, key.data).num_blocks * self.block_size if root is not None else 0
+        if root is None:
+            return 0, 0
+        match = self.tree.match(root, key.data)
+        num_host = self.host.match(match, key.data, key.num_tokens)[2] if self.host is not None else 0
+        return match.num_blocks * self.block_size, num_host * self.block_size
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix of `token_ids` resident however cold it gets; returns tokens pinned.
@@ -292,8 +321,11 @@ class KVCache:
             num_blocks_in_use=self.pool.num_blocks - self.pool.num_free - self.tree.num_evictable_blocks,
             num_live_sequences=len(self._sequences),
             num_namespaces=len(self.tree.roots),
+            **(self.host.gauges() if self.host is not None else {}),
         )
 
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare; raises AssertionError naming what broke."""
         check_holders(self.pool, self.tree, self._sequences, self._pins.holders())
+        if self.host is not None:
+            self.host.check_invariants([])

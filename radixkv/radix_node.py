@@ -20,6 +20,10 @@ class Node:
     pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
     last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
     node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
+    # The host tier (`radixkv.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
+    # and its host-only children (no device blocks), which device walks never see.
+    host_block_ids: list[int] = dataclasses.field(default_factory=list)
+    host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
 
     @property
     def is_root(self) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
+from radixkv.host_tier import NO_PAIRS, Pairs
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -44,12 +45,19 @@ def as_slots(source: SlotPlan | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 @dataclasses.dataclass(slots=True)
 class OpenResult:
-    """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go."""
+    """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go.
+
+    With a host tier, apply `offloads` (device -> host), then `loads` (host -> device: the host-hit blocks of
+    the table) with `kernels.swap_blocks` before the step (see `radixkv.host_tier` for why that order).
+    """
 
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
     block_table: list[int]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+    num_host_hit_tokens: int = 0  # of num_cached_tokens, those the host tier held (brought in by `loads`)
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (device_block, host_block)
+    loads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (host_block, device_block)
 
     @property
     def slots(self) -> npt.NDArray[np.int64]:
@@ -122,6 +130,8 @@ class AppendBatch:
     block_ids: list[int]
     copies: list[tuple[int, int, int]]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+    # Host tier: int64 [n, 2] (device_block, host_block), applied before `copies`.
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)
 
     @property
     def slots(self) -> npt.NDArray[np.int64]:

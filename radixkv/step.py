@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from radixkv.host_tier import NO_PAIRS, Pairs
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.token_ids import TokenIds
 
@@ -51,10 +52,17 @@ class Step:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
-    """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s."""
+    """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s.
+
+    `offloads` and `loads` are the whole step's host-tier transfers (its opens' and append's, in order: over the
+    wire they come only here): before running the step the worker applies the offloads, then
+    `appended.copies`, then the loads (see `radixkv.host_tier`).
+    """
 
     opened: list[OpenResult]
     appended: AppendBatch | None
     forked: list[list[int]]
     num_cached_tokens: list[int]
     num_released_sequences: int
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (device, host)
+    loads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (host, device)

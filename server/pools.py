@@ -43,7 +43,11 @@ class Pool:
         self.lock = threading.Lock()
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(
-            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1
+            self.layout.num_blocks,
+            self.layout.block_size,
+            limits,
+            first_seq_id=secrets.randbelow(2**52) + 1,
+            host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
         )
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it

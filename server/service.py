@@ -309,15 +309,18 @@ class KVService:
 
     # -- prefixes ---------------------------------------------------------------------------------
 
-    def match(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
-        """Read-only; a session is optional (routers probe without one)."""
+    def match(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
+    ) -> tuple[int, int]:
+        """(device tokens, host tokens), as `KVCache.match_tiers`. Read-only; a session is optional (routers
+        probe without one)."""
         pool = self.pool(pool_name)
         check_request_size(pool, _num_tokens(token_ids))
         if session_id:
             self.sessions.get(session_id, caller)
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
-            return pool.cache.match(key, core_namespace)
+            return pool.cache.match_tiers(key, core_namespace)
 
     def explain_match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str

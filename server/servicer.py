@@ -27,7 +27,7 @@ from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.miss_reasons import MissExplanation
 from radixkv.server.service import KVService
-from radixkv.server.session_stream import Observe, SessionStreams
+from radixkv.server.session_stream import Observe, SessionStreams, transfers
 from radixkv.server.status import translating_errors, translating_stream
 from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
@@ -80,9 +80,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                     num_cached_tokens=r.num_cached_tokens,
                     block_ids=r.block_table,
                     slots=np.asarray(r.slots).tolist(),
+                    num_host_hit_tokens=r.num_host_hit_tokens,
                 )
                 for r in results
-            ]
+            ],
+            offloads=transfers(r.offloads for r in results),
+            loads=transfers(r.loads for r in results),
         )
         for opened, why in zip(response.sequences, explanations or (), strict=False):
             opened.miss_reason = _miss_reason(why)
@@ -108,6 +111,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             block_ids=batch.block_ids,
             slots=batch.slots.tolist(),
             copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in batch.copies],
+            offloads=transfers([batch.offloads]),
         )
 
     @translating_errors
@@ -177,10 +181,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
-        num = self._service.match(
+        num, num_host = self._service.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
-        return pb.MatchResponse(num_cached_tokens=num)
+        return pb.MatchResponse(num_cached_tokens=num, num_host_cached_tokens=num_host)
 
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:

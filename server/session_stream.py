@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.server.decoding import Undecodable
@@ -157,6 +158,7 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
                 num_cached_tokens=r.num_cached_tokens,
                 block_ids=r.block_table,
                 slots=r.slots.astype(_INT64, copy=False).tobytes(),
+                num_host_hit_tokens=r.num_host_hit_tokens,
             )
             for r in result.opened
         ]
@@ -170,6 +172,10 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
             slots=b.slots.astype(_INT64, copy=False).tobytes(),
             copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
         )
+    if len(result.offloads):
+        fields["offloads"] = transfers([result.offloads])
+    if len(result.loads):
+        fields["loads"] = transfers([result.loads])
     if result.forked:
         fields["forked"] = [pb.StepForked(child_seq_ids=children) for children in result.forked]
     if result.num_cached_tokens:
@@ -177,6 +183,11 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
     if result.num_released_sequences:
         fields["num_released_sequences"] = result.num_released_sequences
     return pb.SessionResponse(**fields)  # type: ignore[arg-type]
+
+
+def transfers(runs: Iterable[npt.NDArray[np.int64]]) -> list[pb.BlockTransfer]:
+    """Host-tier pairs `(src_block, dst_block)`, run after run in order, as wire messages."""
+    return [pb.BlockTransfer(src_block_id=s, dst_block_id=d) for run in runs for s, d in run.tolist()]
 
 
 def _step_error(error: RadixKVError) -> pb.StepError:

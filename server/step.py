@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
+from radixkv.host_tier import concat_pairs
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.pools import Pool
@@ -78,7 +79,8 @@ def run_step(
 
         def check_and_apply() -> StepResult:
             _StepPlan(service, pool, session, caller).check(step, requests)
-            return _apply(service, pool, session, step, requests)
+            with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
+                return _apply(service, pool, session, step, requests)
 
         num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
         return session.requests.once(
@@ -218,7 +220,9 @@ def _apply(
             num_released += len(seq_ids)
     if step.forks or step.caches or any(keep for _, keep in step.releases):
         service.keep_cache_share(pool, session.tenant)
-    return StepResult(opened, appended, forked, num_cached, num_released)
+    offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
+    loads = concat_pairs(r.loads for r in opened)
+    return StepResult(opened, appended, forked, num_cached, num_released, offloads, loads)
 
 
 class _Applying:
