@@ -12,6 +12,7 @@ from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan
 from radixkv.sequence import LiveSequence, Sequences, path_blocks
+from radixkv.stats import Stats
 from radixkv.token_ids import TokenKey
 
 PlannedOpen = tuple[TokenKey, Node, Match]  # the prompt, its namespace's root, its cached prefix
@@ -32,11 +33,23 @@ def plan_open(tree: RadixTree, requests: list[tuple[TokenKey, Node]]) -> tuple[l
         match = tree.match(root, key.data, (key.num_tokens - 1) // bs)
         planned.append((key, root, match))
         needed += cdiv(key.num_tokens, bs) - match.num_blocks
-        for node in match.path:
-            if node.lock_ref == 0:
-                in_node = match.num_blocks_in_node if node is match.node else len(node.block_ids)
-                newly_locked[node.node_id] = max(newly_locked.get(node.node_id, 0), in_node)
+        for node_id, num_blocks in _unlocked_on_path(match):
+            newly_locked[node_id] = max(newly_locked.get(node_id, 0), num_blocks)
     return planned, needed, sum(newly_locked.values())
+
+
+def _unlocked_on_path(match: Match) -> list[tuple[int, int]]:
+    """(node id, matched blocks in it) of each unlocked node on the match's path."""
+    return [
+        (node.node_id, match.num_blocks_in_node if node is match.node else len(node.block_ids))
+        for node in match.path
+        if node.lock_ref == 0
+    ]
+
+
+def num_newly_locked(match: Match) -> int:
+    """Cached blocks that locking this match takes out of the evictable ones."""
+    return sum(n for _, n in _unlocked_on_path(match))
 
 
 def lock_matches(tree: RadixTree, planned: list[PlannedOpen]) -> list[tuple[TokenKey, Node, int]]:
@@ -60,6 +73,8 @@ def start_sequence(
     new_blocks: list[int],
     tail: bytes,
     block_size: int,
+    priority: int = 0,
+    reserve_until: int = 0,
 ) -> tuple[LiveSequence, OpenResult]:
     """A sequence holding the locked path to `node` plus `new_blocks` for the `tail` tokens past it, and its record.
 
@@ -69,19 +84,32 @@ def start_sequence(
     table += new_blocks  # in place: a 128k-token table is not copied once more
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
-    seq = LiveSequence(seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, [], num_tokens, num_cached)
+    seq = LiveSequence(
+        seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, [], num_tokens, num_cached,
+        priority, reserve_until,
+    )  # fmt: skip
     slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
     return seq, OpenResult(seq_id, num_cached, list(table), slots)
 
 
 def open_planned(
-    blocks: Allocator, sequences: Sequences, planned: list[PlannedOpen], namespaces: list[str]
+    blocks: Allocator,
+    sequences: Sequences,
+    planned: list[PlannedOpen],
+    namespaces: list[str],
+    ranks: list[tuple[int, int]],
+    seq_id: int | None = None,
 ) -> list[OpenResult]:
-    """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan)."""
-    bs, stats, host = blocks.tree.block_size, blocks.stats, blocks.tree.host
+    """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan).
+
+    `ranks`: each request's (priority, reserve_until), whose reservation is taken now. `seq_id`: the
+    id of the one sequence a resume brings back (otherwise each gets a new id). With a host tier, a prefix
+    that continues there is loaded into the first new blocks (the result's `loads`).
+    """
+    bs, host = blocks.tree.block_size, blocks.tree.host
     results = []
-    for (key, node, num_matched_blocks), namespace in zip(lock_matches(blocks.tree, planned), namespaces, strict=True):
-        # The prefix may continue on the host tier: load it into the first new blocks.
+    locked = lock_matches(blocks.tree, planned)
+    for (key, node, num_matched_blocks), namespace, (priority, until) in zip(locked, namespaces, ranks, strict=True):
         on_host = host.plan_load(key.data, node, num_matched_blocks, (key.num_tokens - 1) // bs) if host else None
         new_blocks = blocks.allocate(cdiv(key.num_tokens, bs) - num_matched_blocks)
         num_loaded, loads = 0, NO_PAIRS
@@ -90,21 +118,32 @@ def open_planned(
             num_loaded = on_host[2]
             num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
         tail = key.tail_after(num_matched_blocks * bs)
-        seq, opened = start_sequence(sequences.next_id(), namespace, node, num_matched_blocks, new_blocks, tail, bs)
+        new_id = sequences.next_id() if seq_id is None else seq_id
+        seq, opened = start_sequence(new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until)
+        blocks.num_reserved += max(0, until - len(seq.block_table))
         sequences.add(seq)
         if host is not None:
             opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()
-            stats.num_host_hit_tokens += num_loaded * bs
-        stats.num_requested_tokens += key.num_tokens
-        stats.num_hit_tokens += opened.num_cached_tokens
-        stats.num_opened_sequences += 1
         results.append(opened)
     return results
 
 
-def lock_prefix(tree: RadixTree, sequences: Sequences, root: Node, key: TokenKey, namespace: str) -> OpenResult:
-    """Start a sequence holding just the cached prefix of `key` (every token may match), allocating nothing."""
+def count_opens(stats: Stats, planned: list[PlannedOpen], results: list[OpenResult]) -> None:
+    for (key, _, _), opened in zip(planned, results, strict=True):
+        stats.num_requested_tokens += key.num_tokens
+        stats.num_hit_tokens += opened.num_cached_tokens
+        stats.num_host_hit_tokens += opened.num_host_hit_tokens
+        stats.num_opened_sequences += 1
+
+
+def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenKey, namespace: str) -> OpenResult:
+    """Start a sequence holding just the cached prefix of `key` (every token may match), allocating nothing.
+
+    Locking cached blocks takes them from what is available, so they must fit in what reservations leave.
+    """
+    tree = blocks.tree
     match = tree.match(root, key.data)
+    blocks.refuse_unless(num_newly_locked(match), max(0, blocks.num_available() - blocks.num_reserved))
     node = tree.split(match)
     tree.lock(node)
     seq, opened = start_sequence(sequences.next_id(), namespace, node, match.num_blocks, [], b"", tree.block_size)

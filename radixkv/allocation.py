@@ -1,4 +1,9 @@
-"""Taking blocks: from the free stack first, then by evicting unlocked cached blocks, LRU first."""
+"""Taking blocks: from the free stack first, then by evicting unlocked cached blocks, LRU first.
+
+Reservations (admission's reserved growth, see `radixkv.budget`) are a count here, not blocks: a
+reserved block is any free or evictable one that no one else may take. So an allocation must fit in
+what the reservations leave, except for the blocks it draws on its own sequence's reservation.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,22 @@ from radixkv.stats import Stats
 
 
 class Allocator:
-    """The pool and the tree's evictable blocks seen as one supply, with the counters they move."""
+    """The pool and the tree's evictable blocks seen as one supply, with the counters they move.
+
+    `num_reserved` is the sum of `budget.reservation(seq)` over live sequences (the invariant checker recounts it).
+    """
 
     def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats) -> None:
         self.pool, self.tree, self.stats = pool, tree, stats
+        self.num_reserved = 0
 
     def num_available(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""
         return self.pool.num_free + self.tree.num_evictable_blocks
+
+    def num_unreserved(self) -> int:
+        """What an allocation not drawing on a reservation may take: available less every reservation."""
+        return max(0, self.num_available() - self.num_reserved)
 
     def refuse_unless(self, needed: int, available: int) -> None:
         """Raise OutOfBlocks (and count the failure) when `needed` exceeds `available`."""
@@ -26,9 +39,12 @@ class Allocator:
             self.stats.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
 
-    def allocate(self, n: int) -> list[int]:
-        """`n` blocks, evicting the shortfall first; all or none."""
+    def allocate(self, n: int, drawn: int = 0) -> list[int]:
+        """`n` blocks, evicting the shortfall first; all or none. `drawn` of them come out of the
+        caller's reservations (which shrink by as much); the rest must fit in what is unreserved."""
+        self.refuse_unless(n - drawn, self.num_unreserved())
         self.refuse_unless(n, self.num_available())
+        self.num_reserved -= drawn
         shortfall = n - self.pool.num_free
         if shortfall > 0:
             self.evict(shortfall)

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from radixkv.allocation import Allocator
 from radixkv.block_pool import BlockPool, cdiv
+from radixkv.budget import num_drawn
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.results import AppendBatch, SlotPlan
 from radixkv.sequence import LiveSequence, Sequences
@@ -143,10 +144,13 @@ def apply_batch(
 def append(
     blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
 ) -> AppendBatch:
-    """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order."""
+    """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order.
+
+    New table entries draw on each sequence's own reservation first (see `radixkv.budget`).
+    """
     live = sequences.batch(seq_ids)
     plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
-    new_blocks = blocks.allocate(sum(n for n, _ in plans))
+    new_blocks = blocks.allocate(sum(n for n, _ in plans), num_drawn(live, counts, blocks.tree.block_size))
     batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
     blocks.stats.num_cow_copies += len(batch.copies)
     if blocks.tree.host is not None:

@@ -1,4 +1,4 @@
-"""`radixkv` command line: plan capacity, replay a workload through the core, serve, demo."""
+"""`radixkv` command line: plan capacity, replay a workload through the core, serve, keep pool memory, demo."""
 
 from __future__ import annotations
 
@@ -85,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate("radixkv.server.app")
     if argv[:1] == ["demo"]:
         return _delegate("radixkv.demo.main")
+    if argv[:1] == ["keeper"]:
+        return _delegate("radixkv.server.keeper")
     parser = argparse.ArgumentParser(
         prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the gRPC service (see radixkv serve --help)")
+    sub.add_parser("keeper", help="own the pools' memory so servers restart without losing it (radixkv keeper --help)")
     sub.add_parser("demo", help="generate with a small model through the service (see radixkv demo --help)")
 
     plan = sub.add_parser("plan", help="capacity arithmetic: blocks, tokens and sequences that fit")

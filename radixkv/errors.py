@@ -55,6 +55,40 @@ class OutOfBlocks(RadixKVError):
         self.free = free
 
 
+class NotAdmitted(RadixKVError):
+    """Admission by token budget refused a request: its uncached prompt blocks plus its reserved growth
+    (`blocks_needed`) do not fit in the free and evictable blocks left after others' reservations and the
+    watermark (`blocks_available`)."""
+
+    reason = "NOT_ADMITTED"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, blocks_needed: int, blocks_available: int) -> None:
+        super().__init__(
+            f"not admitted: needs {blocks_needed} blocks (prompt and reserved growth), {blocks_available} available",
+            blocks_needed=blocks_needed, blocks_available=blocks_available,
+        )  # fmt: skip
+        self.blocks_needed = blocks_needed
+        self.blocks_available = blocks_available
+
+
+class TokenBudget(RadixKVError):
+    """A tenant's token bucket (`max_tokens_per_second`) cannot pay for this open's prompt plus max_new_tokens
+    now; retry after `retry_after_ms` (also sent as a google.rpc.RetryInfo)."""
+
+    reason = "TOKEN_BUDGET"
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, tenant: str, num_tokens: int, retry_after_ms: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} token budget: {num_tokens} tokens asked, retry in {retry_after_ms} ms",
+            tenant=tenant, num_tokens=num_tokens, retry_after_ms=retry_after_ms,
+        )  # fmt: skip
+        self.tenant = tenant
+        self.num_tokens = num_tokens
+        self.retry_after_ms = retry_after_ms
+
+
 class LimitExceeded(RadixKVError):
     """A configured limit (`limit` names it: max_tokens_per_request, pinned_blocks, ...) refuses the request."""
 
@@ -148,6 +182,18 @@ class FailedPrecondition(RadixKVError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class SequencePreempted(FailedPrecondition):
+    """The sequence is preempted: only `resume` and `release` may name it until it is resumed."""
+
+    reason = "SEQUENCE_PREEMPTED"
+    grpc_code = "FAILED_PRECONDITION"
+
+    def __init__(self, seq_id: int, field: str = "seq_id") -> None:
+        super().__init__(f"{field}: sequence {seq_id} is preempted (resume it first)", seq_id=seq_id, field=field)
+        self.seq_id = seq_id
+        self.field = field
+
+
 class DeadlineExceeded(RadixKVError):
     """The call's deadline passed before it was applied (waiting for the pool): nothing changed."""
 
@@ -176,11 +222,29 @@ class ServerRestarted(UnknownSession):
         )
 
 
+class SnapshotRefused(RadixKVError):
+    """A snapshot that must not be adopted: nothing of it is used, and the pool starts cold.
+
+    `why` says which check refused it: TRUNCATED, NOT_A_SNAPSHOT, VERSION, CORRUPTED (checksum),
+    OTHER_POOL, LAYOUT, HASH_CONTRACT, MEMORY (the memory is fresh or not the memory the snapshot
+    describes), KV_CHECKSUM (the memory's bytes differ from the snapshot's), INCONSISTENT.
+    """
+
+    reason = "SNAPSHOT_REFUSED"
+    grpc_code = "FAILED_PRECONDITION"
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(f"snapshot refused ({why}): {message}", why=why)
+        self.why = why
+
+
 ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
     cls.reason: cls
     for cls in (
         InvalidArgument,
         OutOfBlocks,
+        NotAdmitted,
+        TokenBudget,
         LimitExceeded,
         QuotaExceeded,
         UnknownSequence,
@@ -190,7 +254,9 @@ ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
         PermissionDenied,
         Unauthenticated,
         FailedPrecondition,
+        SequencePreempted,
         ServerRestarted,
         DeadlineExceeded,
+        SnapshotRefused,
     )
 }

@@ -13,7 +13,7 @@ import numpy as np
 
 from radixkv.block_pool import BlockPool, cdiv
 from radixkv.radix_node import Node, lru_key
-from radixkv.sequence import LiveSequence, path_blocks
+from radixkv.sequence import LiveSequence, PreemptedSequence, path_blocks
 from radixkv.token_ids import TokenKey
 
 if TYPE_CHECKING:
@@ -187,3 +187,27 @@ def check_host_tier(host: HostTier, swapped: Iterable[BlockIds]) -> None:
     )
     keys = [lru_key(n) for n in leaves]
     assert keys == sorted(keys), "host LRU list out of order"
+
+
+def check_reservations(
+    num_reserved: int, num_available: int, sequences: Iterable[LiveSequence], preempted: dict[int, PreemptedSequence]
+) -> None:
+    """Admission's reservations recounted, and backed by free or evictable blocks; preempted sequences apart.
+
+    Backing can fall short by at most the blocks sequences hold as duplicates of the tree's (a publish
+    that finds its prefix already cached locks the tree's copy and keeps its own), never more. A
+    preempted sequence holds nothing on the device: `check_holders` counts only live sequences' holds.
+    """
+    live = list(sequences)
+    recounted = sum(max(0, seq.reserve_until - len(seq.block_table)) for seq in live)
+    assert num_reserved == recounted, f"reserved blocks {num_reserved} != recounted {recounted}"
+    duplicates = len({b for seq in live for b in seq.private_prefix})
+    assert num_available + duplicates >= num_reserved, (
+        f"reservations {num_reserved} exceed available blocks {num_available} (+{duplicates} duplicates)"
+    )
+    live_ids = {seq.seq_id for seq in live}
+    for seq_id, record in preempted.items():
+        assert record.seq_id == seq_id and seq_id not in live_ids, f"seq {seq_id}: both live and preempted"
+        assert record.mode in ("swap", "recompute"), f"seq {seq_id}: preempted in unknown mode {record.mode!r}"
+        assert len(record.token_bytes) % TokenKey.num_bytes(1) == 0, f"seq {seq_id}: preempted tokens torn"
+        assert record.num_computed_tokens <= record.num_tokens, f"seq {seq_id}: computed past its length"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned
+from radixkv.admission import num_newly_locked
+from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
 from radixkv.radix_tree import Node, RadixTree
 from radixkv.token_ids import TokenKey
 
@@ -16,8 +17,12 @@ class Pins:
         self.tree = tree
         self._pins: dict[tuple[str, bytes], tuple[Node, int]] = {}
 
-    def pin(self, root: Node | None, key: TokenKey, namespace: str, max_pinned_blocks: int) -> int:
-        """Pin the cached prefix of `key` under `root` (None: an unknown namespace); returns tokens pinned."""
+    def pin(self, root: Node | None, key: TokenKey, namespace: str, max_pinned_blocks: int, num_unreserved: int) -> int:
+        """Pin the cached prefix of `key` under `root` (None: an unknown namespace); returns tokens pinned.
+
+        The cached blocks it newly locks stop being evictable, so they must fit in `num_unreserved`
+        (what admission's reservations leave), else OutOfBlocks.
+        """
         tree = self.tree
         match = tree.match(root, key.data) if root is not None else None
         if match is None or match.num_blocks == 0:
@@ -27,6 +32,9 @@ class Pins:
         added = tree.blocks_to_pin(match.path, match.num_blocks_in_node)
         if tree.num_pinned_blocks + added > max_pinned_blocks:
             raise LimitExceeded("pinned_blocks", tree.num_pinned_blocks + added, max_pinned_blocks)
+        newly_locked = num_newly_locked(match)
+        if newly_locked > num_unreserved:
+            raise OutOfBlocks(newly_locked, num_unreserved)
         node = tree.split(match)
         pin_key = (namespace, key.whole_block_prefix(tree.block_size))
         _, count = self._pins.get(pin_key, (node, 0))

@@ -9,12 +9,11 @@ written. `append` raises it to the tokens before the appended ones; `commit` rai
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from radixkv.errors import InvalidArgument, UnknownSequence
+from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.radix_node import Node
 
 
@@ -35,27 +34,54 @@ class LiveSequence:
     # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
     # full blocks below this watermark are ever published to the tree.
     num_computed_tokens: int
+    priority: int = 0  # victims go lowest priority first (see `radixkv.preemption.victims`)
+    # The table length its admission reserved growth up to (see `radixkv.budget`); blocks it appends
+    # below this draw on its reservation first. 0: no reservation.
+    reserve_until: int = 0
 
     def private_blocks(self) -> list[int]:
         return self.private_prefix + self.block_table[self.num_tree_blocks :]
 
     def fork_child(self, seq_id: int) -> LiveSequence:
-        """A copy sharing every block (the caller adds the child's holds on them)."""
+        """A copy sharing every block (the caller adds the child's holds on them) and the priority; it
+        reserves nothing, as its growth was never budgeted."""
         return LiveSequence(
             seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node,
             self.num_tree_blocks, list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
+            self.priority,
         )  # fmt: skip
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class PreemptedSequence:
+    """A sequence that holds nothing on the device: its tokens, and what `resume` needs to bring it back."""
+
+    seq_id: int
+    namespace: str
+    token_bytes: bytes  # every token (int32 LE)
+    num_computed_tokens: int  # the watermark when preempted (a swap brings that K/V back)
+    priority: int
+    reserve_until: int
+    mode: str  # "swap" or "recompute"
+    host: object = None  # swap: what the host tier keeps for it (see `radixkv.preemption.SwapTier`)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_bytes) // 4
+
+
 class Sequences:
-    """The live sequences by id; ids are never reused within one run."""
+    """The live sequences by id, and the preempted ones apart; ids are never reused within one run."""
 
     def __init__(self, first_seq_id: int) -> None:
         self._live: dict[int, LiveSequence] = {}
-        self._seq_ids = itertools.count(first_seq_id)
+        self.preempted: dict[int, PreemptedSequence] = {}
+        self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
 
     def next_id(self) -> int:
-        return next(self._seq_ids)
+        seq_id = self.next_seq_id
+        self.next_seq_id = seq_id + 1
+        return seq_id
 
     def add(self, seq: LiveSequence) -> None:
         self._live[seq.seq_id] = seq
@@ -78,6 +104,8 @@ class Sequences:
         if seq is None:
             if not isinstance(seq_id, int) or isinstance(seq_id, bool):
                 raise InvalidArgument(field, f"must be an integer, got {type(seq_id).__name__}")
+            if seq_id in self.preempted:
+                raise SequencePreempted(seq_id, field)
             raise UnknownSequence(seq_id)
         return seq
 
@@ -91,6 +119,19 @@ class Sequences:
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return found  # type: ignore[return-value]  # no None is left
+
+    def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
+        """The live and the preempted sequences of a release batch (both may be released), each once."""
+        live, parked = [], []
+        for i, seq_id in enumerate(seq_ids):
+            record = self.preempted.get(seq_id) if isinstance(seq_id, int) else None
+            if record is None:
+                live.append(self.get(seq_id, f"seq_ids[{i}]"))
+            else:
+                parked.append(record)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        return live, parked
 
     def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[LiveSequence]:
         """The sequences `commit(seq_ids, num_tokens)` would move, or the error it would raise."""

@@ -37,6 +37,13 @@ class Stats:
     num_host_evicted_blocks: int = 0
     num_host_hit_tokens: int = 0
     num_swapped_sequences: int = 0  # preempted by swap: their private blocks on the host tier
+    num_blocks_reserved: int = 0  # admission's reserved growth not yet appended into
+    num_preempted_sequences: int = 0
+    num_admission_refusals: int = 0  # NotAdmitted
+    num_preemptions_swap: int = 0  # sequences preempted, by mode
+    num_preemptions_recompute: int = 0
+    num_resumed_sequences: int = 0
+    num_recomputed_tokens: int = 0  # tokens resumes after recompute handed back to prefill (not cached any more)
 
     @property
     def hit_ratio(self) -> float:
@@ -45,3 +52,21 @@ class Stats:
     @property
     def usage_ratio(self) -> float:
         return self.num_blocks_in_use / self.num_blocks_total
+
+    @property
+    def memory_pressure(self) -> float:
+        """(used + reserved) / total: what admission and operators watch."""
+        return (self.num_blocks_in_use + self.num_blocks_reserved) / self.num_blocks_total
+
+    @property
+    def pressure_band(self) -> str:
+        """ "normal" below 0.7, "high" up to 0.9 (throttle admissions), "danger" above (preemption is near)."""
+        return pressure_band(self.memory_pressure)
+
+
+PRESSURE_BANDS = ("normal", "high", "danger")
+
+
+def pressure_band(memory_pressure: float) -> str:
+    """The operators' bands of KV memory pressure: < 0.7 normal, 0.7-0.9 high, > 0.9 danger."""
+    return "normal" if memory_pressure < 0.7 else "high" if memory_pressure <= 0.9 else "danger"

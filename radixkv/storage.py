@@ -127,6 +127,8 @@ class KVStorage:
         self._owner = owner
         self._unlinked = False
         self._pinned = False  # page-locked in this process (cudaHostRegister): a host tier beside a CUDA pool
+        # A CUDA allocation mapped from another process cannot be exported again: its handle is passed on as is.
+        self._imported_handle: PoolHandle | None = None
         self.check_invariants()
 
     @classmethod
@@ -248,7 +250,9 @@ class KVStorage:
         )
         buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
         buffer.set_(storage, 0, (layout.total_bytes,), (1,))
-        return cls(layout, *_views(buffer, layout), None, owner=False)
+        opened = cls(layout, *_views(buffer, layout), None, owner=False)
+        opened._imported_handle = handle
+        return opened
 
     @property
     def data(self) -> torch.Tensor:
@@ -278,6 +282,8 @@ class KVStorage:
     def export_handle(self) -> PoolHandle:
         """The handle another process passes to `KVStorage.open`; for CUDA, one per opening process."""
         fields = {f: getattr(self.layout, f) for f in _LAYOUT_FIELDS}
+        if self._imported_handle is not None:
+            return self._imported_handle  # the exporter's (a keeper's) allocation, which any process may open
         if self._shm is not None:
             if self._unlinked:
                 raise ValueError(f"export_handle: segment {self._shm.name!r} was unlinked")

@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,6 +42,7 @@ from radixkv.server.config import (
 )
 from radixkv.server.debug import DebugServicer
 from radixkv.server.decoding import DecodingInterceptor
+from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.pools import Pool, build_pool
@@ -49,6 +51,9 @@ from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
 from radixkv.server.stream_gate import StreamGate
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+
+if TYPE_CHECKING:
+    from radixkv.server.keeper_client import KeeperClient
 
 log = logging.getLogger("radixkv.server")
 
@@ -67,8 +72,10 @@ class RadixKVServer:
         metrics: ServerMetrics,
         config: ServerConfig,
         auditor: PoolAuditor | None = None,
+        keeper: KeeperClient | None = None,
     ) -> None:
         self._server = server
+        self.keeper = keeper  # holds the pools' memory when the server does not own it
         self.service = service
         self._health = health_servicer
         self.metrics = metrics
@@ -86,6 +93,8 @@ class RadixKVServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.auditor is not None:
             self.auditor.start()
+        if self.keeper is not None:
+            self.keeper.watch()
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, end event streams, let in-flight RPCs finish within `grace`, then free everything."""
@@ -96,7 +105,15 @@ class RadixKVServer:
         if self.auditor is not None:
             self.auditor.stop()
         self.service.close()
+        if self.keeper is not None:
+            self.keeper.close()  # the keeper keeps the memory for the next server
         self.metrics.stop_http()
+
+    def keeper_lost_with_device_memory(self) -> bool:
+        """The keeper died and took CUDA memory with it: this server's KV memory is no longer valid."""
+        if self.keeper is None or not self.keeper.lost.is_set():
+            return False
+        return any(pool.device.startswith("cuda") for pool in self.service.pools.values())
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return bool(self._server.wait_for_termination(timeout))
@@ -109,9 +126,10 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         RuntimeError: the address cannot be bound (the pools are freed again).
     """
     pools: dict[str, Pool] = {}
+    keeper = _connect_keeper(config)
     try:
         for pool_config in config.pools:
-            pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size)
+            pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size, keeper)
         service = KVService(config, pools)
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
@@ -164,15 +182,37 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
     except BaseException:
         for pool in pools.values():
             pool.close()
+        if keeper is not None:
+            keeper.close()
         raise
     auditor = (
         PoolAuditor(pools, config.audit_interval_seconds, metrics.registry) if config.audit_interval_seconds else None
     )
-    return RadixKVServer(server, service, health_servicer, metrics, config, auditor), port
+    return RadixKVServer(server, service, health_servicer, metrics, config, auditor, keeper), port
 
 
-def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING, drain, free pools)."""
+def _connect_keeper(config: ServerConfig) -> KeeperClient | None:
+    """The keeper that holds the pools' memory, if the config names one (starting it on `state_dir` if needed).
+
+    Raises:
+        RuntimeError: no keeper answers.
+    """
+    if config.keeper_socket is None and config.state_dir is None:
+        return None
+    from radixkv.server.keeper_client import KeeperClient, connect_or_spawn
+
+    if config.state_dir is not None:
+        return connect_or_spawn(config.state_dir)
+    assert config.keeper_socket is not None
+    try:
+        return KeeperClient(config.keeper_socket)
+    except OSError as e:
+        raise RuntimeError(f"--keeper {config.keeper_socket}: no keeper answers there ({e})") from None
+
+
+def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING, drain, free pools); returns the exit
+    status: 0, or 1 when the keeper died with this server's CUDA memory."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -197,12 +237,30 @@ def serve(config: ServerConfig) -> None:
         if pool.kv_publisher is not None
     }
     announcement = {"event": "serving", "port": port, "metrics_port": server.metrics_port, "kv_events": kv_events}
+    if server.keeper is not None:
+        announcement["keeper"] = _keeper_summary(server)
     print(json.dumps(announcement), flush=True)
+    status = 0
     while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits
-        pass
+        if server.keeper_lost_with_device_memory():
+            log.error("keeper lost with the CUDA pools' memory: stopping")
+            status = 1
+            break
     log.info("stopping", extra={"grace_seconds": config.grace_seconds})
     server.stop()
     log.info("stopped")
+    return status
+
+
+def _keeper_summary(server: RadixKVServer) -> dict[str, object]:
+    """For the announcement: the keeper's incarnation and each pool's memory, fresh or retained."""
+    assert server.keeper is not None
+    pools = {
+        name: "fresh" if pool.keeper.fresh else "retained"
+        for name, pool in server.service.pools.items()
+        if pool.keeper is not None
+    }
+    return {"socket": str(server.keeper.path), "incarnation": server.keeper.incarnation, "pools": pools}
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
@@ -297,6 +355,18 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         metavar="S",
         help="every S seconds, recount one pool's bookkeeping under its lock (server/audit.py); 0: off (default)",
     )
+    keeper = parser.add_mutually_exclusive_group()
+    keeper.add_argument(
+        "--keeper",
+        dest="keeper_socket",
+        metavar="SOCKET",
+        help="take the pools' memory from the keeper on this socket (radixkv keeper), so it outlives this server",
+    )
+    keeper.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="as --keeper DIR/keeper.sock, starting `radixkv keeper --state-dir DIR` (detached) if none runs there",
+    )
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = parser.parse_args(args)
@@ -356,12 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(log_level)
     try:
-        serve(config)
-    except (RuntimeError, OSError, ValueError) as e:  # cannot bind, cannot allocate a pool, ...
+        return serve(config)
+    except (RuntimeError, OSError, ValueError, KeeperError) as e:  # cannot bind, cannot allocate a pool, ...
         log.exception("cannot serve")
         print(f"radixkv serve: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

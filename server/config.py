@@ -144,6 +144,10 @@ class ServerConfig:
     tls_key: str | None = None
     debug_rpc: bool = False  # serve radixkv.v1.Debug (tests only)
     audit_interval_seconds: float = 0.0  # online audit: one pool's recount per interval (server/audit.py); 0: off
+    # The pools' memory from a keeper (server/keeper.py) so it outlives this process: attach to the keeper on
+    # this socket, or to the one on this state directory, started there when none listens. Neither: own it.
+    keeper_socket: str | None = None
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -179,6 +183,8 @@ class ServerConfig:
                 object.__setattr__(self, name, min(default, self.max_streams))
             elif not 0 <= getattr(self, name) <= self.max_streams:
                 raise ValueError(f"{name} must lie in [0, max_streams]: streams must leave threads for unary calls")
+        if self.keeper_socket is not None and self.state_dir is not None:
+            raise ValueError("give keeper_socket (attach to a running keeper) or state_dir (start one), not both")
         if self.audit_interval_seconds < 0:
             raise ValueError("audit_interval_seconds must be >= 0 (0: no audit)")
         for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):

@@ -29,7 +29,7 @@ def checksum_blocks(pool: Pool, block_ids: list[int]) -> str:
         raise InvalidArgument("block_ids", f"ids must lie in [0, {pool.layout.num_blocks}), got {bad[:4]}")
     # selected: [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim]
     selected = pool.storage.data[:, :, torch.tensor(block_ids, dtype=torch.long)].contiguous()
-    return hashlib.sha256(selected.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(selected.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()  # cpu(): CUDA pools
 
 
 class DebugServicer(debug_pb2_grpc.DebugServicer):

@@ -19,6 +19,7 @@ from radixkv.server.events import EventHub
 from radixkv.server.ledger import PoolLedger
 
 if TYPE_CHECKING:
+    from radixkv.server.keeper_client import KeeperAttachment, KeeperClient
     from radixkv.server.kv_events import ZmqEventPublisher
     from radixkv.storage import KVStorage
 
@@ -33,11 +34,17 @@ class Pool:
         limits: Limits,
         watch_queue_size: int,
         tombstones: int = 65_536,
+        keeper: KeeperAttachment | None = None,
+        keeper_lost: threading.Event | None = None,
         host_storage: KVStorage | None = None,
     ) -> None:
         self.name = name
         self.storage = storage
         self.host_storage = host_storage  # the host tier's memory (same layout, its own num_blocks), if any
+        # None: this process owns the memory. Else a keeper does: `keeper.fresh` says whether anything from a
+        # previous server can be in it; `keeper_lost` is set once this server noticed the keeper die.
+        self.keeper = keeper
+        self._keeper_lost = keeper_lost
         self.layout: PoolLayout = storage.layout
         self.device = str(storage.device)
         self.lock = threading.Lock()
@@ -72,42 +79,51 @@ class Pool:
             self.events.sinks.append(publisher)
             self.kv_publisher = publisher
 
+    def restart_safe(self) -> bool:
+        """Whether this pool's memory outlives this process: a keeper holds it and is still alive."""
+        return self.keeper is not None and self._keeper_lost is not None and not self._keeper_lost.is_set()
+
     def close(self) -> None:
-        """Wake every event stream and free the memory (the shared-memory name goes with it)."""
+        """Wake every event stream and drop the memory: freed if this process owns it, else left to the keeper."""
         with self.lock:
             self.events.close_all()
             publisher, self.kv_publisher = self.kv_publisher, None
             self.events.sinks.clear()
         if publisher is not None:
             publisher.close()
-        for storage in (self.storage, self.host_storage):
-            if storage is not None:
-                storage.close()
-                storage.unlink()  # CUDA: a no-op; the memory goes with this process
+        self.storage.close()
+        if self.keeper is None:
+            self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
+        if self.host_storage is not None:  # this process's own, keeper or not
+            self.host_storage.close()
+            self.host_storage.unlink()
 
 
-def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
-    """Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory."""
+def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None) -> Pool:
+    """Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory, or attach
+    the memory `keeper` keeps for this pool (the same bytes a previous server left, when the layout matches).
+
+    Raises:
+        KeeperError: the keeper refused (e.g. LAYOUT_MISMATCH, naming the fields that differ).
+    """
     # Imported here: torch comes with storage, and only a server that builds pools needs it.
-    from radixkv.storage import KVStorage, layout_for_memory
+    from radixkv.storage import KVStorage
 
-    c = config
-    if c.num_blocks is not None:
-        layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.block_size, c.num_blocks, c.dtype)
+    layout = _layout(config, keeper)
+    if keeper is None:
+        storage, attachment = KVStorage.create(layout, config.device), None
     else:
-        layout = layout_for_memory(
-            num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
-            dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
-            reserved_bytes=c.reserved_bytes,
-        )  # fmt: skip
-    storage = KVStorage.create(layout, config.device)
+        attachment = keeper.create_or_attach(config.name, layout, _device_with_index(config.device))
+        storage = KVStorage.open(attachment.handle)
     try:
         host = _host_storage(config, layout, pin=storage.device.type == "cuda")
     except BaseException:
         storage.close()
-        storage.unlink()
+        if keeper is None:
+            storage.unlink()
         raise
-    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones, host)
+    lost = keeper.lost if keeper is not None else None
+    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host)
     if config.kv_events_endpoint is not None:
         try:
             pool.publish_kv_events(config)
@@ -115,6 +131,37 @@ def build_pool(config: PoolConfig, watch_queue_size: int) -> Pool:
             pool.close()
             raise
     return pool
+
+
+def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
+    """The pool's layout. Sized by memory, a pool the keeper already keeps keeps its block count: its own memory
+    is no longer free, so sizing again would come out smaller and never match."""
+    from radixkv.storage import layout_for_memory
+
+    c = config
+    if c.num_blocks is not None:
+        return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.block_size, c.num_blocks, c.dtype)
+    if keeper is not None:
+        shape = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                 "block_size": c.block_size, "dtype": c.dtype}  # fmt: skip
+        for kept in keeper.list_pools():
+            kept_shape = {k: v for k, v in kept["layout"].items() if k != "num_blocks"}
+            if kept["pool"] == c.name and kept_shape == shape and kept["device"] == _device_with_index(c.device):
+                return PoolLayout(**kept["layout"])
+    return layout_for_memory(
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
+        dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
+        reserved_bytes=c.reserved_bytes,
+    )  # fmt: skip
+
+
+def _device_with_index(device: str) -> str:
+    """ "cpu" or "cuda:N": a keeper names one GPU ("cuda" alone means the current one)."""
+    if device == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return device
 
 
 def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool) -> KVStorage | None:

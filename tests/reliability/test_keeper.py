@@ -1,0 +1,202 @@
+"""The keeper with real processes: a server restart keeps the pool's memory and its bytes; a keeper SIGKILL
+means a clean cold start; a layout mismatch stops the server with a clear error; `serve --state-dir` starts a
+keeper that outlives the server.
+
+(Adopting the radix tree from a snapshot is the snapshot's business: here a restarted server starts with an
+empty index over the same bytes.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from radixkv.client import PoolView, RadixKVClient
+from radixkv.layout import PoolLayout
+from radixkv.server.keeper_client import KeeperClient
+from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.storage import SHM_DIR
+from radixkv.v1 import debug_pb2, debug_pb2_grpc
+
+POOL = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=64,dtype=float32"
+FLAGS = ["--pool", POOL, "--debug-rpc"]
+BYTES_PER_BLOCK = PoolLayout(2, 2, 8, 4, 64, "float32").bytes_per_block
+
+
+def _zeros_checksum(num_blocks: int) -> str:
+    """What Debug.ChecksumBlocks says of `num_blocks` blocks nobody wrote."""
+    return hashlib.sha256(bytes(num_blocks * BYTES_PER_BLOCK)).hexdigest()
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    """A state directory; whatever keeper still runs on it at the end is stopped."""
+    path = tmp_path / "state"
+    yield path
+    try:
+        pid = KeeperClient(path / "keeper.sock").info["pid"]
+    except OSError:
+        return
+    os.kill(pid, signal.SIGTERM)
+
+
+def _write_and_checksum(server: ServerProcess, seed: int) -> tuple[list[int], str, str]:
+    """Open a sequence, write seeded K/V into its blocks as a worker would; returns (block_table, the server's
+    checksum of those blocks, the shared-memory segment)."""
+    with RadixKVClient(server.address) as client:
+        opened = client.open(list(range(100, 112)), "keeper")
+        table = list(opened.block_table)
+        info = client.get_pool()
+        with PoolView(info) as view:
+            generator = torch.Generator().manual_seed(seed)
+            view.data[:, :, table] = torch.randn(view.data[:, :, table].shape, generator=generator)
+        checksum = _checksum(server, table)
+        client.release(opened.seq_id, cache=False)
+    return table, checksum, info.handle.shared_memory.name
+
+
+def _checksum(server: ServerProcess, block_ids: list[int]) -> str:
+    """SHA-256 of the blocks as the server's own mapping holds them (Debug.ChecksumBlocks)."""
+    with grpc.insecure_channel(server.address) as channel:
+        request = debug_pb2.ChecksumBlocksRequest(pool="default", block_ids=block_ids)
+        return str(debug_pb2_grpc.DebugStub(channel).ChecksumBlocks(request, timeout=10).sha256)
+
+
+def test_a_restarted_server_attaches_the_same_memory_and_the_kv_bytes_are_identical(tmp_path: Path) -> None:
+    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+        first = ServerProcess(FLAGS, tmp_path / "first.log", keeper=keeper.socket)
+        assert first.announcement["keeper"]["pools"] == {"default": "fresh"}
+        table, checksum, segment = _write_and_checksum(first, seed=3)
+        assert _checksum(first, [61, 62, 63]) == _zeros_checksum(3)  # the checksum of fresh memory, as computed here
+        assert checksum != _zeros_checksum(len(table))
+        assert first.stop() == 0  # SIGTERM: the server stops, the memory stays with the keeper
+
+        second = ServerProcess(FLAGS, tmp_path / "second.log", keeper=keeper.socket)
+        assert second.announcement["keeper"] == {
+            "socket": str(keeper.socket),
+            "incarnation": keeper.incarnation,
+            "pools": {"default": "retained"},
+        }
+        assert _checksum(second, table) == checksum
+        with RadixKVClient(second.address) as client:
+            assert client.get_pool().handle.shared_memory.name == segment
+        second.kill()  # a crash of the server loses nothing the keeper holds either
+
+        third = ServerProcess(FLAGS, tmp_path / "third.log", keeper=keeper.socket)
+        assert third.announcement["keeper"]["pools"] == {"default": "retained"}
+        assert _checksum(third, table) == checksum
+        assert third.stop() == 0
+        assert keeper.stop() == 0
+    assert not os.path.exists(os.path.join(SHM_DIR, segment))  # a keeper's SIGTERM frees the memory
+
+
+def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path, wait_until: Callable[..., bool]) -> None:
+    state = tmp_path / "state"
+    keeper = KeeperProcess(state, tmp_path / "keeper.log")
+    server = ServerProcess(FLAGS, tmp_path / "server.log", keeper=keeper.socket)
+    table, checksum, segment = _write_and_checksum(server, seed=5)
+    (state / "snapshots" / "default.snapshot").write_bytes(b"an index of memory that is about to die")
+
+    keeper.kill()
+    log = tmp_path / "server.log"
+    assert wait_until(lambda: "keeper lost" in log.read_text(), timeout=10)
+    # The server serves on from its own mapping (CPU memory stays mapped until it exits)...
+    assert _checksum(server, table) == checksum
+    with RadixKVClient(server.address) as client:
+        opened = client.open(list(range(200, 210)), "after-the-keeper")
+        assert len(opened.block_table) == 3
+        client.release(opened.seq_id)
+    assert server.stop() == 0
+
+    # ...and the next keeper starts cold: the dead keeper's segment and the snapshot are gone, memory is fresh.
+    with KeeperProcess(state, tmp_path / "keeper2.log") as second_keeper:
+        assert second_keeper.incarnation != keeper.incarnation
+        assert not os.path.exists(os.path.join(SHM_DIR, segment))
+        assert list((state / "snapshots").iterdir()) == []
+        restarted = ServerProcess(FLAGS, tmp_path / "restarted.log", keeper=second_keeper.socket)
+        assert restarted.announcement["keeper"]["pools"] == {"default": "fresh"}
+        assert _checksum(restarted, table) == _zeros_checksum(len(table))  # what was written died with the keeper
+        assert restarted.stop() == 0
+
+
+def test_a_layout_mismatch_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
+    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+        ServerProcess(FLAGS, tmp_path / "first.log", keeper=keeper.socket).stop()
+        bigger = ["--pool", POOL.replace("num_blocks=64", "num_blocks=128"), "--debug-rpc"]
+        with pytest.raises(RuntimeError, match=r"exited \(1\) before serving") as refused:
+            ServerProcess(bigger, tmp_path / "second.log", keeper=keeper.socket)
+        assert "LAYOUT_MISMATCH" in str(refused.value)
+        assert "num_blocks 64 (kept) != 128 (asked)" in str(refused.value)
+        again = ServerProcess(FLAGS, tmp_path / "third.log", keeper=keeper.socket)  # the kept pool is intact
+        assert again.announcement["keeper"]["pools"] == {"default": "retained"}
+        assert again.stop() == 0
+
+
+def test_serve_without_a_keeper_listening_refuses(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"exited \(1\) before serving.*no keeper answers"):
+        ServerProcess(FLAGS, tmp_path / "server.log", keeper=tmp_path / "nothing.sock")
+
+
+def test_serve_with_a_state_dir_starts_a_detached_keeper_that_outlives_the_server(
+    tmp_path: Path, state_dir: Path
+) -> None:
+    first = ServerProcess(FLAGS, tmp_path / "first.log", state_dir=state_dir)
+    assert first.announcement["keeper"]["pools"] == {"default": "fresh"}
+    table, checksum, _ = _write_and_checksum(first, seed=9)
+    assert first.stop() == 0
+    info = KeeperClient(state_dir / "keeper.sock").info  # the keeper lives on without its starter
+    assert os.getsid(info["pid"]) == info["pid"]  # in a session of its own
+    second = ServerProcess(FLAGS, tmp_path / "second.log", state_dir=state_dir)
+    assert second.announcement["keeper"]["incarnation"] == info["incarnation"]
+    assert second.announcement["keeper"]["pools"] == {"default": "retained"}
+    assert _checksum(second, table) == checksum
+    assert second.stop() == 0
+
+
+def test_a_second_keeper_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
+    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+        second = subprocess.run(
+            [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(tmp_path / "state")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert second.returncode == 1
+        assert "another keeper is running" in second.stderr
+        assert KeeperClient(keeper.socket).info["incarnation"] == keeper.incarnation
+
+
+@pytest.mark.gpu
+def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path) -> None:
+    """CUDA IPC: the keeper allocates and exports; servers and workers open its handle."""
+    cuda_flags = ["--pool", POOL + ",device=cuda:0", "--debug-rpc"]
+    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+        first = ServerProcess(cuda_flags, tmp_path / "first.log", keeper=keeper.socket)
+        with RadixKVClient(first.address) as client:
+            opened = client.open(list(range(100, 112)), "keeper")
+            table = list(opened.block_table)
+            info = client.get_pool()
+            assert info.handle.WhichOneof("memory") == "cuda_ipc"
+            with PoolView(info) as view:  # this process opens the keeper's allocation
+                generator = torch.Generator().manual_seed(11)
+                values = torch.randn(view.data[:, :, table].shape, generator=generator)
+                view.data[:, :, table] = values.to(view.data.device)
+                torch.cuda.synchronize()
+        checksum = _checksum(first, table)
+        assert checksum != _zeros_checksum(len(table))
+        assert first.stop() == 0
+        time.sleep(0.5)
+        second = ServerProcess(cuda_flags, tmp_path / "second.log", keeper=keeper.socket)
+        assert second.announcement["keeper"]["pools"] == {"default": "retained"}
+        assert _checksum(second, table) == checksum
+        assert second.stop() == 0
+        assert json.loads((tmp_path / "state" / "keeper.json").read_text())["pools"]["default"]["generation"] == 2
