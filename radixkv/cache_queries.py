@@ -26,6 +26,7 @@ from radixkv.radix_tree import Node, RadixTree
 from radixkv.scheduling import freeable_blocks, victims
 from radixkv.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
+from radixkv.swap import swapped_host_blocks
 from radixkv.token_ids import TokenIds, TokenKey
 
 
@@ -196,4 +197,4 @@ class CacheQueries:
         blocks, sequences = self._blocks, self._sequences
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
         if self.host is not None:
-            self.host.check_invariants([])
+            self.host.check_invariants(swapped_host_blocks(sequences.preempted.values()))

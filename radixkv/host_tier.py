@@ -69,7 +69,9 @@ class HostTier:
         tree.host = self
         self._leaves: SortedList = SortedList(key=lru_key)  # host-only nodes without host children: evict LRU first
         self._copies: dict[int, Node] = {}  # node_id -> device node keeping a host copy; evicted first, oldest first
-        self._fresh: dict[int, Node] = {}  # copies made by the result being built: kept until `settle`
+        # Nodes whose host blocks a load of the result being built reads: never evicted, and their blocks never
+        # freed for reuse, until `settle` (a device copy then joins `_copies`, a host-only node the LRU).
+        self._fresh: dict[int, Node] = {}
         self._protected: dict[int, tuple[Node, int]] = {}  # end of a path an open will load -> the path's blocks
         self._deferred: list[npt.NDArray[np.int32]] = []  # host blocks freed by the result being built
         self._pending: list[Pairs] = []  # offloads not yet handed to the worker, in order
@@ -95,7 +97,6 @@ class HostTier:
         A leaf with a host copy just drops its device blocks; otherwise its blocks are offloaded when the host
         tier has room (or makes it by evicting its own LRU), else dropped with its host-only subtree.
         """
-        assert leaf.node_id not in self._fresh, "a node loaded by this result left the device: it was not locked"
         tree = self.tree
         has_copy = len(leaf.host_block_ids) > 0
         if len(leaf.block_ids) > need and not has_copy:
@@ -103,7 +104,7 @@ class HostTier:
         tree.unlist_leaf(leaf)
         dropped = leaf.block_ids
         if has_copy:
-            del self._copies[leaf.node_id]
+            self._copies.pop(leaf.node_id, None)  # a fresh copy stays listed as fresh
         elif self._make_room(len(dropped)):
             leaf.host_block_ids = self.pool.allocate(len(dropped))
             self._pending.append(pairs_of(dropped, leaf.host_block_ids))
@@ -115,9 +116,13 @@ class HostTier:
             return dropped
         leaf.block_ids = []
         tree.unlink(leaf, to_host=True)
-        if not leaf.host_children:
+        if self._listable(leaf):
             self._leaves.add(leaf)
         return dropped
+
+    def _listable(self, node: Node) -> bool:
+        """Whether a host-only node belongs on the LRU list: a leaf, not protected, not fresh."""
+        return not node.host_children and node.node_id not in self._protected and node.node_id not in self._fresh
 
     def offload_private(self, block_ids: BlockIds) -> BlockIds | None:
         """Host blocks holding copies of `block_ids` (a sequence swapped out), offloads queued; None: no room."""
@@ -176,15 +181,19 @@ class HostTier:
             leaf.parent = None
             if parent.parent is None:
                 self.tree.drop_empty_roots()  # rare: a host leaf right under a root
-            elif not len(parent.block_ids) and not parent.host_children and parent.node_id not in self._protected:
+            elif not len(parent.block_ids) and self._listable(parent):
                 self._leaves.add(parent)
         self.num_cached_blocks -= freed
         self.stats.num_host_evicted_blocks += freed
         return freed
 
     def _free_node(self, node: Node) -> int:
+        """Drop `node`'s host blocks (a fresh node's return to the free list only at `settle`); returns how many."""
         n = len(node.host_block_ids)
-        self.pool.free_exclusive(node.host_block_ids)
+        if self._fresh.pop(node.node_id, None) is not None:
+            self._deferred.append(node.host_block_ids)
+        else:
+            self.pool.free_exclusive(node.host_block_ids)
         node.host_block_ids = []
         return n
 
@@ -341,8 +350,13 @@ class HostTier:
 
     def settle(self) -> None:
         """The result being built is complete: its fresh copies become evictable, its deferred frees happen."""
-        self._copies.update(self._fresh)
+        fresh = list(self._fresh.values())
         self._fresh.clear()
+        for node in fresh:
+            if len(node.block_ids):
+                self._copies[node.node_id] = node
+            elif self._listable(node):  # evicted from the device again within the result
+                self._leaves.add(node)
         for host_ids in self._deferred:
             self.pool.free_exclusive(host_ids)
         self._deferred.clear()

@@ -30,6 +30,7 @@ from radixkv.radix_tree import RadixTree
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequence import Sequences
 from radixkv.stats import Stats
+from radixkv.swap import HostSwap
 from radixkv.token_ids import TokenIds, TokenKey
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
@@ -76,6 +77,8 @@ class KVCache(CacheQueries):
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
         self.preemption = Preemption(self._blocks, self._sequences, self._root)  # `swap_tier`: the host tier
         self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
+        if self.host is not None:
+            self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
         self._num_open_results = 0  # depth of `one_result` scopes
 
     def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
@@ -206,12 +209,14 @@ class KVCache(CacheQueries):
         "recompute": publish its computed full blocks, drop its holds; "swap": move what only it holds
         to the host tier (FailedPrecondition without one). Its reservation returns either way.
         """
-        return self.preemption.preempt(seq_ids, mode)
+        with self.one_result():
+            return self.preemption.preempt(seq_ids, mode)
 
     def resume(self, seq_id: int) -> ResumeResult:
         """Bring a preempted sequence back under its id, re-reserving its growth; OutOfBlocks (and nothing
         changes) when it does not fit. After recompute, compute K/V for the returned slots."""
-        return self.preemption.resume(seq_id)
+        with self.one_result():
+            return self.preemption.resume(seq_id)
 
     # -- probes and pins -------------------------------------------------------------------------
 

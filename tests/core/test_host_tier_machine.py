@@ -53,6 +53,7 @@ class HostTierMachine(RuleBasedStateMachine):
         self.cache = KVCache(NUM_BLOCKS, BLOCK_SIZE, host_num_blocks=NUM_HOST_BLOCKS)
         self.worker = Worker()
         self.tokens: dict[int, list[int]] = {}
+        self.preempted: dict[int, str] = {}  # seq -> mode
 
     @rule(
         target=seqs, base=st.sampled_from(BASES), cut=st.integers(0, 10), tail=st.lists(st.integers(0, 9), max_size=4)
@@ -74,9 +75,40 @@ class HostTierMachine(RuleBasedStateMachine):
         self.tokens[result.seq_id] = tokens
         return result.seq_id
 
+    @rule(
+        first=st.sampled_from(BASES), second=st.sampled_from(BASES), cut=st.integers(1, 10), seq=seqs,
+        tail=st.lists(st.integers(0, 9), min_size=1, max_size=3),
+    )  # fmt: skip
+    def step(self, first, second, cut, seq, tail):
+        """Two opens and an append as one result (as a server step): the worker applies every offload of
+        the step, then its copies, then every load, then writes."""
+        appended = None
+        with self.cache.one_result():
+            try:
+                opened = self.cache.open_many([(first[:cut], "default"), (second[: cut + 1], "default")])
+            except OutOfBlocks:
+                return
+            if seq in self.tokens and seq not in self.preempted:
+                try:
+                    appended = self.cache.append(seq, tail).batch
+                except OutOfBlocks:
+                    pass
+        offloads = [p for r in opened for p in r.offloads.tolist()] + (appended.offloads.tolist() if appended else [])
+        loads = [p for r in opened for p in r.loads.tolist()]
+        self.worker.apply(offloads, appended.copies if appended else (), loads)
+        for result, tokens in zip(opened, (first[:cut], second[: cut + 1]), strict=True):
+            self.worker.write(result.block_table, tokens, result.num_cached_tokens)
+            self.tokens[result.seq_id] = list(tokens)
+            self.cache.commit([result.seq_id], [len(tokens)])
+        if appended is not None:
+            old = len(self.tokens[seq])
+            self.tokens[seq] = self.tokens[seq] + tail
+            self.worker.write(self.cache.block_table(seq), self.tokens[seq], old)
+            self.cache.commit([seq], [len(self.tokens[seq])])
+
     @rule(seq=seqs, tail=st.lists(st.integers(0, 9), min_size=1, max_size=4))
     def append(self, seq, tail):
-        if seq not in self.tokens:
+        if seq not in self.tokens or seq in self.preempted:
             return
         try:
             result = self.cache.append(seq, tail)
@@ -90,7 +122,7 @@ class HostTierMachine(RuleBasedStateMachine):
 
     @rule(target=seqs, seq=seqs, n=st.integers(1, 2))
     def fork(self, seq, n):
-        if seq not in self.tokens:
+        if seq not in self.tokens or seq in self.preempted:
             return None
         children = self.cache.fork(seq, n)
         for child in children:
@@ -102,6 +134,37 @@ class HostTierMachine(RuleBasedStateMachine):
         if seq in self.tokens:
             self.cache.release(seq, cache=keep)
             del self.tokens[seq]
+            self.preempted.pop(seq, None)
+
+    @rule(seq=seqs, mode=st.sampled_from(["swap", "recompute"]))
+    def preempt(self, seq, mode):
+        if seq not in self.tokens or seq in self.preempted:
+            return
+        available = self.cache.num_available_blocks()
+        try:
+            result = self.cache.preempt([seq], mode)
+        except OutOfBlocks as e:
+            assert mode == "swap" and e.metadata["tier"] == "host", "only a full host tier refuses a swap"
+            return
+        assert self.cache.num_available_blocks() - available == result.num_freed_blocks
+        assert mode == "swap" or not len(result.offloads)
+        self.worker.apply(result.offloads)
+        self.preempted[seq] = mode
+
+    @rule(seq=seqs)
+    def resume(self, seq):
+        if seq not in self.preempted:
+            return
+        try:
+            result = self.cache.resume(seq)
+        except OutOfBlocks:
+            return
+        tokens = self.tokens[seq]
+        assert result.seq_id == seq and len(result.slots) == len(tokens) - result.num_cached_tokens
+        self.worker.apply(result.offloads, (), result.loads)
+        self.worker.write(result.block_table, tokens, result.num_cached_tokens)
+        self.cache.commit([seq], [len(tokens)])
+        del self.preempted[seq]
 
     @rule(n=st.integers(1, 6))
     def evict(self, n):
@@ -114,11 +177,13 @@ class HostTierMachine(RuleBasedStateMachine):
             return
         self.cache.check_invariants()
         for seq, tokens in self.tokens.items():
-            self.worker.check(self.cache.block_table(seq), tokens, seq)
+            if seq not in self.preempted:
+                self.worker.check(self.cache.block_table(seq), tokens, seq)
         stats = self.cache.stats()
         assert stats.num_host_blocks_free + stats.num_host_blocks_cached + stats.num_host_blocks_swapped == (
             NUM_HOST_BLOCKS
         )
+        assert stats.num_swapped_sequences == sum(mode == "swap" for mode in self.preempted.values())
 
     def teardown(self):
         if not hasattr(self, "cache"):
