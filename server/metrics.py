@@ -36,6 +36,17 @@ _GAUGES = (
     ("radixkv_blocks_in_use", "num_blocks_in_use", "Blocks neither free nor evictable."),
     ("radixkv_live_sequences", "num_live_sequences", "Open sequences."),
     ("radixkv_namespaces", "num_namespaces", "Namespaces with a prefix-tree root."),
+    (
+        "radixkv_swapped_sequences",
+        "num_swapped_sequences",
+        "Sequences preempted by swap: their blocks on the host tier.",
+    ),
+)
+# radixkv_host_blocks{state}: the host tier's blocks by what holds them (Stats field per state).
+_HOST_STATES = (
+    ("free", "num_host_blocks_free"),
+    ("cached", "num_host_blocks_cached"),
+    ("swapped", "num_host_blocks_swapped"),
 )
 _COUNTERS = (
     ("radixkv_requested_tokens", "num_requested_tokens", "Prompt tokens of opened sequences."),
@@ -46,6 +57,14 @@ _COUNTERS = (
     ("radixkv_opened_sequences", "num_opened_sequences", "Sequences opened."),
     ("radixkv_forked_sequences", "num_forked_sequences", "Sequences created by fork."),
     ("radixkv_released_sequences", "num_released_sequences", "Sequences released."),
+    (
+        "radixkv_host_hit_tokens",
+        "num_host_hit_tokens",
+        "Prompt tokens loaded back from the host tier (in hit_tokens too).",
+    ),
+    ("radixkv_offloaded_blocks", "num_offloaded_blocks", "Blocks copied from the device to the host tier."),
+    ("radixkv_loaded_blocks", "num_loaded_blocks", "Blocks copied from the host tier back to the device."),
+    ("radixkv_host_evicted_blocks", "num_host_evicted_blocks", "Host-tier blocks evicted to make room."),
 )
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -63,6 +82,10 @@ class _PoolCollector:
             "radixkv_miss_tokens", "Tokens past the cached prefix, by reason (Match with explain only).",
             labels=["pool", "reason"],
         )  # fmt: skip
+        host_blocks = GaugeMetricFamily(
+            "radixkv_host_blocks", "Host-tier blocks by state (free, cached, swapped); none without a host tier.",
+            labels=["pool", "state"],
+        )  # fmt: skip
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
         )
@@ -77,6 +100,9 @@ class _PoolCollector:
                 gauges[name].add_metric([pool.name], getattr(stats, field))
             for name, field, _ in _COUNTERS:
                 counters[name].add_metric([pool.name], getattr(stats, field))
+            if stats.num_host_blocks_total:
+                for state, field in _HOST_STATES:
+                    host_blocks.add_metric([pool.name, state], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
         yield from gauges.values()
@@ -84,6 +110,7 @@ class _PoolCollector:
         yield usage
         yield watchers
         yield misses
+        yield host_blocks
         yield tombstones
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
