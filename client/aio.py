@@ -30,6 +30,7 @@ from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
+from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
 from radixkv.step import Step, StepResult
@@ -173,11 +174,17 @@ class AsyncRadixKVClient:
 
     # -- sequences --------------------------------------------------------------------------------
 
-    async def open(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
-        return (await self.open_many([(token_ids, namespace)]))[0]
+    async def open(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, max_new_tokens: int = 0, priority: int = 0
+    ) -> OpenResult:
+        opened = await self.open_many([(token_ids, namespace)], max_new_tokens=[max_new_tokens], priorities=[priority])
+        return opened[0]
 
-    async def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
-        request = m.open_request(self.pool, self.session_id, prompts)
+    async def open_many(
+        self, prompts: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> list[OpenResult]:  # fmt: skip
+        request = m.open_request(self.pool, self.session_id, prompts, max_new_tokens, priorities)
         results = m.open_results(await self._apply(self._stub.OpenSequences, request))
         self._tables.opened(results)
         return results
@@ -213,6 +220,25 @@ class AsyncRadixKVClient:
         ids = list(seq_ids)
         await self._apply(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
         self._tables.released(ids)
+
+    async def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
+        """See `RadixKVClient.preempt`."""
+        ids = list(seq_ids)
+        response = await self._apply(self._stub.Preempt, m.preempt_request(self.pool, self.session_id, ids, mode))
+        self._tables.preempted(ids)
+        return m.preempt_result(ids, mode, response)
+
+    async def resume(self, seq_id: int) -> ResumeResult:
+        """See `RadixKVClient.resume`."""
+        request = m.resume_request(self.pool, self.session_id, seq_id)
+        result = m.resume_result(await self._apply(self._stub.Resume, request))
+        self._tables.opened([result])
+        return result
+
+    async def victims(self, num_blocks: int) -> list[int]:
+        """See `RadixKVClient.victims`."""
+        request = m.victims_request(self.pool, self.session_id, num_blocks)
+        return list((await self._call(self._stub.Victims, request)).seq_ids)
 
     async def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
         """One scheduler step in one round trip on the session's stream; see `RadixKVClient.step`."""

@@ -42,6 +42,7 @@ from radixkv.client.pool_view import PoolInfo
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
+from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
 from radixkv.step import Step, StepResult
@@ -186,31 +187,40 @@ class RadixKVClient:
     # -- sequences --------------------------------------------------------------------------------
 
     @overload
-    def open(self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[False] = False) -> OpenResult: ...
+    def open(
+        self, token_ids: TokenIds, namespace: str = ..., *, max_new_tokens: int = ..., priority: int = ...,
+        explain: Literal[False] = False,
+    ) -> OpenResult: ...  # fmt: skip
     @overload
     def open(
-        self, token_ids: TokenIds, namespace: str = ..., *, explain: Literal[True]
-    ) -> tuple[OpenResult, MatchExplanation]: ...
+        self, token_ids: TokenIds, namespace: str = ..., *, max_new_tokens: int = ..., priority: int = ...,
+        explain: Literal[True],
+    ) -> tuple[OpenResult, MatchExplanation]: ...  # fmt: skip
 
     def open(
-        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, explain: bool = False
-    ) -> OpenResult | tuple[OpenResult, MatchExplanation]:
-        """Start a sequence, reusing the longest cached prefix; see `KVCache.open`.
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, max_new_tokens: int = 0, priority: int = 0,
+        explain: bool = False,
+    ) -> OpenResult | tuple[OpenResult, MatchExplanation]:  # fmt: skip
+        """Start a sequence, reusing the longest cached prefix; see `KVCache.open` (`max_new_tokens`: admission
+        by token budget, `NotAdmitted` or `TokenBudget` when refused).
 
         With `explain`, also why the cached prefix ends where it does (LAST_TOKEN for a fully cached prompt).
         """
         if not explain:
-            return self.open_many([(token_ids, namespace)])[0]
-        request = m.open_request(self.pool, self.session_id, [(token_ids, namespace)])
+            return self.open_many([(token_ids, namespace)], max_new_tokens=[max_new_tokens], priorities=[priority])[0]
+        request = m.open_request(self.pool, self.session_id, [(token_ids, namespace)], [max_new_tokens], [priority])
         request.explain = True
         response = self._apply(self._stub.OpenSequences, request)
         results = m.open_results(response)
         self._tables.opened(results)
         return results[0], MatchExplanation.from_response(response.sequences[0])
 
-    def open_many(self, prompts: Sequence[tuple[TokenIds, str]]) -> list[OpenResult]:
-        """Open several sequences, all or none."""
-        request = m.open_request(self.pool, self.session_id, prompts)
+    def open_many(
+        self, prompts: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> list[OpenResult]:  # fmt: skip
+        """Open several sequences, all or none; `max_new_tokens[i]`, `priorities[i]` per prompt (None: all 0)."""
+        request = m.open_request(self.pool, self.session_id, prompts, max_new_tokens, priorities)
         results = m.open_results(self._apply(self._stub.OpenSequences, request))
         self._tables.opened(results)
         return results
@@ -251,6 +261,25 @@ class RadixKVClient:
         ids = list(seq_ids)
         self._apply(self._stub.ReleaseSequences, m.release_request(self.pool, self.session_id, ids, cache))
         self._tables.released(ids)
+
+    def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
+        """Take the device blocks of sequences back, all or none; see `KVCache.preempt`. Apply the result's
+        `offloads` (swap) before any freed block is written again."""
+        ids = list(seq_ids)
+        response = self._apply(self._stub.Preempt, m.preempt_request(self.pool, self.session_id, ids, mode))
+        self._tables.preempted(ids)
+        return m.preempt_result(ids, mode, response)
+
+    def resume(self, seq_id: int) -> ResumeResult:
+        """Bring a preempted sequence back under its id; compute K/V for the result's slots (see `KVCache.resume`)."""
+        result = m.resume_result(self._apply(self._stub.Resume, m.resume_request(self.pool, self.session_id, seq_id)))
+        self._tables.opened([result])
+        return result
+
+    def victims(self, num_blocks: int) -> list[int]:
+        """This session's sequences to preempt to give `num_blocks` back, in order; changes nothing."""
+        request = m.victims_request(self.pool, self.session_id, num_blocks)
+        return list(self._call(self._stub.Victims, request).seq_ids)
 
     def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
         """One scheduler step in one round trip on the session's stream: all of it, or none (see `Step`).

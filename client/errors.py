@@ -2,7 +2,8 @@
 
 The server sends every refusal as a status plus one `google.rpc.ErrorInfo` (domain "radixkv");
 `ERRORS_BY_REASON` maps its reason to the class the core would have raised in-process, so callers
-catch `OutOfBlocks` either way. Failures without one (the server unreachable, a deadline passed, a
+catch `OutOfBlocks` either way. A `google.rpc.RetryInfo` beside it (TOKEN_BUDGET) becomes the
+exception's `retry_delay` in seconds. Failures without one (the server unreachable, a deadline passed, a
 message over the size limit) stay `grpc.RpcError`.
 """
 
@@ -25,14 +26,23 @@ def error_from_rpc(error: grpc.RpcError) -> Exception:
         return error
     if status is None:
         return error
+    found: RadixKVError | None = None
+    retry_delay: float | None = None
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             if info.domain == DOMAIN:
                 cls = ERRORS_BY_REASON.get(info.reason, RadixKVError)
-                return cls.from_wire(status.message, dict(info.metadata))
-    return error
+                found = cls.from_wire(status.message, dict(info.metadata))
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            retry_delay = retry.retry_delay.ToTimedelta().total_seconds()
+    if found is None:
+        return error
+    found.retry_delay = retry_delay  # seconds, from a google.rpc.RetryInfo (TOKEN_BUDGET); None: none sent
+    return found
 
 
 class HashContractMismatch(RuntimeError):

@@ -7,6 +7,7 @@ uint32) raises `InvalidArgument` naming its field, as the server would.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -20,13 +21,14 @@ from google.protobuf.descriptor import FieldDescriptor
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
+from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.stats import Stats
 from radixkv.step import Step, StepResult
 from radixkv.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
-_STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name]
+_STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name if f in {g.name for g in dataclasses.fields(Stats)}]
 _TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself
 _INT32 = np.dtype("<i4")
 _INT64 = np.dtype("<i8")
@@ -85,6 +87,13 @@ class BlockTables:
             for child in children:
                 self._tables[child] = list(table)
 
+    def preempted(self, seq_ids: Iterable[int]) -> None:
+        """Preempted sequences hold no block until resumed (`opened` with the resume's result)."""
+        with self._lock:
+            for seq_id in seq_ids:
+                if seq_id in self._tables:
+                    self._tables[seq_id] = []
+
     def released(self, seq_ids: Iterable[int]) -> None:
         with self._lock:
             for seq_id in seq_ids:
@@ -104,17 +113,41 @@ class BlockTables:
 # -- unary requests and their results ------------------------------------------------------------
 
 
-def open_request(pool: str, session_id: str, prompts: Sequence[tuple[TokenIds, str]]) -> pb.OpenSequencesRequest:
+def open_request(
+    pool: str,
+    session_id: str,
+    prompts: Sequence[tuple[TokenIds, str]],
+    max_new_tokens: Sequence[int] | None = None,
+    priorities: Sequence[int] | None = None,
+) -> pb.OpenSequencesRequest:
     batch = len(prompts) > 1
+    budgets = _per_prompt("max_new_tokens", max_new_tokens, len(prompts))
+    ranks = _per_prompt("priorities", priorities, len(prompts))
     return build(
         pb.OpenSequencesRequest,
         pool=pool,
         session_id=session_id,
         prompts=[
-            build(pb.Prompt, field_prefix=f"prompts[{i}]." if batch else "", token_ids=token_list(t), namespace=ns)
-            for i, (t, ns) in enumerate(prompts)
+            build(
+                pb.Prompt,
+                field_prefix=f"prompts[{i}]." if batch else "",
+                token_ids=token_list(t),
+                namespace=ns,
+                max_new_tokens=budget,
+                priority=rank,
+            )  # fmt: skip
+            for i, ((t, ns), budget, rank) in enumerate(zip(prompts, budgets, ranks, strict=True))
         ],
     )
+
+
+def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """A per-prompt column (None: all 0); InvalidArgument naming it when its length is wrong."""
+    if values is None:
+        return [0] * num_prompts
+    if len(values) != num_prompts:
+        raise InvalidArgument(name, f"needs one entry per prompt ({num_prompts}), got {len(values)}")
+    return list(values)
 
 
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
@@ -199,6 +232,34 @@ def can_append_request(pool: str, session_id: str, seq_ids: list[int], num_token
     return build(pb.CanAppendRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, num_token_ids=num_tokens)
 
 
+def preempt_request(pool: str, session_id: str, seq_ids: list[int], mode: str) -> pb.PreemptRequest:
+    modes = {"swap": pb.PREEMPT_MODE_SWAP, "recompute": pb.PREEMPT_MODE_RECOMPUTE}
+    if mode not in modes:
+        raise InvalidArgument("mode", f"must be 'swap' or 'recompute', got {mode!r}")
+    return build(pb.PreemptRequest, pool=pool, session_id=session_id, seq_ids=seq_ids, mode=modes[mode])
+
+
+def preempt_result(seq_ids: list[int], mode: str, response: pb.PreemptResponse) -> PreemptResult:
+    offloads = transfer_pairs(response.offloads)
+    return PreemptResult(seq_ids, mode, offloads, response.num_freed_blocks, response.num_unreserved_blocks)
+
+
+def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
+    return build(pb.ResumeRequest, pool=pool, session_id=session_id, seq_id=seq_id)
+
+
+def resume_result(r: pb.ResumeResponse) -> ResumeResult:
+    slots = np.array(r.slots, dtype=np.int64)
+    return ResumeResult(
+        r.seq_id, r.num_cached_tokens, list(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
+        transfer_pairs(r.loads),
+    )  # fmt: skip
+
+
+def victims_request(pool: str, session_id: str, num_blocks: int) -> pb.VictimsRequest:
+    return build(pb.VictimsRequest, pool=pool, session_id=session_id, num_blocks=num_blocks)
+
+
 def described(response: pb.DescribeSequencesResponse) -> list[tuple[int, int]]:
     """(num_tokens, num_computed_tokens) per sequence."""
     return list(zip(response.num_tokens, response.num_computed_tokens, strict=True))
@@ -213,7 +274,7 @@ def prefix_request(
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:
-    return Stats(**{f: getattr(response.stats, f) for f in _STATS_FIELDS})
+    return Stats(**{f: getattr(response.stats, f) for f in _STATS_FIELDS})  # derived ones (pressure) recomputed
 
 
 def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
@@ -235,9 +296,13 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
     request = pb.SessionRequest(session_id=session_id, pool=pool, request_id=request_id)
     if step.commit is not None:
         request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
-    for i, (token_ids, namespace) in enumerate(step.opens):
-        field = f"prompts[{i}].token_ids" if len(step.opens) > 1 else "token_ids"
-        request.opens.add(token_ids=packed_tokens(token_ids, field), namespace=namespace)
+    budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
+    ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
+    for i, ((token_ids, namespace), budget, rank) in enumerate(zip(step.opens, budgets, ranks, strict=True)):
+        field = f"prompts[{i}]." if len(step.opens) > 1 else ""
+        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank)
+        opened.token_ids = packed_tokens(token_ids, field + "token_ids")
+        request.opens.append(opened)
     if step.append is not None:
         a = step.append
         appended = build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)

@@ -78,6 +78,9 @@ class BlockHashes:
     def __getitem__(self, block_id: int) -> bytes:
         return self._hashes[block_id]
 
+    def get(self, block_id: int) -> bytes | None:
+        return self._hashes.get(block_id)
+
     def parent_hash(self, node: Node) -> bytes | None:
         """The hash of the block before `node`'s first; None when `node` hangs off its namespace's root."""
         parent = node.parent

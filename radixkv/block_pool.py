@@ -87,6 +87,13 @@ class BlockPool:
         self._free[top : top + ids.size] = ids
         self._num_free = top + ids.size
 
+    def copy(self) -> BlockPool:
+        """An independent copy of the counts and the free list (two array copies: the online audit's image)."""
+        image = BlockPool.__new__(BlockPool)
+        image.num_blocks, image._num_free = self.num_blocks, self._num_free
+        image.ref_counts, image._free = self.ref_counts.copy(), self._free.copy()
+        return image
+
     def free_block_ids(self) -> list[int]:
         block_ids: list[int] = self._free[: self._num_free].tolist()
         return block_ids

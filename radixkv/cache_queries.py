@@ -8,7 +8,7 @@ each half one concept and a readable size.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from radixkv.admission import PlannedOpen, plan_open
 from radixkv.allocation import Allocator
@@ -104,10 +104,11 @@ class CacheQueries:
         without `cache` (see `radixkv.scheduling`). Changes nothing."""
         return freeable_blocks(self.pool.ref_counts, self._sequences.batch(list(seq_ids)))
 
-    def victims(self, num_blocks: int) -> list[int]:
+    def victims(self, num_blocks: int, among: Sequence[int] | None = None) -> list[int]:
         """Live sequences to preempt to give `num_blocks` back: lowest priority, then latest arrival, first
-        (see `radixkv.scheduling.victims`). Changes nothing."""
-        return victims(self.pool.ref_counts, list(self._sequences), num_blocks)
+        (see `radixkv.scheduling.victims`); only from `among` when given (a session's own). Changes nothing."""
+        candidates = list(self._sequences) if among is None else self._sequences.batch(list(among))
+        return victims(self.pool.ref_counts, candidates, num_blocks)
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """How many leading tokens are cached on the device (whole blocks); locks and refreshes nothing."""
@@ -191,9 +192,17 @@ class CacheQueries:
             **(self.host.gauges() if self.host is not None else {}),
         )
 
+    def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
+        """The live sequences and the pins (deepest node, count): what the online audit copies."""
+        return self._sequences, self._pins.holders()
+
     def check_invariants(self) -> None:
         """Recount everything from scratch and compare; raises AssertionError naming what broke."""
-        check_holders(self.pool, self.tree, self._sequences, self._pins.holders())
+        check_holders(self.pool, self.tree, *self.holders())
+        self.check_reservations()
+
+    def check_reservations(self) -> None:
+        """Admission's reservations recounted: O(live sequences), so the online audit runs it under the lock."""
         blocks, sequences = self._blocks, self._sequences
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
         if self.host is not None:

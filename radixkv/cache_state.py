@@ -67,7 +67,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
         [p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
         for p in cache._sequences.preempted.values()
     ]
-    pins = [[namespace, key, ref(node), count] for (namespace, key), (node, count) in cache._pins._pins.items()]
+    pins = [[namespace, key, ref(node), 1] for (namespace, key), nodes in cache._pins._pins.items() for node in nodes]
     return {
         "block_size": cache.block_size,
         "num_blocks": pool.num_blocks,
@@ -164,7 +164,7 @@ def _rebuild(state: dict[str, Any], limits: Limits | None) -> KVCache:
             int(seq_id), namespace, bytes(token_bytes), int(num_computed), int(rank), int(until), mode
         )
     for namespace, key, node_at_index, count in state["pins"]:
-        cache._pins._pins[(namespace, bytes(key))] = (node_at(int(node_at_index)), int(count))
+        cache._pins._pins.setdefault((namespace, bytes(key)), []).extend([node_at(int(node_at_index))] * int(count))
     known = {f.name for f in dataclasses.fields(Stats)} - _GAUGES
     for name, value in state["stats"].items():
         if name in known:  # in place: the allocator shares this record

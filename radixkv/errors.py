@@ -16,6 +16,7 @@ class RadixKVError(Exception):
 
     reason: ClassVar[str] = "INTERNAL"
     grpc_code: ClassVar[str] = "INTERNAL"  # a grpc.StatusCode name; kept as text so the core needs no grpc
+    retry_delay: float | None = None  # seconds after which a retry may succeed (TOKEN_BUDGET); None: not said
 
     def __init__(self, message: str, **metadata: object) -> None:
         super().__init__(message)
@@ -29,6 +30,8 @@ class RadixKVError(Exception):
         RadixKVError.__init__(err, message, **metadata)
         for key, value in metadata.items():
             setattr(err, key, int(value) if value.lstrip("-").isdigit() else value)
+        if isinstance(getattr(err, "retry_after_ms", None), int):  # TOKEN_BUDGET (a stream's refusal has no RetryInfo)
+            err.retry_delay = err.retry_after_ms / 1000  # type: ignore[attr-defined]
         return err
 
 
@@ -87,6 +90,7 @@ class TokenBudget(RadixKVError):
         self.tenant = tenant
         self.num_tokens = num_tokens
         self.retry_after_ms = retry_after_ms
+        self.retry_delay = retry_after_ms / 1000
 
 
 class LimitExceeded(RadixKVError):

@@ -11,11 +11,15 @@ from radixkv.token_ids import TokenKey
 
 
 class Pins:
-    """Each pin locks its prefix's tree path and counts it as pinned; `unpin` with the same tokens undoes one."""
+    """Each pin locks its prefix's tree path and counts it as pinned; `unpin` with the same tokens undoes one.
+
+    Pins of the same tokens are kept one by one, each with the node it locked: a repeat may lock a deeper
+    node than the first did (more of the prefix cached since), so they cannot share one (node, count).
+    """
 
     def __init__(self, tree: RadixTree) -> None:
         self.tree = tree
-        self._pins: dict[tuple[str, bytes], tuple[Node, int]] = {}
+        self._pins: dict[tuple[str, bytes], list[Node]] = {}  # the node each pin locked, latest last
 
     def pin(self, root: Node | None, key: TokenKey, namespace: str, max_pinned_blocks: int, num_unreserved: int) -> int:
         """Pin the cached prefix of `key` under `root` (None: an unknown namespace); returns tokens pinned.
@@ -37,22 +41,22 @@ class Pins:
             raise OutOfBlocks(newly_locked, num_unreserved)
         node = tree.split(match)
         pin_key = (namespace, key.whole_block_prefix(tree.block_size))
-        _, count = self._pins.get(pin_key, (node, 0))
-        self._pins[pin_key] = (node, count + 1)
+        self._pins.setdefault(pin_key, []).append(node)
         tree.lock(node)
         tree.add_pin(node, +1)
         return match.num_blocks * tree.block_size
 
     def unpin(self, key: TokenKey, namespace: str) -> None:
         pin_key = (namespace, key.whole_block_prefix(self.tree.block_size))
-        if pin_key not in self._pins:
+        nodes = self._pins.get(pin_key)
+        if not nodes:
             raise NotPinned(namespace)
-        node, count = self._pins.pop(pin_key)
-        if count > 1:
-            self._pins[pin_key] = (node, count - 1)
+        node = nodes.pop()
+        if not nodes:
+            del self._pins[pin_key]
         self.tree.add_pin(node, -1)
         self.tree.unlock(node)
 
     def holders(self) -> Iterable[tuple[Node, int]]:
         """Each pinned path's deepest node and how many pins hold it (for the invariant recount)."""
-        return self._pins.values()
+        return [(node, 1) for nodes in self._pins.values() for node in nodes]

@@ -37,6 +37,11 @@ class RadixTree:
     before writing, `unlock` writes a node that is still locked and lists it (with the new key) only
     once its count reaches 0. A split gives the new upper node its child's key and leaves the listed
     child as it is; trimming a leaf's tail keeps its key. `check_invariants` verifies the order.
+
+    `touched`, while not None (an online audit copying the tree over several lock holds), collects every
+    non-root node whose fields or children change: every write to a device node goes through a method here
+    (the host tier writes host-only nodes, which the audit does not copy, and moves nodes between the tiers
+    only through `unlink` and `attach_loaded`).
     """
 
     def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
@@ -51,6 +56,7 @@ class RadixTree:
         self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
         self.host: HostTier | None = None  # the host tier evictions move blocks to, if any (it sets this)
+        self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
 
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
@@ -108,6 +114,8 @@ class RadixTree:
             node.last_access,
         )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
+        if self.touched is not None:
+            self.touched.update((node, upper, node.parent))
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
         if len(node.host_block_ids) and self.host is not None:  # a host copy splits with it
@@ -143,6 +151,8 @@ class RadixTree:
             if node.lock_ref == 0 and not node.children and not node.is_root:
                 self._evictable_leaves.discard(node)
             node.children[key[pos : pos + self.block_bytes]] = child
+            if self.touched is not None:
+                self.touched.update((node, child))
             self._evictable_leaves.add(child)
             self.num_evictable_blocks += len(new_ids)
             self.num_cached_blocks += len(new_ids)
@@ -162,7 +172,10 @@ class RadixTree:
         The root counts its namespace's holders too: a namespace lives while it holds a lock or a node.
         """
         now = self.tick()
+        touched = self.touched
         while node.parent is not None:
+            if touched is not None:
+                touched.add(node)
             if node.lock_ref == 0:
                 self.num_evictable_blocks -= len(node.block_ids)
                 if not node.children:
@@ -174,7 +187,10 @@ class RadixTree:
 
     def unlock(self, node: Node, count: int = 1) -> None:
         now = self.tick()
+        touched = self.touched
         while node.parent is not None:
+            if touched is not None:
+                touched.add(node)
             node.lock_ref -= count
             assert node.lock_ref >= 0, "unlock without a matching lock"
             node.last_access = now
@@ -203,6 +219,8 @@ class RadixTree:
         assert parent is not None and len(node.block_ids) == len(node.host_block_ids), "load a whole host node"
         first = node.token_bytes[: self.block_bytes]
         del parent.host_children[first]
+        if self.touched is not None:
+            self.touched.update((node, parent))
         if parent.lock_ref == 0 and not parent.children and not parent.is_root:
             self._evictable_leaves.discard(parent)
         parent.children[first] = node
@@ -222,6 +240,8 @@ class RadixTree:
     def add_pin(self, node: Node, delta: int) -> None:
         """Count `node`'s path as pinned (delta +1) or not (-1); the caller also locks/unlocks it."""
         while node.parent is not None:
+            if self.touched is not None:
+                self.touched.add(node)
             before = node.pin_ref
             node.pin_ref += delta
             if (before == 0) != (node.pin_ref == 0):
@@ -253,6 +273,8 @@ class RadixTree:
             if leaf is None:
                 break
             need = num_blocks - len(freed)
+            if self.touched is not None:
+                self.touched.add(leaf)
             if self.host is not None:
                 dropped = self.host.evict_leaf(leaf, need)
             elif len(leaf.block_ids) > need:
@@ -287,6 +309,8 @@ class RadixTree:
         assert parent is not None
         first = leaf.token_bytes[: self.block_bytes]
         del parent.children[first]
+        if self.touched is not None:
+            self.touched.add(parent)
         if to_host:
             parent.host_children[first] = leaf
         else:
@@ -299,6 +323,14 @@ class RadixTree:
 
     def evictable_leaves(self) -> list[Node]:
         return list(self._evictable_leaves)
+
+    def is_listed_evictable(self, node: Node) -> bool:
+        """Is `node` on the evictable list, found under its current LRU key? (O(log n), for the audit.)"""
+        return node in self._evictable_leaves
+
+    @property
+    def num_listed_evictable(self) -> int:
+        return len(self._evictable_leaves)
 
     # -- inspection -------------------------------------------------------------------------------
 

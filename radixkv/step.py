@@ -38,7 +38,8 @@ class Step:
     """What one step asks for, applied in this order: commit, opens, append, forks, caches, releases.
 
     `commit`: what the worker wrote in the step before, so that this step's caches, forks and cached
-    releases publish it; `opens`: (token_ids, namespace) prompts; `forks`: (seq_id, num_children);
+    releases publish it; `opens`: (token_ids, namespace) prompts, with `max_new_tokens[i]` and
+    `priorities[i]` as `KVCache.open_many` takes them (empty: none); `forks`: (seq_id, num_children);
     `caches`: seq ids; `releases`: (seq_ids, cache) batches.
     """
 
@@ -48,6 +49,8 @@ class Step:
     caches: Sequence[int] = ()
     releases: Sequence[tuple[Sequence[int], bool]] = ()
     commit: Commit | None = None
+    max_new_tokens: Sequence[int] = ()
+    priorities: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

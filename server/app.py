@@ -186,7 +186,9 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             keeper.close()
         raise
     auditor = (
-        PoolAuditor(pools, config.audit_interval_seconds, metrics.registry) if config.audit_interval_seconds else None
+        PoolAuditor(pools, config.audit_interval_seconds, metrics.registry, config.audit_slice_ms / 1000)
+        if config.audit_interval_seconds
+        else None
     )
     return RadixKVServer(server, service, health_servicer, metrics, config, auditor, keeper), port
 
@@ -353,7 +355,14 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         type=float,
         dest="audit_interval_seconds",
         metavar="S",
-        help="every S seconds, recount one pool's bookkeeping under its lock (server/audit.py); 0: off (default)",
+        help="every S seconds, recount one pool's bookkeeping (server/audit.py); 0: off (default)",
+    )
+    parser.add_argument(
+        "--audit-slice-ms",
+        type=float,
+        dest="audit_slice_ms",
+        metavar="MS",
+        help="the audit copies a pool in lock holds of about MS milliseconds each, whatever its size (default 2)",
     )
     keeper = parser.add_mutually_exclusive_group()
     keeper.add_argument(

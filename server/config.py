@@ -17,6 +17,7 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     max_cached_blocks = 4096        # per pool; absent: an even share of the pool when tenants are several
     map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
     admin = false                   # may call the Debug service (--debug-rpc): it reads every tenant's blocks
+    max_tokens_per_second = 5000    # token bucket: each open costs prompt + max_new_tokens; absent: no budget
 
 Unknown keys are errors (a typo must not silently fall back to a default).
 """
@@ -65,6 +66,8 @@ class PoolConfig:
     # The host tier (same layout in host memory; pinned when CUDA is present), by at most one of these; none: no tier.
     host_num_blocks: int | None = None
     host_memory_bytes: int | None = None
+    reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.budget)
+    watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
 
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
@@ -83,6 +86,10 @@ class PoolConfig:
             )
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"pool {self.name!r}: memory_fraction must lie in (0, 1]")
+        if not 0 <= self.reserve_fraction <= 1:
+            raise ValueError(f"pool {self.name!r}: reserve_fraction must lie in [0, 1]")
+        if not 0 <= self.watermark_fraction < 1:
+            raise ValueError(f"pool {self.name!r}: watermark_fraction must lie in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +103,7 @@ class TenantConfig:
     max_cached_blocks: int | None = None  # None: an even share of each pool's blocks (several tenants)
     map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
     admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
+    max_tokens_per_second: float | None = None  # token bucket charged prompt + max_new_tokens per open; None: none
 
     def __post_init__(self) -> None:
         if not _TENANT_NAME_RE.fullmatch(self.name):
@@ -109,6 +117,9 @@ class TenantConfig:
         for key in ("max_blocks", "max_cached_blocks"):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ValueError(f"tenant {self.name!r}: {key} must be >= 0")
+        rate = self.max_tokens_per_second
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
+            raise ValueError(f"tenant {self.name!r}: max_tokens_per_second must be a number > 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,6 +155,7 @@ class ServerConfig:
     tls_key: str | None = None
     debug_rpc: bool = False  # serve radixkv.v1.Debug (tests only)
     audit_interval_seconds: float = 0.0  # online audit: one pool's recount per interval (server/audit.py); 0: off
+    audit_slice_ms: float = 2.0  # the longest the audit holds a pool's lock at once (about; server/audit_image.py)
     # The pools' memory from a keeper (server/keeper.py) so it outlives this process: attach to the keeper on
     # this socket, or to the one on this state directory, started there when none listens. Neither: own it.
     keeper_socket: str | None = None
@@ -187,6 +199,8 @@ class ServerConfig:
             raise ValueError("give keeper_socket (attach to a running keeper) or state_dir (start one), not both")
         if self.audit_interval_seconds < 0:
             raise ValueError("audit_interval_seconds must be >= 0 (0: no audit)")
+        if self.audit_slice_ms <= 0:
+            raise ValueError("audit_slice_ms must be > 0")
         for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -219,6 +233,8 @@ POOL_KEYS: dict[str, str] = {
     "host_num_blocks": "host tier size in blocks (host memory, same layout): evicted prefixes move there",
     "host_memory_bytes": "host tier size as a byte budget; give at most one of host_num_blocks, host_memory_bytes",
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
+    "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
+    "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
 }
 _DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
 _ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]
@@ -319,10 +335,22 @@ def _scalar(raw: str) -> int | float | str:
     return raw
 
 
+_TENANT_KEYS = {"token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin", "max_tokens_per_second"}
+
+
 def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
     tenants = []
     for name, values in tables.items():
-        unknown = set(values) - {"token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin"}
+        known = {
+            "token",
+            "namespaces",
+            "max_blocks",
+            "max_cached_blocks",
+            "map_pools",
+            "admin",
+            "max_tokens_per_second",
+        }
+        unknown = set(values) - known
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
         namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
@@ -335,6 +363,7 @@ def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
                 values.get("max_cached_blocks"),
                 bool(values.get("map_pools", False)),
                 bool(values.get("admin", False)),
+                values.get("max_tokens_per_second"),
             )
         )
     return tuple(tenants)

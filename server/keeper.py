@@ -20,30 +20,28 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from radixkv.server.keeper_protocol import (
+    LOCK_NAME,
     FrameError,
     KeeperError,
     error_reply,
     parse_request,
     recv_frame,
     send_frame,
+    socket_path,
 )
-from radixkv.server.keeper_registry import Keeper
 from radixkv.server.logs import configure_logging
+
+if TYPE_CHECKING:
+    from radixkv.server.keeper_registry import Keeper
 
 log = logging.getLogger("radixkv.keeper")
 
-SOCKET_NAME = "keeper.sock"
-LOCK_NAME = "keeper.lock"
 MAX_CONNECTIONS = 32
 FRAME_TIMEOUT_SECONDS = 10.0  # a frame once begun must arrive whole within this
 _UNIX_PATH_MAX = 107
-
-
-def socket_path(state_dir: str | Path) -> Path:
-    return Path(state_dir) / SOCKET_NAME
 
 
 class KeeperServer:
@@ -137,7 +135,9 @@ class KeeperServer:
         if op == "list":
             return self.keeper.list_pools()
         if op == "create_or_attach":
-            return self.keeper.create_or_attach(conn_id, request["pool"], request["layout"], request["device"])
+            return self.keeper.create_or_attach(
+                conn_id, request["pool"], request["layout"], request["device"], request["tier"]
+            )
         assert op == "release", f"keeper_protocol.REQUEST_KEYS has an op the keeper does not serve: {op}"
         return self.keeper.release(conn_id, request["pool"])
 
@@ -166,6 +166,8 @@ def run(state_dir: Path, announce: IO[str] | None = None) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise RuntimeError(f"another keeper is running on {state_dir}") from None
+    from radixkv.server.keeper_registry import Keeper  # torch: only a keeper that keeps needs it (not --check)
+
     keeper = Keeper(state_dir)
     server = KeeperServer(keeper, socket_path(state_dir))
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -183,8 +185,28 @@ def run(state_dir: Path, announce: IO[str] | None = None) -> None:
         log.info("stopped")
 
 
+def ask(state_dir: Path, request: dict[str, Any]) -> int:
+    """One request to the keeper on `state_dir` from the command line (`--check`, `--list`, `--release`): prints
+    the reply; the exit status is 0 when the keeper answered ok, else 1."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(60)
+            sock.connect(str(socket_path(state_dir)))
+            send_frame(sock, request)
+            body = recv_frame(sock, 60)
+    except (OSError, KeeperError) as e:
+        print(f"radixkv keeper: no keeper answers on {socket_path(state_dir)}: {e}", file=sys.stderr)
+        return 1
+    if body is None:
+        print(f"radixkv keeper: the keeper on {socket_path(state_dir)} closed the connection", file=sys.stderr)
+        return 1
+    print(body.decode())
+    return 0 if json.loads(body).get("ok") is True else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`radixkv keeper --state-dir DIR`: 0 after SIGTERM, 1 when it cannot keep (another keeper, a bad dir)."""
+    """`radixkv keeper --state-dir DIR`: 0 after SIGTERM, 1 when it cannot keep (another keeper, a bad dir),
+    2 when torch (the server extra) is missing."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["keeper"]:
         args = args[1:]
@@ -194,10 +216,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--state-dir", required=True, type=Path, help="socket, state file and snapshots live here")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument(
+        "--check",
+        action="store_true",
+        help="do not keep: ask the keeper on --state-dir for hello, print it, exit 0 if it answered (a probe)",
+    )
+    instead.add_argument("--list", action="store_true", help="do not keep: print the pools the keeper holds")
+    instead.add_argument(
+        "--release",
+        metavar="POOL",
+        help="do not keep: free POOL's memory (its cache is lost; the next server creates it afresh, any layout)",
+    )
     ns = parser.parse_args(args)
+    if ns.check or ns.list or ns.release:
+        op = {"op": "hello"} if ns.check else {"op": "list"} if ns.list else {"op": "release", "pool": ns.release}
+        return ask(ns.state_dir, op)
     configure_logging(ns.log_level)
     try:
         run(ns.state_dir.absolute(), sys.stdout)
+    except ModuleNotFoundError as e:
+        print(f"radixkv keeper: needs the {e.name} package: pip install 'radixkv[server]'", file=sys.stderr)
+        return 2
     except (RuntimeError, OSError, ValueError) as e:
         print(f"radixkv keeper: {e}", file=sys.stderr)
         return 1

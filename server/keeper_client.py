@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.layout import PoolLayout
-from radixkv.server.keeper import LOCK_NAME, socket_path
-from radixkv.server.keeper_protocol import KeeperError, decode_object, recv_frame, send_frame
+from radixkv.server.keeper_protocol import LOCK_NAME, KeeperError, decode_object, recv_frame, send_frame, socket_path
 from radixkv.storage import PoolHandle
 
 log = logging.getLogger("radixkv.server")
@@ -83,14 +82,16 @@ class KeeperClient:
         return pools
 
     def create_or_attach(
-        self, pool: str, layout: PoolLayout, device: str, busy_timeout: float = 30.0
+        self, pool: str, layout: PoolLayout, device: str, busy_timeout: float = 30.0, tier: str = "device"
     ) -> KeeperAttachment:
-        """The pool's memory; while another server still holds it (it is stopping), retry up to `busy_timeout` s.
+        """The memory of a pool's `tier` ("device", or "host": its host tier, on "cpu"); while another server still
+        holds it (it is stopping), retry up to `busy_timeout` s.
 
         Raises:
             KeeperError: LAYOUT_MISMATCH (names the fields), POOL_BUSY past the timeout, NO_MEMORY, ...
         """
-        message = {"op": "create_or_attach", "pool": pool, "layout": dataclasses.asdict(layout), "device": device}
+        layout_fields = dataclasses.asdict(layout)
+        message = {"op": "create_or_attach", "pool": pool, "layout": layout_fields, "device": device, "tier": tier}
         deadline = time.monotonic() + busy_timeout
         while True:
             try:

@@ -11,20 +11,28 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 VERSION = 1
+SOCKET_NAME = "keeper.sock"  # in the state directory, beside LOCK_NAME (held by the live keeper)
+LOCK_NAME = "keeper.lock"
 MAX_FRAME_BYTES = 64 * 1024
 _LENGTH = struct.Struct(">I")
 _NAME_MAX = 128
+TIERS = ("device", "host")  # a pool's KV memory, and its host tier (CPU memory evicted prefixes move to)
 LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
 # op -> the keys its request must carry besides "op" (and no others)
 REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     "hello": (),
     "list": (),
-    "create_or_attach": ("pool", "layout", "device"),
+    "create_or_attach": ("pool", "layout", "device", "tier"),
     "release": ("pool",),
 }
+
+
+def socket_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / SOCKET_NAME
 
 
 class KeeperError(Exception):
@@ -109,6 +117,8 @@ def parse_request(body: bytes) -> dict[str, Any]:
         request["pool"] = check_pool_name(request["pool"])
     if "device" in request:
         request["device"] = _check_device(request["device"])
+    if "tier" in request and request["tier"] not in TIERS:
+        raise KeeperError("BAD_REQUEST", f"tier: expected one of {list(TIERS)}, got {request['tier']!r:.40}")
     if "layout" in request:
         request["layout"] = check_layout(request["layout"])
     return request

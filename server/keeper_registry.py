@@ -1,4 +1,8 @@
-"""What the keeper owns: the pools' memory, keyed by pool name, and the state directory that outlives it.
+"""What the keeper owns: the pools' memory, keyed by pool name and tier, and the state directory that outlives it.
+
+A pool has a device tier (its KV memory: CPU shared memory or a CUDA allocation) and may have a host tier
+(CPU shared memory that evicted prefixes move to); each is kept, attached and freed as its own allocation,
+and `release` frees both, since both are indexed by the same tree.
 
 The memory is the point: a server attaches, is replaced (upgrade, restart), and the next server attaches
 the same bytes. Which memory survives is honest by construction:
@@ -42,6 +46,7 @@ class KeptPool:
     """One pool's memory. `holder` is the connection that has it attached (None: waiting for a server)."""
 
     name: str
+    tier: str  # "device" or "host"
     layout: PoolLayout
     device: str
     storage: KVStorage
@@ -54,6 +59,7 @@ class KeptPool:
     def describe(self) -> dict[str, Any]:
         return {
             "pool": self.name,
+            "tier": self.tier,
             "layout": dataclasses.asdict(self.layout),
             "device": self.device,
             "segment": self.segment,
@@ -71,7 +77,7 @@ class Keeper:
         self.snapshot_dir = state_dir / SNAPSHOT_DIR
         self.incarnation = secrets.token_hex(16)
         self.started_at = time.time()
-        self._pools: dict[str, KeptPool] = {}
+        self._pools: dict[tuple[str, str], KeptPool] = {}  # (pool name, tier) -> memory
         self._lock = threading.Lock()
         self._num_segments = 0
         self.snapshot_dir.mkdir(mode=0o700, exist_ok=True)
@@ -93,17 +99,21 @@ class Keeper:
         with self._lock:
             return {"ok": True, "pools": [p.describe() for p in self._pools.values()]}
 
-    def create_or_attach(self, conn: int, name: str, layout_fields: dict[str, Any], device: str) -> dict[str, Any]:
-        """The pool's memory: created (zeros, fresh) or the same memory again (retained) when layout and device
-        match. Raises KeeperError: LAYOUT_MISMATCH, POOL_BUSY, BAD_REQUEST, TOO_MANY, NO_MEMORY."""
+    def create_or_attach(
+        self, conn: int, name: str, layout_fields: dict[str, Any], device: str, tier: str = "device"
+    ) -> dict[str, Any]:
+        """The memory of one tier of a pool: created (zeros, fresh) or the same memory again (retained) when layout
+        and device match. Raises KeeperError: LAYOUT_MISMATCH, POOL_BUSY, BAD_REQUEST, TOO_MANY, NO_MEMORY."""
         try:
             layout = PoolLayout(**layout_fields)
         except ValueError as e:
             raise KeeperError("BAD_REQUEST", f"layout: {e}") from None
+        if tier == "host" and device != "cpu":
+            raise KeeperError("BAD_REQUEST", f"device: a host tier lives in CPU memory, got {device}")
         with self._lock:
-            pool = self._pools.get(name)
+            pool = self._pools.get((name, tier))
             if pool is None:
-                pool = self._create(conn, name, layout, device)
+                pool = self._create(conn, name, tier, layout, device)
             else:
                 _check_same(pool, layout, device)
                 if pool.holder not in (None, conn):
@@ -114,7 +124,7 @@ class Keeper:
             pool.holder = conn
             handle = pool.storage.export_handle()
             fresh = pool.created_by == conn
-            log.info("attached", extra={"pool": name, "fresh": fresh, "generation": pool.generation})
+            log.info("attached", extra={"pool": name, "tier": tier, "fresh": fresh, "generation": pool.generation})
             return {
                 "ok": True,
                 "handle": handle.to_dict(),
@@ -123,7 +133,7 @@ class Keeper:
                 "incarnation": self.incarnation,
             }
 
-    def _create(self, conn: int, name: str, layout: PoolLayout, device: str) -> KeptPool:
+    def _create(self, conn: int, name: str, tier: str, layout: PoolLayout, device: str) -> KeptPool:
         if len(self._pools) >= MAX_POOLS:
             raise KeeperError("TOO_MANY", f"the keeper holds {MAX_POOLS} pools already; release one")
         segment = ""
@@ -136,22 +146,23 @@ class Keeper:
                 storage = KVStorage.create(layout, device)
         except (ValueError, OSError, RuntimeError) as e:  # no room in /dev/shm, CUDA out of memory, no such device
             raise KeeperError("NO_MEMORY", f"pool {name!r}: cannot allocate {layout.total_bytes} bytes: {e}") from None
-        pool = KeptPool(name, layout, device, storage, segment, created_by=conn, created_at=time.time())
-        self._pools[name] = pool
+        pool = KeptPool(name, tier, layout, device, storage, segment, created_by=conn, created_at=time.time())
+        self._pools[(name, tier)] = pool
         self._write_state()
-        log.info("created", extra={"pool": name, "bytes": layout.total_bytes, "device": device, "segment": segment})
+        log.info("created", extra={"pool": name, "tier": tier, "bytes": layout.total_bytes, "segment": segment})
         return pool
 
     def release(self, conn: int, name: str) -> dict[str, Any]:
-        """Free a pool's memory now (its next attach creates it fresh). Raises KeeperError."""
+        """Free a pool's memory now, every tier (its next attach creates it fresh). Raises KeeperError."""
         with self._lock:
-            pool = self._pools.get(name)
-            if pool is None:
-                raise KeeperError("UNKNOWN_POOL", f"pool {name!r}: the keeper holds {sorted(self._pools)}")
-            if pool.holder not in (None, conn):
+            tiers = [key for key in self._pools if key[0] == name]
+            if not tiers:
+                kept = sorted({key[0] for key in self._pools})
+                raise KeeperError("UNKNOWN_POOL", f"pool {name!r}: the keeper holds {kept}")
+            if any(self._pools[key].holder not in (None, conn) for key in tiers):
                 raise KeeperError("POOL_BUSY", f"pool {name!r} is attached by another live connection")
-            del self._pools[name]
-            self._free(pool)
+            for key in tiers:
+                self._free(self._pools.pop(key))
             self._write_state()
         log.info("released", extra={"pool": name})
         return {"ok": True}
@@ -162,7 +173,7 @@ class Keeper:
             for pool in self._pools.values():
                 if pool.holder == conn:
                     pool.holder = None
-                    log.info("detached", extra={"pool": pool.name})
+                    log.info("detached", extra={"pool": pool.name, "tier": pool.tier})
 
     def close(self) -> None:
         """Free every pool and forget the state: a graceful stop leaves nothing to clean up."""
@@ -183,7 +194,7 @@ class Keeper:
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "started_at": self.started_at,
-            "pools": {p.name: p.describe() for p in self._pools.values()},
+            "pools": [p.describe() for p in self._pools.values()],
         }
         tmp = self.state_dir / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state, indent=1))
@@ -196,8 +207,8 @@ class Keeper:
         if not path.exists():
             return 0
         try:
-            pools = json.loads(path.read_text()).get("pools", {})
-            segments = [p.get("segment", "") for p in pools.values()]
+            pools = json.loads(path.read_text()).get("pools", [])
+            segments = [p.get("segment", "") for p in pools]
         except (ValueError, AttributeError) as e:
             log.warning("unreadable state file; removing it", extra={"path": str(path), "error": str(e)})
             segments = []
@@ -223,8 +234,8 @@ def _check_same(pool: KeptPool, layout: PoolLayout, device: str) -> None:
     if differences:
         raise KeeperError(
             "LAYOUT_MISMATCH",
-            f"pool {pool.name!r}: {'; '.join(differences)}; release the kept pool (its cache is lost) or restart "
-            "the keeper to change its layout",
+            f"pool {pool.name!r} ({pool.tier} tier): {'; '.join(differences)}; release the kept pool (its cache is "
+            "lost: radixkv keeper --release) or restart the keeper to change its layout",
         )
 
 

@@ -64,6 +64,9 @@ class PoolLedger:
             for i, seq_id in enumerate(seq_ids):
                 self.check_owner(session, seq_id, f"{field}[{i}]")
 
+    def sequences_of(self, session: Session) -> list[int]:
+        return sorted(self._sequences.get(session, ()))
+
     def num_sequences(self, session: Session) -> int:
         return len(self._sequences.get(session, ()))
 
@@ -108,7 +111,7 @@ class PoolLedger:
 
     def resize(self, seq_id: int, num_blocks: int) -> None:
         tenant = self._owners[seq_id].tenant.name
-        self._tenant_blocks[tenant] += num_blocks - self._num_table_blocks[seq_id]
+        self._charge(tenant, num_blocks - self._num_table_blocks[seq_id])  # a preempt shrinks it to 0
         self._num_table_blocks[seq_id] = num_blocks
 
     def forget(self, seq_id: int) -> None:
@@ -168,7 +171,8 @@ class PoolLedger:
 
     def check_invariants(self, cache: KVCache) -> None:
         """Recount from the core and compare; raises AssertionError naming what broke."""
-        assert set(self._owners) == set(cache.sequence_ids()), "owned sequences != the core's live sequences"
+        core_ids = set(cache.sequence_ids()) | set(cache.preempted_sequence_ids())
+        assert set(self._owners) == core_ids, "owned sequences != the core's live and preempted sequences"
         assert set(self._num_table_blocks) == set(self._owners), "a block count without its sequence, or the reverse"
         blocks: dict[str, int] = {}
         sequences: dict[str, int] = {}

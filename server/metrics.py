@@ -36,6 +36,13 @@ _GAUGES = (
     ("radixkv_blocks_in_use", "num_blocks_in_use", "Blocks neither free nor evictable."),
     ("radixkv_live_sequences", "num_live_sequences", "Open sequences."),
     ("radixkv_namespaces", "num_namespaces", "Namespaces with a prefix-tree root."),
+    ("radixkv_reserved_blocks", "num_blocks_reserved", "Blocks reserved for budgeted sequences' growth."),
+    (
+        "radixkv_memory_pressure_ratio",
+        "memory_pressure",
+        "(Blocks in use + reserved) / blocks in the pool: < 0.7 normal, 0.7-0.9 high, > 0.9 danger.",
+    ),
+    ("radixkv_preempted_sequences", "num_preempted_sequences", "Sequences preempted and not yet resumed."),
     (
         "radixkv_swapped_sequences",
         "num_swapped_sequences",
@@ -57,6 +64,8 @@ _COUNTERS = (
     ("radixkv_opened_sequences", "num_opened_sequences", "Sequences opened."),
     ("radixkv_forked_sequences", "num_forked_sequences", "Sequences created by fork."),
     ("radixkv_released_sequences", "num_released_sequences", "Sequences released."),
+    ("radixkv_resumed_sequences", "num_resumed_sequences", "Preempted sequences resumed."),
+    ("radixkv_recomputed_tokens", "num_recomputed_tokens", "Tokens resumes after recompute handed back to prefill."),
     (
         "radixkv_host_hit_tokens",
         "num_host_hit_tokens",
@@ -82,6 +91,13 @@ class _PoolCollector:
             "radixkv_miss_tokens", "Tokens past the cached prefix, by reason (Match with explain only).",
             labels=["pool", "reason"],
         )  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "radixkv_preemptions", "Sequences preempted, by mode.", labels=["pool", "mode"]
+        )
+        refusals = CounterMetricFamily(
+            "radixkv_admission_refusals", "Opens refused by admission (NOT_ADMITTED) or a tenant's token budget "
+            "(TOKEN_BUDGET).", labels=["pool", "reason"],
+        )  # fmt: skip
         host_blocks = GaugeMetricFamily(
             "radixkv_host_blocks", "Host-tier blocks by state (free, cached, swapped); none without a host tier.",
             labels=["pool", "state"],
@@ -89,11 +105,21 @@ class _PoolCollector:
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
         )
+        restart_safe = GaugeMetricFamily(
+            "radixkv_pool_restart_safe",
+            "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
+            labels=["pool"],
+        )
         for pool in self._service.pools.values():
             with pool.lock:
                 stats = pool.cache.stats()
                 num_miss_tokens = dict(pool.num_miss_tokens)
                 tombstones.add_metric([pool.name], pool.events.tombstones.num_bytes)
+                num_token_budget_refusals = pool.num_token_budget_refusals
+            preemptions.add_metric([pool.name, "swap"], stats.num_preemptions_swap)
+            preemptions.add_metric([pool.name, "recompute"], stats.num_preemptions_recompute)
+            refusals.add_metric([pool.name, "NOT_ADMITTED"], stats.num_admission_refusals)
+            refusals.add_metric([pool.name, "TOKEN_BUDGET"], num_token_budget_refusals)
             for reason, num in sorted(num_miss_tokens.items()):
                 misses.add_metric([pool.name, reason], num)
             for name, field, _ in _GAUGES:
@@ -105,13 +131,17 @@ class _PoolCollector:
                     host_blocks.add_metric([pool.name, state], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
+            restart_safe.add_metric([pool.name], 1 if pool.restart_safe() else 0)
         yield from gauges.values()
         yield from counters.values()
         yield usage
         yield watchers
         yield misses
         yield host_blocks
+        yield preemptions
+        yield refusals
         yield tombstones
+        yield restart_safe
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 
 

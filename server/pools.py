@@ -37,6 +37,9 @@ class Pool:
         keeper: KeeperAttachment | None = None,
         keeper_lost: threading.Event | None = None,
         host_storage: KVStorage | None = None,
+        *,
+        reserve_fraction: float = 1.0,
+        watermark_fraction: float = 0.01,
     ) -> None:
         self.name = name
         self.storage = storage
@@ -50,16 +53,15 @@ class Pool:
         self.lock = threading.Lock()
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(
-            self.layout.num_blocks,
-            self.layout.block_size,
-            limits,
-            first_seq_id=secrets.randbelow(2**52) + 1,
+            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1,
+            reserve_fraction=reserve_fraction, watermark_fraction=watermark_fraction,
             host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
-        )
+        )  # fmt: skip
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
         self.kv_publisher: ZmqEventPublisher | None = None
         self.num_miss_tokens: dict[str, int] = {}  # reason -> tokens, counted by Match with explain
+        self.num_token_budget_refusals = 0  # opens refused by a tenant's token bucket (NOT_ADMITTED: the core counts)
 
     def publish_kv_events(self, config: PoolConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
@@ -94,9 +96,10 @@ class Pool:
         self.storage.close()
         if self.keeper is None:
             self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
-        if self.host_storage is not None:  # this process's own, keeper or not
+        if self.host_storage is not None:
             self.host_storage.close()
-            self.host_storage.unlink()
+            if self.keeper is None:
+                self.host_storage.unlink()
 
 
 def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None) -> Pool:
@@ -116,14 +119,17 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
         attachment = keeper.create_or_attach(config.name, layout, _device_with_index(config.device))
         storage = KVStorage.open(attachment.handle)
     try:
-        host = _host_storage(config, layout, pin=storage.device.type == "cuda")
+        host = _host_storage(config, layout, storage.device.type == "cuda", keeper)
     except BaseException:
         storage.close()
         if keeper is None:
             storage.unlink()
         raise
     lost = keeper.lost if keeper is not None else None
-    pool = Pool(config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host)
+    pool = Pool(
+        config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
+        reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
+    )  # fmt: skip
     if config.kv_events_endpoint is not None:
         try:
             pool.publish_kv_events(config)
@@ -146,7 +152,8 @@ def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
                  "block_size": c.block_size, "dtype": c.dtype}  # fmt: skip
         for kept in keeper.list_pools():
             kept_shape = {k: v for k, v in kept["layout"].items() if k != "num_blocks"}
-            if kept["pool"] == c.name and kept_shape == shape and kept["device"] == _device_with_index(c.device):
+            same_pool = kept["pool"] == c.name and kept["tier"] == "device"
+            if same_pool and kept_shape == shape and kept["device"] == _device_with_index(c.device):
                 return PoolLayout(**kept["layout"])
     return layout_for_memory(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
@@ -164,9 +171,11 @@ def _device_with_index(device: str) -> str:
     return device
 
 
-def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool) -> KVStorage | None:
+def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool, keeper: KeeperClient | None) -> KVStorage | None:
     """The host tier's memory: the device pool's layout with `host_num_blocks`, or as many as `host_memory_bytes`
-    holds; None without either. Page-locked (`pin`) beside a CUDA pool, so swaps read and write it directly."""
+    holds; None without either. Shared memory of its own, or the keeper's (its "host" tier of the pool: nothing
+    in it is trusted after a restart, as the host tier's bookkeeping starts empty). Page-locked (`pin`) beside a
+    CUDA pool, so swaps read and write it directly."""
     from radixkv.storage import KVStorage
 
     if config.host_num_blocks:
@@ -176,4 +185,9 @@ def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool) -> KVStorag
         host_layout = PoolLayout.for_budget(config.host_memory_bytes, **shape)
     else:
         return None
-    return KVStorage.create_host(host_layout, pin=pin)
+    if keeper is None:
+        return KVStorage.create_host(host_layout, pin=pin)
+    host = KVStorage.open(keeper.create_or_attach(config.name, host_layout, "cpu", tier="host").handle)
+    if pin:
+        host.pin()
+    return host

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from radixkv.errors import LimitExceeded, PermissionDenied, UnknownPool, UnknownSession
+from radixkv.errors import LimitExceeded, PermissionDenied, TokenBudget, UnknownPool, UnknownSession
+from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.deadlines import check_deadline
@@ -46,6 +47,7 @@ from radixkv.server.shares import Shares
 from radixkv.server.sizes import append_response_bytes, check_request_size, open_response_bytes
 from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
+from radixkv.server.token_budget import TokenBuckets
 from radixkv.stats import Stats
 from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
 
@@ -69,6 +71,7 @@ class KVService:
         self._max_sequences = config.max_sequences_per_session
         self._max_pins = config.max_pins_per_session
         self._max_pool_sequences = config.max_sequences
+        self.token_buckets = TokenBuckets()
 
     def start(self) -> None:
         self.sessions.start()
@@ -130,11 +133,15 @@ class KVService:
         prompts: Sequence[tuple[TokenIds, str]],
         request_id: int = 0,
         explanations: list[MissExplanation] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[OpenResult]:
         """Open a batch of prompts, all or none (the whole batch counts against the request limits).
 
         `explanations`, when given, receives why each prompt's cached prefix ends where it does (nothing
-        on a retry answered from the request window: the batch is not applied again).
+        on a retry answered from the request window: the batch is not applied again). `max_new_tokens`
+        and `priorities`: per prompt, as `KVCache.open_many` takes them; the prompts and budgets are
+        charged to the tenant's token bucket (`token_budget`).
         """
         pool = self.pool(pool_name)
         counts = [_num_tokens(t) for t, _ in prompts]
@@ -157,7 +164,13 @@ class KVService:
                 before = None
                 if explanations is not None:
                     before = [explain_open(pool.cache, pool.events, caller, key, ns) for key, ns in requests]
-                results = pool.cache.open_many(requests)
+                cost = sum(counts) + sum(max_new_tokens or ())
+                self.take_tokens(pool, caller, cost)
+                try:
+                    results = pool.cache.open_many(requests, max_new_tokens=max_new_tokens, priorities=priorities)
+                except BaseException:
+                    self.token_buckets.refund(caller, cost)
+                    raise
                 for result in results:
                     ledger.adopt(session, result.seq_id, len(result.block_table))
                 if before is not None and explanations is not None:
@@ -295,6 +308,57 @@ class KVService:
         with self._in_session(caller, session_id, pool_name) as (pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.freeable_blocks(seq_ids)
+
+    # -- preemption (see `radixkv.preemption`) ------------------------------------------------------
+
+    def preempt(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], mode: str, request_id: int = 0
+    ) -> PreemptResult:
+        """Preempt the session's sequences, all or none; they stay the session's, holding no block."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> PreemptResult:
+                pool.ledger.check_owners(session, list(seq_ids))
+                result = pool.cache.preempt(seq_ids, mode)
+                for seq_id in result.seq_ids:
+                    pool.ledger.resize(seq_id, 0)
+                return result
+
+            return session.requests.once(
+                request_id, f"Preempt {pool.name}", apply, lambda r: len(r.seq_ids) + 2 * len(r.offloads) + 1
+            )
+
+    def resume(self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, request_id: int = 0) -> ResumeResult:
+        """Resume one of the session's preempted sequences; its blocks count against the tenant's quota again."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+
+            def apply() -> ResumeResult:
+                ledger = pool.ledger
+                ledger.check_owner(session, seq_id)
+                if pool.cache.is_preempted(seq_id):
+                    ledger.check_quota(caller, ledger.blocks_for(pool.cache.num_tokens(seq_id)))
+                result = pool.cache.resume(seq_id)  # raises for a live sequence
+                ledger.resize(seq_id, len(result.block_table))
+                return result
+
+            return session.requests.once(
+                request_id, f"Resume {pool.name}", apply, lambda r: 2 * len(r.block_table) + len(r.loads) + 1
+            )
+
+    def victims(self, caller: Tenant, session_id: str, pool_name: str, num_blocks: int) -> list[int]:
+        """Which of the session's live sequences to preempt for `num_blocks` (see `KVCache.victims`)."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            cache = pool.cache
+            candidates = [s for s in pool.ledger.sequences_of(session) if not cache.is_preempted(s)]
+            return cache.victims(num_blocks, candidates)
+
+    def take_tokens(self, pool: Pool, caller: Tenant, num_tokens: int) -> None:
+        """Charge an open's tokens to the caller's token bucket (under `pool.lock`, which counts refusals)."""
+        try:
+            self.token_buckets.take(caller, num_tokens)
+        except TokenBudget:
+            pool.num_token_budget_refusals += 1
+            raise
 
     def num_available_blocks(self, pool_name: str) -> int:
         pool = self.pool(pool_name)

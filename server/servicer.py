@@ -33,6 +33,7 @@ from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
+_PREEMPT_MODES = {pb.PREEMPT_MODE_SWAP: "swap", pb.PREEMPT_MODE_RECOMPUTE: "recompute"}
 _EVENT_KINDS = {
     EventKind.BLOCKS_STORED: pb.KV_EVENT_KIND_BLOCKS_STORED,
     EventKind.BLOCKS_REMOVED: pb.KV_EVENT_KIND_BLOCKS_REMOVED,
@@ -70,9 +71,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # would cost a Python int per token (and memory to match) before any limit is checked.
         prompts = [(p.token_ids, p.namespace) for p in request.prompts]
         explanations: list[MissExplanation] | None = [] if request.explain else None
+        budgets = [p.max_new_tokens for p in request.prompts]
+        priorities = [p.priority for p in request.prompts]
         results = self._service.open_sequences(
-            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations
-        )
+            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations,
+            budgets if any(budgets) else None, priorities if any(priorities) else None,
+        )  # fmt: skip
         response = pb.OpenSequencesResponse(
             sequences=[
                 pb.OpenedSequence(
@@ -169,6 +173,32 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> pb.FreeableBlocksResponse:
         num = self._service.freeable_blocks(current_caller(), request.session_id, request.pool, list(request.seq_ids))
         return pb.FreeableBlocksResponse(num_freeable_blocks=num)
+
+    @translating_errors
+    def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
+        mode = _PREEMPT_MODES.get(request.mode, f"PreemptMode {request.mode}")  # the core refuses it, naming `mode`
+        result = self._service.preempt(
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), mode, request.request_id
+        )
+        return pb.PreemptResponse(
+            offloads=transfers([result.offloads]),
+            num_freed_blocks=result.num_freed_blocks,
+            num_unreserved_blocks=result.num_unreserved_blocks,
+        )
+
+    @translating_errors
+    def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
+        r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
+        return pb.ResumeResponse(
+            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table,
+            slots=np.asarray(r.slots).tolist(), loads=transfers([r.loads]), offloads=transfers([r.offloads]),
+            num_host_hit_tokens=r.num_host_hit_tokens,
+        )  # fmt: skip
+
+    @translating_errors
+    def Victims(self, request: pb.VictimsRequest, context: grpc.ServicerContext) -> pb.VictimsResponse:
+        seq_ids = self._service.victims(current_caller(), request.session_id, request.pool, request.num_blocks)
+        return pb.VictimsResponse(seq_ids=seq_ids)
 
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:

@@ -136,6 +136,9 @@ def _step(request: pb.SessionRequest) -> Step:
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))
     if request.opens:
         items["opens"] = [(o.token_ids, o.namespace) for o in request.opens]
+        if any(o.max_new_tokens or o.priority for o in request.opens):
+            items["max_new_tokens"] = [o.max_new_tokens for o in request.opens]
+            items["priorities"] = [o.priority for o in request.opens]
     if request.HasField("append"):
         a = request.append
         items["append"] = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)

@@ -1,7 +1,8 @@
 """Domain errors on the wire: the one table from reason to gRPC status, and the decorator that applies it.
 
 Every refusal leaves as a status code plus one `google.rpc.ErrorInfo` (reason, domain "radixkv",
-metadata), so the client can rebuild the same exception class. Anything else a handler raises is a
+metadata), so the client can rebuild the same exception class; a TOKEN_BUDGET refusal also carries a
+`google.rpc.RetryInfo` (its retry delay). Anything else a handler raises is a
 server bug: it is logged with its traceback and leaves as INTERNAL with no detail of the cause.
 """
 
@@ -15,11 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from radixkv.errors import ERRORS_BY_REASON, RadixKVError
+from radixkv.errors import ERRORS_BY_REASON, RadixKVError, TokenBudget
 from radixkv.server.deadlines import call_deadline
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,15 @@ def to_status(error: RadixKVError) -> grpc.Status:
     detail = any_pb2.Any()
     metadata = {truncated(k, 64): truncated(v) for k, v in error.metadata.items()}
     detail.Pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata))
+    details = [detail]
+    if isinstance(error, TokenBudget):  # when to retry, in the form gRPC clients and proxies read
+        retry = any_pb2.Any()
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(error.retry_after_ms)
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(retry)
     message = truncated(error.message, 4 * MAX_ECHO_CHARS)
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=details))
 
 
 _REFUSAL: contextvars.ContextVar[RadixKVError | None] = contextvars.ContextVar("radixkv_refusal", default=None)

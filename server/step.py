@@ -79,8 +79,15 @@ def run_step(
 
         def check_and_apply() -> StepResult:
             _StepPlan(service, pool, session, caller).check(step, requests)
-            with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
-                return _apply(service, pool, session, step, requests)
+            cost = sum(_num_tokens(t) for t, _ in requests) + sum(step.max_new_tokens) if requests else 0
+            with _item("opens"):
+                service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
+            try:
+                with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
+                    return _apply(service, pool, session, step, requests)
+            except BaseException:
+                service.token_buckets.refund(caller, cost)
+                raise
 
         num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
         return session.requests.once(
@@ -124,7 +131,7 @@ class _StepPlan:
                 self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
                 self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
                 if step.append is not None or after_append:
-                    num_taken = cache.check_open(requests)
+                    num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
             with _item("append"):
                 append = step.append
@@ -189,7 +196,7 @@ def _apply(
     opened: list[OpenResult] = []
     if requests:
         with applying.item("opens"):
-            opened = cache.open_many(requests)
+            opened = cache.open_many(requests, **_budgets(step))
             for result in opened:
                 ledger.adopt(session, result.seq_id, len(result.block_table))
     appended = None
@@ -223,6 +230,11 @@ def _apply(
     offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
     loads = concat_pairs(r.loads for r in opened)
     return StepResult(opened, appended, forked, num_cached, num_released, offloads, loads)
+
+
+def _budgets(step: Step) -> dict[str, Sequence[int] | None]:
+    """The opens' max_new_tokens and priorities as `open_many` takes them (None: not given)."""
+    return {"max_new_tokens": step.max_new_tokens or None, "priorities": step.priorities or None}
 
 
 class _Applying:

@@ -24,6 +24,7 @@ class Tenant:
     map_pools: bool  # may receive pool handles: mapped memory holds every tenant's K/V
     admin: bool = False  # may call the Debug service
     max_cached_blocks: int | None = None  # per pool, over the tree's blocks in the tenant's namespaces
+    max_tokens_per_second: float | None = None  # token bucket over opens' prompt + max_new_tokens, all pools
 
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
@@ -34,6 +35,7 @@ class Tenant:
             config.map_pools,
             config.admin,
             config.max_cached_blocks,
+            config.max_tokens_per_second,
         )
 
     @property

@@ -22,6 +22,12 @@ class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCKS_STORED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCKS_REMOVED: _ClassVar[KVEventKind]
+
+class PreemptMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREEMPT_MODE_UNSPECIFIED: _ClassVar[PreemptMode]
+    PREEMPT_MODE_SWAP: _ClassVar[PreemptMode]
+    PREEMPT_MODE_RECOMPUTE: _ClassVar[PreemptMode]
 MISS_REASON_UNSPECIFIED: MissReason
 MISS_REASON_FULLY_CACHED: MissReason
 MISS_REASON_NEVER_CACHED: MissReason
@@ -32,6 +38,9 @@ MISS_REASON_LAST_TOKEN: MissReason
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
+PREEMPT_MODE_UNSPECIFIED: PreemptMode
+PREEMPT_MODE_SWAP: PreemptMode
+PREEMPT_MODE_RECOMPUTE: PreemptMode
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("ttl_seconds", "pool")
@@ -74,12 +83,16 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, num_released_sequences: _Optional[int] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("token_ids", "namespace")
+    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    max_new_tokens: int
+    priority: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OpenSequencesRequest(_message.Message):
     __slots__ = ("pool", "session_id", "prompts", "request_id", "explain")
@@ -314,7 +327,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use", "num_live_sequences", "num_namespaces", "num_requested_tokens", "num_hit_tokens", "num_evicted_blocks", "num_allocation_failures", "num_cow_copies", "num_opened_sequences", "num_forked_sequences", "num_released_sequences", "num_host_blocks_total", "num_host_blocks_free", "num_host_blocks_cached", "num_host_blocks_swapped", "num_offloaded_blocks", "num_loaded_blocks", "num_host_evicted_blocks", "num_host_hit_tokens", "num_swapped_sequences")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use", "num_live_sequences", "num_namespaces", "num_requested_tokens", "num_hit_tokens", "num_evicted_blocks", "num_allocation_failures", "num_cow_copies", "num_opened_sequences", "num_forked_sequences", "num_released_sequences", "num_host_blocks_total", "num_host_blocks_free", "num_host_blocks_cached", "num_host_blocks_swapped", "num_offloaded_blocks", "num_loaded_blocks", "num_host_evicted_blocks", "num_host_hit_tokens", "num_swapped_sequences", "num_blocks_reserved", "num_preempted_sequences", "num_admission_refusals", "num_preemptions_swap", "num_preemptions_recompute", "num_resumed_sequences", "num_recomputed_tokens", "memory_pressure", "pressure_band")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +353,15 @@ class PoolStats(_message.Message):
     NUM_HOST_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADMISSION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_BAND_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_cached: int
@@ -365,7 +387,16 @@ class PoolStats(_message.Message):
     num_host_evicted_blocks: int
     num_host_hit_tokens: int
     num_swapped_sequences: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_free: _Optional[int] = ..., num_host_blocks_cached: _Optional[int] = ..., num_host_blocks_swapped: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_host_evicted_blocks: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ...) -> None: ...
+    num_blocks_reserved: int
+    num_preempted_sequences: int
+    num_admission_refusals: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_resumed_sequences: int
+    num_recomputed_tokens: int
+    memory_pressure: float
+    pressure_band: str
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_free: _Optional[int] = ..., num_host_blocks_cached: _Optional[int] = ..., num_host_blocks_swapped: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_host_evicted_blocks: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., num_preempted_sequences: _Optional[int] = ..., num_admission_refusals: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_resumed_sequences: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., memory_pressure: _Optional[float] = ..., pressure_band: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("stats", "num_sessions", "num_available_blocks", "num_tombstones", "tombstone_bytes")
@@ -658,12 +689,16 @@ class StepCommit(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOpen(_message.Message):
-    __slots__ = ("token_ids", "namespace")
+    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     namespace: str
-    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ...) -> None: ...
+    max_new_tokens: int
+    priority: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class StepAppend(_message.Message):
     __slots__ = ("seq_ids", "num_token_ids", "token_ids")
@@ -769,3 +804,73 @@ class StepForked(_message.Message):
     CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PreemptRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_ids", "mode", "request_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    mode: PreemptMode
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[PreemptMode, str]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class PreemptResponse(_message.Message):
+    __slots__ = ("offloads", "num_freed_blocks", "num_unreserved_blocks")
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNRESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    num_freed_blocks: int
+    num_unreserved_blocks: int
+    def __init__(self, offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., num_freed_blocks: _Optional[int] = ..., num_unreserved_blocks: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_id", "request_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_id: int
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "loads", "offloads", "num_host_hit_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_cached_tokens: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    loads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    num_host_hit_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class VictimsRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "num_blocks")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    num_blocks: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class VictimsResponse(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...

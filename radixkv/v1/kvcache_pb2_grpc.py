@@ -135,6 +135,21 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Preempt = channel.unary_unary(
+                '/radixkv.v1.KVCache/Preempt',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.PreemptRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.PreemptResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/radixkv.v1.KVCache/Resume',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.ResumeResponse.FromString,
+                _registered_method=True)
+        self.Victims = channel.unary_unary(
+                '/radixkv.v1.KVCache/Victims',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -290,6 +305,32 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preempt(self, request, context):
+        """Preempt takes back the device blocks of a batch of the session's sequences, all or none; each keeps
+        its id and tokens until Resume or ReleaseSequences. Every other call naming a preempted sequence is
+        FAILED_PRECONDITION (reason SEQUENCE_PREEMPTED). RECOMPUTE caches the computed full blocks and drops
+        the rest; SWAP moves the blocks only the sequence holds to the host tier (FAILED_PRECONDITION without one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Resume brings a preempted sequence back under its id, re-reserving its budget. RESOURCE_EXHAUSTED
+        (OUT_OF_BLOCKS, blocks needed and free) when it does not fit, and then nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Victims(self, request, context):
+        """Victims lists the session's live sequences to preempt to give num_blocks back to allocation:
+        lowest priority first, then latest arrival first; changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +433,21 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.SerializeToString,
+            ),
+            'Preempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preempt,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.PreemptRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.PreemptResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.ResumeRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.ResumeResponse.SerializeToString,
+            ),
+            'Victims': grpc.unary_unary_rpc_method_handler(
+                    servicer.Victims,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -935,6 +991,87 @@ class KVCache:
             '/radixkv.v1.KVCache/Session',
             radixkv_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Preempt',
+            radixkv_dot_v1_dot_kvcache__pb2.PreemptRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.PreemptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Resume',
+            radixkv_dot_v1_dot_kvcache__pb2.ResumeRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Victims(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Victims',
+            radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -415,3 +415,25 @@ def test_a_cache_built_on_another_tree_evicts_through_it():
     cache.open(list(range(100, 112)))  # 3 blocks: one must be evicted
     assert calls == [1] and tree.num_cached_blocks == 1
     cache.check_invariants()
+
+
+def test_a_repeat_pin_that_reaches_deeper_than_the_first_unpins_cleanly():
+    cache = KVCache(num_blocks=16, block_size=4, limits=Limits(max_pinned_fraction=1.0))
+    prompt = list(range(1, 13))  # three blocks
+    short = cache.open(prompt[:5])
+    cache.commit([short.seq_id], [5])
+    cache.release(short.seq_id)  # one block cached
+    assert cache.pin(prompt) == 4
+    full = cache.open(prompt + [99])
+    cache.commit([full.seq_id], [13])
+    cache.release(full.seq_id)  # all three cached now
+    assert cache.pin(prompt) == 12  # the same tokens: this pin locks a deeper node than the first
+    cache.check_invariants()
+    assert cache.stats().num_blocks_pinned == 3
+    cache.unpin(prompt)
+    cache.check_invariants()
+    cache.unpin(prompt)
+    cache.check_invariants()
+    assert cache.stats().num_blocks_pinned == 0
+    with pytest.raises(NotPinned):
+        cache.unpin(prompt)

@@ -51,7 +51,7 @@ def fingerprint(cache: KVCache) -> dict[str, object]:
         "budget": cache.budget,
         "stats": dataclasses.asdict(cache.stats()),
         "next_seq_id": cache._sequences.next_seq_id,
-        "pins": {k: (path(node), count) for k, (node, count) in cache._pins._pins.items()},
+        "pins": {k: [path(node) for node in nodes] for k, nodes in cache._pins._pins.items()},
         "clock": tree._clock,
     }
 

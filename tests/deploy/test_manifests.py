@@ -109,3 +109,29 @@ def test_the_sidecar_is_native_probed_over_grpc_and_publishes_where_the_picker_l
     pool = _find("InferencePool")["spec"]
     assert pool["targetPorts"][0]["number"] == model_port
     assert pool["endpointPickerRef"]["name"] == service["metadata"]["name"]
+
+
+def test_the_keeper_holds_the_memory_so_the_server_container_can_restart_alone() -> None:
+    pod = _find("Deployment")["spec"]["template"]["spec"]
+    names = [c["name"] for c in pod["initContainers"]]
+    keeper = pod["initContainers"][names.index("radixkv-keeper")]
+    server = pod["initContainers"][names.index("radixkv")]
+    assert names.index("radixkv-keeper") < names.index("radixkv"), "the keeper starts (and stops) around the server"
+    assert keeper["restartPolicy"] == "Always" and keeper["args"][0] == "keeper"
+    assert "ports" not in keeper, "the keeper has no network surface, only its Unix socket"
+    state_dir = next(a.split("=", 1)[1] for a in keeper["args"] if a.startswith("--state-dir="))
+    for probe in ("startupProbe", "livenessProbe"):
+        command = keeper[probe]["exec"]["command"]
+        assert command[:2] == ["radixkv", "keeper"] and "--check" in command and f"--state-dir={state_dir}" in command
+    server_flags = dict(a.removeprefix("--").split("=", 1) for a in server["args"] if a.startswith("--"))
+    assert server_flags["keeper"] == f"{state_dir}/keeper.sock"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def volume_at(container: dict[str, Any], path: str) -> dict[str, Any]:
+        return volumes[next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == path)]
+
+    # The same volumes in both: the socket and state, and /dev/shm; both outlive a container, not the pod.
+    for path in (state_dir, "/dev/shm"):
+        assert volume_at(keeper, path) is volume_at(server, path)
+        assert "emptyDir" in volume_at(keeper, path)
+    assert volume_at(keeper, "/dev/shm")["emptyDir"]["medium"] == "Memory"

@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -101,16 +103,27 @@ def test_a_restarted_server_attaches_the_same_memory_and_the_kv_bytes_are_identi
     assert not os.path.exists(os.path.join(SHM_DIR, segment))  # a keeper's SIGTERM frees the memory
 
 
+def _restart_safe(server: ServerProcess) -> float:
+    """The server's `radixkv_pool_restart_safe` gauge for the default pool."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(r'^radixkv_pool_restart_safe\{pool="default"\} (\S+)$', text, re.MULTILINE)
+    assert match is not None, "the gauge is exported"
+    return float(match.group(1))
+
+
 def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path, wait_until: Callable[..., bool]) -> None:
     state = tmp_path / "state"
     keeper = KeeperProcess(state, tmp_path / "keeper.log")
-    server = ServerProcess(FLAGS, tmp_path / "server.log", keeper=keeper.socket)
+    server = ServerProcess([*FLAGS, "--metrics-port", "0"], tmp_path / "server.log", keeper=keeper.socket)
     table, checksum, segment = _write_and_checksum(server, seed=5)
+    assert _restart_safe(server) == 1
     (state / "snapshots" / "default.snapshot").write_bytes(b"an index of memory that is about to die")
 
     keeper.kill()
     log = tmp_path / "server.log"
     assert wait_until(lambda: "keeper lost" in log.read_text(), timeout=10)
+    assert _restart_safe(server) == 0
     # The server serves on from its own mapping (CPU memory stays mapped until it exits)...
     assert _checksum(server, table) == checksum
     with RadixKVClient(server.address) as client:
@@ -142,6 +155,22 @@ def test_a_layout_mismatch_stops_the_server_with_a_clear_error(tmp_path: Path) -
         assert again.announcement["keeper"]["pools"] == {"default": "retained"}
         assert again.stop() == 0
 
+        # To change the layout, the operator releases the kept pool (its cache is lost).
+        listed = _keeper_cli(tmp_path / "state", "--list")
+        assert listed.returncode == 0 and [p["layout"]["num_blocks"] for p in json.loads(listed.stdout)["pools"]] == [
+            64
+        ]
+        assert _keeper_cli(tmp_path / "state", "--release", "default").returncode == 0
+        assert json.loads(_keeper_cli(tmp_path / "state", "--list").stdout)["pools"] == []
+        resized = ServerProcess(bigger, tmp_path / "fourth.log", keeper=keeper.socket)
+        assert resized.announcement["keeper"]["pools"] == {"default": "fresh"}
+        assert resized.stop() == 0
+
+
+def _keeper_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(state), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
 
 def test_serve_without_a_keeper_listening_refuses(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited \(1\) before serving.*no keeper answers"):
@@ -164,7 +193,7 @@ def test_serve_with_a_state_dir_starts_a_detached_keeper_that_outlives_the_serve
     assert second.stop() == 0
 
 
-def test_a_second_keeper_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
+def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_first(tmp_path: Path) -> None:
     with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
         second = subprocess.run(
             [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(tmp_path / "state")],
@@ -173,6 +202,12 @@ def test_a_second_keeper_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
         assert second.returncode == 1
         assert "another keeper is running" in second.stderr
         assert KeeperClient(keeper.socket).info["incarnation"] == keeper.incarnation
+        probe = _keeper_cli(tmp_path / "state", "--check")
+        assert probe.returncode == 0 and json.loads(probe.stdout)["incarnation"] == keeper.incarnation
+        unknown = _keeper_cli(tmp_path / "state", "--release", "nothing")
+        assert unknown.returncode == 1 and json.loads(unknown.stdout)["reason"] == "UNKNOWN_POOL"
+    probe = _keeper_cli(tmp_path / "state", "--check")
+    assert probe.returncode == 1 and "no keeper answers" in probe.stderr
 
 
 @pytest.mark.gpu
@@ -199,4 +234,5 @@ def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path
         assert second.announcement["keeper"]["pools"] == {"default": "retained"}
         assert _checksum(second, table) == checksum
         assert second.stop() == 0
-        assert json.loads((tmp_path / "state" / "keeper.json").read_text())["pools"]["default"]["generation"] == 2
+        kept = json.loads((tmp_path / "state" / "keeper.json").read_text())["pools"]
+        assert [(p["pool"], p["generation"]) for p in kept] == [("default", 2)]

@@ -10,7 +10,10 @@ import pickle
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -23,9 +26,9 @@ from hypothesis import strategies as st
 
 from radixkv.layout import PoolLayout
 from radixkv.server import keeper as keeper_module
-from radixkv.server.keeper import KeeperServer, socket_path
+from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame
+from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
 from radixkv.storage import SHM_DIR, KVStorage
 
@@ -65,8 +68,9 @@ def _hello_works(sock: socket.socket) -> bool:
     return reply is not None and reply["ok"] is True
 
 
-def _attach(layout: dict[str, Any], pool: object = "default", device: object = "cpu") -> bytes:
-    return json.dumps({"op": "create_or_attach", "pool": pool, "layout": layout, "device": device}).encode()
+def _attach(layout: dict[str, Any], pool: object = "default", device: object = "cpu", tier: object = "device") -> bytes:
+    request = {"op": "create_or_attach", "pool": pool, "layout": layout, "device": device, "tier": tier}
+    return json.dumps(request).encode()
 
 
 BAD_FRAMES = {
@@ -92,6 +96,8 @@ BAD_FRAMES = {
     "empty pool name": (_attach(GOOD_LAYOUT, pool=""), "BAD_REQUEST"),
     "pool name not printable": (_attach(GOOD_LAYOUT, pool="a\nb"), "BAD_REQUEST"),
     "pool name too long": (_attach(GOOD_LAYOUT, pool="p" * 129), "BAD_REQUEST"),
+    "unknown tier": (_attach(GOOD_LAYOUT, tier="disk"), "BAD_REQUEST"),
+    "a host tier on a GPU": (_attach(GOOD_LAYOUT, device="cuda:0", tier="host"), "BAD_REQUEST"),
     "release unknown pool": (b'{"op": "release", "pool": "nope"}', "UNKNOWN_POOL"),
 }
 
@@ -242,7 +248,7 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     stale.close()
     bystander = shared_memory.SharedMemory(name="not-radixkv-bystander", create=True, size=4096)
     (state / "snapshots" / "default.snapshot").write_bytes(b"old index")
-    pools = {"default": {"segment": stale.name}, "evil": {"segment": "not-radixkv-bystander"}}
+    pools = [{"pool": "default", "segment": stale.name}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
     (state / STATE_FILE).write_text(json.dumps({"incarnation": "dead", "pid": 1, "pools": pools}))
     try:
         keeper = Keeper(state)
@@ -256,3 +262,79 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     finally:
         bystander.close()
         bystander.unlink()
+
+
+def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None; from radixkv.server.keeper import main; "
+        f"sys.exit(main(['--state-dir', {str(tmp_path / 'state')!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "needs the torch package: pip install 'radixkv[server]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_connections_past_the_limit_are_refused_and_slots_come_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(keeper_module, "MAX_CONNECTIONS", 2)
+    state = tmp_path / "state"
+    state.mkdir()
+    server = KeeperServer(Keeper(state), socket_path(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        first, second = _connect(server), _connect(server)
+        assert _hello_works(first) and _hello_works(second)
+        with _connect(server) as third:
+            reply = recv_frame(third, 5)
+            assert reply is not None and json.loads(reply)["reason"] == "TOO_MANY"
+            assert third.recv(1) == b""
+        first.close()
+
+        def a_slot_is_free() -> bool:
+            with _connect(server) as sock:
+                try:
+                    return _hello_works(sock)
+                except (KeeperError, OSError):  # refused and closed: the slot is not back yet
+                    return False
+
+        deadline = time.monotonic() + 5
+        while not a_slot_is_free():
+            assert time.monotonic() < deadline, "the closed connection's slot never came back"
+            time.sleep(0.05)
+        assert _hello_works(second)
+        second.close()
+    finally:
+        server.stop()
+        thread.join(5)
+        server.close()
+        server.keeper.close()
+
+
+def test_a_state_dir_too_long_for_a_unix_socket_is_refused_clearly(tmp_path: Path) -> None:
+    state = tmp_path / ("d" * 120)
+    state.mkdir()
+    keeper = Keeper(state)
+    with pytest.raises(ValueError, match="longer than 107 bytes"):
+        KeeperServer(keeper, socket_path(state))
+    keeper.close()
+
+
+def test_a_host_tier_is_kept_apart_from_its_pool_and_released_with_it(keeper: KeeperServer) -> None:
+    client = KeeperClient(keeper.path)
+    host_layout = PoolLayout(2, 2, 8, 4, 48, "float32")
+    device = client.create_or_attach("default", LAYOUT, "cpu")
+    host = client.create_or_attach("default", host_layout, "cpu", tier="host")
+    assert host.fresh and host.handle.name != device.handle.name and host.handle.num_blocks == 48
+    assert sorted((p["pool"], p["tier"]) for p in client.list_pools()) == [("default", "device"), ("default", "host")]
+    client.close()
+    other = KeeperClient(keeper.path)
+    again = other.create_or_attach("default", host_layout, "cpu", busy_timeout=5, tier="host")
+    assert not again.fresh and again.handle.name == host.handle.name
+    other.release("default")  # both tiers: they are indexed by one tree
+    assert other.list_pools() == []
+    for segment in (device.handle.name, host.handle.name):
+        assert not os.path.exists(os.path.join(SHM_DIR, segment))
+    other.close()

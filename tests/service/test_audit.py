@@ -162,3 +162,26 @@ def test_a_busy_pool_skips_its_slice_instead_of_waiting() -> None:
         assert not pool.lock.locked()
     finally:
         pool.close()
+
+
+def test_the_audit_under_a_load_of_opens_appends_and_releases_reports_no_divergence(
+    start_server: Callable[..., ServerProcess], wait_until: Callable[..., bool]
+) -> None:
+    """Slices of 50 us copy a node or a few per lock hold, so every run's copy races the load's writes."""
+    server = start_server("--audit-interval", "0.001", "--audit-slice-ms", "0.05", "--metrics-port", "0")
+    with RadixKVClient(server.address, pool="default") as client:
+        runs_before = _value(_metrics(server), "radixkv_audit_runs_total", "default")
+        for i in range(150):
+            stem = [i % 5 + 1] * 16 * (1 + i % 3)  # shared stems: splits, locks and unlocks on shared nodes
+            opened = client.open([*stem, i, i + 1, i + 2], "ab"[i % 2])
+            client.append(opened.seq_id, [7] * (1 + i % 20))
+            client.commit([opened.seq_id], [len(stem) + 3])
+            if i % 4:
+                client.release(opened.seq_id, cache=i % 3 != 0)
+        assert wait_until(lambda: _value(_metrics(server), "radixkv_audit_runs_total", "default") > runs_before + 3)
+        text = _metrics(server)
+    assert _value(text, "radixkv_audit_failures_total", "default") == 0
+    assert _value(text, "radixkv_audit_slice_seconds_count", "default") > _value(
+        text, "radixkv_audit_runs_total", "default"
+    )  # runs took several holds each
+    assert _divergences(server) == []

@@ -154,3 +154,35 @@ def test_host_memory_bytes_sizes_by_the_layout() -> None:
         assert not pool.host_storage.is_pinned, "no CUDA pool: nothing to pin for"
     finally:
         pool.close()
+
+
+def test_preempt_by_swap_and_resume_bring_the_kv_back(server) -> None:  # type: ignore[no-untyped-def]
+    tokens = list(range(20, 34))  # 3 full blocks and 2 tokens
+    with RadixKVClient(server.address, pool="tiered") as client, PoolView.from_client(client) as view:
+        seq = client.open(tokens)
+        written = write_kv(view, seq.block_table, len(tokens), seed=3)
+        client.commit([seq.seq_id], [len(tokens)])
+        preempted = client.preempt([seq.seq_id], "swap")
+        assert preempted.offloads.shape == (4, 2) and preempted.num_freed_blocks == 4
+        swap_blocks(view.data, view.host_data, preempted.offloads)
+        assert client.stats().num_swapped_sequences == 1
+        hog = client.open([7] * 32)  # every device block: the old ones are overwritten
+        write_kv(view, hog.block_table, 32, seed=4)
+        client.release(hog.seq_id, cache=False)
+        resumed = client.resume(seq.seq_id)
+        assert (resumed.seq_id, resumed.num_cached_tokens, len(resumed.slots)) == (seq.seq_id, len(tokens), 0)
+        apply(view, resumed.offloads, resumed.loads)
+        assert torch.equal(read_kv(view, resumed.block_table, len(tokens)), written), "the swapped K/V, bit for bit"
+        stats = client.stats()
+        assert (stats.num_swapped_sequences, stats.num_host_blocks_swapped) == (0, 0)
+    check_invariants(server.address)
+
+
+def test_swap_needs_a_host_tier(server) -> None:  # type: ignore[no-untyped-def]
+    from radixkv.errors import FailedPrecondition
+
+    with RadixKVClient(server.address, pool="plain") as client:
+        seq = client.open([1, 2, 3])
+        with pytest.raises(FailedPrecondition):
+            client.preempt([seq.seq_id], "swap")
+    check_invariants(server.address, "plain")
