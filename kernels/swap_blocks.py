@@ -2,6 +2,7 @@
 
 The core's offload `(device_block, host_block)` and load `(host_block, device_block)` instructions are applied
 with it: `swap_blocks(device_pool, host_pool, offloads)` then `swap_blocks(host_pool, device_pool, loads)`.
+On CPU (the torch path) each block is one strided `copy_` of its layers' K and V.
 On CUDA the host pool is pinned memory, which a kernel reads and writes directly (unified virtual addressing):
 one Triton launch on a side stream gathers every block, however scattered, with no staging copy and no per-block
 `cudaMemcpy` call; the caller waits on the returned event before its step reads the blocks. It copies bits
@@ -116,7 +117,10 @@ def swap_blocks_reference(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Ten
 
 def _run(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, backend: str) -> None:
     if backend == "torch":
-        swap_blocks_reference(src, dst, pairs)
+        # One strided copy_ per block (its layers' K and V: memcpy-sized runs): on CPU about 10x the bandwidth
+        # of index_select + index_copy_ along the block axis (benchmarks/bench_swap_blocks.py).
+        for s, d in pairs.tolist():
+            dst[:, :, d].copy_(src[:, :, s])
         return
     bits = _BITS[src.element_size()]
     src, dst = src.view(bits), dst.view(bits)
