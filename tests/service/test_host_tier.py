@@ -186,3 +186,25 @@ def test_swap_needs_a_host_tier(server) -> None:  # type: ignore[no-untyped-def]
         with pytest.raises(FailedPrecondition):
             client.preempt([seq.seq_id], "swap")
     check_invariants(server.address, "plain")
+
+
+def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    server = start_server("--pool", TIERED, "--audit-interval", "0.02", "--metrics-port", "0", pool_flags=False)
+
+    def value(name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+            match = re.search(rf'^{name}{{pool="tiered"}} (\S+)$', r.read().decode(), re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    with RadixKVClient(server.address, pool="tiered") as client:
+        for round_ in range(3):  # prefixes go to the host tier, come back, go again while the audit copies
+            for t in range(4):
+                opened = client.open([t] * 9 + [round_])
+                client.commit([opened.seq_id], [10])
+                client.release(opened.seq_id)
+            runs = value("radixkv_audit_runs_total")
+            assert wait_until(lambda runs=runs: value("radixkv_audit_runs_total") >= runs + 2)
+        assert client.stats().num_offloaded_blocks > 0 and client.stats().num_host_hit_tokens > 0
+    assert value("radixkv_audit_failures_total") == 0
