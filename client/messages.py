@@ -333,7 +333,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         a, r = step.append, response.appended
         appended = AppendBatch(
             list(a.seq_ids),
-            [int(n) for n in a.num_token_ids],
+            list(map(int, a.num_token_ids)),
             list(r.num_tokens),
             list(r.table_offsets),
             list(r.num_block_ids),

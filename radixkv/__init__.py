@@ -7,12 +7,15 @@ grpc. Storage, kernels and the server are imported from their own modules.
 from radixkv.errors import (
     InvalidArgument,
     LimitExceeded,
+    NotAdmitted,
     OutOfBlocks,
     RadixKVError,
+    SequencePreempted,
     UnknownSequence,
 )
 from radixkv.kv_cache import KVCache, Limits
 from radixkv.layout import PoolLayout
+from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
 
@@ -23,10 +26,14 @@ __all__ = [
     "KVCache",
     "Limits",
     "LimitExceeded",
+    "NotAdmitted",
     "OpenResult",
     "OutOfBlocks",
     "PoolLayout",
+    "PreemptResult",
     "RadixKVError",
+    "ResumeResult",
+    "SequencePreempted",
     "Stats",
     "UnknownSequence",
 ]

@@ -120,7 +120,8 @@ def open_planned(
         tail = key.tail_after(num_matched_blocks * bs)
         new_id = sequences.next_id() if seq_id is None else seq_id
         seq, opened = start_sequence(new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until)
-        blocks.num_reserved += max(0, until - len(seq.block_table))
+        if until:
+            blocks.num_reserved += max(0, until - len(seq.block_table))
         sequences.add(seq)
         if host is not None:
             opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()

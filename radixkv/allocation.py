@@ -42,8 +42,9 @@ class Allocator:
     def allocate(self, n: int, drawn: int = 0) -> list[int]:
         """`n` blocks, evicting the shortfall first; all or none. `drawn` of them come out of the
         caller's reservations (which shrink by as much); the rest must fit in what is unreserved."""
-        self.refuse_unless(n - drawn, self.num_unreserved())
-        self.refuse_unless(n, self.num_available())
+        available = self.pool.num_free + self.tree.num_evictable_blocks
+        self.refuse_unless(n - drawn, max(0, available - self.num_reserved))
+        self.refuse_unless(n, available)
         self.num_reserved -= drawn
         shortfall = n - self.pool.num_free
         if shortfall > 0:

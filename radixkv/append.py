@@ -150,7 +150,8 @@ def append(
     """
     live = sequences.batch(seq_ids)
     plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
-    new_blocks = blocks.allocate(sum(n for n, _ in plans), num_drawn(live, counts, blocks.tree.block_size))
+    drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: nothing to draw on
+    new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)
     batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
     blocks.stats.num_cow_copies += len(batch.copies)
     if blocks.tree.host is not None:

@@ -92,10 +92,12 @@ def budget_args(
         if len(column) != num_requests:
             raise InvalidArgument(name, f"needs one entry per request ({num_requests}), got {len(column)}")
         for i, value in enumerate(column):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            if type(value) is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
                 raise InvalidArgument(f"{name}[{i}]", f"must be an integer, got {type(value).__name__}")
         columns.append([int(v) for v in column])
     budgets, ranks = columns
+    if max_new_tokens is None:
+        return budgets, ranks
     for i, (n, budget) in enumerate(zip(num_tokens, budgets, strict=True)):
         if budget < 0:
             raise InvalidArgument(f"max_new_tokens[{i}]", f"must be >= 0, got {budget}")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from radixkv.admission import PlannedOpen, plan_open
 from radixkv.allocation import Allocator
 from radixkv.append import append_args, append_counts, plan_batch
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import BlockPool, cdiv
 from radixkv.budget import Budget, budget_args, num_drawn
 from radixkv.errors import LimitExceeded
 from radixkv.fork import check_fork
@@ -64,15 +64,18 @@ class CacheQueries:
         for i, (token_ids, namespace) in enumerate(requests):
             prefix = f"requests[{i}]." if len(requests) > 1 else ""
             keys.append((self._key(token_ids, prefix + "token_ids"), self._root(namespace, prefix + "namespace")))
-        num_tokens = [key.num_tokens for key, _ in keys]
-        budgets, ranks = budget_args(
-            len(keys), max_new_tokens, priorities, num_tokens, self.limits.max_tokens_per_request
-        )
-        until = [self.budget.reserve_until(n, m, self.block_size) for n, m in zip(num_tokens, budgets, strict=True)]
-        reserved = sum(max(0, u - -(-n // self.block_size)) for n, u in zip(num_tokens, until, strict=True))
+        reserved, ranks, budgeted = 0, [(0, 0)] * len(keys), False  # (priority, reserve_until): plain opens' fast path
+        if max_new_tokens is not None or priorities is not None:
+            num_tokens = [key.num_tokens for key, _ in keys]
+            budgets, priority = budget_args(
+                len(keys), max_new_tokens, priorities, num_tokens, self.limits.max_tokens_per_request
+            )
+            until = [self.budget.reserve_until(n, m, self.block_size) for n, m in zip(num_tokens, budgets, strict=True)]
+            reserved = sum(max(0, u - cdiv(n, self.block_size)) for n, u in zip(num_tokens, until, strict=True))
+            ranks, budgeted = list(zip(priority, until, strict=True)), any(budgets)
         planned, needed, newly_locked = plan_open(self.tree, keys)
-        self.budget.admit(self._blocks, needed, newly_locked, reserved, any(budgets))
-        return planned, list(zip(ranks, until, strict=True)), needed + newly_locked + reserved
+        self.budget.admit(self._blocks, needed, newly_locked, reserved, budgeted)
+        return planned, ranks, needed + newly_locked + reserved
 
     def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
         """Would appending `num_tokens[i]` tokens to each `seq_ids[i]` (one `append_batch`) succeed?

@@ -226,6 +226,20 @@ class ServerRestarted(UnknownSession):
         )
 
 
+class ServerRestarting(RadixKVError):
+    """The server is stopping to restart (SIGTERM, an upgrade) and has written its snapshot: nothing changed.
+
+    UNAVAILABLE: retry after a moment; the next server adopts the snapshot, so the session, its
+    sequences and their ids are still there.
+    """
+
+    reason = "SERVER_RESTARTING"
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self) -> None:
+        super().__init__("the server is restarting and took no more changes; retry, the next server continues")
+
+
 class SnapshotRefused(RadixKVError):
     """A snapshot that must not be adopted: nothing of it is used, and the pool starts cold.
 
@@ -262,5 +276,6 @@ ERRORS_BY_REASON: dict[str, type[RadixKVError]] = {
         ServerRestarted,
         DeadlineExceeded,
         SnapshotRefused,
+        ServerRestarting,
     )
 }

@@ -99,7 +99,8 @@ class KVCache(CacheQueries):
         (`radixkv.budget`): its growth is reserved, or NotAdmitted. Raises InvalidArgument,
         LimitExceeded, OutOfBlocks, NotAdmitted, and then nothing changes.
         """
-        return self.open_many([(token_ids, namespace)], max_new_tokens=[max_new_tokens], priorities=[priority])[0]
+        budgets, ranks = [max_new_tokens] if max_new_tokens else None, [priority] if priority else None  # None: all 0
+        return self.open_many([(token_ids, namespace)], max_new_tokens=budgets, priorities=ranks)[0]
 
     def open_many(
         self, requests: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,

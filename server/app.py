@@ -46,16 +46,20 @@ from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.pools import Pool, build_pool
+from radixkv.server.restart import restore_sessions, snapshot_all
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
 from radixkv.server.stream_gate import StreamGate
+from radixkv.server.tenants import ANONYMOUS, Tenant
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 if TYPE_CHECKING:
     from radixkv.server.keeper_client import KeeperClient
 
 log = logging.getLogger("radixkv.server")
+
+FROZEN_GRACE_SECONDS = 1.0  # after a restart's snapshot: long enough to send the answers already made
 
 KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"].full_name
 DEBUG_SERVICE = debug_pb2.DESCRIPTOR.services_by_name["Debug"].full_name
@@ -101,7 +105,14 @@ class RadixKVServer:
         self._health.enter_graceful_shutdown()
         for pool in self.service.pools.values():
             pool.events.close_all()
-        self._server.stop(self._config.grace_seconds if grace is None else grace).wait()
+        try:  # before draining: a call from now on is refused SERVER_RESTARTING, and retried on the next server
+            snapshot_all(self.service.pools, self.service.sessions)
+        except OSError:
+            log.exception("writing the restart snapshots failed: the next server starts cold")
+        grace = self._config.grace_seconds if grace is None else grace
+        if self.service.pools and all(pool.frozen for pool in self.service.pools.values()):
+            grace = min(grace, FROZEN_GRACE_SECONDS)  # every call from now on is refused: only answers in flight
+        self._server.stop(grace).wait()
         if self.auditor is not None:
             self.auditor.stop()
         self.service.close()
@@ -131,6 +142,7 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         for pool_config in config.pools:
             pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size, keeper)
         service = KVService(config, pools)
+        _restore_sessions(service, config)
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
         assert config.max_public_streams is not None
@@ -212,14 +224,24 @@ def _connect_keeper(config: ServerConfig) -> KeeperClient | None:
         raise RuntimeError(f"--keeper {config.keeper_socket}: no keeper answers there ({e})") from None
 
 
+def _restore_sessions(service: KVService, config: ServerConfig) -> None:
+    """The sessions of the snapshots the pools adopted, back with a full lease each (see `server/restart.py`)."""
+    tenants = {t.name: Tenant.from_config(t) for t in config.tenants} if config.tenants else {ANONYMOUS.name: ANONYMOUS}
+    for pool in service.pools.values():
+        if pool.adopted_extras is not None:
+            restore_sessions(pool, pool.adopted_extras, service.sessions, tenants)
+            pool.adopted_extras = None
+
+
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT, then stop gracefully (health NOT_SERVING, drain, free pools); returns the exit
     status: 0, or 1 when the keeper died with this server's CUDA memory."""
-    stop = threading.Event()
+    stop = threading.Event()  # SIGTERM, SIGINT, or (via the service) the Upgrade call
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     address = f"{config.host}:{config.port}"
     server, port = create_server(config, address)
+    server.service.stop_requested = stop
     server.start()
     pools = {name: str(pool.layout) for name, pool in server.service.pools.items()}
     log.info(

@@ -146,6 +146,19 @@ class EventHub:
         self.tombstones = Tombstones(max_tombstones)
         self._tree.observer = self
 
+    def adopt(self, cache: KVCache) -> None:
+        """Observe `cache` (restored from a snapshot) instead of the empty one: hash its blocks, unannounced.
+
+        Recomputing the hashes (rather than reading them from the snapshot) proves the index still
+        names its blocks as the contract says; the digests come out as the previous server's.
+        """
+        assert not self.num_blocks and not self.num_events, "adopt before anything is cached or watched"
+        self._tree.observer = None
+        self._tree = cache.tree
+        self._tree.observer = self
+        for _, node in self._tree.nodes():  # parents before children, as they were stored
+            self._add_to_digest(node.namespace, tuple(wire_hash(h) for h in self.hashes.store(node)), 1)
+
     def _next_number(self, namespace: str) -> int:
         number = self._numbers.get(namespace, 0) + 1
         self._numbers[namespace] = number

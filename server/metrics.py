@@ -105,12 +105,22 @@ class _PoolCollector:
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
         )
+        refused = CounterMetricFamily(
+            "radixkv_snapshot_refusals", "Restart snapshots refused at start (the pool started cold), by why.",
+            labels=["pool", "why"],
+        )  # fmt: skip
+        adopted = GaugeMetricFamily(
+            "radixkv_adopted_blocks", "Cached blocks adopted from the previous server's snapshot.", labels=["pool"]
+        )
         restart_safe = GaugeMetricFamily(
             "radixkv_pool_restart_safe",
             "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
             labels=["pool"],
         )
         for pool in self._service.pools.values():
+            for why, num in sorted(pool.snapshot_refusals.items()):
+                refused.add_metric([pool.name, why], num)
+            adopted.add_metric([pool.name], pool.num_adopted_blocks)
             with pool.lock:
                 stats = pool.cache.stats()
                 num_miss_tokens = dict(pool.num_miss_tokens)
@@ -141,6 +151,8 @@ class _PoolCollector:
         yield preemptions
         yield refusals
         yield tombstones
+        yield refused
+        yield adopted
         yield restart_safe
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
 

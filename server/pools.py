@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixkv.kv_cache import KVCache, Limits
 from radixkv.layout import PoolLayout
@@ -62,6 +62,11 @@ class Pool:
         self.kv_publisher: ZmqEventPublisher | None = None
         self.num_miss_tokens: dict[str, int] = {}  # reason -> tokens, counted by Match with explain
         self.num_token_budget_refusals = 0  # opens refused by a tenant's token bucket (NOT_ADMITTED: the core counts)
+        # Set under the lock once a restart's snapshot is taken: from then on no call changes the pool.
+        self.frozen = False
+        self.snapshot_refusals: dict[str, int] = {}  # why -> snapshots refused at start (server/restart.py)
+        self.num_adopted_blocks = 0  # cached blocks adopted from the previous server's snapshot
+        self.adopted_extras: dict[str, Any] | None = None  # the adopted snapshot's sessions, until restored
 
     def publish_kv_events(self, config: PoolConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
@@ -69,16 +74,21 @@ class Pool:
         from radixkv.server.kv_events import ZmqEventPublisher
 
         assert config.kv_events_endpoint is not None
-        publisher = ZmqEventPublisher(
-            config.kv_events_endpoint,
-            config.kv_events_topic,
-            self.layout.block_size,
-            config.kv_events_replay_endpoint,
-            config.kv_events_buffer_steps,
-        )
-        publisher.start()
-        with self.lock:
-            self.events.sinks.append(publisher)
+        with self.lock:  # the digest it starts from and the first event it is told of: one hold
+            hub = self.events
+            publisher = ZmqEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic,
+                self.layout.block_size,
+                config.kv_events_replay_endpoint,
+                config.kv_events_buffer_steps,
+                adopted=hub.snapshot(lambda namespace: True) if self.num_adopted_blocks else None,
+                epoch=hub.epoch,
+                digest=hub.digest(lambda _namespace: True),
+                num_events=hub.num_events,
+            )
+            publisher.start()
+            hub.sinks.append(publisher)
             self.kv_publisher = publisher
 
     def restart_safe(self) -> bool:
@@ -130,6 +140,11 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
         config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
         reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
     )  # fmt: skip
+    if attachment is not None:
+        from radixkv.server.restart import adopt_snapshot
+
+        adopted = adopt_snapshot(pool, attachment, config.limits)
+        pool.adopted_extras = adopted.extras if adopted is not None else None
     if config.kv_events_endpoint is not None:
         try:
             pool.publish_kv_events(config)

@@ -29,11 +29,20 @@ cached block with unwritten K/V would serve garbage to the next prompt that hits
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from radixkv.errors import LimitExceeded, PermissionDenied, TokenBudget, UnknownPool, UnknownSession
+from radixkv.errors import (
+    FailedPrecondition,
+    LimitExceeded,
+    PermissionDenied,
+    ServerRestarting,
+    TokenBudget,
+    UnknownPool,
+    UnknownSession,
+)
 from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
@@ -42,6 +51,7 @@ from radixkv.server.events import BlockEvent
 from radixkv.server.ledger import Pin
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_miss, explain_open
 from radixkv.server.pools import Pool
+from radixkv.server.restart import Written, snapshot_all
 from radixkv.server.sessions import Session, SessionRegistry
 from radixkv.server.shares import Shares
 from radixkv.server.sizes import append_response_bytes, check_request_size, open_response_bytes
@@ -72,9 +82,25 @@ class KVService:
         self._max_pins = config.max_pins_per_session
         self._max_pool_sequences = config.max_sequences
         self.token_buckets = TokenBuckets()
+        self.stop_requested = threading.Event()  # SIGTERM or Upgrade: the process stops gracefully
 
     def start(self) -> None:
         self.sessions.start()
+
+    def upgrade(self, caller: Tenant) -> list[Written]:
+        """Freeze every kept pool, write its snapshot, and ask the process to stop (the `Upgrade` RPC).
+
+        Raises:
+            PermissionDenied: the caller is not an admin tenant.
+            FailedPrecondition: no pool's memory is held by a keeper: a restart would lose it all.
+        """
+        if not caller.admin:
+            raise PermissionDenied(f"tenant {caller.name!r} may not call Upgrade (admin)", tenant=caller.name)
+        if not any(pool.keeper is not None for pool in self.pools.values()):
+            raise FailedPrecondition("no keeper holds this server's pools: a restart would lose the cache")
+        written = snapshot_all(self.pools, self.sessions)
+        self.stop_requested.set()
+        return written
 
     def close(self) -> None:
         """Shutdown: end every session (releasing its sequences), end event streams, free the pools."""
@@ -96,6 +122,8 @@ class KVService:
         with pool.lock:
             if session.closed:
                 raise UnknownSession(session.session_id)
+            if pool.frozen:
+                raise ServerRestarting()
             check_deadline()
             yield pool, session
 
@@ -115,6 +143,8 @@ class KVService:
         num_released = 0
         for pool in self.pools.values():  # all pools: one may gain its first sequence of this session meanwhile
             with pool.lock:
+                if pool.frozen:  # its snapshot holds the session: the next server's lease ends it
+                    continue
                 seq_ids, pins = pool.ledger.take_session(session)
                 if seq_ids:
                     pool.cache.release_many(seq_ids, cache=False)
@@ -219,10 +249,7 @@ class KVService:
                     )
                     ledger.check_quota(caller, growth)
                 batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-                for seq_id, offset, num_blocks in zip(
-                    batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True
-                ):
-                    ledger.resize(seq_id, offset + num_blocks)
+                ledger.follow_append(batch.seq_ids, batch.table_offsets, batch.num_block_ids)
                 return batch
 
             return session.requests.once(

@@ -309,6 +309,23 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         responses = self._session_streams.serve(self._service, current_caller(), request_iterator, self._observe)
         return translating_stream(context, "Session", responses)
 
+    @translating_errors
+    def Upgrade(self, request: pb.UpgradeRequest, context: grpc.ServicerContext) -> pb.UpgradeResponse:
+        written = self._service.upgrade(current_caller())
+        return pb.UpgradeResponse(
+            snapshots=[
+                pb.PoolSnapshot(
+                    pool=w.pool,
+                    path=str(w.path),
+                    num_bytes=w.num_bytes,
+                    num_cached_blocks=w.num_cached_blocks,
+                    num_live_sequences=w.num_live_sequences,
+                    seconds=w.seconds,
+                )
+                for w in written
+            ]  # fmt: skip
+        )
+
 
 def _miss_reason(why: MissExplanation) -> pb.MissReason:
     """The wire enum of a miss reason; protobuf enum values are ints at run time, the stubs name the enum."""

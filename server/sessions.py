@@ -77,11 +77,15 @@ class SessionRegistry:
     def start(self) -> None:
         self._reaper.start()
 
+    def pause(self) -> None:
+        """Stop reaping, ending nothing: a restart's snapshot keeps the live sessions for the next server."""
+        self._stopped.set()
+        if self._reaper.is_alive() and self._reaper is not threading.current_thread():
+            self._reaper.join()
+
     def stop(self) -> None:
         """Stop reaping and end every session (server shutdown)."""
-        self._stopped.set()
-        if self._reaper.is_alive():
-            self._reaper.join()
+        self.pause()
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
@@ -104,6 +108,20 @@ class SessionRegistry:
             self._sessions[session.session_id] = session
             self._per_tenant[tenant.name] = held + 1
         log.info("session opened", extra={"session_id": session.session_id, "tenant": tenant.name, "ttl_seconds": ttl})
+        return session
+
+    def restore(self, session_id: str, tenant: Tenant, ttl: float) -> Session:
+        """A session of the previous server, adopted with its snapshot: a full lease from now to reconnect in.
+
+        Idempotent (several pools' snapshots name the same session). Counts against no limit: it was
+        admitted once, and refusing it now would strand its sequences until nothing releases them.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                session = Session(session_id, tenant, ttl, time.monotonic() + ttl)
+                self._sessions[session_id] = session
+                self._per_tenant[tenant.name] = self._per_tenant.get(tenant.name, 0) + 1
         return session
 
     def get(self, session_id: str, tenant: Tenant) -> Session:

@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.errors import InvalidArgument, QuotaExceeded, RadixKVError, UnknownSequence, UnknownSession
+from radixkv.errors import (
+    InvalidArgument,
+    QuotaExceeded,
+    RadixKVError,
+    ServerRestarting,
+    UnknownSequence,
+    UnknownSession,
+)
 from radixkv.host_tier import concat_pairs
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
@@ -75,6 +82,8 @@ def run_step(
     with pool.lock:
         if session.closed:
             raise UnknownSession(session.session_id)
+        if pool.frozen:
+            raise ServerRestarting()
         check_deadline()
 
         def check_and_apply() -> StepResult:
@@ -169,7 +178,7 @@ class _StepPlan:
                 released.update(seq_ids)
 
     def _own_all(self, seq_ids: Sequence[int], field: str) -> None:
-        self.pool.ledger.check_owners(self.session, list(seq_ids), field)
+        self.pool.ledger.check_owners(self.session, seq_ids, field)
 
     def _add_sequences(self, num_new: int) -> None:
         self.service.check_num_sequences(self.pool, self.session, self.num_new_sequences + num_new)
@@ -204,8 +213,7 @@ def _apply(
         with applying.item("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
-                ledger.resize(seq_id, offset + n)
+            ledger.follow_append(appended.seq_ids, appended.table_offsets, appended.num_block_ids)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):

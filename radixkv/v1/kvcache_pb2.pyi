@@ -659,7 +659,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceDigest, _Mapping]]] = ..., digest: _Optional[int] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit")
+    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit", "steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -669,6 +669,7 @@ class SessionRequest(_message.Message):
     CACHE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     request_id: int
@@ -678,7 +679,8 @@ class SessionRequest(_message.Message):
     cache_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     releases: _containers.RepeatedCompositeFieldContainer[StepRelease]
     commit: StepCommit
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ..., commit: _Optional[_Union[StepCommit, _Mapping]] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[SessionRequest]
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ..., commit: _Optional[_Union[StepCommit, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[SessionRequest, _Mapping]]] = ...) -> None: ...
 
 class StepCommit(_message.Message):
     __slots__ = ("seq_ids", "num_tokens")
@@ -746,7 +748,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id", "offloads", "loads")
+    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id", "steps", "offloads", "loads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -755,6 +757,7 @@ class SessionResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
@@ -765,9 +768,10 @@ class SessionResponse(_message.Message):
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_released_sequences: int
     session_id: str
+    steps: _containers.RepeatedCompositeFieldContainer[SessionResponse]
     offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
     loads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
-    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class StepOpened(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "num_host_hit_tokens")
@@ -874,3 +878,29 @@ class VictimsResponse(_message.Message):
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpgradeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolSnapshot(_message.Message):
+    __slots__ = ("pool", "path", "num_bytes", "num_cached_blocks", "num_live_sequences", "seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    path: str
+    num_bytes: int
+    num_cached_blocks: int
+    num_live_sequences: int
+    seconds: float
+    def __init__(self, pool: _Optional[str] = ..., path: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class UpgradeResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[PoolSnapshot]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[PoolSnapshot, _Mapping]]] = ...) -> None: ...

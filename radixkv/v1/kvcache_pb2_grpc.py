@@ -150,6 +150,11 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.FromString,
                 _registered_method=True)
+        self.Upgrade = channel.unary_unary(
+                '/radixkv.v1.KVCache/Upgrade',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -331,6 +336,16 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upgrade(self, request, context):
+        """Upgrade (admin only) stops the server for a restart that keeps the cache: each pool whose memory
+        a keeper holds stops taking changes (calls then fail UNAVAILABLE, reason SERVER_RESTARTING: retry,
+        the next server continues the same sessions and sequences), its snapshot is written beside that
+        memory, and the server exits once this call has answered. FAILED_PRECONDITION without a keeper.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -448,6 +463,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Victims,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.SerializeToString,
+            ),
+            'Upgrade': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upgrade,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1072,6 +1092,33 @@ class KVCache:
             '/radixkv.v1.KVCache/Victims',
             radixkv_dot_v1_dot_kvcache__pb2.VictimsRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.VictimsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upgrade(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Upgrade',
+            radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.FromString,
             options,
             channel_credentials,
             insecure,
