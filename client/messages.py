@@ -67,7 +67,7 @@ class BlockTables:
     def opened(self, results: Iterable[OpenResult]) -> None:
         with self._lock:
             for result in results:
-                self._tables[result.seq_id] = list(result.block_table)
+                self._tables[result.seq_id] = result.block_table.tolist()
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
@@ -141,6 +141,13 @@ def open_request(
     )
 
 
+def _int32(block_ids: Iterable[int]) -> np.ndarray:
+    """A block table from the wire as the core returns it: a read-only int32 array."""
+    table = np.fromiter(block_ids, dtype=np.int32)
+    table.flags.writeable = False
+    return table
+
+
 def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
     """A per-prompt column (None: all 0); InvalidArgument naming it when its length is wrong."""
     if values is None:
@@ -156,7 +163,7 @@ def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
         OpenResult(
             s.seq_id,
             s.num_cached_tokens,
-            list(s.block_ids),
+            _int32(s.block_ids),
             np.array(s.slots, dtype=np.int64),
             num_host_hit_tokens=s.num_host_hit_tokens,
         )
@@ -251,7 +258,7 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     return ResumeResult(
-        r.seq_id, r.num_cached_tokens, list(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
+        r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
         transfer_pairs(r.loads),
     )  # fmt: skip
 
@@ -322,7 +329,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         OpenResult(
             o.seq_id,
             o.num_cached_tokens,
-            list(o.block_ids),
+            _int32(o.block_ids),
             np.frombuffer(o.slots, dtype=_INT64),
             num_host_hit_tokens=o.num_host_hit_tokens,
         )

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import NO_BLOCKS, BlockPool
 from radixkv.invariants import check_host_tier
 from radixkv.radix_node import Match, Node, lru_key
 from radixkv.stats import Stats
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from radixkv.radix_tree import RadixTree
 
 Pairs = npt.NDArray[np.int64]  # [n, 2] (src_block, dst_block)
-BlockIds = npt.NDArray[np.int32] | list[int]
+BlockIds = npt.NDArray[np.int32]
 HostPath = tuple[list["Node"], int, int]  # host-only nodes top-down, blocks matched in the last one, in all
 NO_PAIRS: Pairs = np.empty((0, 2), dtype=np.int64)
 NO_PAIRS.flags.writeable = False
@@ -114,7 +114,7 @@ class HostTier:
             self._drop_subtree(leaf)
             tree.unlink(leaf, to_host=False)
             return dropped
-        leaf.block_ids = []
+        leaf.block_ids = NO_BLOCKS
         tree.unlink(leaf, to_host=True)
         if self._listable(leaf):
             self._leaves.add(leaf)
@@ -171,7 +171,7 @@ class HostTier:
             node = self._copies.pop(next(iter(self._copies)))
             freed += len(node.host_block_ids)
             self.pool.free_exclusive(node.host_block_ids)
-            node.host_block_ids = []
+            node.host_block_ids = NO_BLOCKS
         while freed < num_blocks and self._leaves:
             leaf = self._leaves.pop(0)
             freed += self._free_node(leaf)
@@ -194,7 +194,7 @@ class HostTier:
             self._deferred.append(node.host_block_ids)
         else:
             self.pool.free_exclusive(node.host_block_ids)
-        node.host_block_ids = []
+        node.host_block_ids = NO_BLOCKS
         return n
 
     def _drop_subtree(self, node: Node) -> None:
@@ -307,7 +307,7 @@ class HostTier:
         """Split host-only `node` after its first `k` blocks; returns the new upper node (`node` keeps the tail)."""
         parent, bb = node.parent, self.block_bytes
         assert parent is not None and 0 < k < len(node.host_block_ids), "a host split cuts inside a host node"
-        upper = Node(node.token_bytes[: k * bb], [], parent, node.namespace, last_access=node.last_access)
+        upper = Node(node.token_bytes[: k * bb], NO_BLOCKS, parent, node.namespace, last_access=node.last_access)
         upper.host_block_ids = node.host_block_ids[:k]
         parent.host_children[node.token_bytes[:bb]] = upper
         node.token_bytes, node.host_block_ids, node.parent = node.token_bytes[k * bb :], node.host_block_ids[k:], upper

@@ -20,14 +20,15 @@ from collections.abc import Callable, Iterable
 
 from radixkv.admission import num_newly_locked
 from radixkv.allocation import Allocator
-from radixkv.block_pool import cdiv
+from radixkv.block_pool import NO_BLOCKS, cdiv
+from radixkv.block_table import BlockTable
 from radixkv.errors import OutOfBlocks
 from radixkv.host_tier import NO_PAIRS, BlockIds, HostTier, Pairs, concat_pairs
 from radixkv.preemption import ResumeResult
 from radixkv.publish import release
 from radixkv.radix_node import Node
 from radixkv.results import SlotPlan
-from radixkv.sequence import LiveSequence, PreemptedSequence, path_blocks
+from radixkv.sequence import LiveSequence, PreemptedSequence, path_runs
 from radixkv.token_ids import TokenKey
 
 
@@ -98,15 +99,15 @@ class HostSwap:
             host.release_swapped(swapped.host_block_ids)
             own_loads, num_computed = NO_PAIRS, num_matched * bs
         host.num_swapped_sequences -= 1
-        table = path_blocks(node, num_matched)
-        table += list(own)
+        table = BlockTable.of([*path_runs(node, num_matched), own])
         seq = LiveSequence(
             record.seq_id, record.namespace, bytearray(key.tail_after(num_matched * bs)), table, node, num_matched,
-            [], key.num_tokens, num_computed, record.priority, record.reserve_until,
+            NO_BLOCKS, key.num_tokens, num_computed, record.priority, record.reserve_until,
         )  # fmt: skip
-        slots = SlotPlan(bs, table[num_computed // bs :], [num_computed % bs], [key.num_tokens - num_computed])
+        table_ids = table.array()
+        slots = SlotPlan(bs, table_ids[num_computed // bs :], [num_computed % bs], [key.num_tokens - num_computed])
         resumed = ResumeResult(
-            record.seq_id, num_computed, list(table), slots, num_on_host * bs, host.take_offloads(),
+            record.seq_id, num_computed, table_ids, slots, num_on_host * bs, host.take_offloads(),
             concat_pairs([path_loads, own_loads]),
         )  # fmt: skip
         return seq, resumed

@@ -82,7 +82,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 pb.OpenedSequence(
                     seq_id=r.seq_id,
                     num_cached_tokens=r.num_cached_tokens,
-                    block_ids=r.block_table,
+                    block_ids=r.block_table.tolist(),
                     slots=np.asarray(r.slots).tolist(),
                     num_host_hit_tokens=r.num_host_hit_tokens,
                 )
@@ -190,7 +190,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
         r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
         return pb.ResumeResponse(
-            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table,
+            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table.tolist(),
             slots=np.asarray(r.slots).tolist(), loads=transfers([r.loads]), offloads=transfers([r.offloads]),
             num_host_hit_tokens=r.num_host_hit_tokens,
         )  # fmt: skip

@@ -187,7 +187,7 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
         response.opened.add(
             seq_id=r.seq_id,
             num_cached_tokens=r.num_cached_tokens,
-            block_ids=r.block_table,
+            block_ids=r.block_table.tolist(),
             slots=r.slots.astype(_INT64, copy=False).tobytes(),
             num_host_hit_tokens=r.num_host_hit_tokens,
         )

@@ -85,15 +85,15 @@ def test_swap_moves_the_sequences_own_blocks_and_brings_them_back():
     table = cache.block_table(seq.seq_id)
     free = cache.stats().num_blocks_free
     preempted = cache.preempt([seq.seq_id], "swap")
-    assert preempted.offloads[:, 0].tolist() == table[2:], "only the blocks past its cached prefix move"
+    assert preempted.offloads[:, 0].tolist() == list(table[2:]), "only the blocks past its cached prefix move"
     assert cache.stats().num_blocks_free == free + 2 and cache.stats().num_host_blocks_swapped == 2
     assert cache.stats().num_swapped_sequences == 1
     cache.check_invariants()
     resumed = cache.resume(seq.seq_id)
     assert resumed.seq_id == seq.seq_id and resumed.num_cached_tokens == 14 and len(resumed.slots) == 0
     assert resumed.loads[:, 0].tolist() == preempted.offloads[:, 1].tolist()
-    assert resumed.loads[:, 1].tolist() == resumed.block_table[2:]
-    assert resumed.block_table[:2] == table[:2], "the prefix is the tree's, still on the device"
+    assert resumed.loads[:, 1].tolist() == list(resumed.block_table[2:])
+    assert list(resumed.block_table[:2]) == list(table[:2]), "the prefix is the tree's, still on the device"
     assert cache.num_computed_tokens(seq.seq_id) == 14
     stats = cache.stats()
     assert (stats.num_host_blocks_swapped, stats.num_swapped_sequences) == (0, 0)
