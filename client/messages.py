@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
+from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
@@ -305,9 +306,11 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
         request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
     budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
     ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
-    for i, ((token_ids, namespace), budget, rank) in enumerate(zip(step.opens, budgets, ranks, strict=True)):
+    explain = _per_prompt("explain", [int(bool(e)) for e in step.explain] or None, len(step.opens))
+    columns = zip(step.opens, budgets, ranks, explain, strict=True)
+    for i, ((token_ids, namespace), budget, rank, why) in enumerate(columns):
         field = f"prompts[{i}]." if len(step.opens) > 1 else ""
-        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank)
+        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank, explain=bool(why))
         opened.token_ids = packed_tokens(token_ids, field + "token_ids")
         request.opens.append(opened)
     if step.append is not None:
@@ -349,12 +352,17 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
             np.frombuffer(r.slots, dtype=_INT64),
         )
     forked = [list(f.child_seq_ids) for f in response.forked]
+    explained: Sequence[MatchExplanation | None] = ()
+    if any(step.explain):  # a step retried from the window is answered with its first result, explanations too
+        pairs = zip(response.opened, step.explain, strict=True)
+        explained = [MatchExplanation.from_response(o) if e else None for o, e in pairs]
     return StepResult(
         opened,
         appended,
         forked,
         list(response.num_cached_tokens),
         response.num_released_sequences,
+        explained,
         transfer_pairs(response.offloads),
         transfer_pairs(response.loads),
     )

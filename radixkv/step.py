@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from radixkv.host_tier import NO_PAIRS, Pairs
 from radixkv.results import AppendBatch, OpenResult
@@ -39,8 +40,9 @@ class Step:
 
     `commit`: what the worker wrote in the step before, so that this step's caches, forks and cached
     releases publish it; `opens`: (token_ids, namespace) prompts, with `max_new_tokens[i]` and
-    `priorities[i]` as `KVCache.open_many` takes them (empty: none); `forks`: (seq_id, num_children);
-    `caches`: seq ids; `releases`: (seq_ids, cache) batches.
+    `priorities[i]` as `KVCache.open_many` takes them (empty: none), and `explain[i]`: also say why
+    prompt i's cached prefix ends where it does, as `open(..., explain=True)` does (empty: none);
+    `forks`: (seq_id, num_children); `caches`: seq ids; `releases`: (seq_ids, cache) batches.
     """
 
     opens: Sequence[tuple[TokenIds, str]] = ()
@@ -51,12 +53,15 @@ class Step:
     commit: Commit | None = None
     max_new_tokens: Sequence[int] = ()
     priorities: Sequence[int] = ()
+    explain: Sequence[bool] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s.
 
+    `explanations`: when the step asked to explain any open, one per open (None where it did not ask):
+    `radixkv.client.MatchExplanation` on the client, the server's `MissExplanation` inside it.
     `offloads` and `loads` are the whole step's host-tier transfers (its opens' and append's, in order: over the
     wire they come only here): before running the step the worker applies the offloads, then
     `appended.copies`, then the loads (see `radixkv.host_tier`).
@@ -67,5 +72,6 @@ class StepResult:
     forked: list[list[int]]
     num_cached_tokens: list[int]
     num_released_sequences: int
+    explanations: Sequence[Any] = ()
     offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (device, host)
     loads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (host, device)
