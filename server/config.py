@@ -176,7 +176,11 @@ class ServerConfig:
             raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
         if self.max_message_bytes is None:
             needed = max(
-                message_bytes_needed(p.limits.max_tokens_per_request, self.max_sequences_per_session)
+                message_bytes_needed(
+                    p.limits.max_tokens_per_request,
+                    self.max_sequences_per_session,
+                    p.host_num_blocks is not None or p.host_memory_bytes is not None,
+                )
                 for p in self.pools
             )
             object.__setattr__(self, "max_message_bytes", needed)

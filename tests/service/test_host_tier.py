@@ -208,3 +208,21 @@ def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wa
             assert wait_until(lambda runs=runs: value("radixkv_audit_runs_total") >= runs + 2)
         assert client.stats().num_offloaded_blocks > 0 and client.stats().num_host_hit_tokens > 0
     assert value("radixkv_audit_failures_total") == 0
+
+
+def test_response_bounds_leave_room_for_transfers() -> None:
+    """A request is refused up front when its response could outgrow the message: with a host tier, every block
+    handed out may carry an offload and a load, so the bound grows by two transfers per block."""
+    from radixkv.server.config import parse_pool_flag
+    from radixkv.server.pools import build_pool
+    from radixkv.server.sizes import append_response_bytes, message_bytes_needed, open_response_bytes
+
+    shape = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float32"
+    plain, tiered = (build_pool(parse_pool_flag(f"p:{shape}{extra}"), 16) for extra in ("", ",host_num_blocks=64"))
+    try:
+        assert open_response_bytes(tiered, [9, 4]) - open_response_bytes(plain, [9, 4]) == 2 * 14 * (3 + 1)
+        assert append_response_bytes(tiered, 2, 8) - append_response_bytes(plain, 2, 8) == 2 * 14 * (2 + 4)
+        assert message_bytes_needed(1000, 10, host_tier=True) > message_bytes_needed(1000, 10) + 1000 * 28
+    finally:
+        plain.close()
+        tiered.close()
