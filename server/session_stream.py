@@ -31,6 +31,7 @@ import numpy as np
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.server.decoding import Undecodable
+from radixkv.server.miss_reasons import wire_reason
 from radixkv.server.service import KVService
 from radixkv.server.sessions import Session
 from radixkv.server.status import STATUS_BY_REASON
@@ -166,6 +167,8 @@ def _step(request: pb.SessionRequest) -> Step:
         if any(o.max_new_tokens or o.priority for o in request.opens):
             items["max_new_tokens"] = [o.max_new_tokens for o in request.opens]
             items["priorities"] = [o.priority for o in request.opens]
+        if any(o.explain for o in request.opens):
+            items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
         a = request.append
         items["append"] = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
@@ -186,9 +189,14 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
         response.opened.add(
             seq_id=r.seq_id,
             num_cached_tokens=r.num_cached_tokens,
-            block_ids=r.block_table,
+            block_ids=r.block_table.tolist(),
             slots=r.slots.astype(_INT64, copy=False).tobytes(),
         )
+    for item, why in zip(response.opened, result.explanations, strict=False):  # explained opens: as OpenSequences
+        if why is not None:
+            item.miss_reason = wire_reason(why)
+            item.miss_block_index, item.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
+            item.other_namespace = why.other_namespace
     b = result.appended
     if b is not None:
         appended = response.appended

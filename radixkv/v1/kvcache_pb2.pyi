@@ -16,6 +16,7 @@ class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISS_REASON_PARTIAL_BLOCK: _ClassVar[MissReason]
     MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
     MISS_REASON_LAST_TOKEN: _ClassVar[MissReason]
+    MISS_REASON_HOST_TIER: _ClassVar[MissReason]
 
 class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ MISS_REASON_EVICTED: MissReason
 MISS_REASON_PARTIAL_BLOCK: MissReason
 MISS_REASON_OTHER_NAMESPACE: MissReason
 MISS_REASON_LAST_TOKEN: MissReason
+MISS_REASON_HOST_TIER: MissReason
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
@@ -651,16 +653,18 @@ class StepCommit(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOpen(_message.Message):
-    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority")
+    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority", "explain")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     namespace: str
     max_new_tokens: int
     priority: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    explain: bool
+    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class StepAppend(_message.Message):
     __slots__ = ("seq_ids", "num_token_ids", "token_ids")
@@ -730,16 +734,24 @@ class SessionResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ...) -> None: ...
 
 class StepOpened(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    miss_reason: MissReason
+    miss_block_index: int
+    evicted_at_unix_ns: int
+    other_namespace: str
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
 
 class StepAppended(_message.Message):
     __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")

@@ -58,7 +58,7 @@ def _write_and_checksum(server: ServerProcess, seed: int) -> tuple[list[int], st
     checksum of those blocks, the shared-memory segment)."""
     with RadixKVClient(server.address) as client:
         opened = client.open(list(range(100, 112)), "keeper")
-        table = list(opened.block_table)
+        table = opened.block_table.tolist()
         info = client.get_pool()
         with PoolView(info) as view:
             generator = torch.Generator().manual_seed(seed)
@@ -241,7 +241,7 @@ def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path
         first = ServerProcess(cuda_flags, tmp_path / "first.log", keeper=keeper.socket)
         with RadixKVClient(first.address) as client:
             opened = client.open(list(range(100, 112)), "keeper")
-            table = list(opened.block_table)
+            table = opened.block_table.tolist()
             info = client.get_pool()
             assert info.handle.WhichOneof("memory") == "cuda_ipc"
             with PoolView(info) as view:  # this process opens the keeper's allocation
