@@ -349,6 +349,7 @@ class KVService:
                 result = pool.cache.preempt(seq_ids, mode)
                 for seq_id in result.seq_ids:
                     pool.ledger.resize(seq_id, 0)
+                self.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
                 return result
 
             return session.requests.once(
