@@ -15,6 +15,19 @@ adopted block open it instead: a consumer keeps what it indexed, and one replayi
 
 The hub calls `publish` under the pool's lock, so it only queues; one thread owns both sockets
 (ZMQ sockets are not thread-safe) and sends whatever has queued as one batch.
+
+The digest (a verifiable index, `radixkv.block_hash.digest_of`) travels on its own topic, never in
+the batch. A fourth element after `data_parallel_rank` is ignored by vLLM's msgspec decoder
+(`array_like` structs skip extra trailing elements unless `forbid_unknown_fields`), but llm-d's
+kv-cache-manager decodes the batch into a Go struct tagged `msgpack:",array"` with vmihailenco/msgpack
+v5, which refuses any array whose length differs from its three fields ("number of fields in
+array-encoded struct has changed") and drops the whole batch. So after each batch the same socket
+sends `[digest_topic(topic), seq, payload]`, `seq` the batch's own number (a repeat, never a gap, for a
+consumer of both topics), the payload `[ts, [], data_parallel_rank, {"epoch", "seq", "num_events",
+"digest"}]`: the pool's digest over every namespace after that batch. ZMQ subscriptions match
+prefixes, and the digest topic does not start with the events topic, so a subscriber of the events
+topic (llm-d subscribes to "kv@") never receives it; one that subscribes to everything decodes it as
+an empty batch with msgspec, and llm-d's decoder would drop it with a debug log, not crash.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from radixkv.block_hash import WIRE_MASK, mix64
 from radixkv.server.events import BlockEvent, EventKind
 
 log = logging.getLogger("radixkv.server.kv_events")
@@ -38,6 +52,12 @@ END_SEQ = (1 << 64) - 1  # (-1).to_bytes(8, "big", signed=True): the replay's en
 MEDIUM_GPU = "GPU"  # the device tier; a host tier would publish "CPU"
 _POLL_SECONDS = 0.02  # how soon a replay request is answered when no events flow
 _ALL_BLOCKS_CLEARED = {"type": "AllBlocksCleared"}
+DIGEST_TOPIC_PREFIX = "radixkv-digest"
+
+
+def digest_topic(topic: str) -> str:
+    """Where the digests of the events on `topic` go: a topic that does not start with `topic`."""
+    return f"{DIGEST_TOPIC_PREFIX}@{topic}" if topic else DIGEST_TOPIC_PREFIX
 
 
 def stored_event(event: BlockEvent, block_size: int) -> dict[str, Any]:
@@ -73,14 +93,23 @@ class ZmqEventPublisher:
         data_parallel_rank: int = 0,
         max_events_per_batch: int = 1024,
         adopted: list[BlockEvent] | None = None,
+        epoch: int = 0,
+        digest: int = 0,
+        num_events: int = 0,
     ) -> None:
         """`adopted`: the cache this server adopted from its predecessor's snapshot (`EventHub.snapshot`),
-        announced as BlockStored events instead of `AllBlocksCleared`, so consumers keep their index."""
+        announced as BlockStored events instead of `AllBlocksCleared`, so consumers keep their index.
+        `epoch`, `digest`, `num_events`: the event hub's incarnation, pool-wide digest and event count now
+        (what the stream starts from; call under the pool's lock, then add this sink under the same hold)."""
         self.topic = topic.encode()
+        self.digest_topic = digest_topic(topic).encode()
+        self.epoch = epoch
+        self._digest, self._num_events = digest, num_events  # after the last event queued (the pool's lock)
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self._max_events = max_events_per_batch
-        self._queue: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        # Each event with the pool's digest and event count after it; None: stop.
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], int, int] | None] = queue.SimpleQueue()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._next_seq = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -100,20 +129,24 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise RuntimeError(f"cannot bind the KV-events socket: {e}") from e
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-events", daemon=True)
-        if adopted is None:
-            self._queue.put(_ALL_BLOCKS_CLEARED)  # a cold start: every stream starts from nothing
+        if adopted is None:  # a cold start: every stream starts from nothing
+            self._queue.put((_ALL_BLOCKS_CLEARED, digest, num_events))
+        running = 0  # the digest of what the adopted events announced so far: `digest` after the last
         for event in adopted or ():
-            self._queue.put(stored_event(event, block_size))
+            running = (running + sum(mix64(h) for h in event.block_hashes)) & WIRE_MASK
+            self._queue.put((stored_event(event, block_size), running, num_events))
 
     def start(self) -> None:
         self._thread.start()
 
     def publish(self, event: BlockEvent) -> None:
         """Queue one tree event (called under the pool's lock: never blocks)."""
+        self._digest = (self._digest + event.digest_delta) & WIRE_MASK
+        self._num_events = event.pool_sequence_number
         if event.kind is EventKind.BLOCKS_STORED:
-            self._queue.put(stored_event(event, self.block_size))
+            self._queue.put((stored_event(event, self.block_size), self._digest, self._num_events))
         else:
-            self._queue.put(removed_event(event))
+            self._queue.put((removed_event(event), self._digest, self._num_events))
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -132,37 +165,48 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         while True:
             try:
-                events, stop = self._drain(self._queue.get(timeout=_POLL_SECONDS))
+                events, after, stop = self._drain(self._queue.get(timeout=_POLL_SECONDS))
             except queue.Empty:
-                events, stop = [], False
+                events, after, stop = [], (0, 0), False
             if events:
-                self._send(events)
+                self._send(events, *after)
             if stop:
                 return
             while self._replay is not None and self._replay.poll(0):
                 self._answer_replay()
 
-    def _drain(self, first: dict[str, Any] | None) -> tuple[list[dict[str, Any]], bool]:
-        """`first` and whatever else has queued, up to a batch; True when the stop sentinel came."""
+    def _drain(
+        self, first: tuple[dict[str, Any], int, int] | None
+    ) -> tuple[list[dict[str, Any]], tuple[int, int], bool]:
+        """`first` and whatever else has queued, up to a batch, with the (digest, event count) after its last
+        event; True when the stop sentinel came."""
         events: list[dict[str, Any]] = []
-        item: dict[str, Any] | None = first
+        after = (0, 0)
+        item = first
         while True:
             if item is None:
-                return events, True
-            events.append(item)
+                return events, after, True
+            events.append(item[0])
+            after = item[1:]
             if len(events) >= self._max_events:
-                return events, False
+                return events, after, False
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return events, False
+                return events, after, False
 
-    def _send(self, events: list[dict[str, Any]]) -> None:
+    def _send(self, events: list[dict[str, Any]], digest: int, num_events: int) -> None:
         seq = self._next_seq
         self._next_seq += 1
-        payload = msgpack.packb([time.time(), events, self.data_parallel_rank])
-        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        now = time.time()
+        payload = msgpack.packb([now, events, self.data_parallel_rank])
+        seq_bytes = seq.to_bytes(8, "big")
+        self._pub.send_multipart((self.topic, seq_bytes, payload))
         self._buffer.append((seq, payload))
+        proof = {"epoch": self.epoch, "seq": seq, "num_events": num_events, "digest": digest}
+        self._pub.send_multipart(
+            (self.digest_topic, seq_bytes, msgpack.packb([now, [], self.data_parallel_rank, proof]))
+        )
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()  # type: ignore[union-attr]  # polled, so present

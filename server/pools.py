@@ -70,17 +70,21 @@ class Pool:
         from radixkv.server.kv_events import ZmqEventPublisher
 
         assert config.kv_events_endpoint is not None
-        publisher = ZmqEventPublisher(
-            config.kv_events_endpoint,
-            config.kv_events_topic,
-            self.layout.block_size,
-            config.kv_events_replay_endpoint,
-            config.kv_events_buffer_steps,
-            adopted=self.events.snapshot(lambda namespace: True) if self.num_adopted_blocks else None,
-        )
-        publisher.start()
-        with self.lock:
-            self.events.sinks.append(publisher)
+        with self.lock:  # the digest it starts from and the first event it is told of: one hold
+            hub = self.events
+            publisher = ZmqEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic,
+                self.layout.block_size,
+                config.kv_events_replay_endpoint,
+                config.kv_events_buffer_steps,
+                adopted=hub.snapshot(lambda namespace: True) if self.num_adopted_blocks else None,
+                epoch=hub.epoch,
+                digest=hub.digest(lambda _namespace: True),
+                num_events=hub.num_events,
+            )
+            publisher.start()
+            hub.sinks.append(publisher)
             self.kv_publisher = publisher
 
     def restart_safe(self) -> bool:
