@@ -182,8 +182,9 @@ def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, w
     router = Router([first.address], block_size=BLOCK_SIZE, health_interval=0.2)
     _warm(client)
     before = client.verify()
-    routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
     assert wait_until(lambda: router.status()[0].digest == before.digest, timeout=10)
+    routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
+    assert all(routed_before)
     assert first.stop() == 0  # SIGTERM: the same snapshot as Upgrade
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port), *zmq_flags)
     try:
