@@ -45,20 +45,20 @@ BLOCK_SIZE = 16
 class WholeLeafTree(RadixTree):
     """The alternative policy: evict whole LRU leaves, as SGLang's RadixCache does."""
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> list[int]:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> np.ndarray:
         assert namespaces is None, "the replay has no tenant cache shares"
         freed: list[int] = []
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
             leaf = leaves.pop(0)
-            freed.extend(leaf.block_ids)
+            freed.extend(leaf.block_ids.tolist())
             self.num_cached_blocks_in[leaf.namespace] -= len(leaf.block_ids)  # tenant shares: unused here, kept exact
             if not self.num_cached_blocks_in[leaf.namespace]:
                 del self.num_cached_blocks_in[leaf.namespace]
             self._detach(leaf)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
-        return freed
+        return np.asarray(freed, dtype=np.int32)
 
 
 def cache_prompt(cache: KVCache, tokens: np.ndarray) -> None:

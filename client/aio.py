@@ -28,6 +28,7 @@ from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import KVEvent, event_batch
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
+from radixkv.client.step_stream import AsyncPending, AsyncStepStream
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.preemption import PreemptResult, ResumeResult
@@ -71,8 +72,7 @@ class AsyncRadixKVClient:
         self.pool = pool
         self._requested_ttl = session_ttl
         self._tables = m.BlockTables()
-        self._stream_lock = asyncio.Lock()  # one step at a time on the stream
-        self._steps: grpc.aio.StreamStreamCall | None = None
+        self._steps: AsyncStepStream | None = None  # the session's stream, opened by the first step
         self._request_ids = itertools.count(1)
         self._lease: asyncio.Task[None] | None = None
         self.session_id = ""
@@ -143,8 +143,7 @@ class AsyncRadixKVClient:
         await self._stop_lease()
         with contextlib.suppress(UnknownSession):
             await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
-        async with self._stream_lock:
-            self._drop_stream()
+        self._drop_stream()
         self._tables.clear()
         await self._open_session()
 
@@ -159,8 +158,7 @@ class AsyncRadixKVClient:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
         finally:
-            async with self._stream_lock:
-                self._drop_stream()
+            self._drop_stream()
             self._tables.clear()
             await self._channel.close()
 
@@ -241,40 +239,46 @@ class AsyncRadixKVClient:
         return list((await self._call(self._stub.Victims, request)).seq_ids)
 
     async def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
-        """One scheduler step in one round trip on the session's stream; see `RadixKVClient.step`."""
+        """One scheduler step in one round trip on the session's stream; see `RadixKVClient.step`.
+
+        Coroutines may await steps concurrently: they are pipelined on the one stream (as
+        `RadixKVClient.submit`), applied and answered in the order `step` was called.
+        """
         request = m.step_request(
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
-        async with self._stream_lock:
-            try:
-                response = await self._send(request)
-            except grpc.RpcError as e:
-                self._drop_stream()
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error_from_rpc(e) from e
-                try:
-                    response = await self._send(request)  # a new stream, the same request id
-                except grpc.RpcError as again:
-                    self._drop_stream()
-                    raise error_from_rpc(again) from again
-        result = m.step_result(step, response)
-        self._tables.stepped(step, result)
-        return result
+        pending = AsyncPending(step, request)
+        self._send(pending)
+        return await pending.future
 
-    async def _send(self, request: pb.SessionRequest) -> pb.SessionResponse:
-        if self._steps is None:
-            self._steps = self._stub.Session(metadata=self._metadata)
-        await self._steps.write(request)
-        response = await self._steps.read()
-        if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: the server ended the stream without a status
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream ended"
-            )
-        return response
+    def _send(self, pending: AsyncPending) -> None:
+        pending.attempts += 1
+        while self._steps is None or not self._steps.send(pending):
+            self._steps = AsyncStepStream(self._stub, self._metadata, self._settle, self._stream_broke)
+
+    def _settle(self, pending: AsyncPending, response: pb.SessionResponse) -> None:
+        try:
+            result = m.step_result(pending.step, response)
+        except RadixKVError as e:
+            pending.settle(None, e)
+            return
+        self._tables.stepped(pending.step, result)
+        pending.settle(result, None)
+
+    def _stream_broke(self, stream: AsyncStepStream, error: grpc.RpcError, unanswered: list[AsyncPending]) -> None:
+        """As `RadixKVClient._stream_broke`: re-send once, in order, on UNAVAILABLE; fail the rest."""
+        if self._steps is stream:
+            self._steps = None
+        stream.close()
+        for pending in unanswered:
+            if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
+                self._send(pending)
+            else:
+                pending.settle(None, error_from_rpc(error))
 
     def _drop_stream(self) -> None:
         if self._steps is not None:
-            self._steps.cancel()
+            self._steps.close()
             self._steps = None
 
     # -- the computed watermark and scheduling queries (see `RadixKVClient`) -------------------------

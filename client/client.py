@@ -22,7 +22,6 @@ Failures and restarts:
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,8 +38,9 @@ from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
+from radixkv.client.step_stream import StepFuture, StepStream
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
-from radixkv.errors import UnknownSession
+from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, AppendResult, OpenResult
@@ -91,8 +91,8 @@ class RadixKVClient:
         self._timeout = timeout
         self.pool = pool
         self._tables = m.BlockTables()
-        self._stream_lock = threading.Lock()  # one step at a time on the stream
-        self._steps: _StepStream | None = None
+        self._stream_lock = threading.RLock()  # the stream steps are sent on (a broken one re-sends on the next)
+        self._steps: StepStream | None = None
         self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
         self.address = address
@@ -291,29 +291,49 @@ class RadixKVClient:
         Raises:
             RadixKVError: the exception the unary call of the refused item would raise; nothing was applied.
         """
+        return self.submit(step, request_id=request_id).result()
+
+    def submit(self, step: Step, *, request_id: int | None = None) -> StepFuture:
+        """Send a step without waiting for it: several may be in flight on the stream, applied and answered
+        in the order submitted (steps queued together leave in one message). `result()` waits for one.
+
+        A step submitted before an earlier one's result arrived cannot name what that one opens or
+        forks; it sees everything else the earlier steps did. Block tables follow each result in order.
+        """
         request = m.step_request(
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
+        pending = StepFuture(step, request)
         with self._stream_lock:
-            try:
-                response = self._stream().send(request)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error_from_rpc(e) from e
-                self._drop_stream()
-                try:
-                    response = self._stream().send(request)
-                except grpc.RpcError as again:
-                    self._drop_stream()
-                    raise error_from_rpc(again) from again
-        result = m.step_result(step, response)
-        self._tables.stepped(step, result)
-        return result
+            self._send(pending)
+        return pending
 
-    def _stream(self) -> _StepStream:
-        if self._steps is None:
-            self._steps = _StepStream(self._stub, self._metadata)
-        return self._steps
+    def _send(self, pending: StepFuture) -> None:
+        """On the current stream, or a new one if it failed (holding `_stream_lock`)."""
+        pending.attempts += 1
+        while self._steps is None or not self._steps.send(pending):
+            self._steps = StepStream(self._stub, self._metadata, self._settle, self._stream_broke)
+
+    def _settle(self, pending: StepFuture, response: pb.SessionResponse) -> None:
+        try:
+            result = m.step_result(pending.step, response)
+        except RadixKVError as e:
+            pending.settle(None, e)
+            return
+        self._tables.stepped(pending.step, result)  # in stream order: the reader settles steps in turn
+        pending.settle(result, None)
+
+    def _stream_broke(self, stream: StepStream, error: grpc.RpcError, unanswered: list[StepFuture]) -> None:
+        """Re-send the broken stream's unanswered steps, in order, once each (UNAVAILABLE); fail the rest."""
+        with self._stream_lock:
+            if self._steps is stream:
+                self._steps = None
+            stream.close()
+            for pending in unanswered:
+                if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
+                    self._send(pending)
+                else:
+                    pending.settle(None, error_from_rpc(error))
 
     def _drop_stream(self) -> None:
         """End the stream (the server then lets the lease run again); the next step opens a new one."""
@@ -413,35 +433,3 @@ class RadixKVClient:
             pool=self.pool, session_id=self.session_id, namespaces=list(namespaces), include_snapshot=include_snapshot
         )
         return EventStream(self._stub.WatchEvents(request, metadata=self._metadata))
-
-
-class _StepStream:
-    """A Session stream driven from a blocking caller: a request goes in, its response comes out.
-
-    gRPC's blocking API reads requests from an iterator on a thread of its own; a queue feeds it.
-    """
-
-    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any) -> None:
-        self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
-        self._responses = stub.Session(iter(self._requests.get, None), metadata=metadata)
-
-    def send(self, request: pb.SessionRequest) -> pb.SessionResponse:
-        self._requests.put(request)
-        try:
-            return next(self._responses)
-        except StopIteration:  # the server ended the stream (it is stopping): as a broken connection
-            raise _StreamEnded() from None
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._responses.cancel()
-
-
-class _StreamEnded(grpc.RpcError):
-    """The server ended a Session stream without a status; the step is re-sent on a new stream."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "the Session stream ended"

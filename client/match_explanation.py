@@ -12,7 +12,8 @@ _PREFIX = "MISS_REASON_"
 @dataclasses.dataclass(frozen=True, slots=True)
 class MatchExplanation:
     """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE, LAST_TOKEN
-    (open only); UNSPECIFIED for an open retried after a lost reply (answered without explanation)."""
+    (open only), HOST_TIER (reserved for the host tier: the prefix continues there, loaded back on open);
+    UNSPECIFIED for an open retried after a lost reply (answered without explanation)."""
 
     num_cached_tokens: int
     reason: str
@@ -21,7 +22,7 @@ class MatchExplanation:
     other_namespace: str = ""  # OTHER_NAMESPACE: where the same tokens are cached
 
     @classmethod
-    def from_response(cls, response: pb.MatchResponse | pb.OpenedSequence) -> MatchExplanation:
+    def from_response(cls, response: pb.MatchResponse | pb.OpenedSequence | pb.StepOpened) -> MatchExplanation:
         return cls(
             response.num_cached_tokens,
             pb.MissReason.Name(response.miss_reason).removeprefix(_PREFIX),

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 
+from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
@@ -66,7 +67,7 @@ class BlockTables:
     def opened(self, results: Iterable[OpenResult]) -> None:
         with self._lock:
             for result in results:
-                self._tables[result.seq_id] = list(result.block_table)
+                self._tables[result.seq_id] = result.block_table.tolist()
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
@@ -140,6 +141,13 @@ def open_request(
     )
 
 
+def _int32(block_ids: Iterable[int]) -> np.ndarray:
+    """A block table from the wire as the core returns it: a read-only int32 array."""
+    table = np.fromiter(block_ids, dtype=np.int32)
+    table.flags.writeable = False
+    return table
+
+
 def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
     """A per-prompt column (None: all 0); InvalidArgument naming it when its length is wrong."""
     if values is None:
@@ -151,7 +159,7 @@ def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> li
 
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
     return [
-        OpenResult(s.seq_id, s.num_cached_tokens, list(s.block_ids), np.array(s.slots, dtype=np.int64))
+        OpenResult(s.seq_id, s.num_cached_tokens, _int32(s.block_ids), np.array(s.slots, dtype=np.int64))
         for s in response.sequences
     ]
 
@@ -234,7 +242,7 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     loads = [(t.src_block_id, t.dst_block_id) for t in r.loads]
-    return ResumeResult(r.seq_id, r.num_cached_tokens, list(r.block_ids), slots, loads)
+    return ResumeResult(r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, loads)
 
 
 def victims_request(pool: str, session_id: str, num_blocks: int) -> pb.VictimsRequest:
@@ -280,9 +288,11 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
         request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
     budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
     ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
-    for i, ((token_ids, namespace), budget, rank) in enumerate(zip(step.opens, budgets, ranks, strict=True)):
+    explain = _per_prompt("explain", [int(bool(e)) for e in step.explain] or None, len(step.opens))
+    columns = zip(step.opens, budgets, ranks, explain, strict=True)
+    for i, ((token_ids, namespace), budget, rank, why) in enumerate(columns):
         field = f"prompts[{i}]." if len(step.opens) > 1 else ""
-        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank)
+        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank, explain=bool(why))
         opened.token_ids = packed_tokens(token_ids, field + "token_ids")
         request.opens.append(opened)
     if step.append is not None:
@@ -301,7 +311,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     if response.HasField("error"):
         raise step_error(response.error)
     opened = [
-        OpenResult(o.seq_id, o.num_cached_tokens, list(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        OpenResult(o.seq_id, o.num_cached_tokens, _int32(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
         for o in response.opened
     ]
     appended = None
@@ -309,7 +319,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         a, r = step.append, response.appended
         appended = AppendBatch(
             list(a.seq_ids),
-            [int(n) for n in a.num_token_ids],
+            list(map(int, a.num_token_ids)),
             list(r.num_tokens),
             list(r.table_offsets),
             list(r.num_block_ids),
@@ -318,7 +328,13 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
             np.frombuffer(r.slots, dtype=_INT64),
         )
     forked = [list(f.child_seq_ids) for f in response.forked]
-    return StepResult(opened, appended, forked, list(response.num_cached_tokens), response.num_released_sequences)
+    explained: Sequence[MatchExplanation | None] = ()
+    if any(step.explain):  # a step retried from the window is answered with its first result, explanations too
+        pairs = zip(response.opened, step.explain, strict=True)
+        explained = [MatchExplanation.from_response(o) if e else None for o, e in pairs]
+    return StepResult(
+        opened, appended, forked, list(response.num_cached_tokens), response.num_released_sequences, explained
+    )
 
 
 def step_error(error: pb.StepError) -> RadixKVError:

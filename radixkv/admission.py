@@ -5,12 +5,16 @@ Planning changes nothing, so `check_open` and `open_many` refuse the same reques
 
 from __future__ import annotations
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.allocation import Allocator
-from radixkv.block_pool import cdiv
+from radixkv.block_pool import NO_BLOCKS, cdiv
+from radixkv.block_table import BlockTable
 from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan
-from radixkv.sequence import LiveSequence, Sequences, path_blocks
+from radixkv.sequence import LiveSequence, Sequences, path_runs
 from radixkv.stats import Stats
 from radixkv.token_ids import TokenKey
 
@@ -69,7 +73,7 @@ def start_sequence(
     namespace: str,
     node: Node,
     num_matched_blocks: int,
-    new_blocks: list[int],
+    new_blocks: npt.NDArray[np.int32],
     tail: bytes,
     block_size: int,
     priority: int = 0,
@@ -79,16 +83,16 @@ def start_sequence(
 
     Every cached token counts as computed; the uncached ones start on a block boundary.
     """
-    table = path_blocks(node, num_matched_blocks)
-    table += new_blocks  # in place: a 128k-token table is not copied once more
+    table = BlockTable.of([*path_runs(node), new_blocks])  # one copy, node arrays joined in C
+    assert len(table) == num_matched_blocks + len(new_blocks), "locked path and match length disagree"
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(
-        seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, [], num_tokens, num_cached,
+        seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
         priority, reserve_until,
     )  # fmt: skip
     slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
-    return seq, OpenResult(seq_id, num_cached, list(table), slots)
+    return seq, OpenResult(seq_id, num_cached, table.array(), slots)
 
 
 def open_planned(
@@ -136,6 +140,8 @@ def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenK
     blocks.refuse_unless(num_newly_locked(match), max(0, blocks.num_available() - blocks.num_reserved))
     node = tree.split(match)
     tree.lock(node)
-    seq, opened = start_sequence(sequences.next_id(), namespace, node, match.num_blocks, [], b"", tree.block_size)
+    seq, opened = start_sequence(
+        sequences.next_id(), namespace, node, match.num_blocks, NO_BLOCKS, b"", tree.block_size
+    )
     sequences.add(seq)
     return opened

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.block_pool import BlockPool
 from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.radix_tree import RadixTree
@@ -39,7 +42,7 @@ class Allocator:
             self.stats.num_allocation_failures += 1
             raise OutOfBlocks(needed, available)
 
-    def allocate(self, n: int, drawn: int = 0) -> list[int]:
+    def allocate(self, n: int, drawn: int = 0) -> npt.NDArray[np.int32]:
         """`n` blocks, evicting the shortfall first; all or none. `drawn` of them come out of the
         caller's reservations (which shrink by as much); the rest must fit in what is unreserved."""
         available = self.pool.num_free + self.tree.num_evictable_blocks

@@ -60,7 +60,7 @@ def plan_append(
     table = seq.block_table
     cow_src = None
     if seq.num_tokens % block_size:
-        last = table[-1]
+        last = table.last()
         if ref_counts[last] - copied_away.get(last, 0) > 1:
             copied_away[last] = copied_away.get(last, 0) + 1
             cow_src = last
@@ -85,7 +85,12 @@ def plan_batch(
 
 
 def apply_append(
-    seq: LiveSequence, tokens: memoryview, count: int, cow_src: int | None, new_blocks: list[int], pool: BlockPool
+    seq: LiveSequence,
+    tokens: memoryview,
+    count: int,
+    cow_src: int | None,
+    new_blocks: npt.NDArray[np.int32],
+    pool: BlockPool,
 ) -> int:
     """Grow `seq` by `count` tokens into `new_blocks` as planned; returns the first table entry that changed.
 
@@ -95,10 +100,10 @@ def apply_append(
     offset = len(table)
     if cow_src is not None:
         pool.decref([cow_src])
-        table[-1] = new_blocks[0]
+        table.set_last(int(new_blocks[0]))
         offset -= 1
         table.extend(new_blocks[1:])
-    else:
+    elif len(new_blocks):
         table.extend(new_blocks)
     seq.tail_bytes += tokens
     seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens)
@@ -111,17 +116,21 @@ def apply_batch(
     sequences: list[LiveSequence],
     counts: list[int],
     plans: list[AppendPlan],
-    new_blocks: list[int],
+    new_blocks: npt.NDArray[np.int32],
     key: bytes,
     pool: BlockPool,
     block_size: int,
 ) -> AppendBatch:
-    """Apply a planned batch (`new_blocks` holds every block the plans take, in order) and describe it in columns."""
+    """Apply a planned batch (`new_blocks` holds every block the plans take, in order) and describe it in columns.
+
+    Sequence i's changed table entries are exactly its share of `new_blocks` (a copy-on-write
+    replaces the last entry with the first of them), so that array is the batch's `block_ids`.
+    """
     bs, view = block_size, memoryview(key)
-    num_tokens_after, offsets, num_block_ids, block_ids, copies = [], [], [], [], []
-    span_blocks: list[int] = []  # per sequence, the table blocks its new tokens land in
-    span_starts: list[int] = []  # position of each sequence's first new token, relative to its span
-    taken = byte = 0
+    num_tokens_after, offsets, num_block_ids, copies = [], [], [], []
+    spans: list[npt.NDArray[np.int32]] = []  # per sequence, the table blocks its new tokens land in
+    span_starts: list[int] = []  # position of each sequence's first new token, relative to the spans
+    taken = byte = num_span_blocks = 0
     for i, (seq, count, (num_new, cow_src)) in enumerate(zip(sequences, counts, plans, strict=True)):
         mine = new_blocks[taken : taken + num_new]
         taken += num_new
@@ -129,15 +138,16 @@ def apply_batch(
         offset = apply_append(seq, view[byte : byte + num_bytes], count, cow_src, mine, pool)
         byte += num_bytes
         if cow_src is not None:
-            copies.append((cow_src, mine[0], i))
-        table, first = seq.block_table, start // bs
-        span_starts.append(len(span_blocks) * bs + start - first * bs)
-        span_blocks.extend(table[first : cdiv(seq.num_tokens, bs)])
+            copies.append((cow_src, int(mine[0]), i))
+        first, end = start // bs, cdiv(seq.num_tokens, bs)
+        span_starts.append(num_span_blocks * bs + start - first * bs)
+        spans.append(seq.block_table[first:end])
+        num_span_blocks += end - first
         num_tokens_after.append(seq.num_tokens)
         offsets.append(offset)
-        num_block_ids.append(len(table) - offset)
-        block_ids.extend(table[offset:])
-    plan = SlotPlan(bs, span_blocks, span_starts, counts)
+        num_block_ids.append(num_new)
+    plan = SlotPlan(bs, np.concatenate(spans) if spans else new_blocks, span_starts, counts)  # a copy: a snapshot
+    block_ids: list[int] = new_blocks.tolist()
     return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
 
 

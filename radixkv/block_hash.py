@@ -21,6 +21,7 @@ from typing import Any
 
 import cbor2
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.radix_tree import Node
@@ -101,25 +102,25 @@ class BlockHashes:
         tokens = np.frombuffer(node.token_bytes, dtype="<i4").reshape(-1, self.block_size).tolist()
         salt = namespace_salt(node.namespace) if parent_hash is None else None
         hashes = []
-        for block_id, block_tokens in zip(node.block_ids, tokens, strict=True):
+        for block_id, block_tokens in zip(node.block_ids.tolist(), tokens, strict=True):
             parent_hash = block_hash(parent_hash, block_tokens, salt)
             salt = None
-            self._hashes[int(block_id)] = parent_hash
+            self._hashes[block_id] = parent_hash
             hashes.append(parent_hash)
         return hashes
 
     def node_hashes(self, node: Node) -> list[bytes]:
-        return [self._hashes[int(b)] for b in node.block_ids]
+        return [self._hashes[b] for b in node.block_ids.tolist()]
 
-    def remove(self, block_ids: Sequence[int]) -> list[bytes]:
+    def remove(self, block_ids: npt.NDArray[np.int32] | Sequence[int]) -> list[bytes]:
         """Forget evicted blocks; returns their hashes."""
-        return [self._hashes.pop(int(b)) for b in block_ids]
+        return [self._hashes.pop(b) for b in np.asarray(block_ids).tolist()]
 
     def clear(self) -> None:
         self._hashes.clear()
 
-    def check_against(self, tree_block_ids: Sequence[int]) -> None:
-        held = {int(b) for b in tree_block_ids}
+    def check_against(self, tree_block_ids: npt.NDArray[np.int32] | Sequence[int]) -> None:
+        held = set(np.asarray(tree_block_ids).tolist())
         assert held == set(self._hashes), (
             f"hash table out of step with the tree: {len(set(self._hashes) - held)} stale, "
             f"{len(held - set(self._hashes))} missing"

@@ -7,8 +7,13 @@ microseconds for 1 block or 8,000 (a 128k-token prompt at block 16), with no Pyt
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.errors import OutOfBlocks
+
+BlockIds = npt.NDArray[np.int32] | list[int]  # ids the pool takes back: arrays on hot paths, lists from tests
+NO_BLOCKS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
+NO_BLOCKS.flags.writeable = False
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -47,28 +52,27 @@ class BlockPool:
     def num_free(self) -> int:
         return self._num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks with ref_count 1 each; all or nothing."""
+    def allocate(self, n: int) -> npt.NDArray[np.int32]:
+        """Take `n` free blocks with ref_count 1 each (a new int32 array); all or nothing."""
         if n > self._num_free:
             raise OutOfBlocks(n, self._num_free)
         if n <= 0:
-            return []
+            return NO_BLOCKS
         top = self._num_free
-        taken = self._free[top - n : top][::-1]
+        taken = self._free[top - n : top][::-1].copy()  # a copy: later frees overwrite the stack
         self._num_free = top - n
         self.ref_counts[taken] = 1
-        block_ids: list[int] = taken.tolist()
-        return block_ids
+        return taken
 
-    def incref(self, block_ids: list[int], by: int = 1) -> None:
+    def incref(self, block_ids: BlockIds, by: int = 1) -> None:
         """Add `by` holds to each of `block_ids` (distinct, all currently held)."""
-        ids = np.asarray(block_ids, dtype=np.intp)
+        ids = _as_ids(block_ids)
         assert ids.size == 0 or self.ref_counts[ids].min() > 0, "incref of a free block: caller holds a stale id"
         self.ref_counts[ids] += by
 
-    def decref(self, block_ids: list[int]) -> None:
+    def decref(self, block_ids: BlockIds) -> None:
         """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list."""
-        ids = np.asarray(block_ids, dtype=np.intp)
+        ids = _as_ids(block_ids)
         if ids.size == 0:
             return
         counts = self.ref_counts[ids] - 1
@@ -76,9 +80,9 @@ class BlockPool:
         self.ref_counts[ids] = counts
         self._push(ids[counts == 0])
 
-    def free_exclusive(self, block_ids: list[int]) -> None:
+    def free_exclusive(self, block_ids: BlockIds) -> None:
         """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""
-        ids = np.asarray(block_ids, dtype=np.intp)
+        ids = _as_ids(block_ids)
         self.ref_counts[ids] = 0  # check_invariants verifies the caller's claim (tree blocks have count 1)
         self._push(ids)
 
@@ -105,3 +109,10 @@ class BlockPool:
         assert self.ref_counts.min() >= 0, "negative ref_count"
         num_used = int(np.count_nonzero(self.ref_counts))
         assert num_used + free.size == self.num_blocks, f"free {free.size} + used {num_used} != {self.num_blocks}"
+
+
+def _as_ids(block_ids: BlockIds) -> npt.NDArray[np.integer]:
+    """Block ids as an integer array for fancy indexing (an array passes through uncopied)."""
+    if isinstance(block_ids, np.ndarray):
+        return block_ids
+    return np.asarray(block_ids, dtype=np.intp)

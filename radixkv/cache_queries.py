@@ -147,7 +147,7 @@ class CacheQueries:
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table; empty while it is preempted (it holds nothing on the device)."""
-        return [] if self.is_preempted(seq_id) else list(self._sequences.get(seq_id).block_table)
+        return [] if self.is_preempted(seq_id) else self._sequences.get(seq_id).block_table.tolist()
 
     def num_tokens(self, seq_id: int) -> int:
         record = self._sequences.preempted.get(seq_id)

@@ -17,7 +17,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from radixkv.block_table import BlockTable
 from radixkv.budget import Budget, reservation
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache
@@ -34,14 +36,13 @@ _GAUGES = frozenset(
 
 
 def _i32(values: Any) -> bytes:
-    """Block ids (a list today, an int32 array once nodes hold arrays) as little-endian int32 bytes."""
+    """Block ids (an int32 array or a list of ints) as little-endian int32 bytes."""
     return np.asarray(values, dtype="<i4").tobytes()
 
 
-def _ids(raw: bytes) -> list[int]:
-    """The inverse of `_i32`, in the form `Node.block_ids` and sequence tables hold (plain ints today)."""
-    ids: list[int] = np.frombuffer(raw, dtype="<i4").tolist()
-    return ids
+def _ids(raw: bytes) -> npt.NDArray[np.int32]:
+    """The inverse of `_i32`, in the form `Node.block_ids` holds: an int32 array of its own."""
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32)
 
 
 def capture(cache: KVCache) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
 
     roots = [tree.roots[name] for name in names]
     sequences = [
-        [s.seq_id, s.namespace, bytes(s.tail_bytes), _i32(s.block_table), ref(s.lock_node), s.num_tree_blocks,
+        [s.seq_id, s.namespace, bytes(s.tail_bytes), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
          _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
         for s in cache._sequences
     ]  # fmt: skip
@@ -78,7 +79,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
         "nodes": {
             "parent": _i32([ref(n.parent) for n in nodes if n.parent is not None]),
             "num_blocks": _i32([len(n.block_ids) for n in nodes]),
-            "blocks": _i32([b for n in nodes for b in n.block_ids]),
+            "blocks": _i32(np.concatenate([np.empty(0, np.int32), *(n.block_ids for n in nodes)])),
             # hosttier: a per-block residency column (device / host / both) belongs here, beside "blocks".
             "tokens": b"".join(n.token_bytes for n in nodes),
             "lock_ref": _i32([n.lock_ref for n in nodes]),
@@ -152,8 +153,8 @@ def _rebuild(state: dict[str, Any], limits: Limits | None) -> KVCache:
         if lock_node.namespace != namespace:
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
         seq = LiveSequence(
-            int(seq_id), namespace, bytearray(tail), _ids(table), lock_node, int(num_tree_blocks), _ids(private),
-            int(num_tokens), int(num_computed), int(rank), int(until),
+            int(seq_id), namespace, bytearray(tail), BlockTable.of([_ids(table)]), lock_node, int(num_tree_blocks),
+            _ids(private), int(num_tokens), int(num_computed), int(rank), int(until),
         )  # fmt: skip
         cache._sequences.add(seq)
         cache._blocks.num_reserved += reservation(seq)
@@ -195,7 +196,7 @@ def _rebuild_nodes(block_bytes: int, columns: dict[str, bytes], roots: list[Node
         start = ends[i] - int(num_blocks[i])
         nodes[i] = Node(
             tokens[start * block_bytes : ends[i] * block_bytes],
-            _ids(blocks[start : ends[i]].tobytes()),
+            blocks[start : ends[i]].astype(np.int32),
             None,
             "",
             lock_ref=lock_refs[i],

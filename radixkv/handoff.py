@@ -11,7 +11,6 @@ Sequence ids are int64 end to end (the core issues positive ids below 2^63; the 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -92,15 +91,14 @@ class StepArrays:
         )
 
 
-def padded_block_tables(tables: Sequence[Sequence[int]]) -> npt.NDArray[np.int32]:
-    """int32 `[len(tables), longest]`, each row a table followed by zeros."""
+def padded_block_tables(tables: Sequence[Sequence[int] | npt.NDArray[np.int32]]) -> npt.NDArray[np.int32]:
+    """int32 `[len(tables), longest]`, each row a table (a list or an int32 array) followed by zeros."""
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))  # [num_seqs]
     width = int(lengths.max(initial=0))
     out = np.zeros((len(tables), width), dtype=np.int32)
     # One scatter of every id in row order, rather than a Python-level copy per row.
-    out[np.arange(width) < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum())
-    )
+    rows = [np.asarray(t, dtype=np.int32) for t in tables]
+    out[np.arange(width) < lengths[:, None]] = np.concatenate([np.empty(0, np.int32), *rows])
     return out
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from radixkv.block_pool import BlockPool, cdiv
 from radixkv.radix_node import Node, lru_key
-from radixkv.sequence import LiveSequence, PreemptedSequence, path_blocks
+from radixkv.sequence import LiveSequence, PreemptedSequence, path_runs
 from radixkv.token_ids import TokenKey
 
 if TYPE_CHECKING:
@@ -27,12 +29,13 @@ def check_tree(tree: RadixTree) -> None:
     bb = tree.block_bytes
     for namespace, node in tree.nodes():
         cached_in[namespace] = cached_in.get(namespace, 0) + len(node.block_ids)
-        assert node.block_ids, f"node {node.node_id} holds no block"
+        assert len(node.block_ids), f"node {node.node_id} holds no block"
         assert len(node.token_bytes) == len(node.block_ids) * bb, f"node {node.node_id}: tokens and blocks disagree"
         assert node.parent is not None and node.parent.children.get(node.token_bytes[:bb]) is node, (
             f"node {node.node_id}: parent link broken"
         )
-        for block_id in node.block_ids:
+        assert node.block_ids.dtype == np.int32 and node.block_ids.ndim == 1, f"node {node.node_id}: not an int32 run"
+        for block_id in node.block_ids.tolist():
             assert block_id not in seen, f"block {block_id} held by two tree nodes"
             seen.add(block_id)
         child_locks = sum(c.lock_ref for c in node.children.values())
@@ -75,27 +78,25 @@ def check_holders(
     pool.check_invariants()
     check_tree(tree)
     bs = tree.block_size
-    expected = [0] * pool.num_blocks
-    for block_id in tree.tree_block_ids():
-        expected[block_id] += 1
+    expected = np.zeros(pool.num_blocks, dtype=np.int64)
+    np.add.at(expected, tree.tree_block_ids(), 1)
     locks: dict[int, int] = {}
     for seq in sequences:
         assert len(seq.block_table) == cdiv(seq.num_tokens, bs), f"seq {seq.seq_id}: table length wrong"
-        assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: a block twice in one table"
+        table = seq.block_table.tolist()
+        assert len(set(table)) == len(table), f"seq {seq.seq_id}: a block twice in one table"
         assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id}: computed past its length"
         assert seq.num_tree_blocks * bs <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"
-        for block_id in seq.private_blocks():
-            expected[block_id] += 1
+        np.add.at(expected, seq.private_blocks(), 1)
         path_tokens = sum(TokenKey.count(run) for run in _path_runs(seq.lock_node))
         assert path_tokens == seq.num_tree_blocks * bs, f"seq {seq.seq_id}: locked path length wrong"
         assert TokenKey.count(seq.tail_bytes) == seq.num_tokens - path_tokens, f"seq {seq.seq_id}: tail tokens lost"
         assert tree.roots[seq.namespace] is _root_of(seq.lock_node), (
             f"seq {seq.seq_id}: locked path in another namespace"
         )
-        private = set(seq.private_prefix)
-        for table_block, path_block in zip(
-            seq.block_table, path_blocks(seq.lock_node, seq.num_tree_blocks), strict=False
-        ):
+        private = set(seq.private_prefix.tolist())
+        path = np.concatenate([np.empty(0, np.int32), *path_runs(seq.lock_node)]).tolist()
+        for table_block, path_block in zip(table, path, strict=False):
             assert table_block == path_block or table_block in private, (
                 f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
             )
@@ -106,12 +107,13 @@ def check_holders(
         assert node.lock_ref == locks.get(node.node_id, 0), (
             f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
         )
-    for block_id, count in enumerate(expected):
-        assert pool.ref_counts[block_id] == count, (
-            f"block {block_id}: ref_count {pool.ref_counts[block_id]} != holders {count}"
-        )
-    for block_id in tree.tree_block_ids():
-        assert pool.ref_counts[block_id] == 1, f"cached block {block_id} is also held by count"
+    wrong = np.flatnonzero(pool.ref_counts != expected)
+    if wrong.size:
+        block_id = int(wrong[0])
+        raise AssertionError(f"block {block_id}: ref_count {pool.ref_counts[block_id]} != holders {expected[block_id]}")
+    cached = tree.tree_block_ids()
+    shared = cached[pool.ref_counts[cached] != 1]
+    assert not shared.size, f"cached block {int(shared[0])} is also held by count"
 
 
 def _path_runs(node: Node) -> Iterable[bytes]:
@@ -145,7 +147,7 @@ def check_reservations(
     live = list(sequences)
     recounted = sum(max(0, seq.reserve_until - len(seq.block_table)) for seq in live)
     assert num_reserved == recounted, f"reserved blocks {num_reserved} != recounted {recounted}"
-    duplicates = len({b for seq in live for b in seq.private_prefix})
+    duplicates = len({b for seq in live for b in seq.private_prefix.tolist()})
     assert num_available + duplicates >= num_reserved, (
         f"reservations {num_reserved} exceed available blocks {num_available} (+{duplicates} duplicates)"
     )

@@ -23,7 +23,7 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     bb = TokenKey.num_bytes(bs)
     new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
     key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
-    counts = pool.ref_counts[np.asarray(new_blocks, dtype=np.intp)]
+    counts = pool.ref_counts[new_blocks]
     if counts.max() > 1:
         num_known = tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
         held_by_others = np.flatnonzero(counts[num_known:] > 1)
@@ -35,7 +35,8 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     node, num_taken = tree.insert(seq.lock_node, key, new_blocks)
     # The tree takes over this sequence's hold on the blocks it took (the lock now covers them);
     # where it already held the prefix, the sequence keeps its duplicates privately.
-    seq.private_prefix += new_blocks[: len(new_blocks) - num_taken]
+    if num_taken < len(new_blocks):
+        seq.private_prefix = np.concatenate((seq.private_prefix, new_blocks[: len(new_blocks) - num_taken]))
     tree.lock(node)
     tree.unlock(seq.lock_node)
     seq.lock_node, seq.num_tree_blocks = node, num_full

@@ -6,13 +6,18 @@ import dataclasses
 import itertools
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 _node_ids = itertools.count()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Node:
     token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
-    block_ids: list[int]  # the blocks holding them, one per block_size tokens; the tree's hold on each
+    # The blocks holding them, one per block_size tokens; the tree's hold on each. Owned by the node
+    # (or a view shared with the other half of a split): never written in place, only re-sliced.
+    block_ids: npt.NDArray[np.int32]
     parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
     namespace: str  # the root's namespace: hits never cross namespaces
     children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
@@ -32,7 +37,7 @@ class TreeObserver(Protocol):
     def blocks_stored(self, node: Node) -> None:
         """`node` is a new leaf: all its blocks are newly cached."""
 
-    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
         """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
 
 

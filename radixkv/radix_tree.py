@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 from sortedcontainers import SortedList
 
+from radixkv.block_pool import NO_BLOCKS, BlockIds
 from radixkv.invariants import check_tree
 from radixkv.radix_node import Match, Node, TreeObserver, lru_key
 from radixkv.token_ids import TOKEN_BYTES
@@ -54,7 +56,7 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", [], None, namespace)
+            root = self.roots[namespace] = Node(b"", NO_BLOCKS, None, namespace)
         return root
 
     def tick(self) -> int:
@@ -115,7 +117,7 @@ class RadixTree:
 
     # -- insertion --------------------------------------------------------------------------------
 
-    def insert(self, start: Node, key: bytes, block_ids: list[int]) -> tuple[Node, int]:
+    def insert(self, start: Node, key: bytes, block_ids: BlockIds) -> tuple[Node, int]:
         """Add the full blocks of `key` (tokens below `start`) under `start`.
 
         Returns the deepest node now holding the prefix and how many of `block_ids` (always the
@@ -134,8 +136,8 @@ class RadixTree:
                 pos += match.num_blocks * self.block_bytes
                 i += match.num_blocks
                 continue
-            new_ids = block_ids[i:]
-            child = Node(key[pos:], list(new_ids), node, node.namespace, last_access=now)
+            new_ids = np.array(block_ids[i:], dtype=np.int32)  # the node's own copy (the caller's may change)
+            child = Node(key[pos:], new_ids, node, node.namespace, last_access=now)
             if node.lock_ref == 0 and not node.children and not node.is_root:
                 self._evictable_leaves.discard(node)
             node.children[key[pos : pos + self.block_bytes]] = child
@@ -220,35 +222,38 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------------------
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> list[int]:
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> npt.NDArray[np.int32]:
         """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
 
-        A leaf larger than what is still needed loses only its tail blocks: the cost is O(log n)
-        per leaf touched, and no more of the cache is dropped than asked for. With `namespaces`, only
-        leaves of the namespaces it accepts are dropped (a tenant over its cache share); finding
-        each costs a scan of the older leaves of other namespaces.
+        A leaf larger than what is still needed loses only its tail blocks (a slice): the cost is
+        O(log n) per leaf touched, and no more of the cache is dropped than asked for. With
+        `namespaces`, only leaves of the namespaces it accepts are dropped (a tenant over its cache
+        share); finding each costs a scan of the older leaves of other namespaces.
         """
-        freed: list[int] = []
-        removed: dict[str, list[int]] = {}  # one report per namespace per call
+        freed: list[npt.NDArray[np.int32]] = []
+        num_freed = 0
+        removed: dict[str, list[npt.NDArray[np.int32]]] = {}  # one report per namespace per call
         leaves = self._evictable_leaves
-        while len(freed) < num_blocks and leaves:
+        while num_freed < num_blocks and leaves:
             leaf = leaves[0] if namespaces is None else next((n for n in leaves if namespaces(n.namespace)), None)
             if leaf is None:
                 break
-            need = num_blocks - len(freed)
+            need = num_blocks - num_freed
             if self.touched is not None:
                 self.touched.add(leaf)
-            if len(leaf.block_ids) > need:
-                dropped = leaf.block_ids[-need:]
-                del leaf.block_ids[-need:]
-                leaf.token_bytes = leaf.token_bytes[: len(leaf.block_ids) * self.block_bytes]
+            dropped = leaf.block_ids
+            if len(dropped) > need:
+                keep = len(dropped) - need
+                dropped, leaf.block_ids = dropped[keep:], dropped[:keep]
+                leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
             else:
                 leaves.remove(leaf)
-                dropped = leaf.block_ids
                 self._detach(leaf)
-            freed.extend(dropped)
-            removed.setdefault(leaf.namespace, []).extend(dropped)
-        for namespace, block_ids in removed.items():
+            freed.append(dropped)
+            num_freed += len(dropped)
+            removed.setdefault(leaf.namespace, []).append(dropped)
+        for namespace, runs in removed.items():
+            block_ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
             left = self.num_cached_blocks_in[namespace] - len(block_ids)
             if left:
                 self.num_cached_blocks_in[namespace] = left
@@ -256,9 +261,11 @@ class RadixTree:
                 del self.num_cached_blocks_in[namespace]
             if self.observer is not None:
                 self.observer.blocks_removed(namespace, block_ids)
-        self.num_evictable_blocks -= len(freed)
-        self.num_cached_blocks -= len(freed)
-        return freed
+        self.num_evictable_blocks -= num_freed
+        self.num_cached_blocks -= num_freed
+        if len(freed) == 1:  # the usual case: one leaf trimmed
+            return freed[0]
+        return np.concatenate(freed) if freed else NO_BLOCKS
 
     def _detach(self, leaf: Node) -> None:
         """Unlink an evicted leaf; its parent may become an evictable leaf."""
@@ -300,5 +307,6 @@ class RadixTree:
         """Recount from scratch and compare (see `radixkv.invariants.check_tree`)."""
         check_tree(self)
 
-    def tree_block_ids(self) -> list[int]:
-        return [b for _, node in self.nodes() for b in node.block_ids]
+    def tree_block_ids(self) -> npt.NDArray[np.int32]:
+        """Every cached block, node by node (for invariant recounts)."""
+        return np.concatenate([NO_BLOCKS, *(node.block_ids for _, node in self.nodes())])

@@ -20,7 +20,7 @@ class SlotPlan:
     """
 
     block_size: int
-    span_blocks: list[int]  # per sequence in turn, the blocks its new tokens land in
+    span_blocks: npt.NDArray[np.int32]  # per sequence in turn, the blocks its new tokens land in
     span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
     counts: list[int]
     computed: npt.NDArray[np.int64] | None = None  # the slots, once read
@@ -44,11 +44,15 @@ def as_slots(source: SlotPlan | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 @dataclasses.dataclass(slots=True)
 class OpenResult:
-    """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go."""
+    """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go.
+
+    `block_table` is a read-only int32 array (`.tolist()` for a list): the cached path's blocks
+    joined with the new ones in one copy, never a Python int per block.
+    """
 
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
-    block_table: list[int]
+    block_table: npt.NDArray[np.int32]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
 
     @property

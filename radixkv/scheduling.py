@@ -29,7 +29,7 @@ def freeable_blocks(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSeque
             locks[node.node_id] += 1
             nodes[node.node_id] = node
             node = node.parent
-    held = np.asarray([b for seq in sequences for b in seq.private_blocks()], dtype=np.intp)
+    held = np.concatenate([np.empty(0, np.int32), *(seq.private_blocks() for seq in sequences)])
     block_ids, holds = np.unique(held, return_counts=True)
     freed = int(np.count_nonzero(ref_counts[block_ids] == holds))
     unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)
@@ -57,7 +57,7 @@ def victims(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence], nu
             break
         chosen.append(seq.seq_id)
         given += reservation(seq)
-        for block_id in seq.private_blocks():
+        for block_id in seq.private_blocks().tolist():
             holds[block_id] += 1
             if holds[block_id] == ref_counts[block_id]:  # every holder of it is chosen now
                 given += 1

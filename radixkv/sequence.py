@@ -12,7 +12,9 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from radixkv.block_table import BlockTable
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.radix_node import Node
 
@@ -24,12 +26,12 @@ class LiveSequence:
     # Tokens past the locked path (int32 bytes): all a sequence must keep of its history, since the
     # tree holds the rest. After a fork (which caches first) that is less than one block per child.
     tail_bytes: bytearray
-    block_table: list[int]
+    block_table: BlockTable
     lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
     num_tree_blocks: int  # leading blocks of the table that the locked path covers
     # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
     # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
-    private_prefix: list[int]
+    private_prefix: npt.NDArray[np.int32]  # never written in place: replaced when it grows
     num_tokens: int
     # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
     # full blocks below this watermark are ever published to the tree.
@@ -39,15 +41,17 @@ class LiveSequence:
     # below this draw on its reservation first. 0: no reservation.
     reserve_until: int = 0
 
-    def private_blocks(self) -> list[int]:
-        return self.private_prefix + self.block_table[self.num_tree_blocks :]
+    def private_blocks(self) -> npt.NDArray[np.int32]:
+        """The blocks this sequence holds by count (a view or a fresh array: use it at once)."""
+        own = self.block_table[self.num_tree_blocks :]
+        return np.concatenate((self.private_prefix, own)) if len(self.private_prefix) else own
 
     def fork_child(self, seq_id: int) -> LiveSequence:
         """A copy sharing every block (the caller adds the child's holds on them) and the priority; it
         reserves nothing, as its growth was never budgeted."""
         return LiveSequence(
-            seq_id, self.namespace, bytearray(self.tail_bytes), list(self.block_table), self.lock_node,
-            self.num_tree_blocks, list(self.private_prefix), self.num_tokens, self.num_computed_tokens,
+            seq_id, self.namespace, bytearray(self.tail_bytes), self.block_table.copy(), self.lock_node,
+            self.num_tree_blocks, self.private_prefix, self.num_tokens, self.num_computed_tokens,
             self.priority,
         )  # fmt: skip
 
@@ -144,17 +148,17 @@ class Sequences:
         return sequences
 
 
-def path_blocks(node: Node, num_blocks: int) -> list[int]:
-    """The blocks of the tree path ending at `node`, top-down: a locked sequence's table head."""
+def path_runs(node: Node) -> list[npt.NDArray[np.int32]]:
+    """The block arrays of the tree path ending at `node`, top-down: a locked sequence's table head.
+
+    One entry per node, never a step per block; `np.concatenate` joins them.
+    """
     runs = []
     while node.parent is not None:
         runs.append(node.block_ids)
         node = node.parent
-    blocks: list[int] = []
-    for run in reversed(runs):  # one C-level extend per node, never a Python step per block
-        blocks += run
-    assert len(blocks) == num_blocks, "locked path and match length disagree"
-    return blocks
+    runs.reverse()
+    return runs
 
 
 def check_watermarks(sequences: list[LiveSequence], num_tokens: Sequence[int]) -> None:

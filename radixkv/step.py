@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.token_ids import TokenIds
@@ -38,8 +39,9 @@ class Step:
 
     `commit`: what the worker wrote in the step before, so that this step's caches, forks and cached
     releases publish it; `opens`: (token_ids, namespace) prompts, with `max_new_tokens[i]` and
-    `priorities[i]` as `KVCache.open_many` takes them (empty: none); `forks`: (seq_id, num_children);
-    `caches`: seq ids; `releases`: (seq_ids, cache) batches.
+    `priorities[i]` as `KVCache.open_many` takes them (empty: none), and `explain[i]`: also say why
+    prompt i's cached prefix ends where it does, as `open(..., explain=True)` does (empty: none);
+    `forks`: (seq_id, num_children); `caches`: seq ids; `releases`: (seq_ids, cache) batches.
     """
 
     opens: Sequence[tuple[TokenIds, str]] = ()
@@ -50,14 +52,20 @@ class Step:
     commit: Commit | None = None
     max_new_tokens: Sequence[int] = ()
     priorities: Sequence[int] = ()
+    explain: Sequence[bool] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
-    """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s."""
+    """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s.
+
+    `explanations`: when the step asked to explain any open, one per open (None where it did not ask):
+    `radixkv.client.MatchExplanation` on the client, the server's `MissExplanation` inside it.
+    """
 
     opened: list[OpenResult]
     appended: AppendBatch | None
     forked: list[list[int]]
     num_cached_tokens: list[int]
     num_released_sequences: int
+    explanations: Sequence[Any] = ()

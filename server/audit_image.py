@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.block_hash import digest_of, wire_hash
 from radixkv.block_pool import BlockPool
 from radixkv.invariants import check_holders
@@ -40,7 +43,7 @@ class _NodeCopy:
     node_id: int
     namespace: str
     token_bytes: bytes  # immutable: shared, not copied
-    block_ids: list[int]
+    block_ids: npt.NDArray[np.int32]  # never written in place by the tree: shared, not copied
     hashes: list[bytes | None]  # the hub's hash of each block; None: missing from its table
     children: dict[bytes, int]  # first block's bytes -> child node id
     lock_ref: int
@@ -52,7 +55,7 @@ class _NodeCopy:
 def _copy(node: Node, tree: RadixTree, pool: Pool) -> _NodeCopy:
     get = pool.events.hashes.get
     return _NodeCopy(
-        node.node_id, node.namespace, node.token_bytes, list(node.block_ids), [get(b) for b in node.block_ids],
+        node.node_id, node.namespace, node.token_bytes, node.block_ids, [get(b) for b in node.block_ids.tolist()],
         {k: c.node_id for k, c in node.children.items()}, node.lock_ref, node.pin_ref, node.last_access,
         node.parent is not None and tree.is_listed_evictable(node),
     )  # fmt: skip
@@ -144,8 +147,8 @@ class PoolImage:
             ledger_violation = f"ledger: {e}"
         return _Instant(
             [_copy(root, tree, pool) for root in tree.roots.values()],
-            [dataclasses.replace(s, tail_bytes=bytearray(s.tail_bytes), block_table=list(s.block_table),
-                                 private_prefix=list(s.private_prefix)) for s in sequences],
+            [dataclasses.replace(s, tail_bytes=bytearray(s.tail_bytes), block_table=s.block_table.copy(),
+                                 private_prefix=s.private_prefix.copy()) for s in sequences],
             [(node.node_id, count) for node, count in pins],
             pool.cache.pool.copy(),
             (tree.num_evictable_blocks, tree.num_pinned_blocks, tree.num_cached_blocks,
@@ -188,7 +191,7 @@ class PoolImage:
         check_holders(instant.pool, tree, sequences, pins)
         wires: dict[str, list[int]] = {}
         for c in self._copies.values():
-            missing = [b for b, h in zip(c.block_ids, c.hashes, strict=True) if h is None]
+            missing = [b for b, h in zip(c.block_ids.tolist(), c.hashes, strict=True) if h is None]
             assert not missing, f"node {c.node_id}: blocks {missing} missing from the hash table"
             wires.setdefault(c.namespace, []).extend(wire_hash(h) for h in c.hashes if h is not None)
         num_tree_blocks = sum(len(w) for w in wires.values())

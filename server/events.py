@@ -25,6 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.kv_cache import KVCache
 from radixkv.radix_tree import Node
@@ -185,7 +188,7 @@ class EventHub:
         if self.sinks or self._watchers:  # nobody listening: the table, digest and numbers are all that must move
             self._publish(self._stored_event(number, node, delta))
 
-    def blocks_removed(self, namespace: str, block_ids: list[int]) -> None:
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
         self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
@@ -193,7 +196,7 @@ class EventHub:
         number = self._next_number(namespace)
         if not (self.sinks or self._watchers):
             return
-        ids = tuple(int(b) for b in block_ids)
+        ids = tuple(block_ids.tolist())
         kind = EventKind.BLOCKS_REMOVED
         self._publish(
             BlockEvent(
@@ -216,7 +219,7 @@ class EventHub:
             number,
             node.namespace,
             EventKind.BLOCKS_STORED,
-            tuple(int(b) for b in node.block_ids),
+            tuple(node.block_ids.tolist()),
             bytes(node.token_bytes),
             parent_block,
             tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),

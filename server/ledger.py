@@ -11,6 +11,9 @@ mirrors succeeded, so it always agrees with the core; `check_invariants` recount
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixkv.errors import NotPinned, QuotaExceeded, UnknownSequence
@@ -58,9 +61,9 @@ class PoolLedger:
         if self._owners.get(seq_id) is not session:
             raise UnknownSequence(seq_id)
 
-    def check_owners(self, session: Session, seq_ids: list[int], field: str = "seq_ids") -> None:
-        owners = self._owners
-        if any(owners.get(seq_id) is not session for seq_id in seq_ids):  # a decode step: check fast, name slowly
+    def check_owners(self, session: Session, seq_ids: Sequence[int], field: str = "seq_ids") -> None:
+        # A decode step: check fast (no Python-level loop over its hundreds of ids), name the culprit slowly.
+        if any(map(operator.is_not, map(self._owners.get, seq_ids), itertools.repeat(session))):
             for i, seq_id in enumerate(seq_ids):
                 self.check_owner(session, seq_id, f"{field}[{i}]")
 
@@ -113,6 +116,14 @@ class PoolLedger:
         tenant = self._owners[seq_id].tenant.name
         self._charge(tenant, num_blocks - self._num_table_blocks[seq_id])  # a preempt shrinks it to 0
         self._num_table_blocks[seq_id] = num_blocks
+
+    def follow_append(self, seq_ids: Sequence[int], table_offsets: Sequence[int], num_block_ids: Sequence[int]) -> None:
+        """After an append: sequence i's table is now `table_offsets[i] + num_block_ids[i]` blocks long.
+
+        Only a sequence that got blocks changed length (one in `block_size` per decode step), so only those are visited.
+        """
+        for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
+            self.resize(seq_ids[i], table_offsets[i] + num_block_ids[i])
 
     def forget(self, seq_id: int) -> None:
         session = self._owners.pop(seq_id)

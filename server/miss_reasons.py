@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import cast
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from radixkv.namespaces import existing_root
 from radixkv.server.config import ANY_NAMESPACE
 from radixkv.server.events import EventHub
 from radixkv.server.tenants import Tenant
+from radixkv.v1 import kvcache_pb2 as pb
 
 MAX_OTHER_NAMESPACES = 16  # namespaces fully matched for OTHER_NAMESPACE, so an explain stays cheap
 
@@ -31,6 +33,9 @@ class MissReason(enum.Enum):
     PARTIAL_BLOCK = 4
     OTHER_NAMESPACE = 5
     LAST_TOKEN = 6  # open only
+    # The prefix continues in the host tier (loaded back on open). Reserved: the host tier's residency
+    # decides it, and no pool produces it until that lands.
+    HOST_TIER = 7
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +45,11 @@ class MissExplanation:
     num_missed_tokens: int  # tokens after the cached prefix
     evicted_at_unix_ns: int = 0  # EVICTED
     other_namespace: str = ""  # OTHER_NAMESPACE: the caller's name for it
+
+
+def wire_reason(why: MissExplanation) -> pb.MissReason:
+    """The wire enum of a miss reason; protobuf enum values are ints at run time, the stubs name the enum."""
+    return cast(pb.MissReason, pb.MissReason.Value(f"MISS_REASON_{why.reason.name}"))
 
 
 def _starts_with(cache: KVCache, core_namespace: str, first_block: bytes) -> bool:

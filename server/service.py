@@ -249,10 +249,7 @@ class KVService:
                     )
                     ledger.check_quota(caller, growth)
                 batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-                for seq_id, offset, num_blocks in zip(
-                    batch.seq_ids, batch.table_offsets, batch.num_block_ids, strict=True
-                ):
-                    ledger.resize(seq_id, offset + num_blocks)
+                ledger.follow_append(batch.seq_ids, batch.table_offsets, batch.num_block_ids)
                 return batch
 
             return session.requests.once(
@@ -352,6 +349,7 @@ class KVService:
                 result = pool.cache.preempt(seq_ids, mode)
                 for seq_id in result.seq_ids:
                     pool.ledger.resize(seq_id, 0)
+                self.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
                 return result
 
             return session.requests.once(

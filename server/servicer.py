@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import cast
 
 import grpc
 import numpy as np
@@ -24,7 +23,7 @@ from radixkv.block_hash import WIRE_MASK, HashContract
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
-from radixkv.server.miss_reasons import MissExplanation
+from radixkv.server.miss_reasons import MissExplanation, wire_reason
 from radixkv.server.service import KVService
 from radixkv.server.session_stream import Observe, SessionStreams
 from radixkv.server.status import translating_errors, translating_stream
@@ -81,14 +80,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 pb.OpenedSequence(
                     seq_id=r.seq_id,
                     num_cached_tokens=r.num_cached_tokens,
-                    block_ids=r.block_table,
+                    block_ids=r.block_table.tolist(),
                     slots=np.asarray(r.slots).tolist(),
                 )
                 for r in results
             ]
         )
         for opened, why in zip(response.sequences, explanations or (), strict=False):
-            opened.miss_reason = _miss_reason(why)
+            opened.miss_reason = wire_reason(why)
             opened.miss_block_index, opened.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
             opened.other_namespace = why.other_namespace
         return response
@@ -185,7 +184,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
         r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
         return pb.ResumeResponse(
-            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table,
+            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table.tolist(),
             slots=np.asarray(r.slots).tolist(),
             loads=[pb.BlockTransfer(src_block_id=h, dst_block_id=d) for h, d in r.loads],
         )  # fmt: skip
@@ -202,7 +201,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, miss_reason=_miss_reason(why),
+                num_cached_tokens=num, miss_reason=wire_reason(why),
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
@@ -323,11 +322,6 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 for w in written
             ]  # fmt: skip
         )
-
-
-def _miss_reason(why: MissExplanation) -> pb.MissReason:
-    """The wire enum of a miss reason; protobuf enum values are ints at run time, the stubs name the enum."""
-    return cast(pb.MissReason, pb.MissReason.Value(f"MISS_REASON_{why.reason.name}"))
 
 
 def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:

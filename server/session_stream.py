@@ -13,6 +13,10 @@ The stream serves the session its first request names; later requests may leave 
 empty. While the stream is open the session's lease does not run out (`SessionRegistry.hold`), and
 the server's keepalive pings end the streams of peers that vanished. A step with a `request_id`
 that this session already answered (re-sent after a reconnect) is answered again, not re-applied.
+
+A client with several steps queued sends them as one frame (`SessionRequest.steps`, see
+client/step_stream.py): each is answered exactly as if it came alone, in order, and the answers go
+back in one message, so gRPC's per-message cost is paid once for them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.server.decoding import Undecodable
+from radixkv.server.miss_reasons import wire_reason
 from radixkv.server.service import KVService
 from radixkv.server.sessions import Session
 from radixkv.server.status import STATUS_BY_REASON
@@ -71,15 +76,39 @@ class SessionStreams:
                     request = next(incoming)
                 except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
                     return
-                start = time.perf_counter()
-                response, pool = stream.answer(request)
-                code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
-                observe("Session", pool, code, time.perf_counter() - start)
-                yield response
+                if isinstance(request, Undecodable) or not request.steps:
+                    yield _answer(stream, request, observe)
+                else:
+                    yield _answer_frame(stream, request, observe)
         finally:
             stream.close()
             with self._lock:
                 self._num_open -= 1
+
+
+def _answer(stream: _Stream, request: pb.SessionRequest | Undecodable, observe: Observe) -> pb.SessionResponse:
+    start = time.perf_counter()
+    response, pool = stream.answer(request)
+    code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
+    observe("Session", pool, code, time.perf_counter() - start)
+    return response
+
+
+def _answer_frame(stream: _Stream, frame: pb.SessionRequest, observe: Observe) -> pb.SessionResponse:
+    """A frame's steps, each answered as if it came alone, in order; their responses in one message."""
+    response = pb.SessionResponse()
+    if len(frame.ListFields()) > 1:  # `steps` and something else
+        refusal = _step_error(InvalidArgument("steps", "a frame of steps sets no other field"))
+        for _ in frame.steps:
+            response.steps.add(error=refusal)
+        return response
+    for i, step in enumerate(frame.steps):
+        if step.steps:
+            refused = _step_error(InvalidArgument(f"steps[{i}].steps", "a step inside a frame is not a frame"))
+            response.steps.add(request_id=step.request_id, error=refused)
+        else:
+            response.steps.append(_answer(stream, step, observe))
+    return response
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -138,6 +167,8 @@ def _step(request: pb.SessionRequest) -> Step:
         if any(o.max_new_tokens or o.priority for o in request.opens):
             items["max_new_tokens"] = [o.max_new_tokens for o in request.opens]
             items["priorities"] = [o.priority for o in request.opens]
+        if any(o.explain for o in request.opens):
+            items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
         a = request.append
         items["append"] = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
@@ -151,35 +182,40 @@ def _step(request: pb.SessionRequest) -> Step:
 
 
 def _response(request_id: int, session_id: str, result: StepResult) -> pb.SessionResponse:
-    """Only the fields the step has results for are set (protobuf costs per field given, even empty ones)."""
-    fields: dict[str, object] = {"request_id": request_id, "session_id": session_id}
-    if result.opened:
-        fields["opened"] = [
-            pb.StepOpened(
-                seq_id=r.seq_id,
-                num_cached_tokens=r.num_cached_tokens,
-                block_ids=r.block_table,
-                slots=r.slots.astype(_INT64, copy=False).tobytes(),
-            )
-            for r in result.opened
-        ]
+    """Only the fields the step has results for are set, in place (protobuf costs per field given, even an
+    empty one, and a submessage passed to a constructor is copied again)."""
+    response = pb.SessionResponse(request_id=request_id, session_id=session_id)
+    for r in result.opened:
+        response.opened.add(
+            seq_id=r.seq_id,
+            num_cached_tokens=r.num_cached_tokens,
+            block_ids=r.block_table.tolist(),
+            slots=r.slots.astype(_INT64, copy=False).tobytes(),
+        )
+    for item, why in zip(response.opened, result.explanations, strict=False):  # explained opens: as OpenSequences
+        if why is not None:
+            item.miss_reason = wire_reason(why)
+            item.miss_block_index, item.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
+            item.other_namespace = why.other_namespace
     b = result.appended
     if b is not None:
-        fields["appended"] = pb.StepAppended(
-            num_tokens=b.num_tokens,
-            table_offsets=b.table_offsets,
-            num_block_ids=b.num_block_ids,
-            block_ids=b.block_ids,
-            slots=b.slots.astype(_INT64, copy=False).tobytes(),
-            copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in b.copies],
-        )
-    if result.forked:
-        fields["forked"] = [pb.StepForked(child_seq_ids=children) for children in result.forked]
+        appended = response.appended
+        appended.SetInParent()  # an append of no sequences still answers with an (empty) `appended`
+        appended.num_tokens.extend(b.num_tokens)
+        appended.table_offsets.extend(b.table_offsets)
+        appended.num_block_ids.extend(b.num_block_ids)
+        if b.block_ids:
+            appended.block_ids.extend(b.block_ids)
+        appended.slots = b.slots.astype(_INT64, copy=False).tobytes()
+        for s, d, i in b.copies:
+            appended.copies.add(src_block_id=s, dst_block_id=d, sequence_index=i)
+    for children in result.forked:
+        response.forked.add(child_seq_ids=children)
     if result.num_cached_tokens:
-        fields["num_cached_tokens"] = result.num_cached_tokens
+        response.num_cached_tokens.extend(result.num_cached_tokens)
     if result.num_released_sequences:
-        fields["num_released_sequences"] = result.num_released_sequences
-    return pb.SessionResponse(**fields)  # type: ignore[arg-type]
+        response.num_released_sequences = result.num_released_sequences
+    return response
 
 
 def _step_error(error: RadixKVError) -> pb.StepError:

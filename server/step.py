@@ -18,6 +18,7 @@ result, for the steps after it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -31,13 +32,14 @@ from radixkv.errors import (
 )
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
+from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
 from radixkv.server.pools import Pool
 from radixkv.server.service import KVService, _num_tokens
 from radixkv.server.sessions import Session
 from radixkv.server.sizes import check_request_size, open_response_bytes
 from radixkv.server.tenants import Tenant
 from radixkv.step import Step, StepResult
-from radixkv.token_ids import TokenIds
+from radixkv.token_ids import TokenIds, to_token_bytes
 
 
 class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper than a generator per item
@@ -69,6 +71,7 @@ def run_step(
     """
     pool = service.pool(pool_name)
     requests: list[tuple[TokenIds, str]] = []
+    keys: list[bytes | None] = []  # per open, its tokens packed where it asks to be explained
     if step.opens:
         with _item("opens"):  # as OpenSequences does before it takes the lock
             counts = [_num_tokens(t) for t, _ in step.opens]
@@ -78,6 +81,7 @@ def run_step(
                 (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
                 for i, (tokens, ns) in enumerate(step.opens)
             ]
+            keys = _explained_keys(step, batch)
     with pool.lock:
         if session.closed:
             raise UnknownSession(session.session_id)
@@ -87,19 +91,48 @@ def run_step(
 
         def check_and_apply() -> StepResult:
             _StepPlan(service, pool, session, caller).check(step, requests)
+            # As OpenSequences explains: before the opens (the commit before them leaves the tree as it is).
+            before: list[MissExplanation | None] = (
+                [
+                    None if key is None else explain_open(pool.cache, pool.events, caller, key, ns)
+                    for key, (_, ns) in zip(keys, requests, strict=True)
+                ]
+                if keys
+                else []
+            )
             cost = sum(_num_tokens(t) for t, _ in requests) + sum(step.max_new_tokens) if requests else 0
             with _item("opens"):
                 service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
-                return _apply(service, pool, session, step, requests)
+                result = _apply(service, pool, session, step, requests)
             except BaseException:
                 service.token_buckets.refund(caller, cost)
                 raise
+            if not before:
+                return result
+            size = pool.layout.block_size
+            pairs = zip(before, result.opened, strict=True)
+            return dataclasses.replace(
+                result, explanations=[None if b is None else after_open(b, r.num_cached_tokens, size) for b, r in pairs]
+            )
 
         num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
         return session.requests.once(
             request_id, f"Session {pool.name}", check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens
         )
+
+
+def _explained_keys(step: Step, batch: bool) -> list[bytes | None]:
+    """Each open's tokens packed where it asks to be explained (none asks: empty), refused as OpenSequences
+    refuses them."""
+    if not any(step.explain):
+        return []
+    if len(step.explain) != len(step.opens):
+        raise InvalidArgument("explain", f"needs one entry per prompt ({len(step.opens)}), got {len(step.explain)}")
+    return [
+        to_token_bytes(tokens, f"prompts[{i}].token_ids" if batch else "token_ids") if explain else None
+        for i, ((tokens, _), explain) in enumerate(zip(step.opens, step.explain, strict=True))
+    ]
 
 
 def _result_cost(result: StepResult) -> int:
@@ -176,7 +209,7 @@ class _StepPlan:
                 released.update(seq_ids)
 
     def _own_all(self, seq_ids: Sequence[int], field: str) -> None:
-        self.pool.ledger.check_owners(self.session, list(seq_ids), field)
+        self.pool.ledger.check_owners(self.session, seq_ids, field)
 
     def _add_sequences(self, num_new: int) -> None:
         self.service.check_num_sequences(self.pool, self.session, self.num_new_sequences + num_new)
@@ -211,8 +244,7 @@ def _apply(
         with applying.item("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            for seq_id, offset, n in zip(appended.seq_ids, appended.table_offsets, appended.num_block_ids, strict=True):
-                ledger.resize(seq_id, offset + n)
+            ledger.follow_append(appended.seq_ids, appended.table_offsets, appended.num_block_ids)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):

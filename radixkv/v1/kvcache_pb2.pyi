@@ -16,6 +16,7 @@ class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISS_REASON_PARTIAL_BLOCK: _ClassVar[MissReason]
     MISS_REASON_OTHER_NAMESPACE: _ClassVar[MissReason]
     MISS_REASON_LAST_TOKEN: _ClassVar[MissReason]
+    MISS_REASON_HOST_TIER: _ClassVar[MissReason]
 
 class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ MISS_REASON_EVICTED: MissReason
 MISS_REASON_PARTIAL_BLOCK: MissReason
 MISS_REASON_OTHER_NAMESPACE: MissReason
 MISS_REASON_LAST_TOKEN: MissReason
+MISS_REASON_HOST_TIER: MissReason
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCKS_STORED: KVEventKind
 KV_EVENT_KIND_BLOCKS_REMOVED: KVEventKind
@@ -619,7 +621,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceDigest, _Mapping]]] = ..., digest: _Optional[int] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit")
+    __slots__ = ("session_id", "pool", "request_id", "opens", "append", "forks", "cache_seq_ids", "releases", "commit", "steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -629,6 +631,7 @@ class SessionRequest(_message.Message):
     CACHE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool: str
     request_id: int
@@ -638,7 +641,8 @@ class SessionRequest(_message.Message):
     cache_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     releases: _containers.RepeatedCompositeFieldContainer[StepRelease]
     commit: StepCommit
-    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ..., commit: _Optional[_Union[StepCommit, _Mapping]] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[SessionRequest]
+    def __init__(self, session_id: _Optional[str] = ..., pool: _Optional[str] = ..., request_id: _Optional[int] = ..., opens: _Optional[_Iterable[_Union[StepOpen, _Mapping]]] = ..., append: _Optional[_Union[StepAppend, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[StepFork, _Mapping]]] = ..., cache_seq_ids: _Optional[_Iterable[int]] = ..., releases: _Optional[_Iterable[_Union[StepRelease, _Mapping]]] = ..., commit: _Optional[_Union[StepCommit, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[SessionRequest, _Mapping]]] = ...) -> None: ...
 
 class StepCommit(_message.Message):
     __slots__ = ("seq_ids", "num_tokens")
@@ -649,16 +653,18 @@ class StepCommit(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOpen(_message.Message):
-    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority")
+    __slots__ = ("token_ids", "namespace", "max_new_tokens", "priority", "explain")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     namespace: str
     max_new_tokens: int
     priority: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    explain: bool
+    def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class StepAppend(_message.Message):
     __slots__ = ("seq_ids", "num_token_ids", "token_ids")
@@ -706,7 +712,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id")
+    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id", "steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -715,6 +721,7 @@ class SessionResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     error: StepError
     opened: _containers.RepeatedCompositeFieldContainer[StepOpened]
@@ -723,19 +730,28 @@ class SessionResponse(_message.Message):
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_released_sequences: int
     session_id: str
-    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[SessionResponse]
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ...) -> None: ...
 
 class StepOpened(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    miss_reason: MissReason
+    miss_block_index: int
+    evicted_at_unix_ns: int
+    other_namespace: str
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
 
 class StepAppended(_message.Message):
     __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")

@@ -1,7 +1,10 @@
 """The append path's two steps on hand-built sequences: `plan_append` then `apply_append`."""
 
+import numpy as np
+
 from radixkv.append import apply_append, plan_append
-from radixkv.block_pool import BlockPool
+from radixkv.block_pool import NO_BLOCKS, BlockPool
+from radixkv.block_table import BlockTable
 from radixkv.radix_node import Node
 from radixkv.sequence import LiveSequence
 from radixkv.token_ids import TokenKey
@@ -11,8 +14,9 @@ BLOCK_SIZE = 4
 
 def sequence(seq_id: int, block_table: list[int], num_tokens: int) -> LiveSequence:
     tail = bytearray(TokenKey.of(list(range(num_tokens))).data)
-    root = Node(b"", [], None, "default")
-    return LiveSequence(seq_id, "default", tail, block_table, root, 0, [], num_tokens, num_tokens)
+    root = Node(b"", NO_BLOCKS, None, "default")
+    table = BlockTable.of([np.array(block_table, dtype=np.int32)])
+    return LiveSequence(seq_id, "default", tail, table, root, 0, NO_BLOCKS, num_tokens, num_tokens)
 
 
 def test_a_shared_partial_last_block_is_copied_by_all_but_its_last_holder():
@@ -49,5 +53,5 @@ def test_apply_swaps_the_copied_block_and_drops_its_hold():
     assert (num_new, cow_src) == (1, table[1])
     new_blocks = pool.allocate(num_new)
     offset = apply_append(seq, memoryview(TokenKey.of([7]).data), 1, cow_src, new_blocks, pool)
-    assert offset == 1 and seq.block_table == [table[0], new_blocks[0]]
+    assert offset == 1 and seq.block_table.tolist() == [table[0], new_blocks[0]]
     assert pool.ref_counts[table[1]] == 1  # the sibling's hold is left

@@ -8,8 +8,8 @@ from radixkv.errors import OutOfBlocks
 
 def test_allocate_hands_out_distinct_blocks_lowest_first():
     pool = BlockPool(8)
-    assert pool.allocate(3) == [0, 1, 2]
-    assert pool.allocate(2) == [3, 4]
+    assert pool.allocate(3).tolist() == [0, 1, 2]
+    assert pool.allocate(2).tolist() == [3, 4]
     assert pool.num_free == 3
     pool.check_invariants()
 
@@ -56,7 +56,7 @@ def test_random_operations_keep_counts_consistent(ops):
                 with pytest.raises(OutOfBlocks):
                     pool.allocate(n)
             else:
-                for block in pool.allocate(n):
+                for block in pool.allocate(n).tolist():
                     assert block not in held
                     held[block] = 1
         elif op == "incref" and held:

@@ -177,7 +177,7 @@ def test_lock_prefix_pins_a_hit_without_allocating(cache):
     cache.release(locked.seq_id)
     assert cache.evict(16) == 2
     miss = cache.lock_prefix([77, 78], "other")
-    assert (miss.num_cached_tokens, miss.block_table) == (0, [])
+    assert (miss.num_cached_tokens, miss.block_table.tolist()) == (0, [])
     cache.append(miss.seq_id, [77, 78, 79])
     cache.release(miss.seq_id)
 

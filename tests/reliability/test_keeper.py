@@ -58,7 +58,7 @@ def _write_and_checksum(server: ServerProcess, seed: int) -> tuple[list[int], st
     checksum of those blocks, the shared-memory segment)."""
     with RadixKVClient(server.address) as client:
         opened = client.open(list(range(100, 112)), "keeper")
-        table = list(opened.block_table)
+        table = opened.block_table.tolist()
         info = client.get_pool()
         with PoolView(info) as view:
             generator = torch.Generator().manual_seed(seed)
@@ -112,13 +112,14 @@ def _restart_safe(server: ServerProcess) -> float:
     return float(match.group(1))
 
 
-def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path, wait_until: Callable[..., bool]) -> None:
+def test_a_keeper_killed_under_a_running_server_leaves_it_serving_but_not_restart_safe(
+    tmp_path: Path, wait_until: Callable[..., bool]
+) -> None:
     state = tmp_path / "state"
     keeper = KeeperProcess(state, tmp_path / "keeper.log")
     server = ServerProcess([*FLAGS, "--metrics-port", "0"], tmp_path / "server.log", keeper=keeper.socket)
-    table, checksum, segment = _write_and_checksum(server, seed=5)
+    table, checksum, _ = _write_and_checksum(server, seed=5)
     assert _restart_safe(server) == 1
-    (state / "snapshots" / "default.snapshot").write_bytes(b"an index of memory that is about to die")
 
     keeper.kill()
     log = tmp_path / "server.log"
@@ -129,17 +130,39 @@ def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path, wait_unti
     with RadixKVClient(server.address) as client:
         opened = client.open(list(range(200, 210)), "after-the-keeper")
         assert len(opened.block_table) == 3
+        client.commit([opened.seq_id], [10])
         client.release(opened.seq_id)
+    # ...but its graceful stop writes no snapshot: the memory it would describe dies with this server.
     assert server.stop() == 0
+    assert list((state / "snapshots").glob("*.snapshot")) == []
 
-    # ...and the next keeper starts cold: the dead keeper's segment and the snapshot are gone, memory is fresh.
+
+def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    prompt = list(range(300, 313))  # 3 full blocks of 4 and one token more
+    keeper = KeeperProcess(state, tmp_path / "keeper.log")
+    server = ServerProcess(FLAGS, tmp_path / "server.log", keeper=keeper.socket)
+    table, _, segment = _write_and_checksum(server, seed=7)
+    with RadixKVClient(server.address) as client:
+        opened = client.open(prompt, "cold")
+        client.commit([opened.seq_id], [len(prompt)])
+        client.release(opened.seq_id)
+        assert client.match(prompt, "cold") == 12
+    assert server.stop() == 0
+    assert (state / "snapshots" / "default.snapshot").exists()  # adoptable, had the keeper lived
+
+    keeper.kill()
+    # The next keeper starts cold: the dead keeper's segment and every snapshot are gone, the memory is fresh...
     with KeeperProcess(state, tmp_path / "keeper2.log") as second_keeper:
         assert second_keeper.incarnation != keeper.incarnation
         assert not os.path.exists(os.path.join(SHM_DIR, segment))
         assert list((state / "snapshots").iterdir()) == []
         restarted = ServerProcess(FLAGS, tmp_path / "restarted.log", keeper=second_keeper.socket)
         assert restarted.announcement["keeper"]["pools"] == {"default": "fresh"}
-        assert _checksum(restarted, table) == _zeros_checksum(len(table))  # what was written died with the keeper
+        # ...so nothing is adopted: no prefix hits, and what was written died with the keeper.
+        with RadixKVClient(restarted.address) as client:
+            assert client.match(prompt, "cold") == 0
+        assert _checksum(restarted, table) == _zeros_checksum(len(table))
         assert restarted.stop() == 0
 
 
@@ -218,7 +241,7 @@ def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path
         first = ServerProcess(cuda_flags, tmp_path / "first.log", keeper=keeper.socket)
         with RadixKVClient(first.address) as client:
             opened = client.open(list(range(100, 112)), "keeper")
-            table = list(opened.block_table)
+            table = opened.block_table.tolist()
             info = client.get_pool()
             assert info.handle.WhichOneof("memory") == "cuda_ipc"
             with PoolView(info) as view:  # this process opens the keeper's allocation

@@ -166,12 +166,23 @@ def test_preempt_and_resume_by_recompute(client: RadixKVClient, debug: Debug, ns
 
     resumed = client.resume(a.seq_id)
     assert resumed.seq_id == a.seq_id and resumed.num_cached_tokens == 8 and resumed.loads == []
-    assert len(resumed.block_table) == 3 and client.block_table(a.seq_id) == resumed.block_table
+    assert len(resumed.block_table) == 3 and client.block_table(a.seq_id) == resumed.block_table.tolist()
     table = resumed.block_table
     assert np.asarray(resumed.slots).tolist() == [table[p // 4] * 4 + p % 4 for p in range(8, 10)]
     assert client.stats().num_blocks_reserved == 1
     client.append(a.seq_id, [1, 2])
     debug.check("small")
+    client.release(a.seq_id, cache=False)
+
+
+def test_what_a_preempt_caches_stays_within_the_tenants_cache_share(client: RadixKVClient, ns: str) -> None:
+    share = 16 // (1 + len(SLOW))  # an even share of the small pool among the tenants
+    a = client.open(list(range(24)), ns)  # 6 blocks
+    client.commit([a.seq_id], [24])
+    client.preempt([a.seq_id], "recompute")
+    assert sum(client.verify().num_blocks.values()) <= share, "a preempt cached past the tenant's share"
+    resumed = client.resume(a.seq_id)
+    assert resumed.num_cached_tokens <= share * 4
     client.release(a.seq_id, cache=False)
 
 

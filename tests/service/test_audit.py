@@ -46,7 +46,7 @@ def _workload(client: RadixKVClient) -> list[int]:
             client.commit([opened.seq_id], [opened.num_cached_tokens + len(opened.slots)])
             client.release(opened.seq_id)
     held = client.open([9, 9, 9, 9, 8, 8, 8, 8, 7], "a")
-    return held.block_table
+    return held.block_table.tolist()
 
 
 def test_the_audit_runs_and_a_healthy_pool_passes(

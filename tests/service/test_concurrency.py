@@ -42,7 +42,7 @@ def _drive(address: str, worker: int, deadline: float, counts: dict[str, int], f
                         ]
                         opened = client.open_many(prompts)
                         live += [o.seq_id for o in opened]
-                        assert all(client.block_table(o.seq_id) == o.block_table for o in opened)
+                        assert all(client.block_table(o.seq_id) == o.block_table.tolist() for o in opened)
                     elif op == "append":
                         batch = rng.sample(live, min(len(live), 4))
                         results = client.append_many([(s, [rng.randrange(50)] * rng.randrange(1, 6)) for s in batch])

@@ -30,7 +30,7 @@ def test_kv_written_by_a_worker_is_what_the_server_holds(server, debug) -> None:
     with RadixKVClient(server.address) as client:
         opened = client.open(list(range(40, 50)), "pool-view")  # 10 tokens: 3 blocks, the last partly written
         slots = np.asarray(opened.slots).tolist()
-        table = opened.block_table
+        table = opened.block_table.tolist()
         untouched = [b for b in range(256) if b not in table][:3]
         before_untouched = debug.checksum(untouched)
         result = subprocess.run(

@@ -41,12 +41,12 @@ def test_open_append_fork_cache_release_track_the_block_table(client: RadixKVCli
     assert opened.num_cached_tokens == 0
     assert len(opened.block_table) == 3
     assert np.asarray(opened.slots).tolist() == expected_slots(opened.block_table, 0, 10)
-    assert client.block_table(opened.seq_id) == opened.block_table
+    assert client.block_table(opened.seq_id) == opened.block_table.tolist()
 
     appended = client.append(opened.seq_id, [1, 2, 3])  # positions 10..12: fills block 2, opens block 3
     assert (appended.num_tokens, appended.table_offset, len(appended.block_ids), appended.copies) == (13, 3, 1, [])
     table = client.block_table(opened.seq_id)
-    assert table == opened.block_table + appended.block_ids
+    assert table == opened.block_table.tolist() + appended.block_ids
     assert np.asarray(appended.slots).tolist() == expected_slots(table, 10, 13)
 
     client.commit([opened.seq_id], [13])  # the worker wrote all 13 tokens' K/V: only written blocks are cached
@@ -71,7 +71,7 @@ def test_open_append_fork_cache_release_track_the_block_table(client: RadixKVCli
         client.block_table(opened.seq_id)
     again = client.open(prompt + [5], ns)
     assert again.num_cached_tokens == 12
-    assert again.block_table[:3] == table[:3]
+    assert again.block_table[:3].tolist() == table[:3]
     client.release(again.seq_id, cache=False)
     debug.check()
 
@@ -152,7 +152,8 @@ def test_watch_events_reports_stored_and_evicted_blocks(server, debug) -> None: 
             1,
             False,
         )
-        assert stored.block_ids == opened.block_table and stored.token_ids == prompt and stored.parent_block_id is None
+        assert stored.block_ids == opened.block_table.tolist()
+        assert stored.token_ids == prompt and stored.parent_block_id is None
         # Opening 8 blocks elsewhere must evict all four.
         big = client.open(list(range(300, 332)), f"{ns}-other")
         removed = next(events)

@@ -167,7 +167,7 @@ class End:
 
 def comparable(r: StepResult) -> tuple:
     """A step's results without sequence ids (each pool numbers its sequences from its own random start)."""
-    opened = [(o.num_cached_tokens, o.block_table, o.slots.tolist()) for o in r.opened]
+    opened = [(o.num_cached_tokens, o.block_table.tolist(), o.slots.tolist()) for o in r.opened]
     a = r.appended
     appended = (
         None if a is None else (a.num_tokens, a.table_offsets, a.num_block_ids, a.block_ids, a.copies, a.slots.tolist())

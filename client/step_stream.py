@@ -1,0 +1,278 @@
+"""Steps pipelined on a Session stream: several in flight, answered in order, queued ones sent as one frame.
+
+The stream is ordered, so a client need not wait for a step's response before sending the next:
+`RadixKVClient.submit(step)` returns a `StepFuture` at once, and `AsyncRadixKVClient.step` may be
+awaited by many coroutines together. Steps queued while the message before them is being written
+leave together in one message (a frame, `SessionRequest.steps`), so gRPC's per-message cost, which
+is most of a small step's, is paid once per frame; each step is still applied alone, all or none,
+and answered alone. Nothing waits to fill a frame: a lone step leaves at once, as itself.
+
+The blocking stream has no reader thread: a caller waiting for its step reads responses until its
+own arrives, settling the steps ahead of it on the way. A stream that breaks takes its unanswered
+steps with it; the client re-sends them (UNAVAILABLE: once each, in order, with their request ids,
+so a step the server did apply is answered, not applied again) on a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+import grpc
+import grpc.aio
+
+from radixkv.step import Step, StepResult
+from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.v1 import kvcache_pb2_grpc
+
+MAX_FRAME_STEPS = 64  # steps per message at most: a frame's response stays small, and its steps' latency too
+# Request bytes per frame at most (a larger step goes alone): a frame's response (slots are 8 bytes per
+# prompt token against 4 in the request) stays well under the server's message limit.
+MAX_FRAME_BYTES = 256 * 1024
+
+S = TypeVar("S")  # the stream a pending step is on
+
+
+class Pending(Generic[S]):
+    """A step sent (or about to be) and not yet settled: the stream it is on, and how often it was sent."""
+
+    __slots__ = ("step", "request", "stream", "attempts")
+
+    def __init__(self, step: Step, request: pb.SessionRequest) -> None:
+        self.step, self.request = step, request
+        self.stream: S | None = None
+        self.attempts = 0
+
+
+class StepFuture(Pending["StepStream"]):
+    """A step submitted on a blocking client's stream; `result()` waits for it (see `RadixKVClient.submit`)."""
+
+    __slots__ = ("_result", "_error", "_done")
+
+    def __init__(self, step: Step, request: pb.SessionRequest) -> None:
+        super().__init__(step, request)
+        self._result: StepResult | None = None
+        self._error: BaseException | None = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> StepResult:
+        """The step's result, reading the stream until it arrives.
+
+        Raises:
+            RadixKVError: the step was refused (nothing of it applied), or its stream failed.
+        """
+        while not self._done:
+            stream = self.stream
+            assert stream is not None, "a StepFuture is sent before it is returned"
+            stream.read_until(self)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def settle(self, result: StepResult | None, error: BaseException | None) -> None:
+        self._result, self._error, self._done = result, error, True
+
+
+class AsyncPending(Pending["AsyncStepStream"]):
+    """A step on an asyncio client's stream; its future is what `step` awaits."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, step: Step, request: pb.SessionRequest) -> None:
+        super().__init__(step, request)
+        self.future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+
+    def settle(self, result: StepResult | None, error: BaseException | None) -> None:
+        if self.future.done():  # its awaiter was cancelled; the step itself went through (or failed) all the same
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)  # type: ignore[arg-type]
+
+
+# settle(pending, response): turn one step's response into its result and settle it;
+# broken(stream, error, pendings): the stream failed with these steps unanswered, in order.
+Settle = Callable[[Any, pb.SessionResponse], None]
+Broken = Callable[[Any, grpc.RpcError, list[Any]], None]
+
+
+def frame(requests: list[pb.SessionRequest]) -> pb.SessionRequest:
+    """One message for the queued steps: the step itself when alone."""
+    return requests[0] if len(requests) == 1 else pb.SessionRequest(steps=requests)
+
+
+def answers(response: pb.SessionResponse, num_steps: int) -> list[pb.SessionResponse]:
+    """Each step's response in a message answering `num_steps` steps (a frame refused whole answers each alike)."""
+    if len(response.steps):
+        assert len(response.steps) == num_steps, "the server answered a frame with another number of steps"
+        return list(response.steps)
+    return [response] * num_steps
+
+
+class StreamEnded(grpc.RpcError):
+    """The server ended a Session stream without a status (it is stopping); its steps are re-sent on a new one."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the Session stream ended"
+
+
+class StepStream:
+    """A Session stream driven from blocking callers. gRPC reads requests from an iterator on a thread of
+    its own; a queue feeds it, and it takes every step queued by then into the next message."""
+
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
+        self._settle, self._broken = settle, broken
+        self._outbox: queue.SimpleQueue[StepFuture | None] = queue.SimpleQueue()
+        self._in_flight: collections.deque[StepFuture] = collections.deque()  # sent, unanswered, in order
+        self._frame_sizes: collections.deque[int] = collections.deque()  # steps per message sent, in order
+        self._lock = threading.Lock()  # in_flight's order is the outbox's
+        self._read_lock = threading.Lock()  # one reader at a time
+        self.closed = False
+        self._responses = stub.Session(self._messages(), metadata=metadata)
+
+    def send(self, pending: StepFuture) -> bool:
+        """Queue `pending`; False if the stream has failed already (send it on another)."""
+        with self._lock:
+            if self.closed:
+                return False
+            pending.stream = self
+            self._in_flight.append(pending)
+            self._outbox.put(pending)
+        return True
+
+    def _messages(self) -> Iterator[pb.SessionRequest]:
+        """Runs on gRPC's request thread: a message per wake-up, holding every step queued by then."""
+        carried: list[StepFuture | None] = []  # taken from the outbox for the next message
+        while True:
+            first = carried.pop() if carried else self._outbox.get()
+            if first is None:
+                return
+            requests, num_bytes = [first.request], first.request.ByteSize()
+            while len(requests) < MAX_FRAME_STEPS:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                size = 0 if more is None else more.request.ByteSize()
+                if more is None or num_bytes + size > MAX_FRAME_BYTES:
+                    carried.append(more)  # the stream's end, or a step that starts the next message
+                    break
+                requests.append(more.request)
+                num_bytes += size
+            self._frame_sizes.append(len(requests))
+            yield frame(requests)
+
+    def read_until(self, pending: StepFuture) -> None:
+        """Read one response (unless `pending` settled or moved meanwhile) and settle the steps it answers."""
+        with self._read_lock:
+            if pending.done() or pending.stream is not self:
+                return
+            try:
+                response = next(self._responses)
+            except StopIteration:
+                self._fail(StreamEnded())
+                return
+            except grpc.RpcError as e:
+                self._fail(e)
+                return
+            num_steps = self._frame_sizes.popleft()
+            with self._lock:
+                settled = [self._in_flight.popleft() for _ in range(num_steps)]
+            for step, answer in zip(settled, answers(response, num_steps), strict=True):
+                self._settle(step, answer)
+
+    def _fail(self, error: grpc.RpcError) -> None:
+        with self._lock:
+            self.closed = True
+            unanswered = list(self._in_flight)
+            self._in_flight.clear()
+        self._broken(self, error, unanswered)
+
+    def close(self) -> None:
+        """End the stream; steps still unanswered fail (CANCELLED) when their callers wait for them."""
+        self._outbox.put(None)
+        self._responses.cancel()
+
+
+class AsyncStepStream:
+    """A Session stream on `grpc.aio`: a writer task sends what is queued (one message per write), a reader
+    task settles steps as their responses arrive."""
+
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
+        self._settle, self._broken = settle, broken
+        self._call = stub.Session(metadata=metadata)
+        self._outbox: list[AsyncPending] = []
+        self._in_flight: collections.deque[AsyncPending] = collections.deque()
+        self._frame_sizes: collections.deque[int] = collections.deque()
+        self._writer: asyncio.Task[None] | None = None
+        self.closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    def send(self, pending: AsyncPending) -> bool:
+        """Queue `pending`; False if the stream has failed already (send it on another)."""
+        if self.closed:
+            return False
+        pending.stream = self
+        self._in_flight.append(pending)
+        self._outbox.append(pending)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+        return True
+
+    async def _write_queued(self) -> None:
+        try:
+            while self._outbox and not self.closed:
+                requests: list[pb.SessionRequest] = []
+                num_bytes = 0
+                for pending in self._outbox[:MAX_FRAME_STEPS]:
+                    size = pending.request.ByteSize()
+                    if requests and num_bytes + size > MAX_FRAME_BYTES:
+                        break
+                    requests.append(pending.request)
+                    num_bytes += size
+                del self._outbox[: len(requests)]
+                self._frame_sizes.append(len(requests))
+                await self._call.write(frame(requests))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the call failed: the reader sees it and answers for every unanswered step
+        finally:
+            self._writer = None
+
+    async def _read_forever(self) -> None:
+        error: grpc.RpcError
+        try:
+            while True:
+                response = await self._call.read()
+                if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: ended without a status
+                    error = StreamEnded()
+                    break
+                num_steps = self._frame_sizes.popleft()
+                settled = [self._in_flight.popleft() for _ in range(num_steps)]
+                for step, answer in zip(settled, answers(response, num_steps), strict=True):
+                    self._settle(step, answer)
+        except grpc.RpcError as e:
+            error = e
+        except asyncio.CancelledError:  # close(): the call was cancelled
+            error = grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream was closed"
+            )
+        self.closed = True
+        unanswered = list(self._in_flight)
+        self._in_flight.clear()
+        self._outbox.clear()
+        self._broken(self, error, unanswered)
+
+    def close(self) -> None:
+        self._call.cancel()

@@ -1,0 +1,79 @@
+"""A sequence's block table: an int32 buffer with room to grow, so no step costs a Python loop per block.
+
+Opening a sequence concatenates its cached path's node arrays and its new blocks in one call;
+appending a block writes one entry (the buffer doubles when full, amortised O(1)); reading the
+table is a slice. What the table hands out (`array()`) is a read-only view, never copied: entries
+below the length are rewritten only by copy-on-write of the last block (`set_last`), which first
+moves the buffer when a view is out, so every view stays the snapshot it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+Int32Array = npt.NDArray[np.int32]
+
+
+class BlockTable:
+    """`len(self)` block ids in `_buffer[:len]`; `_buffer[len:]` is room for the next appends."""
+
+    __slots__ = ("_buffer", "_len", "_shared")
+
+    def __init__(self, buffer: Int32Array, length: int) -> None:
+        self._buffer = buffer  # [capacity] int32, owned by this table
+        self._len = length
+        self._shared = False  # a view of the first `_len` entries is out: rewrite none of them in place
+
+    @classmethod
+    def of(cls, parts: Sequence[npt.NDArray[np.int32]]) -> BlockTable:
+        """The concatenation of `parts`, with room for a quarter more blocks (at least 16)."""
+        length = sum(len(p) for p in parts)
+        buffer = np.empty(length + max(16, length >> 2), dtype=np.int32)
+        if parts:
+            np.concatenate(parts, out=buffer[:length])
+        return cls(buffer, length)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def last(self) -> int:
+        return int(self._buffer[self._len - 1])
+
+    def array(self) -> Int32Array:
+        """The table as a read-only int32 view: later appends and copy-on-write leave it as it is."""
+        view = self._buffer[: self._len]
+        view.flags.writeable = False
+        self._shared = True
+        return view
+
+    def __getitem__(self, index: slice) -> Int32Array:
+        """A view of a range, for the caller to use at once (the core's own reads)."""
+        start, stop, _ = index.indices(self._len)
+        return self._buffer[start:stop]
+
+    def extend(self, block_ids: Int32Array) -> None:
+        n = len(block_ids)
+        end = self._len + n
+        if end > len(self._buffer):
+            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
+            grown[: self._len] = self._buffer[: self._len]
+            self._buffer, self._shared = grown, False
+        self._buffer[self._len : end] = block_ids
+        self._len = end
+
+    def set_last(self, block_id: int) -> None:
+        """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""
+        if self._shared:
+            self._buffer, self._shared = self._buffer.copy(), False
+        self._buffer[self._len - 1] = block_id
+
+    def copy(self) -> BlockTable:
+        """An independent table with the same blocks (a forked child's)."""
+        return BlockTable(self._buffer.copy(), self._len)
+
+    def tolist(self) -> list[int]:
+        block_ids: list[int] = self._buffer[: self._len].tolist()
+        return block_ids
