@@ -58,7 +58,7 @@ def _warm(client: RadixKVClient) -> list[int]:
             for b in opened.block_table:
                 view.data[:, :, b] = torch.randn(view.data[:, :, b].shape, generator=gen).to(view.data.dtype)
             client.commit([opened.seq_id], [len(prompt)])
-            block_ids += opened.block_table[: len(prompt) // BLOCK_SIZE]
+            block_ids += opened.block_table[: len(prompt) // BLOCK_SIZE].tolist()
             client.release(opened.seq_id)
     return block_ids
 
