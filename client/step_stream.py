@@ -30,6 +30,9 @@ from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
 MAX_FRAME_STEPS = 64  # steps per message at most: a frame's response stays small, and its steps' latency too
+# Request bytes per frame at most (a larger step goes alone): a frame's response (slots are 8 bytes per
+# prompt token against 4 in the request) stays well under the server's message limit.
+MAX_FRAME_BYTES = 256 * 1024
 
 S = TypeVar("S")  # the stream a pending step is on
 
@@ -151,24 +154,25 @@ class StepStream:
 
     def _messages(self) -> Iterator[pb.SessionRequest]:
         """Runs on gRPC's request thread: a message per wake-up, holding every step queued by then."""
+        carried: list[StepFuture | None] = []  # taken from the outbox for the next message
         while True:
-            first = self._outbox.get()
+            first = carried.pop() if carried else self._outbox.get()
             if first is None:
                 return
-            requests, ending = [first.request], False
+            requests, num_bytes = [first.request], first.request.ByteSize()
             while len(requests) < MAX_FRAME_STEPS:
                 try:
                     more = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    ending = True
+                size = 0 if more is None else more.request.ByteSize()
+                if more is None or num_bytes + size > MAX_FRAME_BYTES:
+                    carried.append(more)  # the stream's end, or a step that starts the next message
                     break
                 requests.append(more.request)
+                num_bytes += size
             self._frame_sizes.append(len(requests))
             yield frame(requests)
-            if ending:
-                return
 
     def read_until(self, pending: StepFuture) -> None:
         """Read one response (unless `pending` settled or moved meanwhile) and settle the steps it answers."""
@@ -230,8 +234,15 @@ class AsyncStepStream:
     async def _write_queued(self) -> None:
         try:
             while self._outbox and not self.closed:
-                requests = [p.request for p in self._outbox[:MAX_FRAME_STEPS]]
-                del self._outbox[:MAX_FRAME_STEPS]
+                requests: list[pb.SessionRequest] = []
+                num_bytes = 0
+                for pending in self._outbox[:MAX_FRAME_STEPS]:
+                    size = pending.request.ByteSize()
+                    if requests and num_bytes + size > MAX_FRAME_BYTES:
+                        break
+                    requests.append(pending.request)
+                    num_bytes += size
+                del self._outbox[: len(requests)]
                 self._frame_sizes.append(len(requests))
                 await self._call.write(frame(requests))
         except (grpc.RpcError, asyncio.InvalidStateError):

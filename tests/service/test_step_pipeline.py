@@ -166,6 +166,29 @@ def test_steps_of_a_broken_stream_are_resent_once_and_applied_once(server, debug
     debug.check()
 
 
+def test_queued_steps_too_large_for_one_message_leave_in_several(server, debug) -> None:  # type: ignore[no-untyped-def]
+    """Six 280 KB prompts queued together would be a 1.7 MB frame, over the server's 1 MiB message limit."""
+    with RadixKVClient(server.address) as client:
+        prompts = [np.full(70_000, i, dtype=np.int32) for i in range(6)]
+        futures = [client.submit(Step(opens=[(p, "pipe-large")])) for p in prompts]
+        for future in futures:
+            with pytest.raises(RadixKVError) as refused:  # refused in-band, each alone: the stream carried them
+                future.result()
+            assert refused.value.metadata.get("item") == "opens", refused.value
+        assert client.step(Step()).opened == [], "the stream is still open"
+    debug.check()
+
+
+@pytest.mark.asyncio
+async def test_async_large_steps_leave_in_several_messages(server, debug) -> None:  # type: ignore[no-untyped-def]
+    async with AsyncRadixKVClient(server.address) as client:
+        steps = [client.step(Step(opens=[(np.full(70_000, i, np.int32), "pipe-large")])) for i in range(6)]
+        outcomes = await asyncio.gather(*steps, return_exceptions=True)
+        assert all(isinstance(o, RadixKVError) and o.metadata.get("item") == "opens" for o in outcomes), outcomes
+        assert (await client.step(Step())).opened == []
+    debug.check()
+
+
 @pytest.mark.asyncio
 async def test_async_steps_awaited_together_are_pipelined_in_call_order(server, debug) -> None:  # type: ignore[no-untyped-def]
     async with AsyncRadixKVClient(server.address) as client:
