@@ -99,7 +99,7 @@ class HostSwap:
             host.release_swapped(swapped.host_block_ids)
             own_loads, num_computed = NO_PAIRS, num_matched * bs
         host.num_swapped_sequences -= 1
-        table = BlockTable.of([*path_runs(node, num_matched), own])
+        table = BlockTable.of([*path_runs(node), own])
         seq = LiveSequence(
             record.seq_id, record.namespace, bytearray(key.tail_after(num_matched * bs)), table, node, num_matched,
             NO_BLOCKS, key.num_tokens, num_computed, record.priority, record.reserve_until,
