@@ -124,7 +124,7 @@ def replay(
         while queue and len(live) < max_live:
             request = queue.pop()
             opened = kv.open(request.prompt)
-            parent = _Seq(opened.seq_id, len(request.prompt), opened.block_table[-1], 0)
+            parent = _Seq(opened.seq_id, len(request.prompt), int(opened.block_table[-1]), 0)
             # The prompt's K/V are written by the prefill; then the samples (or the first beams) fork from it.
             kv.commit([opened.seq_id], [len(request.prompt)])
             forks = kv.fork(parent.seq_id, width - 1) if width > 1 else []

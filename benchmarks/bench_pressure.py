@@ -153,6 +153,10 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratio(value: float, base: float) -> str:
+    return f"x{value / base:.2f}" if base else "n/a (both 0)" if not value else "inf"
+
+
 def format_ratios(rows: dict[str, dict[str, Any]]) -> str:
     """Each policy against no host tier: recomputed prefill tokens and projected cost, as ratios."""
     lines = []
@@ -160,9 +164,9 @@ def format_ratios(rows: dict[str, dict[str, Any]]) -> str:
         results = list(row["policies"].items())
         _, base = results[0]
         for policy, r in results[1:]:
-            recomputed = r["num_recomputed_tokens"] / max(1, base["num_recomputed_tokens"])
-            cost = r["cost"]["total_s"] / max(1e-12, base["cost"]["total_s"])
-            lines.append(f"{name:<24} {policy:<38} recomputed x{recomputed:.2f}, projected cost x{cost:.2f}")
+            recomputed = ratio(r["num_recomputed_tokens"], base["num_recomputed_tokens"])
+            cost = ratio(r["cost"]["total_s"], base["cost"]["total_s"])
+            lines.append(f"{name:<24} {policy:<38} recomputed {recomputed}, projected cost {cost}")
     return "\n".join(lines)
 
 

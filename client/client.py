@@ -10,11 +10,17 @@ Failures and restarts:
   - The server unreachable (down, restarting, a network fault): calls raise `grpc.RpcError` with
     UNAVAILABLE. Retry; the session and its sequences survive as long as the server does and the
     lease (renewals keep retrying) has not run out.
-  - The server restarted: nothing survives a restart (sessions, sequences, pins, the prefix cache,
-    the pool memory itself). Session ids carry the id of the server run that issued them, so every
-    call on the old session raises `ServerRestarted`, one exception whatever the call. Recover with
-    `reopen()` (a new session; the old block tables are forgotten) and open new sequences; workers
-    map the pool again (`PoolView.from_client`), since the restarted server has new memory.
+  - The server restarted without a keeper, or crashed: nothing survives (sessions, sequences, pins,
+    the prefix cache; without a keeper the pool memory itself). Session ids carry the id of the
+    server run that issued them, so every call on the old session raises `ServerRestarted`, one
+    exception whatever the call. Recover with `reopen()` (a new session; the old block tables are
+    forgotten) and open new sequences; workers map the pool again (`PoolView.from_client`), since
+    without a keeper the restarted server has new memory.
+  - An upgrade that keeps the cache (a keeper holds the pools; SIGTERM or the admin `Upgrade` call):
+    calls are refused `ServerRestarting` (UNAVAILABLE) once the server has written its snapshot, then
+    UNAVAILABLE while it is down. Retry: the next server adopts the snapshot, so the session, its
+    sequences (same ids, same block tables) and pins are there, and the pool memory is the same.
+    After a crash (SIGKILL) nothing is adopted: `ServerRestarted` as above.
   - The lease ran out (the client stalled past its ttl): `UnknownSession`, the base class of
     `ServerRestarted`, so `except UnknownSession` handles both; the same `reopen()` recovers.
 """

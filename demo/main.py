@@ -10,20 +10,24 @@ against unshared paged blocks and contiguous max-length slabs, and every answer 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo.checkpoint import default_model_dir
 from radixkv.demo.model_source import ChatModel, load_chat_model
-from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec
+from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec, StepRecord
 from radixkv.demo.report import MemorySummary, format_memory, format_requests, format_step, plot_blocks
 from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
+from radixkv.errors import OutOfBlocks
 from radixkv.layout import PoolLayout, canonical_dtype
+from radixkv.stats import Stats
 
 SYSTEM_PROMPT = (
     "You are the radixkv demo assistant. You answer questions about serving large language models: batching, "
@@ -36,6 +40,7 @@ QUESTIONS = {
     "beam": "What does copy-on-write mean?",
 }
 FOLLOW_UP = "Why is it worth sharing between requests?"
+UNCONSTRAINED_BLOCKS = 1024  # the default pool: the demo's requests never preempt there
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -113,6 +118,33 @@ def format_answers(chat: ChatModel, specs: list[RequestSpec], results: list[Requ
     return "\n".join(lines)
 
 
+def generate(
+    chat: ChatModel,
+    layout: PoolLayout,
+    args: argparse.Namespace,
+    specs: list[RequestSpec],
+    on_step: Callable[[StepRecord], None] | None,
+) -> tuple[list[RequestResult], Orchestrator, Stats, float]:
+    """Run `specs` through a fresh server process holding `layout`."""
+    with (
+        ServerProcess(layout) as address,
+        RadixKVClient(address) as client,
+        PoolView.from_client(client) as view,
+    ):
+        if on_step is not None:
+            print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
+        orchestrator = Orchestrator(
+            client,
+            Worker(chat.model, view, args.backend),
+            chat.model.config.eos_token_ids,
+            on_step=on_step,
+            max_batch_tokens=args.max_batch_tokens,
+        )
+        started = time.perf_counter()
+        results = orchestrator.run(specs)
+        return results, orchestrator, client.stats(), time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -137,23 +169,30 @@ def main(argv: list[str] | None = None) -> int:
         f"{kv_dtype}, in a server process"
     )
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
-    with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
-        print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
-        orchestrator = Orchestrator(
-            client,
-            Worker(chat.model, view, args.backend),
-            c.eos_token_ids,
-            on_step=lambda r: print(format_step(r)),
-            max_batch_tokens=args.max_batch_tokens,
+    try:
+        results, orchestrator, stats, seconds = generate(chat, layout, args, specs, lambda r: print(format_step(r)))
+    except OutOfBlocks as e:
+        print(
+            f"radixkv demo: --num-blocks {args.num_blocks} is too small for these requests ({e}): a request of "
+            "several sequences (samples, beams) is never preempted by recompute; give more blocks",
+            file=sys.stderr,
         )
-        generation_started = time.perf_counter()
-        results = orchestrator.run(specs)
-        seconds = time.perf_counter() - generation_started
-        stats = client.stats()
+        return 2
     print()
     print(format_requests(specs, results))
     print()
     print(format_memory(MemorySummary.of(orchestrator.steps, layout)))
+    if any(r.num_preemptions for r in results):
+        print(f"preemptions (by recompute): {sum(r.num_preemptions for r in results)}")
+        unconstrained = dataclasses.replace(layout, num_blocks=max(UNCONSTRAINED_BLOCKS, args.num_blocks))
+        again = generate(chat, unconstrained, args, specs, None)[0]
+        same = [r.outputs for r in results] == [r.outputs for r in again]
+        print(
+            f"outputs token-identical to an unconstrained run ({unconstrained.num_blocks} blocks, no preemption): "
+            f"{'yes' if same else 'NO'}"
+        )
+        if not same:
+            return 1
     print(
         f"\nserver after the run: {stats.num_blocks_free} blocks free, {stats.num_blocks_cached} cached, "
         f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} "

@@ -6,8 +6,8 @@ admitted prompt tails and decode every live sequence's newest token, then choose
 parallel samples fork from the prompt, beams fork where several survivors extend one beam and are
 released where none does, finished sequences are released with caching. Its appends come back with
 slots and copy-on-write pairs, which travel to the worker in the next step. When the pool cannot hold
-a step's appends, the latest single-sequence request is preempted by recompute (vLLM's default): its
-computed blocks are published to the tree and it waits again, to re-open and hit them.
+a step's appends, the latest single-sequence request is preempted by recompute (see `preemption`) and
+waits first in line to resume under the same sequence id.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from radixkv.client import RadixKVClient
 from radixkv.demo import beam_search
 from radixkv.demo.admission import Admission
 from radixkv.demo.beam_search import Hypothesis
+from radixkv.demo.preemption import Parked, Preemption, Refill
 from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
 from radixkv.demo.sampling import sample_token
 from radixkv.demo.worker import DecodeInput, PrefillInput, Worker, WorkerStep
@@ -49,10 +50,10 @@ class _Request:
     seqs: list[_Seq]
     hypotheses: list[Hypothesis]
     arrived: float
-    context: list[int]  # what it opens: the prompt, and after a preemption the tokens generated so far
+    context: list[int]  # what it opens: the prompt (a preempted request resumes instead)
     num_cached_tokens: int = 0  # of `context`, at its latest open
     prefill_slots: npt.NDArray[np.int64] = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    preempted: bool = False
+    parked: Parked | None = None  # while preempted
 
     @property
     def num_prompt(self) -> int:
@@ -83,6 +84,7 @@ class Orchestrator:
         # Without prefix caching nothing is published to the tree (forks still share within a request).
         self.prefix_caching = prefix_caching
         self.admission = Admission(max_batch_tokens, self.block_size, defer_shared=prefix_caching)
+        self.preemption = Preemption(client)
         self.steps: list[StepRecord] = []
         self._waiting: list[_Request] = []
         self._live: list[_Request] = []
@@ -107,16 +109,16 @@ class Orchestrator:
         while self._waiting or self._live:
             started = time.perf_counter()
             self._num_preempted = 0
-            admitted = self._admit()
+            resumed, refills = self.preemption.resume_waiting(self._waiting, bool(self._live))
+            num_resumed_seqs = sum(len(r.seqs) for r in resumed)
+            admitted = self._admit(num_resumed_seqs) if not any(r.parked for r in self._waiting) else []
             num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
+            num_prefill_tokens += sum(len(r.seqs[f.index].token_ids) - f.num_cached_tokens for r, f in refills)
             decoding = [(r, s) for r in self._live for s in r.seqs]
-            out = self.worker.execute(
-                WorkerStep(
-                    copies, [self._prefill_input(r) for r in admitted], [self._decode_input(s) for _, s in decoding]
-                )
-            )
+            prefills = [self._prefill_input(r) for r in admitted] + [self._refill_input(r, f) for r, f in refills]
+            out = self.worker.execute(WorkerStep(copies, prefills, [self._decode_input(s) for _, s in decoding]))
             appends: list[tuple[_Request, _Seq, int]] = []
-            for request, logprobs in zip(admitted, out.prefill_logprobs, strict=True):
+            for request, logprobs in zip(admitted, out.prefill_logprobs[: len(admitted)], strict=True):
                 if not request.result.outputs[0]:
                     request.result.ttft = time.perf_counter() - request.arrived
                 appends += self._after_prefill(request, logprobs)
@@ -124,10 +126,14 @@ class Orchestrator:
             for request in list(self._live):
                 logprobs = torch.stack([next(rows) for _ in request.seqs])  # [num_seqs, vocab_size]
                 appends += self._after_decode(request, logprobs)
-            self._live += admitted
+            for request in resumed:  # back whole: the tokens sampled before the preemption are appended now
+                assert request.parked is not None
+                appends += [(request, s, t) for s, t in zip(request.seqs, request.parked.pending_tokens, strict=True)]
+                request.parked = None
+            self._live += admitted + resumed
             copies = self._append(appends)
             for request in self._live:
-                if not request.seqs and not request.preempted:
+                if not request.seqs and request.parked is None:
                     request.result.seconds = time.perf_counter() - request.arrived
                     done[request.spec.name] = request.result
                     self._waiting += [
@@ -152,10 +158,13 @@ class Orchestrator:
         output = request.result.outputs[0]
         return output[:-1] if output and output[-1] in self.eos else list(output)
 
-    def _admit(self) -> list[_Request]:
-        """Open the requests the admission policy chooses; a request the pool cannot open yet keeps waiting."""
+    def _admit(self, num_resumed_seqs: int) -> list[_Request]:
+        """Open the requests the admission policy chooses; a request the pool cannot open yet keeps waiting.
+
+        `num_resumed_seqs`: sequences resumed this step, which append (and so need headroom) like decodes.
+        """
         stats = self.client.stats()
-        num_decodes = sum(len(r.seqs) for r in self._live)
+        num_decodes = sum(len(r.seqs) for r in self._live) + num_resumed_seqs
         chosen = self.admission.choose(
             [r.context for r in self._waiting],
             self.client,
@@ -168,12 +177,11 @@ class Orchestrator:
             try:
                 opened = self.client.open(request.context, self.namespace)
             except OutOfBlocks:
-                if admitted or self._live:
+                if admitted or self._live or num_resumed_seqs:
                     break  # blocks come back as live requests finish
                 raise
             self._waiting.remove(request)
-            request.preempted = False
-            if not request.result.outputs[0] and not request.result.num_preemptions:
+            if not request.result.outputs[0]:
                 request.result.num_cached_tokens = opened.num_cached_tokens
             request.num_cached_tokens = opened.num_cached_tokens
             request.seqs = [_Seq(opened.seq_id, 0, list(request.context))]
@@ -181,6 +189,13 @@ class Orchestrator:
             request.result.peak_blocks = max(request.result.peak_blocks, len(opened.block_table))
             admitted.append(request)
         return admitted
+
+    def _refill_input(self, request: _Request, refill: Refill) -> PrefillInput:
+        """A resumed sequence's tokens the cache lost, computed again (the logits are not needed)."""
+        seq = request.seqs[refill.index]
+        cached = refill.num_cached_tokens
+        assert len(refill.slots) == len(seq.token_ids) - cached, "resume hands out a slot per token to recompute"
+        return PrefillInput(seq.token_ids[cached:], cached, refill.slots, self.client.block_table(seq.seq_id))
 
     def _prefill_input(self, request: _Request) -> PrefillInput:
         seq = request.seqs[0]
@@ -294,7 +309,7 @@ class Orchestrator:
                 )
                 break
             except OutOfBlocks:
-                victim = self._preempt_one({id(r) for r, _, _ in appends})
+                victim = self._preempt_one(appends)
                 if victim is None:
                     raise  # forks and beams are not preempted: the pool is too small for them
                 appends = [a for a in appends if a[0] is not victim]
@@ -319,31 +334,35 @@ class Orchestrator:
             self.client.commit(seq_ids, [len(s.token_ids) for s in seqs])
         self.client.release_many(seq_ids, cache=self.prefix_caching)
 
-    def _preempt_one(self, appending: set[int]) -> _Request | None:
-        """Preempt by recompute the latest single-sequence request of this step's appends.
+    def _preempt_one(self, appends: list[tuple[_Request, _Seq, int]]) -> _Request | None:
+        """Preempt the latest request of this step's appends that `preemption` allows; None when none is.
 
-        Its K/V up to its newest appended token is computed, so releasing with caching publishes valid
-        blocks; it waits first in line and re-opens its prompt plus the tokens generated so far.
-        None when no request of the step can be.
+        Its sequences' K/V up to their newest appended token is written; the token each sampled this
+        step waits with it, appended when it resumes.
         """
-        victims = [
-            r
-            for r in self._live
-            if id(r) in appending and len(r.seqs) == 1 and r.spec.beam_width == 0 and r.spec.sampling.n == 1
-        ]
-        if not victims:
+        pending = {id(seq): token for _, seq, token in appends}
+        appending = {id(r): r for r, _, _ in appends}
+        candidates = sorted(appending.values(), key=lambda r: r.arrived)
+        victim = self.preemption.choose([(r, len(r.seqs)) for r in candidates])
+        if victim is None:
             return None
-        victim = max(victims, key=lambda r: r.arrived)
-        self._release_written(victim.seqs)
-        victim.seqs, victim.preempted = [], True
-        victim.context = victim.result.prompt + victim.result.outputs[0]
+        seqs = victim.seqs
+        victim.parked = self.preemption.preempt(
+            [s.seq_id for s in seqs], [len(s.token_ids) for s in seqs], [pending[id(s)] for s in seqs]
+        )
         victim.result.num_preemptions += 1
         self._num_preempted += 1
+        self._live.remove(victim)
         self._waiting.insert(0, victim)
         return victim
 
     def _record(
-        self, admitted: list[_Request], num_prefill_tokens: int, num_decodes: int, num_copies: int, seconds: float
+        self,
+        admitted: list[_Request],
+        num_prefill_tokens: int,
+        num_decodes: int,
+        num_copies: int,
+        seconds: float,
     ) -> None:
         bs = self.block_size
         seqs = [(r, s) for r in self._live for s in r.seqs]

@@ -35,17 +35,18 @@ def mode_of(spec: RequestSpec) -> str:
 
 
 def format_requests(specs: list[RequestSpec], results: list[RequestResult]) -> str:
-    """The per-request table: prompt tokens, prefix hits, peak blocks, copy-on-write copies, throughput."""
+    """The per-request table: prompt tokens, prefix hits, peak blocks, copy-on-write copies, preemptions, throughput."""
     header = (
         f"{'request':<10} {'mode':<12} {'prompt':>6} {'cached':>6} {'blocks held':>11} {'cow copies':>10} "
-        f"{'generated':>9} {'tokens/s':>9}"
+        f"{'preempted':>9} {'generated':>9} {'tokens/s':>9}"
     )
     lines = [header, "-" * len(header)]
     for spec, r in zip(specs, results, strict=True):
         rate = r.num_generated_tokens / r.seconds if r.seconds > 0 else 0.0
         lines.append(
             f"{r.name:<10} {mode_of(spec):<12} {len(r.prompt):>6} {r.num_cached_tokens:>6} {r.peak_blocks:>11} "
-            f"{r.num_cow_copies:>10} {r.num_generated_tokens:>9} {rate:>9.1f}"
+            f"{r.num_cow_copies:>10} {r.num_preemptions:>9} "
+            f"{r.num_generated_tokens:>9} {rate:>9.1f}"
         )
     return "\n".join(lines)
 

@@ -83,7 +83,8 @@ def start_sequence(
 
     Every cached token counts as computed; the uncached ones start on a block boundary.
     """
-    table = BlockTable.of([*path_runs(node, num_matched_blocks), new_blocks])  # one copy, node arrays joined in C
+    table = BlockTable.of([*path_runs(node), new_blocks])  # one copy, node arrays joined in C
+    assert len(table) == num_matched_blocks + len(new_blocks), "locked path and match length disagree"
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(

@@ -63,7 +63,7 @@ class Budget:
             return 0
         prompt = cdiv(num_tokens, block_size)
         growth = cdiv(num_tokens + max_new_tokens, block_size) - prompt
-        return prompt + math.ceil(self.reserve_fraction * growth)
+        return prompt + math.ceil(round(self.reserve_fraction * growth, 9))  # 0.07 * 100 reserves 7, not 8
 
     def admit(self, blocks: Allocator, needed: int, newly_locked: int, reserved: int, budgeted: bool) -> None:
         """Raise unless `needed` new blocks, `newly_locked` cached ones and `reserved` growth fit (see the module)."""

@@ -95,7 +95,7 @@ def check_holders(
             f"seq {seq.seq_id}: locked path in another namespace"
         )
         private = set(seq.private_prefix.tolist())
-        path = np.concatenate([np.empty(0, np.int32), *path_runs(seq.lock_node, seq.num_tree_blocks)]).tolist()
+        path = np.concatenate([np.empty(0, np.int32), *path_runs(seq.lock_node)]).tolist()
         for table_block, path_block in zip(table, path, strict=False):
             assert table_block == path_block or table_block in private, (
                 f"seq {seq.seq_id}: block {table_block} neither on its path nor held"

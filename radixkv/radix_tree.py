@@ -253,7 +253,7 @@ class RadixTree:
             num_freed += len(dropped)
             removed.setdefault(leaf.namespace, []).append(dropped)
         for namespace, runs in removed.items():
-            block_ids = np.concatenate(runs)
+            block_ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
             left = self.num_cached_blocks_in[namespace] - len(block_ids)
             if left:
                 self.num_cached_blocks_in[namespace] = left
@@ -263,6 +263,8 @@ class RadixTree:
                 self.observer.blocks_removed(namespace, block_ids)
         self.num_evictable_blocks -= num_freed
         self.num_cached_blocks -= num_freed
+        if len(freed) == 1:  # the usual case: one leaf trimmed
+            return freed[0]
         return np.concatenate(freed) if freed else NO_BLOCKS
 
     def _detach(self, leaf: Node) -> None:

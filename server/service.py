@@ -92,12 +92,12 @@ class KVService:
 
         Raises:
             PermissionDenied: the caller is not an admin tenant.
-            FailedPrecondition: no pool's memory is held by a keeper: a restart would lose it all.
+            FailedPrecondition: no pool's memory is held by a live keeper: a restart would lose it all.
         """
         if not caller.admin:
             raise PermissionDenied(f"tenant {caller.name!r} may not call Upgrade (admin)", tenant=caller.name)
-        if not any(pool.keeper is not None for pool in self.pools.values()):
-            raise FailedPrecondition("no keeper holds this server's pools: a restart would lose the cache")
+        if not any(pool.restart_safe() for pool in self.pools.values()):
+            raise FailedPrecondition("no live keeper holds this server's pools: a restart would lose the cache")
         written = snapshot_all(self.pools, self.sessions)
         self.stop_requested.set()
         return written
@@ -349,6 +349,7 @@ class KVService:
                 result = pool.cache.preempt(seq_ids, mode)
                 for seq_id in result.seq_ids:
                     pool.ledger.resize(seq_id, 0)
+                self.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
                 return result
 
             return session.requests.once(

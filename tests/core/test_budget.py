@@ -99,6 +99,9 @@ def test_reserve_fraction_reserves_part_of_the_growth():
     assert cache.stats().num_blocks_reserved == 2
     cache.open([1, 2, 3, 4], max_new_tokens=4)  # growth 1 block: ceil(0.5) = 1
     assert cache.stats().num_blocks_reserved == 3
+    seven = KVCache(num_blocks=128, block_size=1, reserve_fraction=0.07, watermark_fraction=0.0)
+    seven.open([1], max_new_tokens=100)  # 0.07 * 100 is 7.000000000000001 in floats: still 7 blocks
+    assert seven.stats().num_blocks_reserved == 7
     none = KVCache(num_blocks=64, block_size=4, reserve_fraction=0.0)
     none.open([1, 2, 3, 4], max_new_tokens=16)
     assert none.stats().num_blocks_reserved == 0

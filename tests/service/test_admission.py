@@ -175,6 +175,17 @@ def test_preempt_and_resume_by_recompute(client: RadixKVClient, debug: Debug, ns
     client.release(a.seq_id, cache=False)
 
 
+def test_what_a_preempt_caches_stays_within_the_tenants_cache_share(client: RadixKVClient, ns: str) -> None:
+    share = 16 // (1 + len(SLOW))  # an even share of the small pool among the tenants
+    a = client.open(list(range(24)), ns)  # 6 blocks
+    client.commit([a.seq_id], [24])
+    client.preempt([a.seq_id], "recompute")
+    assert sum(client.verify().num_blocks.values()) <= share, "a preempt cached past the tenant's share"
+    resumed = client.resume(a.seq_id)
+    assert resumed.num_cached_tokens <= share * 4
+    client.release(a.seq_id, cache=False)
+
+
 def test_a_preempted_sequence_is_failed_precondition_except_for_resume_and_release(
     client: RadixKVClient, debug: Debug, ns: str
 ) -> None:

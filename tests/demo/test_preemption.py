@@ -1,0 +1,82 @@
+"""Generation under preemption by recompute yields the tokens it yields without:
+the tiny model through a real server process, the worker's Triton kernels interpreted (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from radixkv.client import PoolView, RadixKVClient
+from radixkv.demo import reference
+from radixkv.demo.model import LlamaForCausalLM
+from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec, StepRecord
+from radixkv.demo.sampling import SamplingParams
+from radixkv.demo.server_process import ServerProcess
+from radixkv.demo.worker import Worker
+from radixkv.kernels.backend import INTERPRETED
+from radixkv.layout import PoolLayout
+from radixkv.stats import Stats
+
+pytestmark = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 or a GPU"
+)
+BLOCK_SIZE = 4
+SYSTEM = [1] + list(range(40, 47))  # two full blocks every request shares
+
+
+@dataclasses.dataclass
+class Run:
+    results: list[RequestResult]
+    steps: list[StepRecord]
+    stats: Stats
+
+
+def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int) -> Run:
+    c = model.config
+    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
+    with (
+        ServerProcess(layout) as address,
+        RadixKVClient(address) as client,
+        PoolView.from_client(client) as view,
+    ):
+        orchestrator = Orchestrator(client, Worker(model, view, "triton"), (), "preempt")  # no EOS
+        results = orchestrator.run(specs)
+        stats = client.stats()
+    assert stats.num_live_sequences == 0 and stats.num_blocks_in_use == 0, "every sequence released, none leaked"
+    return Run(results, orchestrator.steps, stats)
+
+
+def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausalLM) -> None:
+    specs = [
+        RequestSpec("g1", SYSTEM + [60, 61, 62], 12),
+        RequestSpec("g2", SYSTEM + [70, 71], 12),
+        RequestSpec("s3", SYSTEM + [80, 81, 82, 83], 12, SamplingParams(temperature=1.0, top_p=0.9, seed=5)),
+    ]  # about 6 blocks each at the end; 12 blocks hold two
+    constrained = generate(model, specs, 12)
+    num_preemptions = sum(r.num_preemptions for r in constrained.results)
+    assert num_preemptions > 0
+    # Each preemption kept its sequence id and came back once; a resume is not a new sequence.
+    stats = constrained.stats
+    assert stats.num_preemptions_recompute == stats.num_resumed_sequences == num_preemptions
+    assert stats.num_opened_sequences == len(specs)
+    free = generate(model, specs, 256)
+    assert sum(r.num_preemptions for r in free.results) == 0
+    # The resumes prefilled again what the cache no longer held (at least each one's last, partial block).
+    assert sum(s.num_prefill_tokens for s in constrained.steps) > sum(s.num_prefill_tokens for s in free.steps)
+    assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
+    for spec, result in zip(specs[:2], constrained.results[:2], strict=True):  # and greedy is greedy
+        assert result.outputs == [reference.greedy(model, spec.prompt, 12, eos_token_ids=())], spec.name
+
+
+def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: LlamaForCausalLM) -> None:
+    specs = [
+        RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
+        RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
+    ]
+    constrained = generate(model, specs, 14)
+    samples, greedy = constrained.results
+    assert samples.num_preemptions == 0 and greedy.num_preemptions > 0
+    free = generate(model, specs, 256)
+    assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
