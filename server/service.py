@@ -416,19 +416,20 @@ class KVService:
 
     def explain_match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
-    ) -> tuple[int, MissExplanation]:
-        """`match`, and why the cached prefix ends there (hashes one block; see `miss_reasons`)."""
+    ) -> tuple[int, int, MissExplanation]:
+        """`match` (device tokens, host tokens), and why the device's cached prefix ends there (hashes one block;
+        see `miss_reasons`)."""
         pool = self.pool(pool_name)
         check_request_size(pool, _num_tokens(token_ids))
         if session_id:
             self.sessions.get(session_id, caller)
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
-            num_cached = pool.cache.match(key, core_namespace)
+            num_cached, num_host = pool.cache.match_tiers(key, core_namespace)
             explanation = explain_miss(pool.cache, pool.events, caller, key, core_namespace, num_cached)
             reason = explanation.reason.name
             pool.num_miss_tokens[reason] = pool.num_miss_tokens.get(reason, 0) + explanation.num_missed_tokens
-        return num_cached, explanation
+        return num_cached, num_host, explanation
 
     def pin(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str, request_id: int = 0

@@ -202,11 +202,11 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         if request.explain:
-            num, why = self._service.explain_match(
+            num, num_host, why = self._service.explain_match(
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, miss_reason=wire_reason(why),
+                num_cached_tokens=num, num_host_cached_tokens=num_host, miss_reason=wire_reason(why),
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
