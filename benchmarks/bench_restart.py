@@ -56,7 +56,7 @@ class TraceShape:
 
 
 QUICK = TraceShape(12, 6, 3, 64, 24, 48, 1024, 2, 64)
-FULL = TraceShape(48, 10, 5, 256, 48, 128, 4096, 4, 128)
+FULL = TraceShape(48, 10, 5, 256, 48, 128, 8192, 4, 128)
 
 
 def make_conversations(shape: TraceShape, seed: int = 0) -> list[list[tuple[list[int], list[int]]]]:

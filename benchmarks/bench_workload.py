@@ -13,6 +13,9 @@ p50/p95/p99, multi-turn share, shared-system-prompt share), TTFT and TPOT p50/p9
 tokens/s, active sequences and waiting queue, cache hit ratio, block allocation failures, evictions; then
 the TTFT ratio (off / on) for multi-turn and RAG, and one scenario again on a pool too small for it, where
 requests are preempted. CPU figures are for comparing configurations within one run, not for capacity.
+Each run has a fresh server process; with --quick the on/off runs share one (each in a namespace of its
+own, so no run hits another's prefixes, and its counters taken as differences), which is most of what
+keeps --quick under 30 s: a server start costs about as much CPU as a quick scenario.
 
     python benchmarks/bench_workload.py [--quick] [--out results.json] [--plot results.png] [--model PATH|tiny]
 """
@@ -20,6 +23,7 @@ requests are preempted. CPU figures are for comparing configurations within one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
@@ -63,7 +67,7 @@ class Sizes:
     document_words: int
 
 
-QUICK = Sizes(6, 80, 3, 8, 3, 2, 2, 2, 80)  # the smallest matrix that still shows each effect (13 server runs)
+QUICK = Sizes(6, 40, 2, 4, 3, 2, 2, 2, 48)  # the smallest matrix that still shows each effect (2 server processes)
 FULL = Sizes(12, 300, 8, 64, 8, 3, 4, 3, 220)
 
 
@@ -141,17 +145,31 @@ def ask_prefix_len(results: list[RequestResult]) -> int:
     return n
 
 
-def run(
-    chat: ChatModel, specs: list[RequestSpec], num_blocks: int, prefix_caching: bool, max_batch_tokens: int
-) -> dict[str, Any]:
-    """One scenario through a fresh server process; its figures."""
+def layout_for(chat: ChatModel, num_blocks: int) -> PoolLayout:
     c = chat.model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
-    with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
+    return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
+
+
+def run(
+    chat: ChatModel,
+    specs: list[RequestSpec],
+    num_blocks: int,
+    prefix_caching: bool,
+    max_batch_tokens: int,
+    address: str | None = None,
+    namespace: str = "default",
+) -> dict[str, Any]:
+    """One scenario through a fresh server process (or the one at `address`, in `namespace`); its figures."""
+    if address is None:
+        with ServerProcess(layout_for(chat, num_blocks)) as fresh:
+            return run(chat, specs, num_blocks, prefix_caching, max_batch_tokens, fresh, namespace)
+    with RadixKVClient(address) as client, PoolView.from_client(client) as view:
+        before = client.stats()
         orchestrator = Orchestrator(
             client,
             Worker(chat.model, view, "torch"),
             (),
+            namespace,
             max_batch_tokens=max_batch_tokens,
             prefix_caching=prefix_caching,
         )  # no EOS: outputs have their stated lengths
@@ -159,6 +177,7 @@ def run(
         results = orchestrator.run(specs)
         seconds = time.perf_counter() - started
         stats = client.stats()
+    num_requested = stats.num_requested_tokens - before.num_requested_tokens
     steps: list[StepRecord] = orchestrator.steps
     tpot = [(r.seconds - r.ttft) / (len(r.outputs[0]) - 1) for r in results if len(r.outputs[0]) > 1]
     return {
@@ -170,9 +189,9 @@ def run(
         "decode_tokens_per_s": sum(s.num_decodes for s in steps) / seconds,
         "active_seqs_mean_max": [float(np.mean([s.num_live_seqs for s in steps])), max(s.num_live_seqs for s in steps)],
         "waiting_mean_max": [float(np.mean([s.num_waiting for s in steps])), max(s.num_waiting for s in steps)],
-        "hit_ratio": stats.hit_ratio,
-        "allocation_failures": stats.num_allocation_failures,
-        "evicted_blocks": stats.num_evicted_blocks,
+        "hit_ratio": (stats.num_hit_tokens - before.num_hit_tokens) / num_requested if num_requested else 0.0,
+        "allocation_failures": stats.num_allocation_failures - before.num_allocation_failures,
+        "evicted_blocks": stats.num_evicted_blocks - before.num_evicted_blocks,
         "preemptions": sum(s.num_preempted for s in steps),
         "blocks_in_use": [s.blocks_radixkv for s in steps],
     }
@@ -250,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     print(f"model {chat.name}; block size {BLOCK_SIZE}; max {args.max_batch_tokens} tokens per step; {CPU_NOTE}\n")
     rows: dict[str, dict[str, dict[str, Any]]] = {}
-    for name, specs in scenarios(chat, sizes).items():
-        rows[name] = {cache: run(chat, specs, 1024, cache == "on", args.max_batch_tokens) for cache in ("on", "off")}
+    with contextlib.ExitStack() as stack:
+        shared = stack.enter_context(ServerProcess(layout_for(chat, 1024))) if args.quick else None
+        for i, (name, specs) in enumerate(scenarios(chat, sizes).items()):
+            rows[name] = {
+                cache: run(chat, specs, 1024, cache == "on", args.max_batch_tokens, shared, f"run{i}-{cache}")
+                for cache in ("on", "off")
+            }
     # Short prompts with outputs three times as long, on a pool that holds the prompts but not their growth:
     # admission keeps a block of headroom per sequence, decodes outgrow it, the latest request is preempted.
     specs = [

@@ -123,6 +123,9 @@ class Scheduler:
                 head = self.waiting[0].request
                 raise RuntimeError(f"the pool cannot hold request {head.name} ({head.num_tokens} tokens) alone")
         self.counters.num_steps = step
+        stats = self.cache.stats()  # every block moved, by write-back, load-back, swap out or in
+        self.counters.num_offloaded_blocks = stats.num_offloaded_blocks
+        self.counters.num_loaded_blocks = stats.num_loaded_blocks
         return self.counters
 
     def _arrive(self, request: TraceRequest, due: int) -> None:

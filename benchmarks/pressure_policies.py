@@ -7,6 +7,10 @@
   `RESERVE_FRACTION` of that growth is reserved, so the pool is overcommitted); on `OutOfBlocks` the
   core's `victims` are preempted by recompute: their computed blocks are published to the tree and
   `resume` re-matches what is still cached under the same sequence id.
+- `PreemptSwap`: the same admission and victims over a pool with a host tier `HOST_FACTOR` times its
+  size: victims are preempted by swap (their own blocks move to the host tier and come back on resume;
+  by recompute when the host tier cannot take them), and prefixes the device evicts are written back to
+  the host tier, so a request that comes back loads them rather than computing them again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
 
 NAMESPACE = "default"
 RESERVE_FRACTION = 0.25  # of each request's stated growth reserved at admission: the rest relies on preemption
+HOST_FACTOR = 4  # the host tier holds this many times the device pool
 
 
 class Policy:
@@ -106,8 +111,7 @@ class PreemptRecompute(Policy):
         return [by_id[seq_id] for seq_id in cache.victims(num_blocks)]
 
     def preempt(self, cache: KVCache, live: Live, counters: Counters) -> None:
-        result = cache.preempt([live.seq_id], self.mode)
-        counters.num_offloaded_blocks += len(result.offloads)
+        cache.preempt([live.seq_id], "recompute")
         live.preempted = True
 
     def resume(self, cache: KVCache, live: Live, counters: Counters) -> int | None:
@@ -115,5 +119,38 @@ class PreemptRecompute(Policy):
             resumed = cache.resume(live.seq_id)
         except OutOfBlocks:
             return None
-        counters.num_loaded_blocks += len(resumed.loads)
         return resumed.num_cached_tokens
+
+
+class PreemptSwap(PreemptRecompute):
+    name = f"swap, host tier {HOST_FACTOR}x the pool"
+
+    def __init__(self, reserve_fraction: float = RESERVE_FRACTION, host_factor: int = HOST_FACTOR) -> None:
+        super().__init__(reserve_fraction)
+        self.host_factor = host_factor
+
+    def make_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        return KVCache(
+            num_blocks,
+            block_size,
+            reserve_fraction=self.reserve_fraction,
+            host_num_blocks=self.host_factor * num_blocks,
+        )
+
+    def admit(
+        self, cache: KVCache, live: Live, context: np.ndarray, num_running: int, counters: Counters
+    ) -> tuple[int, int] | None:
+        max_new_tokens = len(live.request.output) - live.num_generated
+        try:
+            opened = cache.open(context, NAMESPACE, max_new_tokens=max_new_tokens)
+        except NotAdmitted:
+            return None
+        live.seq_id = opened.seq_id
+        return opened.num_cached_tokens - opened.num_host_hit_tokens, opened.num_host_hit_tokens
+
+    def preempt(self, cache: KVCache, live: Live, counters: Counters) -> None:
+        try:
+            cache.preempt([live.seq_id], "swap")
+        except OutOfBlocks:  # the host tier cannot take its blocks now
+            cache.preempt([live.seq_id], "recompute")
+        live.preempted = True

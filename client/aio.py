@@ -327,6 +327,12 @@ class AsyncRadixKVClient:
         response = await self._call(self._stub.Match, request)
         return MatchExplanation.from_response(response) if explain else response.num_cached_tokens
 
+    async def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens), as `RadixKVClient.match_tiers`."""
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+        response = await self._call(self._stub.Match, request)
+        return response.num_cached_tokens, response.num_host_cached_tokens
+
     async def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)
         return (await self._apply(self._stub.Pin, request)).num_pinned_tokens

@@ -10,11 +10,17 @@ Failures and restarts:
   - The server unreachable (down, restarting, a network fault): calls raise `grpc.RpcError` with
     UNAVAILABLE. Retry; the session and its sequences survive as long as the server does and the
     lease (renewals keep retrying) has not run out.
-  - The server restarted: nothing survives a restart (sessions, sequences, pins, the prefix cache,
-    the pool memory itself). Session ids carry the id of the server run that issued them, so every
-    call on the old session raises `ServerRestarted`, one exception whatever the call. Recover with
-    `reopen()` (a new session; the old block tables are forgotten) and open new sequences; workers
-    map the pool again (`PoolView.from_client`), since the restarted server has new memory.
+  - The server restarted without a keeper, or crashed: nothing survives (sessions, sequences, pins,
+    the prefix cache; without a keeper the pool memory itself). Session ids carry the id of the
+    server run that issued them, so every call on the old session raises `ServerRestarted`, one
+    exception whatever the call. Recover with `reopen()` (a new session; the old block tables are
+    forgotten) and open new sequences; workers map the pool again (`PoolView.from_client`), since
+    without a keeper the restarted server has new memory.
+  - An upgrade that keeps the cache (a keeper holds the pools; SIGTERM or the admin `Upgrade` call):
+    calls are refused `ServerRestarting` (UNAVAILABLE) once the server has written its snapshot, then
+    UNAVAILABLE while it is down. Retry: the next server adopts the snapshot, so the session, its
+    sequences (same ids, same block tables) and pins are there, and the pool memory is the same.
+    After a crash (SIGKILL) nothing is adopted: `ServerRestarted` as above.
   - The lease ran out (the client stalled past its ttl): `UnknownSession`, the base class of
     `ServerRestarted`, so `except UnknownSession` handles both; the same `reopen()` recovers.
 """
@@ -400,6 +406,13 @@ class RadixKVClient:
             return self._call(self._stub.Match, request).num_cached_tokens
         request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace, explain=True)
         return MatchExplanation.from_response(self._call(self._stub.Match, request))
+
+    def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens): the leading tokens cached on the device, then how many more the pool's
+        host tier holds (an open would load those back rather than compute them). Changes nothing."""
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+        response = self._call(self._stub.Match, request)
+        return response.num_cached_tokens, response.num_host_cached_tokens
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""

@@ -12,7 +12,7 @@ _PREFIX = "MISS_REASON_"
 @dataclasses.dataclass(frozen=True, slots=True)
 class MatchExplanation:
     """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE, LAST_TOKEN
-    (open only), HOST_TIER (reserved for the host tier: the prefix continues there, loaded back on open);
+    (open only), HOST_TIER (match only: the prefix continues in the host tier, which an open loads back);
     UNSPECIFIED for an open retried after a lost reply (answered without explanation)."""
 
     num_cached_tokens: int

@@ -15,10 +15,11 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
 from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_view import PoolInfo
+from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
 from radixkv.preemption import PreemptResult, ResumeResult
@@ -158,10 +159,25 @@ def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> li
 
 
 def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
-    return [
-        OpenResult(s.seq_id, s.num_cached_tokens, _int32(s.block_ids), np.array(s.slots, dtype=np.int64))
+    """The batch's host-tier transfers come on its first result (the worker applies each result's in turn)."""
+    results = [
+        OpenResult(
+            s.seq_id,
+            s.num_cached_tokens,
+            _int32(s.block_ids),
+            np.array(s.slots, dtype=np.int64),
+            num_host_hit_tokens=s.num_host_hit_tokens,
+        )
         for s in response.sequences
     ]
+    if results:
+        results[0].offloads, results[0].loads = transfer_pairs(response.offloads), transfer_pairs(response.loads)
+    return results
+
+
+def transfer_pairs(transfers: Sequence[pb.BlockTransfer]) -> npt.NDArray[np.int64]:
+    """Wire transfers as int64 `[n, 2]` (src_block, dst_block): `kernels.swap_blocks`' pairs."""
+    return np.array([(t.src_block_id, t.dst_block_id) for t in transfers], dtype=np.int64).reshape(-1, 2)
 
 
 def append_request(
@@ -189,6 +205,7 @@ def append_result(
         list(response.block_ids),
         [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
         np.array(response.slots, dtype=np.int64),
+        transfer_pairs(response.offloads),
     )
 
 
@@ -231,7 +248,7 @@ def preempt_request(pool: str, session_id: str, seq_ids: list[int], mode: str) -
 
 
 def preempt_result(seq_ids: list[int], mode: str, response: pb.PreemptResponse) -> PreemptResult:
-    offloads = [(t.src_block_id, t.dst_block_id) for t in response.offloads]
+    offloads = transfer_pairs(response.offloads)
     return PreemptResult(seq_ids, mode, offloads, response.num_freed_blocks, response.num_unreserved_blocks)
 
 
@@ -241,8 +258,10 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
-    loads = [(t.src_block_id, t.dst_block_id) for t in r.loads]
-    return ResumeResult(r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, loads)
+    return ResumeResult(
+        r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
+        transfer_pairs(r.loads),
+    )  # fmt: skip
 
 
 def victims_request(pool: str, session_id: str, num_blocks: int) -> pb.VictimsRequest:
@@ -267,15 +286,14 @@ def stats_result(response: pb.StatsResponse) -> Stats:
 
 
 def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
-    layout = PoolLayout(
-        r.layout.num_layers,
-        r.layout.num_kv_heads,
-        r.layout.head_dim,
-        r.layout.block_size,
-        r.layout.num_blocks,
-        r.layout.dtype,
+    host = HostTierInfo(pool_layout(r.host_layout), r.host_handle) if r.HasField("host_handle") else None
+    return PoolInfo(r.pool, pool_layout(r.layout), r.device, r.handle, host)
+
+
+def pool_layout(layout: pb.PoolLayout) -> PoolLayout:
+    return PoolLayout(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.num_blocks, layout.dtype
     )
-    return PoolInfo(r.pool, layout, r.device, r.handle)
 
 
 # -- steps on the Session stream -----------------------------------------------------------------
@@ -311,7 +329,13 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     if response.HasField("error"):
         raise step_error(response.error)
     opened = [
-        OpenResult(o.seq_id, o.num_cached_tokens, _int32(o.block_ids), np.frombuffer(o.slots, dtype=_INT64))
+        OpenResult(
+            o.seq_id,
+            o.num_cached_tokens,
+            _int32(o.block_ids),
+            np.frombuffer(o.slots, dtype=_INT64),
+            num_host_hit_tokens=o.num_host_hit_tokens,
+        )
         for o in response.opened
     ]
     appended = None
@@ -333,7 +357,14 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         pairs = zip(response.opened, step.explain, strict=True)
         explained = [MatchExplanation.from_response(o) if e else None for o, e in pairs]
     return StepResult(
-        opened, appended, forked, list(response.num_cached_tokens), response.num_released_sequences, explained
+        opened,
+        appended,
+        forked,
+        list(response.num_cached_tokens),
+        response.num_released_sequences,
+        explained,
+        transfer_pairs(response.offloads),
+        transfer_pairs(response.loads),
     )
 
 

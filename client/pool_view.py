@@ -2,7 +2,8 @@
 
 The server allocates each pool (named shared memory on CPU, an IPC-exported allocation on CUDA)
 and hands out a typed handle through GetPool (`PoolHandle`: shared memory or CUDA IPC); `PoolView` maps
-it with `KVStorage.open`.
+it with `KVStorage.open`. A pool with a host tier also hands out that memory (shared memory, the same layout
+with its own num_blocks); the view maps it too (`host_data`), for `kernels.swap_blocks`.
 torch is imported only when a view is opened, so `import radixkv.client` stays torch-free.
 """
 
@@ -19,6 +20,15 @@ if TYPE_CHECKING:
     import torch
 
     from radixkv.client.client import RadixKVClient
+    from radixkv.storage import KVStorage
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostTierInfo:
+    """A pool's host tier: its layout (the pool's, with its own num_blocks) and the handle of its host memory."""
+
+    layout: PoolLayout
+    handle: pb.PoolHandle  # shared_memory
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,16 +39,27 @@ class PoolInfo:
     layout: PoolLayout
     device: str
     handle: pb.PoolHandle  # oneof memory: shared_memory (CPU) or cuda_ipc
+    host: HostTierInfo | None = None  # the host tier, when the pool has one
 
 
 class PoolView:
     """The pool's memory in this process: `data` `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
 
     def __init__(self, info: PoolInfo) -> None:
+        """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
         from radixkv.storage import KVStorage, PoolHandle
 
         self.info = info
         self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))
+        self._host: KVStorage | None = None
+        if info.host is not None:
+            try:
+                self._host = KVStorage.open(PoolHandle.from_proto(info.host.handle, info.host.layout))
+                if self._storage.device.type == "cuda":
+                    self._host.pin()
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def from_client(cls, client: RadixKVClient) -> PoolView:
@@ -53,6 +74,18 @@ class PoolView:
     def data(self) -> torch.Tensor:
         return self._storage.data
 
+    @property
+    def host_data(self) -> torch.Tensor:
+        """The host tier's memory `[num_layers, 2, host_num_blocks, block_size, num_kv_heads, head_dim]`: the other
+        pool of `kernels.swap_blocks(data, host_data, offloads)` and `swap_blocks(host_data, data, loads)`.
+
+        Raises:
+            ValueError: the pool has no host tier.
+        """
+        if self._host is None:
+            raise ValueError(f"host_data: pool {self.info.name!r} has no host tier")
+        return self._host.data
+
     def layer(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s `kv_layer` `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K at 0, V at 1)."""
         return self._storage.layer(layer)
@@ -64,6 +97,8 @@ class PoolView:
     def close(self) -> None:
         """Drop this mapping (tensors still viewing it keep it alive until they go)."""
         self._storage.close()
+        if self._host is not None:
+            self._host.close()
 
     def __enter__(self) -> PoolView:
         return self

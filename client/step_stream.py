@@ -111,11 +111,19 @@ def frame(requests: list[pb.SessionRequest]) -> pb.SessionRequest:
 
 
 def answers(response: pb.SessionResponse, num_steps: int) -> list[pb.SessionResponse]:
-    """Each step's response in a message answering `num_steps` steps (a frame refused whole answers each alike)."""
-    if len(response.steps):
-        assert len(response.steps) == num_steps, "the server answered a frame with another number of steps"
-        return list(response.steps)
-    return [response] * num_steps
+    """Each step's response in a message answering `num_steps` steps (a frame refused whole answers each alike).
+
+    A server from before frames would read a frame as one empty step and answer it once: that answer
+    must not pass for the results of the frame's steps, so each of them is refused instead (FAILED_PRECONDITION).
+    """
+    if num_steps == 1 or len(response.steps) == num_steps or response.HasField("error"):
+        return list(response.steps) if len(response.steps) else [response] * num_steps
+    error = pb.StepError(
+        code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
+        reason="FAILED_PRECONDITION",
+        message=f"the server answered a frame of {num_steps} steps with {len(response.steps)}: upgrade the server",
+    )
+    return [pb.SessionResponse(request_id=response.request_id, error=error)] * num_steps
 
 
 class StreamEnded(grpc.RpcError):

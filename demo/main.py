@@ -21,7 +21,7 @@ from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo.checkpoint import default_model_dir
 from radixkv.demo.model_source import ChatModel, load_chat_model
 from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec, StepRecord
-from radixkv.demo.report import MemorySummary, format_memory, format_requests, format_step, plot_blocks
+from radixkv.demo.report import MemorySummary, format_memory, format_moves, format_requests, format_step, plot_blocks
 from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=1024, help="blocks in the server's pool (default 1024)")
+    p.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        help="blocks in the pool's host tier (default 0: none). On a pool too small for the requests, one-sequence "
+        "requests are preempted by recompute, several-sequence ones (samples, beams) by swap to the host tier",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and pool dtype (default float32)")
     p.add_argument(
         "--kv-dtype",
@@ -123,11 +130,12 @@ def generate(
     layout: PoolLayout,
     args: argparse.Namespace,
     specs: list[RequestSpec],
+    host_blocks: int,
     on_step: Callable[[StepRecord], None] | None,
 ) -> tuple[list[RequestResult], Orchestrator, Stats, float]:
-    """Run `specs` through a fresh server process holding `layout`."""
+    """Run `specs` through a fresh server process holding `layout` (and a host tier of `host_blocks`)."""
     with (
-        ServerProcess(layout) as address,
+        ServerProcess(layout, host_num_blocks=host_blocks) as address,
         RadixKVClient(address) as client,
         PoolView.from_client(client) as view,
     ):
@@ -135,7 +143,7 @@ def generate(
             print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
         orchestrator = Orchestrator(
             client,
-            Worker(chat.model, view, args.backend),
+            Worker(chat.model, view, args.backend, view.host_data if host_blocks else None),
             chat.model.config.eos_token_ids,
             on_step=on_step,
             max_batch_tokens=args.max_batch_tokens,
@@ -169,23 +177,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{kv_dtype}, in a server process"
     )
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
+    if args.host_blocks:
+        print(f"host tier: {args.host_blocks} blocks, {args.host_blocks * layout.bytes_per_block / 2**20:.1f} MiB")
     try:
-        results, orchestrator, stats, seconds = generate(chat, layout, args, specs, lambda r: print(format_step(r)))
+        run = generate(chat, layout, args, specs, args.host_blocks, lambda r: print(format_step(r)))
     except OutOfBlocks as e:
         print(
             f"radixkv demo: --num-blocks {args.num_blocks} is too small for these requests ({e}): a request of "
-            "several sequences (samples, beams) is never preempted by recompute; give more blocks",
+            "several sequences (samples, beams) is preempted only by swap; give more blocks or --host-blocks",
             file=sys.stderr,
         )
         return 2
+    results, orchestrator, stats, seconds = run
     print()
     print(format_requests(specs, results))
     print()
     print(format_memory(MemorySummary.of(orchestrator.steps, layout)))
     if any(r.num_preemptions for r in results):
-        print(f"preemptions (by recompute): {sum(r.num_preemptions for r in results)}")
+        print(format_moves(orchestrator.steps, layout))
         unconstrained = dataclasses.replace(layout, num_blocks=max(UNCONSTRAINED_BLOCKS, args.num_blocks))
-        again = generate(chat, unconstrained, args, specs, None)[0]
+        again = generate(chat, unconstrained, args, specs, 0, None)[0]
         same = [r.outputs for r in results] == [r.outputs for r in again]
         print(
             f"outputs token-identical to an unconstrained run ({unconstrained.num_blocks} blocks, no preemption): "

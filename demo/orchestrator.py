@@ -6,8 +6,8 @@ admitted prompt tails and decode every live sequence's newest token, then choose
 parallel samples fork from the prompt, beams fork where several survivors extend one beam and are
 released where none does, finished sequences are released with caching. Its appends come back with
 slots and copy-on-write pairs, which travel to the worker in the next step. When the pool cannot hold
-a step's appends, the latest single-sequence request is preempted by recompute (see `preemption`) and
-waits first in line to resume under the same sequence id.
+a step's appends, a request is preempted (see `preemption`: by recompute, or by swap to the host
+tier) and waits first in line to resume under the same sequence ids.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from radixkv.client import RadixKVClient
 from radixkv.demo import beam_search
 from radixkv.demo.admission import Admission
 from radixkv.demo.beam_search import Hypothesis
-from radixkv.demo.preemption import Parked, Preemption, Refill
+from radixkv.demo.preemption import SWAP, Parked, Preemption, Refill
 from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
 from radixkv.demo.sampling import sample_token
-from radixkv.demo.worker import DecodeInput, PrefillInput, Worker, WorkerStep
+from radixkv.demo.worker import DecodeInput, Pairs, PrefillInput, Worker, WorkerStep, as_pairs
 from radixkv.errors import OutOfBlocks
 
 __all__ = ["Orchestrator", "RequestResult", "RequestSpec", "StepRecord"]
@@ -84,7 +84,7 @@ class Orchestrator:
         # Without prefix caching nothing is published to the tree (forks still share within a request).
         self.prefix_caching = prefix_caching
         self.admission = Admission(max_batch_tokens, self.block_size, defer_shared=prefix_caching)
-        self.preemption = Preemption(client)
+        self.preemption = Preemption(client, has_host_tier=worker.host_data is not None)
         self.steps: list[StepRecord] = []
         self._waiting: list[_Request] = []
         self._live: list[_Request] = []
@@ -106,17 +106,20 @@ class Orchestrator:
         self._live = []
         done: dict[str, RequestResult] = {}
         copies: list[tuple[int, int]] = []
+        offloads: list[tuple[int, int]] = []
         while self._waiting or self._live:
             started = time.perf_counter()
             self._num_preempted = 0
-            resumed, refills = self.preemption.resume_waiting(self._waiting, bool(self._live))
+            resumed, transfers, refills = self.preemption.resume_waiting(self._waiting, bool(self._live))
             num_resumed_seqs = sum(len(r.seqs) for r in resumed)
-            admitted = self._admit(num_resumed_seqs) if not any(r.parked for r in self._waiting) else []
+            admitted = self._admit(num_resumed_seqs, transfers) if not any(r.parked for r in self._waiting) else []
             num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
             num_prefill_tokens += sum(len(r.seqs[f.index].token_ids) - f.num_cached_tokens for r, f in refills)
             decoding = [(r, s) for r in self._live for s in r.seqs]
             prefills = [self._prefill_input(r) for r in admitted] + [self._refill_input(r, f) for r, f in refills]
-            out = self.worker.execute(WorkerStep(copies, prefills, [self._decode_input(s) for _, s in decoding]))
+            step = WorkerStep(copies, prefills, [self._decode_input(s) for _, s in decoding], offloads, transfers)
+            out = self.worker.execute(step)
+            num_moved = step.num_offloaded_blocks, step.num_loaded_blocks
             appends: list[tuple[_Request, _Seq, int]] = []
             for request, logprobs in zip(admitted, out.prefill_logprobs[: len(admitted)], strict=True):
                 if not request.result.outputs[0]:
@@ -131,7 +134,7 @@ class Orchestrator:
                 appends += [(request, s, t) for s, t in zip(request.seqs, request.parked.pending_tokens, strict=True)]
                 request.parked = None
             self._live += admitted + resumed
-            copies = self._append(appends)
+            copies, offloads = self._append(appends, resumed)
             for request in self._live:
                 if not request.seqs and request.parked is None:
                     request.result.seconds = time.perf_counter() - request.arrived
@@ -142,7 +145,9 @@ class Orchestrator:
                         if s.follows == request.spec.name
                     ]
             self._live = [r for r in self._live if r.seqs]
-            self._record(admitted, num_prefill_tokens, len(decoding), len(copies), time.perf_counter() - started)
+            self._record(
+                admitted, num_prefill_tokens, len(decoding), len(copies), num_moved, time.perf_counter() - started
+            )
         return [done[s.name] for s in specs]
 
     # -- admission -------------------------------------------------------------------------------
@@ -158,10 +163,11 @@ class Orchestrator:
         output = request.result.outputs[0]
         return output[:-1] if output and output[-1] in self.eos else list(output)
 
-    def _admit(self, num_resumed_seqs: int) -> list[_Request]:
+    def _admit(self, num_resumed_seqs: int, transfers: list[tuple[Pairs, Pairs]]) -> list[_Request]:
         """Open the requests the admission policy chooses; a request the pool cannot open yet keeps waiting.
 
         `num_resumed_seqs`: sequences resumed this step, which append (and so need headroom) like decodes.
+        Each open's block moves (a host hit loaded back, what it evicted written back) join `transfers`.
         """
         stats = self.client.stats()
         num_decodes = sum(len(r.seqs) for r in self._live) + num_resumed_seqs
@@ -181,6 +187,7 @@ class Orchestrator:
                     break  # blocks come back as live requests finish
                 raise
             self._waiting.remove(request)
+            transfers.append((as_pairs(opened.offloads), as_pairs(opened.loads)))
             if not request.result.outputs[0]:
                 request.result.num_cached_tokens = opened.num_cached_tokens
             request.num_cached_tokens = opened.num_cached_tokens
@@ -297,11 +304,14 @@ class Orchestrator:
 
     # -- appends and accounting ------------------------------------------------------------------
 
-    def _append(self, appends: list[tuple[_Request, _Seq, int]]) -> list[tuple[int, int]]:
-        """One batched append for the whole step; returns the copy-on-write pairs for the worker.
+    def _append(self, appends: list[tuple[_Request, _Seq, int]], resumed: list[_Request]) -> tuple[Pairs, Pairs]:
+        """One batched append for the whole step; returns the copy-on-write pairs and the offloads (of the
+        requests it preempted by swap, and of prefixes it evicted to the host tier) for the worker's next step.
 
-        When the pool runs out, preempts requests (latest first) until the rest fits.
+        When the pool runs out, preempts requests (latest first) until the rest fits; never one `resumed` in
+        this step, which would come and go forever: a pool that cannot hold it and its next tokens is too small.
         """
+        offloads: list[tuple[int, int]] = []
         while True:
             try:
                 results = (
@@ -309,10 +319,12 @@ class Orchestrator:
                 )
                 break
             except OutOfBlocks:
-                victim = self._preempt_one(appends)
+                victim = self._preempt_one([a for a in appends if a[0] not in resumed], offloads)
                 if victim is None:
-                    raise  # forks and beams are not preempted: the pool is too small for them
+                    raise  # only requests just resumed, or of several sequences without a host tier to swap them to
                 appends = [a for a in appends if a[0] is not victim]
+        if results:  # the batch's offloads come on its first row
+            offloads += as_pairs(results[0].batch.offloads)
         copies = []
         for (request, seq, token), result in zip(appends, results, strict=True):
             seq.token_ids.append(token)
@@ -324,7 +336,7 @@ class Orchestrator:
             if seq_id in live:  # its first append committed the prompt's K/V
                 self.client.cache(seq_id)
         self._to_cache = []
-        return copies
+        return copies, offloads
 
     def _release_written(self, seqs: list[_Seq]) -> None:
         """Release sequences whose every token the worker has written; with prefix caching, commit says so
@@ -334,11 +346,13 @@ class Orchestrator:
             self.client.commit(seq_ids, [len(s.token_ids) for s in seqs])
         self.client.release_many(seq_ids, cache=self.prefix_caching)
 
-    def _preempt_one(self, appends: list[tuple[_Request, _Seq, int]]) -> _Request | None:
+    def _preempt_one(
+        self, appends: list[tuple[_Request, _Seq, int]], offloads: list[tuple[int, int]]
+    ) -> _Request | None:
         """Preempt the latest request of this step's appends that `preemption` allows; None when none is.
 
         Its sequences' K/V up to their newest appended token is written; the token each sampled this
-        step waits with it, appended when it resumes.
+        step waits with it, appended when it resumes. Its offloads join `offloads`.
         """
         pending = {id(seq): token for _, seq, token in appends}
         appending = {id(r): r for r, _, _ in appends}
@@ -347,10 +361,12 @@ class Orchestrator:
         if victim is None:
             return None
         seqs = victim.seqs
-        victim.parked = self.preemption.preempt(
+        victim.parked, moved = self.preemption.preempt(
             [s.seq_id for s in seqs], [len(s.token_ids) for s in seqs], [pending[id(s)] for s in seqs]
         )
+        offloads += moved
         victim.result.num_preemptions += 1
+        victim.result.num_swaps += victim.parked.mode == SWAP
         self._num_preempted += 1
         self._live.remove(victim)
         self._waiting.insert(0, victim)
@@ -362,6 +378,7 @@ class Orchestrator:
         num_prefill_tokens: int,
         num_decodes: int,
         num_copies: int,
+        num_moved: tuple[int, int],
         seconds: float,
     ) -> None:
         bs = self.block_size
@@ -379,6 +396,8 @@ class Orchestrator:
             num_waiting=len(self._waiting),
             num_preempted=self._num_preempted,
             num_copies=num_copies,
+            num_offloaded_blocks=num_moved[0],
+            num_loaded_blocks=num_moved[1],
             seconds=seconds,
             blocks_radixkv=self.client.stats().num_blocks_in_use,
             blocks_unshared=sum(-(-len(s.token_ids) // bs) for _, s in seqs),

@@ -36,7 +36,8 @@ class RequestResult:
     num_generated_tokens: int = 0
     seconds: float = 0.0  # from arrival to the last token
     ttft: float = 0.0  # seconds from arrival to the first token
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # by either mode
+    num_swaps: int = 0  # of those, by swap (its blocks went to the host tier and came back)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,6 +53,8 @@ class StepRecord:
     num_waiting: int  # arrived requests not yet admitted (preempted ones included)
     num_preempted: int  # requests preempted this step
     num_copies: int
+    num_offloaded_blocks: int  # device -> host this step: swap-outs, evicted prefixes written back
+    num_loaded_blocks: int  # host -> device this step: swap-ins, host hits loaded back
     seconds: float  # the step's wall time: scheduling, the model, the appends
     blocks_radixkv: int  # the server's blocks in use: shared prefixes and forks count once
     blocks_unshared: int  # every live sequence its own blocks

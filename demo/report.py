@@ -17,6 +17,8 @@ def format_step(r: StepRecord) -> str:
         else "prefill 0"
     )
     preempted = f" | preempted {r.num_preempted}" if r.num_preempted else ""
+    if r.num_offloaded_blocks or r.num_loaded_blocks:
+        preempted += f" | to host {r.num_offloaded_blocks}, from host {r.num_loaded_blocks} blocks"
     return (
         f"step {r.step:>3} | {prefill:<32} | decode {r.num_decodes:>2} | live {r.num_live_seqs:>2} seqs, "
         f"{r.num_waiting} waiting{preempted} | "
@@ -38,14 +40,14 @@ def format_requests(specs: list[RequestSpec], results: list[RequestResult]) -> s
     """The per-request table: prompt tokens, prefix hits, peak blocks, copy-on-write copies, preemptions, throughput."""
     header = (
         f"{'request':<10} {'mode':<12} {'prompt':>6} {'cached':>6} {'blocks held':>11} {'cow copies':>10} "
-        f"{'preempted':>9} {'generated':>9} {'tokens/s':>9}"
+        f"{'preempted: recompute':>20} {'swap':>4} {'generated':>9} {'tokens/s':>9}"
     )
     lines = [header, "-" * len(header)]
     for spec, r in zip(specs, results, strict=True):
         rate = r.num_generated_tokens / r.seconds if r.seconds > 0 else 0.0
         lines.append(
             f"{r.name:<10} {mode_of(spec):<12} {len(r.prompt):>6} {r.num_cached_tokens:>6} {r.peak_blocks:>11} "
-            f"{r.num_cow_copies:>10} {r.num_preemptions:>9} "
+            f"{r.num_cow_copies:>10} {r.num_preemptions - r.num_swaps:>20} {r.num_swaps:>4} "
             f"{r.num_generated_tokens:>9} {rate:>9.1f}"
         )
     return "\n".join(lines)
@@ -101,6 +103,18 @@ def format_memory(m: MemorySummary) -> str:
             )
     lines.append("* each sequence reserves prompt + max_new_tokens slots up front, as a contiguous KV cache must")
     return "\n".join(lines)
+
+
+def format_moves(steps: list[StepRecord], layout: PoolLayout) -> str:
+    """Preemptions, and the KV moved between the device pool and the host tier (swaps, evicted prefixes
+    written back, host hits loaded back), in blocks and bytes."""
+    offloaded = sum(s.num_offloaded_blocks for s in steps)
+    loaded = sum(s.num_loaded_blocks for s in steps)
+    return (
+        f"preemptions: {sum(s.num_preempted for s in steps)}; device -> host {offloaded} blocks "
+        f"({offloaded * layout.bytes_per_block / MIB:.2f} MiB), host -> device {loaded} blocks "
+        f"({loaded * layout.bytes_per_block / MIB:.2f} MiB)"
+    )
 
 
 def plot_blocks(steps: list[StepRecord], path: str) -> None:

@@ -18,15 +18,18 @@ POOL_NAME = "default"
 class ServerProcess:
     """Starts the server on a free port of 127.0.0.1; `__enter__` returns its address once it serves."""
 
-    def __init__(self, layout: PoolLayout, start_timeout: float = 60.0) -> None:
+    def __init__(self, layout: PoolLayout, start_timeout: float = 60.0, *, host_num_blocks: int = 0) -> None:
+        """`host_num_blocks`: the pool's host tier, where evicted prefixes and swapped-out sequences go (0: none)."""
         self.layout = layout
         self.start_timeout = start_timeout
+        self.host_num_blocks = host_num_blocks
         self._server: process.ServerProcess | None = None
 
     @property
     def pool_flag(self) -> str:
         fields = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
-        return f"{POOL_NAME}:" + ",".join(f"{f}={getattr(self.layout, f)}" for f in fields) + ",device=cpu"
+        host = f",host_num_blocks={self.host_num_blocks}" if self.host_num_blocks else ""
+        return f"{POOL_NAME}:" + ",".join(f"{f}={getattr(self.layout, f)}" for f in fields) + ",device=cpu" + host
 
     def __enter__(self) -> str:
         args = ["--pool", self.pool_flag, "--log-level", "warning"]

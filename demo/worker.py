@@ -1,13 +1,15 @@
 """The worker: runs the model over the pool's memory, as the orchestrator's step tells it to.
 
-It knows nothing of sequences, prefixes or the radix tree: a step says which blocks to copy (copy-on-
-write, applied before any write), which prompt tails to prefill and which tokens to decode, each with
-the slots its K/V go to and the block table it reads. It returns log-probabilities, nothing else.
+It knows nothing of sequences, prefixes or the radix tree: a step says which blocks to move to and
+from the host tier (swap) and to copy (copy-on-write), all applied before any write, which prompt
+tails to prefill and which tokens to decode, each with the slots its K/V go to and the block table it
+reads. It returns log-probabilities, nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -15,7 +17,7 @@ import torch
 
 from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.paged_attention import PagedDecode, PagedPrefill, PoolMemory, PrefillSeq
-from radixkv.kernels import copy_blocks
+from radixkv.kernels import copy_blocks, swap_blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,11 +40,33 @@ class DecodeInput:
     block_table: list[int]
 
 
+Pairs = list[tuple[int, int]]
+
+
+def as_pairs(pairs: Iterable[Sequence[int]]) -> Pairs:
+    """The core's block pairs (a list, or an int64 `[n, 2]` array) as plain `(src_block, dst_block)` tuples."""
+    return [(int(src), int(dst)) for src, dst in pairs]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerStep:
-    copies: list[tuple[int, int]]  # (src_block, dst_block): copy-on-write from the last appends
+    """Applied in the order the core's results were handed out, each result's offloads before its copies and
+    its loads: the last step's appends and preemptions (`offloads`, then `copies`), then this step's resumes
+    and opens (`transfers`, one `(offloads, loads)` per result), then the model."""
+
+    copies: Pairs  # (src_block, dst_block): copy-on-write from the last appends
     prefills: list[PrefillInput]
     decodes: list[DecodeInput]
+    offloads: Pairs = dataclasses.field(default_factory=list)  # (device_block, host_block)
+    transfers: list[tuple[Pairs, Pairs]] = dataclasses.field(default_factory=list)  # loads: (host_block, device_block)
+
+    @property
+    def num_offloaded_blocks(self) -> int:
+        return len(self.offloads) + sum(len(offloads) for offloads, _ in self.transfers)
+
+    @property
+    def num_loaded_blocks(self) -> int:
+        return sum(len(loads) for _, loads in self.transfers)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,9 +80,17 @@ class Worker:
 
     Args:
         backend: the kernels' backend ("torch" or "triton"); None lets them pick for the device.
+        host_data: the pool's host tier (`PoolView.host_data`: the pool's layout, its own num_blocks), where
+            swapped-out and evicted blocks go; None without one.
     """
 
-    def __init__(self, model: LlamaForCausalLM, pool: PoolMemory, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: PoolMemory,
+        backend: str | None = None,
+        host_data: torch.Tensor | None = None,
+    ) -> None:
         c = model.config
         num_layers, _, _, _, num_kv_heads, head_dim = pool.data.shape
         if (num_layers, num_kv_heads, head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
@@ -67,19 +99,40 @@ class Worker:
                 "model's "
                 f"{(c.num_layers, c.num_kv_heads, c.head_dim)}"
             )
-        self.model, self.pool, self.backend = model, pool, backend
+        self.model, self.pool, self.backend, self.host_data = model, pool, backend, host_data
         self.scale = c.head_dim**-0.5
 
     def execute(self, step: WorkerStep) -> StepOutput:
-        """Apply the copies, then prefill, then decode: a copied block must be whole before its new owner writes."""
+        """Block moves in the order of `WorkerStep`, then prefill and decode: a block leaves the device before its
+        block id is reused, and a copied or loaded block is whole before anyone reads or writes it."""
+        self._offload(step.offloads)
         if step.copies:
             copy_blocks(self.pool.data, torch.tensor(step.copies, dtype=torch.int64), backend=self.backend)
+        for offloads, loads in step.transfers:
+            self._offload(offloads)
+            if loads:
+                self._swap(self._host(), self.pool.data, loads)
         vocab_size = self.model.config.vocab_size
         empty = torch.empty(0, vocab_size)
         return StepOutput(
             self._prefill(step.prefills) if step.prefills else empty,
             self._decode(step.decodes) if step.decodes else empty,
         )
+
+    def _host(self) -> torch.Tensor:
+        if self.host_data is None:
+            raise ValueError("the step moves blocks to or from a host tier, and this worker has none")
+        return self.host_data
+
+    def _offload(self, offloads: Pairs) -> None:
+        if offloads:
+            self._swap(self.pool.data, self._host(), offloads)
+
+    def _swap(self, src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> None:
+        # src, dst: whole pools [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        done = swap_blocks(src, dst, pairs, backend=self.backend)
+        if done is not None:  # CUDA: the copies ran on a side stream; this step's kernels wait for them
+            done.wait()
 
     def _prefill(self, prefills: list[PrefillInput]) -> torch.Tensor:
         token_ids = torch.tensor([t for p in prefills for t in p.token_ids], dtype=torch.int64)  # [num_tokens]

@@ -1,10 +1,11 @@
 """Kernels over the paged KV pool: Triton kernels with their launchers, and the torch reference of each.
 
 Every kernel takes one layer's cache as `kv_layer` `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(K at 0, V at 1: a worker's `PoolView.layer(l)`), or the whole pool for `copy_blocks`. CUDA tensors run the
-Triton kernels; CPU tensors run the torch references, unless TRITON_INTERPRET=1 was set before triton
-was imported, in which case Triton's interpreter runs the kernels (how the tests exercise them without
-a GPU). Every public function takes `backend="triton" | "torch"` to force one.
+(K at 0, V at 1: a worker's `PoolView.layer(l)`), or the whole pool for `copy_blocks` (two whole pools,
+device and host tier, for `swap_blocks`). CUDA tensors run the Triton kernels; CPU tensors run the torch
+references, unless TRITON_INTERPRET=1 was set before triton was imported, in which case Triton's
+interpreter runs the kernels (how the tests exercise them without a GPU). Every public function takes
+`backend="triton" | "torch"` to force one.
 """
 
 from radixkv.kernels.copy_blocks import copy_blocks, copy_blocks_reference
@@ -18,6 +19,7 @@ from radixkv.kernels.paged_decode_attention import (
 )
 from radixkv.kernels.step_tensors import StepTensors, step_tensors
 from radixkv.kernels.store_kv import quantize_fp8, store_kv, store_kv_reference
+from radixkv.kernels.swap_blocks import swap_blocks, swap_blocks_reference
 
 __all__ = [
     "DecodeConfig",
@@ -33,4 +35,6 @@ __all__ = [
     "StepTensors",
     "store_kv",
     "store_kv_reference",
+    "swap_blocks",
+    "swap_blocks_reference",
 ]

@@ -11,6 +11,7 @@ import numpy.typing as npt
 from radixkv.allocation import Allocator
 from radixkv.block_pool import NO_BLOCKS, cdiv
 from radixkv.block_table import BlockTable
+from radixkv.host_tier import NO_PAIRS
 from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan
@@ -106,19 +107,28 @@ def open_planned(
     """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan).
 
     `ranks`: each request's (priority, reserve_until), whose reservation is taken now. `seq_id`: the
-    id of the one sequence a resume brings back (otherwise each gets a new id).
+    id of the one sequence a resume brings back (otherwise each gets a new id). With a host tier, a prefix
+    that continues there is loaded into the first new blocks (the result's `loads`).
     """
-    bs = blocks.tree.block_size
+    bs, host = blocks.tree.block_size, blocks.tree.host
     results = []
     locked = lock_matches(blocks.tree, planned)
     for (key, node, num_matched_blocks), namespace, (priority, until) in zip(locked, namespaces, ranks, strict=True):
+        on_host = host.plan_load(key.data, node, num_matched_blocks, (key.num_tokens - 1) // bs) if host else None
         new_blocks = blocks.allocate(cdiv(key.num_tokens, bs) - num_matched_blocks)
+        num_loaded, loads = 0, NO_PAIRS
+        if host is not None and on_host is not None:
+            node, loads = host.load_back(node, on_host, new_blocks)
+            num_loaded = on_host[2]
+            num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
         tail = key.tail_after(num_matched_blocks * bs)
         new_id = sequences.next_id() if seq_id is None else seq_id
         seq, opened = start_sequence(new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until)
         if until:
             blocks.num_reserved += max(0, until - len(seq.block_table))
         sequences.add(seq)
+        if host is not None:
+            opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()
         results.append(opened)
     return results
 
@@ -127,6 +137,7 @@ def count_opens(stats: Stats, planned: list[PlannedOpen], results: list[OpenResu
     for (key, _, _), opened in zip(planned, results, strict=True):
         stats.num_requested_tokens += key.num_tokens
         stats.num_hit_tokens += opened.num_cached_tokens
+        stats.num_host_hit_tokens += opened.num_host_hit_tokens
         stats.num_opened_sequences += 1
 
 

@@ -164,4 +164,6 @@ def append(
     new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)
     batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
     blocks.stats.num_cow_copies += len(batch.copies)
+    if blocks.tree.host is not None:
+        batch.offloads = blocks.tree.host.take_offloads()
     return batch

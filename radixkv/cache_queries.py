@@ -17,6 +17,7 @@ from radixkv.block_pool import BlockPool, cdiv
 from radixkv.budget import Budget, budget_args, num_drawn
 from radixkv.errors import LimitExceeded
 from radixkv.fork import check_fork
+from radixkv.host_tier import HostTier
 from radixkv.invariants import check_holders, check_reservations
 from radixkv.limits import Limits
 from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
@@ -25,6 +26,7 @@ from radixkv.radix_tree import Node, RadixTree
 from radixkv.scheduling import freeable_blocks, victims
 from radixkv.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
+from radixkv.swap import swapped_host_blocks
 from radixkv.token_ids import TokenIds, TokenKey
 
 
@@ -40,6 +42,7 @@ class CacheQueries:
     _sequences: Sequences
     _pins: Pins
     _blocks: Allocator
+    host: HostTier | None
 
     def num_available_blocks(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""
@@ -111,10 +114,19 @@ class CacheQueries:
         return victims(self.pool.ref_counts, candidates, num_blocks)
 
     def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
-        """How many leading tokens are cached (whole blocks); locks and refreshes nothing."""
+        """How many leading tokens are cached on the device (whole blocks); locks and refreshes nothing."""
+        return self.match_tiers(token_ids, namespace)[0]
+
+    def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens): the leading tokens cached on the device, then how many more the host
+        tier holds (an open would load those back rather than compute them). Changes nothing."""
         key = self._key(token_ids, "token_ids")
         root = existing_root(self.tree, namespace)
-        return self.tree.match(root, key.data).num_blocks * self.block_size if root is not None else 0
+        if root is None:
+            return 0, 0
+        match = self.tree.match(root, key.data)
+        num_host = self.host.match(match, key.data, key.num_tokens)[2] if self.host is not None else 0
+        return match.num_blocks * self.block_size, num_host * self.block_size
 
     # -- dry runs: a multi-operation step checks every item before it applies any ----------------
 
@@ -180,6 +192,7 @@ class CacheQueries:
             num_namespaces=len(self.tree.roots),
             num_blocks_reserved=self._blocks.num_reserved,
             num_preempted_sequences=len(self._sequences.preempted),
+            **(self.host.gauges() if self.host is not None else {}),
         )
 
     def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
@@ -195,3 +208,5 @@ class CacheQueries:
         """Admission's reservations recounted: O(live sequences), so the online audit runs it under the lock."""
         blocks, sequences = self._blocks, self._sequences
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
+        if self.host is not None:
+            self.host.check_invariants(swapped_host_blocks(sequences.preempted.values()))

@@ -17,6 +17,7 @@ from radixkv.sequence import LiveSequence, PreemptedSequence, path_runs
 from radixkv.token_ids import TokenKey
 
 if TYPE_CHECKING:
+    from radixkv.host_tier import BlockIds, HostTier  # which calls `check_host_tier` from here
     from radixkv.radix_tree import RadixTree  # which calls `check_tree` from here
 
 
@@ -54,7 +55,9 @@ def check_tree(tree: RadixTree) -> None:
             pinned += len(node.block_ids)
     for namespace, root in tree.roots.items():
         assert root.namespace == namespace, f"root of {namespace!r} is filed under another name"
-        assert root.children or root.lock_ref, f"namespace {namespace!r} holds nothing and should be gone"
+        assert root.children or root.host_children or root.lock_ref, (
+            f"namespace {namespace!r} holds nothing and should be gone"
+        )
         assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), (
             f"root of {namespace!r}: lock_ref below children's"
         )
@@ -133,6 +136,57 @@ def _count_path(node: Node | None, locks: dict[int, int], count: int) -> None:
     while node is not None:
         locks[node.node_id] = locks.get(node.node_id, 0) + count
         node = node.parent
+
+
+def check_host_tier(host: HostTier, swapped: Iterable[BlockIds]) -> None:
+    """Residency and host blocks: every host-only node hangs off `host_children` with only host-only children;
+    a device node's host copy is whole and listed; each held host block has exactly one holder (a node, a
+    swapped sequence, or a free deferred to the end of the result); the LRU list is the host-only leaves, in
+    order; the cached count is right."""
+    tree, bb = host.tree, host.block_bytes
+    host.pool.check_invariants()
+    leaves, copies, fresh, deferred = host.listed()
+    holders: list[int] = [b for run in (*swapped, *deferred) for b in run]
+    num_cached = 0
+    expected_leaves = set()
+    device_nodes = [*tree.roots.values(), *(node for _, node in tree.nodes())]
+    listed_copies = {n.node_id for n in (*copies, *fresh)}
+    assert len(listed_copies) == len(copies) + len(fresh), "a host copy is listed twice"
+    for node in device_nodes:
+        if len(node.host_block_ids):
+            assert len(node.host_block_ids) == len(node.block_ids), f"node {node.node_id}: host copy not whole"
+            assert node.node_id in listed_copies, f"node {node.node_id}: host copy not listed"
+            holders.extend(node.host_block_ids)
+            num_cached += len(node.host_block_ids)
+        stack = list(node.host_children.items())
+        while stack:
+            first, child = stack.pop()
+            assert child.parent is not None and child.parent.host_children.get(first) is child, (
+                f"host node {child.node_id}: parent link broken"
+            )
+            assert first == child.token_bytes[:bb], f"host node {child.node_id}: filed under other tokens"
+            assert not len(child.block_ids) and not child.children, f"host node {child.node_id} holds device blocks"
+            assert len(child.host_block_ids), f"host node {child.node_id} holds no block"
+            assert len(child.token_bytes) == len(child.host_block_ids) * bb, f"host node {child.node_id}: tokens"
+            assert child.lock_ref == 0, f"host node {child.node_id} is locked"
+            assert child.namespace == node.namespace, f"host node {child.node_id} in another namespace"
+            holders.extend(child.host_block_ids)
+            num_cached += len(child.host_block_ids)
+            if not child.host_children and child.node_id not in listed_copies:  # a fresh one is listed at settle
+                expected_leaves.add(child.node_id)
+            stack.extend(child.host_children.items())
+    assert {n.node_id for n in copies} <= {n.node_id for n in device_nodes if len(n.block_ids)}, (
+        "a listed host copy is not on a device node"
+    )
+    assert len(set(holders)) == len(holders), "a host block has two holders"
+    used = {int(b) for b in np.flatnonzero(host.pool.ref_counts)}
+    assert used == {int(b) for b in holders}, f"host blocks held {sorted(used)} != holders {sorted(holders)}"
+    assert num_cached == host.num_cached_blocks, f"host cached blocks {host.num_cached_blocks} != {num_cached}"
+    assert {n.node_id for n in leaves} == expected_leaves and len(leaves) == len(expected_leaves), (
+        "host LRU list != host-only leaves"
+    )
+    keys = [lru_key(n) for n in leaves]
+    assert keys == sorted(keys), "host LRU list out of order"
 
 
 def check_reservations(

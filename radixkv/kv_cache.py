@@ -9,7 +9,8 @@ write would land in a shared block, the caller gets a `(src_block, dst_block)` c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from radixkv.admission import count_opens, lock_prefix, open_planned
 from radixkv.allocation import Allocator
@@ -19,6 +20,7 @@ from radixkv.budget import Budget, reservation
 from radixkv.cache_queries import CacheQueries
 from radixkv.errors import RadixKVError
 from radixkv.fork import check_fork, fork
+from radixkv.host_tier import HostTier
 from radixkv.limits import Limits
 from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root
 from radixkv.pins import Pins
@@ -28,6 +30,7 @@ from radixkv.radix_tree import RadixTree
 from radixkv.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequence import Sequences
 from radixkv.stats import Stats
+from radixkv.swap import HostSwap
 from radixkv.token_ids import TokenIds, TokenKey
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
@@ -54,11 +57,13 @@ class KVCache(CacheQueries):
         watermark_fraction: float = 0.01,
         first_seq_id: int = 1,
         tree: RadixTree | None = None,
+        host_num_blocks: int = 0,
     ) -> None:
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
         of the pool kept from budgeted admissions (see `radixkv.budget`). `first_seq_id`: where sequence ids
         start; a server picks a fresh one per run so that an id from before a restart never names a sequence
-        after it. `tree`: another eviction policy to compare."""
+        after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
+        (`radixkv.host_tier`); 0: none, and evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
@@ -71,6 +76,10 @@ class KVCache(CacheQueries):
         self._blocks = Allocator(self.pool, self.tree, self.stats_counters)
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
         self.preemption = Preemption(self._blocks, self._sequences, self._root)  # `swap_tier`: the host tier
+        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
+        if self.host is not None:
+            self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
+        self._num_open_results = 0  # depth of `one_result` scopes
 
     def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
@@ -104,9 +113,23 @@ class KVCache(CacheQueries):
         except RadixKVError:
             self.tree.drop_empty_roots()  # namespaces this refused request created
             raise
-        opened = open_planned(self._blocks, self._sequences, planned, [namespace for _, namespace in requests], ranks)
+        with self.one_result():
+            opened = open_planned(self._blocks, self._sequences, planned, [ns for _, ns in requests], ranks)
         count_opens(self.stats_counters, planned, opened)
         return opened
+
+    @contextlib.contextmanager
+    def one_result(self) -> Iterator[None]:
+        """Calls inside hand the worker one result: it applies all their offloads, then all their copies, then
+        all their loads (a server step is one). Until the outermost scope ends, no host block a load reads is
+        reused by an offload (see `radixkv.host_tier`); each call outside any scope is one result by itself."""
+        self._num_open_results += 1
+        try:
+            yield
+        finally:
+            self._num_open_results -= 1
+            if not self._num_open_results and self.host is not None:
+                self.host.settle()
 
     # -- append ----------------------------------------------------------------------------------
 
@@ -187,12 +210,14 @@ class KVCache(CacheQueries):
         "recompute": publish its computed full blocks, drop its holds; "swap": move what only it holds
         to the host tier (FailedPrecondition without one). Its reservation returns either way.
         """
-        return self.preemption.preempt(seq_ids, mode)
+        with self.one_result():
+            return self.preemption.preempt(seq_ids, mode)
 
     def resume(self, seq_id: int) -> ResumeResult:
         """Bring a preempted sequence back under its id, re-reserving its growth; OutOfBlocks (and nothing
         changes) when it does not fit. After recompute, compute K/V for the returned slots."""
-        return self.preemption.resume(seq_id)
+        with self.one_result():
+            return self.preemption.resume(seq_id)
 
     # -- probes and pins -------------------------------------------------------------------------
 

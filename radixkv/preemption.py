@@ -24,6 +24,7 @@ from radixkv.allocation import Allocator
 from radixkv.block_pool import cdiv
 from radixkv.budget import reservation
 from radixkv.errors import FailedPrecondition, InvalidArgument, RadixKVError
+from radixkv.host_tier import NO_PAIRS, Pairs
 from radixkv.publish import release
 from radixkv.radix_node import Node
 from radixkv.results import OpenResult
@@ -40,7 +41,7 @@ class PreemptResult:
 
     seq_ids: list[int]
     mode: str
-    offloads: list[tuple[int, int]]  # (device_block, host_block); empty for recompute
+    offloads: Pairs  # int64 [n, 2] (device_block, host_block); swap, and offloads pending from evictions
     num_freed_blocks: int  # how much num_available_blocks() grew
     num_unreserved_blocks: int  # what other allocations may take now (reservations returned included)
 
@@ -48,15 +49,14 @@ class PreemptResult:
 @dataclasses.dataclass(slots=True)
 class ResumeResult(OpenResult):
     """A resumed sequence, as `open` describes one: compute K/V for the `slots` (tokens from
-    `num_cached_tokens` on) after applying `loads` (swap: copy each host block to its device block)."""
-
-    loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host_block, device_block)
+    `num_cached_tokens` on) after applying `offloads` then `loads` (a swap's blocks, and any prefix the
+    host tier held, copied to their device blocks)."""
 
 
 class SwapTier(Protocol):
     """What `preempt(..., "swap")` and `resume` need from a host tier (`Preemption.swap_tier`)."""
 
-    def swap_out(self, sequences: list[LiveSequence]) -> tuple[list[tuple[int, int]], list[object]]:
+    def swap_out(self, sequences: list[LiveSequence]) -> tuple[Pairs, list[object]]:
         """All or none: move the blocks only each sequence holds to the host and drop every device hold
         of theirs; return the offload pairs and, per sequence, what the tier keeps for it
         (`PreemptedSequence.host`). Raise a RadixKVError and change nothing if it cannot."""
@@ -85,7 +85,7 @@ class Preemption:
             raise InvalidArgument("mode", f"must be 'swap' or 'recompute', got {mode!r}")
         live = self.sequences.batch(list(seq_ids))
         available = self.blocks.num_available()
-        offloads: list[tuple[int, int]] = []
+        offloads = NO_PAIRS
         if mode == "recompute":
             self._preempt_recompute(live)
         elif self.swap_tier is None:
@@ -131,7 +131,7 @@ class Preemption:
             self.sequences.preempted[seq.seq_id] = record
         blocks.stats.num_preemptions_recompute += len(live)
 
-    def _preempt_swap(self, live: list[LiveSequence], tier: SwapTier) -> list[tuple[int, int]]:
+    def _preempt_swap(self, live: list[LiveSequence], tier: SwapTier) -> Pairs:
         """Hand the sequences to the swap tier, then keep their records; returns the offload pairs."""
         returned = sum(reservation(seq) for seq in live)
         records = [park(seq, "swap") for seq in live]  # before the tier drops their paths
@@ -159,7 +159,10 @@ class Preemption:
         ranks = [(record.priority, record.reserve_until)]
         opened = open_planned(blocks, self.sequences, planned, [record.namespace], ranks, record.seq_id)[0]
         blocks.stats.num_recomputed_tokens += key.num_tokens - opened.num_cached_tokens
-        return ResumeResult(opened.seq_id, opened.num_cached_tokens, opened.block_table, opened.slot_source)
+        return ResumeResult(
+            opened.seq_id, opened.num_cached_tokens, opened.block_table, opened.slot_source,
+            opened.num_host_hit_tokens, opened.offloads, opened.loads,
+        )  # fmt: skip
 
     def _resume_swap(self, record: PreemptedSequence, tier: SwapTier) -> ResumeResult:
         """Bring a swapped-out sequence back through the swap tier, then register it and its reservation."""

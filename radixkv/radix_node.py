@@ -9,6 +9,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.block_pool import NO_BLOCKS
+
 _node_ids = itertools.count()
 
 
@@ -25,6 +27,10 @@ class Node:
     pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
     last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
     node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
+    # The host tier (`radixkv.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
+    # and its host-only children (no device blocks), which device walks never see.
+    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
+    host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
 
     @property
     def is_root(self) -> bool:

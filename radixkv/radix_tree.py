@@ -9,6 +9,7 @@ on each block it keeps; the caller (`KVCache`) turns the block ids the tree drop
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +19,9 @@ from radixkv.block_pool import NO_BLOCKS, BlockIds
 from radixkv.invariants import check_tree
 from radixkv.radix_node import Match, Node, TreeObserver, lru_key
 from radixkv.token_ids import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from radixkv.host_tier import HostTier
 
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key"]
 
@@ -37,7 +41,9 @@ class RadixTree:
     child as it is; trimming a leaf's tail keeps its key. `check_invariants` verifies the order.
 
     `touched`, while not None (an online audit copying the tree over several lock holds), collects every
-    non-root node whose fields or children change: every write to a node goes through a method here.
+    non-root node whose fields or children change: every write to a device node goes through a method here
+    (the host tier writes host-only nodes, which the audit does not copy, and moves nodes between the tiers
+    only through `unlink` and `attach_loaded`).
     """
 
     def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
@@ -51,6 +57,7 @@ class RadixTree:
         self.num_cached_blocks = 0
         self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
+        self.host: HostTier | None = None  # the host tier evictions move blocks to, if any (it sets this)
         self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
 
     def root(self, namespace: str) -> Node:
@@ -113,6 +120,9 @@ class RadixTree:
             self.touched.update((node, upper, node.parent))
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
+        if len(node.host_block_ids) and self.host is not None:  # a host copy splits with it
+            upper.host_block_ids, node.host_block_ids = node.host_block_ids[:k], node.host_block_ids[k:]
+            self.host.split_copy(node, upper)
         return upper
 
     # -- insertion --------------------------------------------------------------------------------
@@ -137,6 +147,8 @@ class RadixTree:
                 i += match.num_blocks
                 continue
             new_ids = np.array(block_ids[i:], dtype=np.int32)  # the node's own copy (the caller's may change)
+            if self.host is not None:
+                self.host.drop_overlap(node, key[pos : pos + self.block_bytes])
             child = Node(key[pos:], new_ids, node, node.namespace, last_access=now)
             if node.lock_ref == 0 and not node.children and not node.is_root:
                 self._evictable_leaves.discard(node)
@@ -194,8 +206,33 @@ class RadixTree:
 
     def _drop_if_empty(self, root: Node) -> None:
         """Forget a namespace with nothing cached and no holder, so namespaces cannot pile up."""
-        if root.lock_ref == 0 and not root.children and self.roots.get(root.namespace) is root:
-            del self.roots[root.namespace]
+        if root.lock_ref == 0 and not root.children and not root.host_children:
+            if self.roots.get(root.namespace) is root:
+                del self.roots[root.namespace]
+
+    def unlist_leaf(self, leaf: Node) -> None:
+        """An evictable leaf leaves the LRU list (the host tier is evicting it)."""
+        self._evictable_leaves.remove(leaf)
+
+    def attach_loaded(self, node: Node) -> None:
+        """A host-only node whose `block_ids` were just set (loaded back) joins its parent's device children,
+        cached and evictable until the caller locks it; reported stored, as the device tier caches it again."""
+        parent = node.parent
+        assert parent is not None and len(node.block_ids) == len(node.host_block_ids), "load a whole host node"
+        first = node.token_bytes[: self.block_bytes]
+        del parent.host_children[first]
+        if self.touched is not None:
+            self.touched.update((node, parent))
+        if parent.lock_ref == 0 and not parent.children and not parent.is_root:
+            self._evictable_leaves.discard(parent)
+        parent.children[first] = node
+        self._evictable_leaves.add(node)
+        n = len(node.block_ids)
+        self.num_evictable_blocks += n
+        self.num_cached_blocks += n
+        self.num_cached_blocks_in[node.namespace] = self.num_cached_blocks_in.get(node.namespace, 0) + n
+        if self.observer is not None:
+            self.observer.blocks_stored(node)
 
     def drop_empty_roots(self) -> None:
         """After a refused request: forget namespaces it created and left empty."""
@@ -241,12 +278,14 @@ class RadixTree:
             need = num_blocks - num_freed
             if self.touched is not None:
                 self.touched.add(leaf)
-            dropped = leaf.block_ids
-            if len(dropped) > need:
-                keep = len(dropped) - need
-                dropped, leaf.block_ids = dropped[keep:], dropped[:keep]
+            if self.host is not None:
+                dropped = self.host.evict_leaf(leaf, need)
+            elif len(leaf.block_ids) > need:
+                keep = len(leaf.block_ids) - need
+                dropped, leaf.block_ids = leaf.block_ids[keep:], leaf.block_ids[:keep]
                 leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
             else:
+                dropped = leaf.block_ids
                 leaves.remove(leaf)
                 self._detach(leaf)
             freed.append(dropped)
@@ -268,13 +307,21 @@ class RadixTree:
         return np.concatenate(freed) if freed else NO_BLOCKS
 
     def _detach(self, leaf: Node) -> None:
-        """Unlink an evicted leaf; its parent may become an evictable leaf."""
+        self.unlink(leaf, to_host=False)
+
+    def unlink(self, leaf: Node, to_host: bool) -> None:
+        """Take an evicted leaf off the device tier: gone, or (`to_host`) moved among its parent's host children.
+        Its parent may become an evictable leaf."""
         parent = leaf.parent
         assert parent is not None
-        del parent.children[leaf.token_bytes[: self.block_bytes]]
+        first = leaf.token_bytes[: self.block_bytes]
+        del parent.children[first]
         if self.touched is not None:
             self.touched.add(parent)
-        leaf.parent = None
+        if to_host:
+            parent.host_children[first] = leaf
+        else:
+            leaf.parent = None
         if not parent.children and parent.lock_ref == 0:
             if parent.parent is None:
                 self._drop_if_empty(parent)

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
+from radixkv.host_tier import NO_PAIRS, Pairs
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -48,12 +49,18 @@ class OpenResult:
 
     `block_table` is a read-only int32 array (`.tolist()` for a list): the cached path's blocks
     joined with the new ones in one copy, never a Python int per block.
+
+    With a host tier, apply `offloads` (device -> host), then `loads` (host -> device: the host-hit blocks of
+    the table) with `kernels.swap_blocks` before the step (see `radixkv.host_tier` for why that order).
     """
 
     seq_id: int
     num_cached_tokens: int  # prefix served from the cache: compute K/V only for the rest
     block_table: npt.NDArray[np.int32]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+    num_host_hit_tokens: int = 0  # of num_cached_tokens, those the host tier held (brought in by `loads`)
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (device_block, host_block)
+    loads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (host_block, device_block)
 
     @property
     def slots(self) -> npt.NDArray[np.int64]:
@@ -126,6 +133,8 @@ class AppendBatch:
     block_ids: list[int]
     copies: list[tuple[int, int, int]]
     slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
+    # Host tier: int64 [n, 2] (device_block, host_block), applied before `copies`.
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)
 
     @property
     def slots(self) -> npt.NDArray[np.int64]:

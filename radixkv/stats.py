@@ -25,6 +25,18 @@ class Stats:
     num_opened_sequences: int = 0
     num_forked_sequences: int = 0
     num_released_sequences: int = 0
+    # The host tier (all 0 without one). Gauges: its blocks, free ones, ones caching prefixes (host-only or
+    # copies of device blocks), ones holding swapped sequences. Counters: blocks offloaded and loaded, host
+    # blocks evicted, and tokens opens loaded back instead of computing (also counted in num_hit_tokens).
+    num_host_blocks_total: int = 0
+    num_host_blocks_free: int = 0
+    num_host_blocks_cached: int = 0
+    num_host_blocks_swapped: int = 0
+    num_offloaded_blocks: int = 0
+    num_loaded_blocks: int = 0
+    num_host_evicted_blocks: int = 0
+    num_host_hit_tokens: int = 0
+    num_swapped_sequences: int = 0  # preempted by swap: their private blocks on the host tier
     num_blocks_reserved: int = 0  # admission's reserved growth not yet appended into
     num_preempted_sequences: int = 0
     num_admission_refusals: int = 0  # NotAdmitted

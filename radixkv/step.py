@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from radixkv.host_tier import NO_PAIRS, Pairs
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.token_ids import TokenIds
 
@@ -61,6 +62,9 @@ class StepResult:
 
     `explanations`: when the step asked to explain any open, one per open (None where it did not ask):
     `radixkv.client.MatchExplanation` on the client, the server's `MissExplanation` inside it.
+    `offloads` and `loads` are the whole step's host-tier transfers (its opens' and append's, in order: over the
+    wire they come only here): before running the step the worker applies the offloads, then
+    `appended.copies`, then the loads (see `radixkv.host_tier`).
     """
 
     opened: list[OpenResult]
@@ -69,3 +73,5 @@ class StepResult:
     num_cached_tokens: list[int]
     num_released_sequences: int
     explanations: Sequence[Any] = ()
+    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (device, host)
+    loads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)  # int64 [n, 2] (host, device)

@@ -26,6 +26,7 @@ SHM_DIR = "/dev/shm"
 _LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
 _UNTRACKED_LOCK = threading.Lock()
 _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
+_HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device, by address
 _CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields
 
 
@@ -125,6 +126,7 @@ class KVStorage:
         self._shm = shm
         self._owner = owner
         self._unlinked = False
+        self._pinned = False  # page-locked in this process (cudaHostRegister): a host tier beside a CUDA pool
         # A CUDA allocation mapped from another process cannot be exported again: its handle is passed on as is.
         self._imported_handle: PoolHandle | None = None
         self.check_invariants()
@@ -175,6 +177,45 @@ class KVStorage:
         storage = cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=True)
         storage._init_scales(scales)
         return storage
+
+    @classmethod
+    def create_host(cls, layout: PoolLayout, *, name: str | None = None, pin: bool | None = None) -> KVStorage:
+        """A host-tier pool: CPU named shared memory, so co-located workers map it as they map the device pool.
+
+        `pin` (None: when CUDA is present) page-locks it (`pin`), so `kernels.swap_blocks` reads and writes it
+        from the GPU directly.
+        """
+        storage = cls.create(layout, "cpu", name=name)
+        if pin if pin is not None else torch.cuda.is_available():
+            try:
+                storage.pin()
+            except BaseException:
+                storage.close()
+                storage.unlink()
+                raise
+        return storage
+
+    def pin(self) -> None:
+        """Page-lock this process's mapping of a CPU pool (`cudaHostRegister`, portable and mapped), so CUDA
+        kernels address it directly; `close` unpins. Each process that swaps with it pins its own mapping.
+
+        Raises:
+            ValueError: a CUDA pool, no CUDA, or CUDA refused (the message names its error).
+        """
+        if self.device.type != "cpu":
+            raise ValueError("pin: only a CPU pool is page-locked")
+        if not torch.cuda.is_available():
+            raise ValueError("pin: page-locking a pool needs CUDA")
+        if self._pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.layout.total_bytes, _HOST_REGISTER_FLAGS)
+        if int(err) != 0:
+            raise ValueError(f"pin: cudaHostRegister failed with CUDA error {int(err)}")
+        self._pinned = True
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._pinned
 
     @classmethod
     def open(cls, handle: PoolHandle) -> KVStorage:
@@ -269,6 +310,10 @@ class KVStorage:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._pinned:
+            torch.cuda.synchronize()  # no queued swap still reads or writes the memory
+            torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
+            self._pinned = False
         self._data = None
         self._scales = None
 

@@ -50,6 +50,7 @@ class _NodeCopy:
     pin_ref: int
     last_access: int
     listed: bool  # found on the evictable list under its current key
+    host_children: dict[bytes, Node]  # the host tier's nodes under it (a root with only those stays)
 
 
 def _copy(node: Node, tree: RadixTree, pool: Pool) -> _NodeCopy:
@@ -57,7 +58,7 @@ def _copy(node: Node, tree: RadixTree, pool: Pool) -> _NodeCopy:
     return _NodeCopy(
         node.node_id, node.namespace, node.token_bytes, node.block_ids, [get(b) for b in node.block_ids.tolist()],
         {k: c.node_id for k, c in node.children.items()}, node.lock_ref, node.pin_ref, node.last_access,
-        node.parent is not None and tree.is_listed_evictable(node),
+        node.parent is not None and tree.is_listed_evictable(node), dict(node.host_children),
     )  # fmt: skip
 
 
@@ -114,7 +115,7 @@ class PoolImage:
         assert touched is not None, "another audit reset the tree's touched set"
         while touched:  # written since its copy (or new): copy again, or forget it if evicted
             node = touched.pop()
-            if node.parent is not None:
+            if node.parent is not None and len(node.block_ids):  # on the device (not gone, not moved to the host)
                 self._copies[node.node_id] = _copy(node, tree, pool)
             elif tree.roots.get(node.namespace) is not node:
                 self._copies.pop(node.node_id, None)
@@ -123,7 +124,7 @@ class PoolImage:
         stack = self._stack
         while stack:
             node = stack.pop()
-            if node.parent is not None:  # else evicted since it was stacked
+            if node.parent is not None and len(node.block_ids):  # else evicted since it was stacked
                 self._copies[node.node_id] = _copy(node, tree, pool)
                 stack.extend(node.children.values())
             if time.perf_counter() > deadline:
@@ -165,7 +166,16 @@ class PoolImage:
         copies = [*self._copies.values(), *instant.roots]
         nodes = {
             c.node_id: Node(
-                c.token_bytes, c.block_ids, None, c.namespace, {}, c.lock_ref, c.pin_ref, c.last_access, c.node_id
+                c.token_bytes,
+                c.block_ids,
+                None,
+                c.namespace,
+                {},
+                c.lock_ref,
+                c.pin_ref,
+                c.last_access,
+                c.node_id,
+                host_children=c.host_children,
             )
             for c in copies
         }

@@ -9,6 +9,7 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     num_kv_heads = 8
     head_dim = 128
     memory_fraction = 0.8   # or num_blocks = 4096, or memory_bytes = 17179869184
+    host_num_blocks = 16384 # optional host tier (or host_memory_bytes): evicted prefixes move there
     [tenants.acme]
     token = "secret"
     namespaces = ["chat", "code"]   # "*": any namespace
@@ -62,10 +63,15 @@ class PoolConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_buffer_steps: int = 10_000  # batches kept for replay
     tombstones: int = 65_536  # evicted block hashes remembered, so Match(explain) can say EVICTED
+    # The host tier (same layout in host memory; pinned when CUDA is present), by at most one of these; none: no tier.
+    host_num_blocks: int | None = None
+    host_memory_bytes: int | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
 
     def __post_init__(self) -> None:
+        if self.host_num_blocks is not None and self.host_memory_bytes is not None:
+            raise ValueError(f"pool {self.name!r}: give at most one of host_num_blocks, host_memory_bytes")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
         if self.tombstones < 0:
@@ -170,7 +176,11 @@ class ServerConfig:
             raise ValueError("session_ttl_seconds must lie in (0, max_session_ttl_seconds]")
         if self.max_message_bytes is None:
             needed = max(
-                message_bytes_needed(p.limits.max_tokens_per_request, self.max_sequences_per_session)
+                message_bytes_needed(
+                    p.limits.max_tokens_per_request,
+                    self.max_sequences_per_session,
+                    p.host_num_blocks is not None or p.host_memory_bytes is not None,
+                )
                 for p in self.pools
             )
             object.__setattr__(self, "max_message_bytes", needed)
@@ -224,6 +234,8 @@ POOL_KEYS: dict[str, str] = {
     "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
     "kv_events_buffer_steps": "event batches kept for replay",
+    "host_num_blocks": "host tier size in blocks (host memory, same layout): evicted prefixes move there",
+    "host_memory_bytes": "host tier size as a byte budget; give at most one of host_num_blocks, host_memory_bytes",
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",

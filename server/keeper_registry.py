@@ -188,6 +188,12 @@ class Keeper:
     def _free(pool: KeptPool) -> None:
         pool.storage.close()
         pool.storage.unlink()  # the name goes now; an attached server's mapping keeps its pages until it exits
+        if pool.device != "cpu":
+            import torch
+
+            # Back to the driver, not kept in this process's cache (torch holds back an allocation that another
+            # process still maps until that process lets go of it).
+            torch.cuda.empty_cache()
 
     def _write_state(self) -> None:
         state = {

@@ -43,6 +43,17 @@ _GAUGES = (
         "(Blocks in use + reserved) / blocks in the pool: < 0.7 normal, 0.7-0.9 high, > 0.9 danger.",
     ),
     ("radixkv_preempted_sequences", "num_preempted_sequences", "Sequences preempted and not yet resumed."),
+    (
+        "radixkv_swapped_sequences",
+        "num_swapped_sequences",
+        "Sequences preempted by swap: their blocks on the host tier.",
+    ),
+)
+# radixkv_host_blocks{state}: the host tier's blocks by what holds them (Stats field per state).
+_HOST_STATES = (
+    ("free", "num_host_blocks_free"),
+    ("cached", "num_host_blocks_cached"),
+    ("swapped", "num_host_blocks_swapped"),
 )
 _COUNTERS = (
     ("radixkv_requested_tokens", "num_requested_tokens", "Prompt tokens of opened sequences."),
@@ -55,6 +66,14 @@ _COUNTERS = (
     ("radixkv_released_sequences", "num_released_sequences", "Sequences released."),
     ("radixkv_resumed_sequences", "num_resumed_sequences", "Preempted sequences resumed."),
     ("radixkv_recomputed_tokens", "num_recomputed_tokens", "Tokens resumes after recompute handed back to prefill."),
+    (
+        "radixkv_host_hit_tokens",
+        "num_host_hit_tokens",
+        "Prompt tokens loaded back from the host tier (in hit_tokens too).",
+    ),
+    ("radixkv_offloaded_blocks", "num_offloaded_blocks", "Blocks copied from the device to the host tier."),
+    ("radixkv_loaded_blocks", "num_loaded_blocks", "Blocks copied from the host tier back to the device."),
+    ("radixkv_host_evicted_blocks", "num_host_evicted_blocks", "Host-tier blocks evicted to make room."),
 )
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -78,6 +97,10 @@ class _PoolCollector:
         refusals = CounterMetricFamily(
             "radixkv_admission_refusals", "Opens refused by admission (NOT_ADMITTED) or a tenant's token budget "
             "(TOKEN_BUDGET).", labels=["pool", "reason"],
+        )  # fmt: skip
+        host_blocks = GaugeMetricFamily(
+            "radixkv_host_blocks", "Host-tier blocks by state (free, cached, swapped); none without a host tier.",
+            labels=["pool", "state"],
         )  # fmt: skip
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
@@ -113,6 +136,9 @@ class _PoolCollector:
                 gauges[name].add_metric([pool.name], getattr(stats, field))
             for name, field, _ in _COUNTERS:
                 counters[name].add_metric([pool.name], getattr(stats, field))
+            if stats.num_host_blocks_total:
+                for state, field in _HOST_STATES:
+                    host_blocks.add_metric([pool.name, state], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
             restart_safe.add_metric([pool.name], 1 if pool.restart_safe() else 0)
@@ -121,6 +147,7 @@ class _PoolCollector:
         yield usage
         yield watchers
         yield misses
+        yield host_blocks
         yield preemptions
         yield refusals
         yield tombstones

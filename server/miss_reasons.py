@@ -33,9 +33,7 @@ class MissReason(enum.Enum):
     PARTIAL_BLOCK = 4
     OTHER_NAMESPACE = 5
     LAST_TOKEN = 6  # open only
-    # The prefix continues in the host tier (loaded back on open). Reserved: the host tier's residency
-    # decides it, and no pool produces it until that lands.
-    HOST_TIER = 7
+    HOST_TIER = 7  # Match only: the prefix continues in the host tier (an open loads it back)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +62,11 @@ def _visible(caller: Tenant, core_namespace: str) -> bool:
 
 
 def explain_open(cache: KVCache, events: EventHub, caller: Tenant, key: bytes, core_namespace: str) -> MissExplanation:
-    """Before `open`: what its cached prefix will be and why. Call under the pool's lock, then `after_open`."""
-    return explain_miss(cache, events, caller, key, core_namespace, cache.match(key, core_namespace))
+    """Before `open`: what its cached prefix will be and why. Call under the pool's lock, then `after_open`.
+
+    An open loads the host tier's continuation back, so its prefix ends past both tiers (never HOST_TIER)."""
+    num_device, num_host = cache.match_tiers(key, core_namespace)
+    return explain_miss(cache, events, caller, key, core_namespace, num_device + num_host)
 
 
 def after_open(before: MissExplanation, num_cached_tokens: int, block_size: int) -> MissExplanation:
@@ -109,6 +110,9 @@ def explain_miss(
         return MissExplanation(MissReason.FULLY_CACHED, index, 0)
     if num_missed < block_size:
         return MissExplanation(MissReason.PARTIAL_BLOCK, index, num_missed)
+    num_device, num_host = cache.match_tiers(key, core_namespace)
+    if num_device <= num_cached < num_device + num_host:  # the next block is host-resident: checked first, since
+        return MissExplanation(MissReason.HOST_TIER, index, num_missed)  # its device eviction left a tombstone
     block = np.frombuffer(key, dtype="<i4")[index * block_size : (index + 1) * block_size].tolist()
     wire = wire_hash(
         chain_hashes(block, block_size, core_namespace, _last_cached_hash(cache, events, key, core_namespace))[0]

@@ -7,6 +7,7 @@ agree with it (the ledger: who owns each sequence, each tenant's blocks and pins
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 from typing import TYPE_CHECKING, Any
@@ -35,12 +36,14 @@ class Pool:
         tombstones: int = 65_536,
         keeper: KeeperAttachment | None = None,
         keeper_lost: threading.Event | None = None,
+        host_storage: KVStorage | None = None,
         *,
         reserve_fraction: float = 1.0,
         watermark_fraction: float = 0.01,
     ) -> None:
         self.name = name
         self.storage = storage
+        self.host_storage = host_storage  # the host tier's memory (same layout, its own num_blocks), if any
         # None: this process owns the memory. Else a keeper does: `keeper.fresh` says whether anything from a
         # previous server can be in it; `keeper_lost` is set once this server noticed the keeper die.
         self.keeper = keeper
@@ -52,6 +55,7 @@ class Pool:
         self.cache = KVCache(
             self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1,
             reserve_fraction=reserve_fraction, watermark_fraction=watermark_fraction,
+            host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
         )  # fmt: skip
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it
@@ -102,6 +106,10 @@ class Pool:
         self.storage.close()
         if self.keeper is None:
             self.storage.unlink()  # CUDA: a no-op; the memory goes with this process
+        if self.host_storage is not None:
+            self.host_storage.close()
+            if self.keeper is None:
+                self.host_storage.unlink()
 
 
 def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None) -> Pool:
@@ -120,9 +128,16 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
     else:
         attachment = keeper.create_or_attach(config.name, layout, _device_with_index(config.device))
         storage = KVStorage.open(attachment.handle)
+    try:
+        host = _host_storage(config, layout, storage.device.type == "cuda", keeper)
+    except BaseException:
+        storage.close()
+        if keeper is None:
+            storage.unlink()
+        raise
     lost = keeper.lost if keeper is not None else None
     pool = Pool(
-        config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost,
+        config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
         reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
     )  # fmt: skip
     if attachment is not None:
@@ -169,3 +184,25 @@ def _device_with_index(device: str) -> str:
 
         return f"cuda:{torch.cuda.current_device()}"
     return device
+
+
+def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool, keeper: KeeperClient | None) -> KVStorage | None:
+    """The host tier's memory: the device pool's layout with `host_num_blocks`, or as many as `host_memory_bytes`
+    holds; None without either. Shared memory of its own, or the keeper's (its "host" tier of the pool: nothing
+    in it is trusted after a restart, as the host tier's bookkeeping starts empty). Page-locked (`pin`) beside a
+    CUDA pool, so swaps read and write it directly."""
+    from radixkv.storage import KVStorage
+
+    if config.host_num_blocks:
+        host_layout = dataclasses.replace(layout, num_blocks=config.host_num_blocks)
+    elif config.host_memory_bytes:
+        shape = {f: getattr(layout, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}
+        host_layout = PoolLayout.for_budget(config.host_memory_bytes, **shape)
+    else:
+        return None
+    if keeper is None:
+        return KVStorage.create_host(host_layout, pin=pin)
+    host = KVStorage.open(keeper.create_or_attach(config.name, host_layout, "cpu", tier="host").handle)
+    if pin:
+        host.pin()
+    return host

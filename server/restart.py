@@ -118,6 +118,7 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
             "pins": [
                 [s.session_id, p.namespace, p.token_bytes, p.num_blocks] for s in sessions for p in pool.ledger.pins(s)
             ],
+            # hosttier: blocks resident only in the host tier need checksums of that tier's memory too.
             "kv_checksums": kv_checksums(pool.storage, tree_block_ids),
         }
         identity = PoolIdentity(pool.name, pool.layout, memory_id(memory.incarnation, memory.generation))

@@ -92,12 +92,12 @@ class KVService:
 
         Raises:
             PermissionDenied: the caller is not an admin tenant.
-            FailedPrecondition: no pool's memory is held by a keeper: a restart would lose it all.
+            FailedPrecondition: no pool's memory is held by a live keeper: a restart would lose it all.
         """
         if not caller.admin:
             raise PermissionDenied(f"tenant {caller.name!r} may not call Upgrade (admin)", tenant=caller.name)
-        if not any(pool.keeper is not None for pool in self.pools.values()):
-            raise FailedPrecondition("no keeper holds this server's pools: a restart would lose the cache")
+        if not any(pool.restart_safe() for pool in self.pools.values()):
+            raise FailedPrecondition("no live keeper holds this server's pools: a restart would lose the cache")
         written = snapshot_all(self.pools, self.sessions)
         self.stop_requested.set()
         return written
@@ -401,31 +401,35 @@ class KVService:
 
     # -- prefixes ---------------------------------------------------------------------------------
 
-    def match(self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str) -> int:
-        """Read-only; a session is optional (routers probe without one)."""
+    def match(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
+    ) -> tuple[int, int]:
+        """(device tokens, host tokens), as `KVCache.match_tiers`. Read-only; a session is optional (routers
+        probe without one)."""
         pool = self.pool(pool_name)
         check_request_size(pool, _num_tokens(token_ids))
         if session_id:
             self.sessions.get(session_id, caller)
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
-            return pool.cache.match(key, core_namespace)
+            return pool.cache.match_tiers(key, core_namespace)
 
     def explain_match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
-    ) -> tuple[int, MissExplanation]:
-        """`match`, and why the cached prefix ends there (hashes one block; see `miss_reasons`)."""
+    ) -> tuple[int, int, MissExplanation]:
+        """`match` (device tokens, host tokens), and why the device's cached prefix ends there (hashes one block;
+        see `miss_reasons`)."""
         pool = self.pool(pool_name)
         check_request_size(pool, _num_tokens(token_ids))
         if session_id:
             self.sessions.get(session_id, caller)
         core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
         with pool.lock:
-            num_cached = pool.cache.match(key, core_namespace)
+            num_cached, num_host = pool.cache.match_tiers(key, core_namespace)
             explanation = explain_miss(pool.cache, pool.events, caller, key, core_namespace, num_cached)
             reason = explanation.reason.name
             pool.num_miss_tokens[reason] = pool.num_miss_tokens.get(reason, 0) + explanation.num_missed_tokens
-        return num_cached, explanation
+        return num_cached, num_host, explanation
 
     def pin(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str, request_id: int = 0

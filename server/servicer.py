@@ -20,12 +20,13 @@ import grpc
 import numpy as np
 
 from radixkv.block_hash import WIRE_MASK, HashContract
+from radixkv.layout import PoolLayout
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.miss_reasons import MissExplanation, wire_reason
 from radixkv.server.service import KVService
-from radixkv.server.session_stream import Observe, SessionStreams
+from radixkv.server.session_stream import Observe, SessionStreams, transfers
 from radixkv.server.status import translating_errors, translating_stream
 from radixkv.server.tenants import Tenant
 from radixkv.v1 import kvcache_pb2 as pb
@@ -82,9 +83,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                     num_cached_tokens=r.num_cached_tokens,
                     block_ids=r.block_table.tolist(),
                     slots=np.asarray(r.slots).tolist(),
+                    num_host_hit_tokens=r.num_host_hit_tokens,
                 )
                 for r in results
-            ]
+            ],
+            offloads=transfers(r.offloads for r in results),
+            loads=transfers(r.loads for r in results),
         )
         for opened, why in zip(response.sequences, explanations or (), strict=False):
             opened.miss_reason = wire_reason(why)
@@ -110,6 +114,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             block_ids=batch.block_ids,
             slots=batch.slots.tolist(),
             copies=[pb.BlockCopy(src_block_id=s, dst_block_id=d, sequence_index=i) for s, d, i in batch.copies],
+            offloads=transfers([batch.offloads]),
         )
 
     @translating_errors
@@ -175,7 +180,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             current_caller(), request.session_id, request.pool, list(request.seq_ids), mode, request.request_id
         )
         return pb.PreemptResponse(
-            offloads=[pb.BlockTransfer(src_block_id=d, dst_block_id=h) for d, h in result.offloads],
+            offloads=transfers([result.offloads]),
             num_freed_blocks=result.num_freed_blocks,
             num_unreserved_blocks=result.num_unreserved_blocks,
         )
@@ -185,8 +190,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
         return pb.ResumeResponse(
             seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table.tolist(),
-            slots=np.asarray(r.slots).tolist(),
-            loads=[pb.BlockTransfer(src_block_id=h, dst_block_id=d) for h, d in r.loads],
+            slots=np.asarray(r.slots).tolist(), loads=transfers([r.loads]), offloads=transfers([r.offloads]),
+            num_host_hit_tokens=r.num_host_hit_tokens,
         )  # fmt: skip
 
     @translating_errors
@@ -197,18 +202,18 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         if request.explain:
-            num, why = self._service.explain_match(
+            num, num_host, why = self._service.explain_match(
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, miss_reason=wire_reason(why),
+                num_cached_tokens=num, num_host_cached_tokens=num_host, miss_reason=wire_reason(why),
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
-        num = self._service.match(
+        num, num_host = self._service.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
-        return pb.MatchResponse(num_cached_tokens=num)
+        return pb.MatchResponse(num_cached_tokens=num, num_host_cached_tokens=num_host)
 
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
@@ -242,21 +247,18 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
         layout = pool.layout
         handle = pool.storage.export_handle()
-        return pb.GetPoolResponse(
+        response = pb.GetPoolResponse(
             pool=pool.name,
-            layout=pb.PoolLayout(
-                num_layers=layout.num_layers,
-                num_kv_heads=layout.num_kv_heads,
-                head_dim=layout.head_dim,
-                block_size=layout.block_size,
-                num_blocks=layout.num_blocks,
-                dtype=layout.dtype,
-            ),
+            layout=_layout(layout),
             device=pool.device,
             handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
             handle=handle.to_proto(),
             hash_contract=_hash_contract(layout.block_size),
         )
+        if pool.host_storage is not None:
+            response.host_layout.CopyFrom(_layout(pool.host_storage.layout))
+            response.host_handle.CopyFrom(pool.host_storage.export_handle().to_proto())
+        return response
 
     @translating_errors
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
@@ -335,6 +337,17 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
         block_hashes=event.block_hashes,
         parent_block_hash=event.parent_block_hash,
         namespace_digest=event.namespace_digest,
+    )
+
+
+def _layout(layout: PoolLayout) -> pb.PoolLayout:
+    return pb.PoolLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        dtype=layout.dtype,
     )
 
 

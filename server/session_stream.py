@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.server.decoding import Undecodable
@@ -191,6 +192,7 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
             num_cached_tokens=r.num_cached_tokens,
             block_ids=r.block_table.tolist(),
             slots=r.slots.astype(_INT64, copy=False).tobytes(),
+            num_host_hit_tokens=r.num_host_hit_tokens,
         )
     for item, why in zip(response.opened, result.explanations, strict=False):  # explained opens: as OpenSequences
         if why is not None:
@@ -209,6 +211,10 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
         appended.slots = b.slots.astype(_INT64, copy=False).tobytes()
         for s, d, i in b.copies:
             appended.copies.add(src_block_id=s, dst_block_id=d, sequence_index=i)
+    if len(result.offloads):
+        response.offloads.extend(transfers([result.offloads]))
+    if len(result.loads):
+        response.loads.extend(transfers([result.loads]))
     for children in result.forked:
         response.forked.add(child_seq_ids=children)
     if result.num_cached_tokens:
@@ -216,6 +222,11 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
     if result.num_released_sequences:
         response.num_released_sequences = result.num_released_sequences
     return response
+
+
+def transfers(runs: Iterable[npt.NDArray[np.int64]]) -> list[pb.BlockTransfer]:
+    """Host-tier pairs `(src_block, dst_block)`, run after run in order, as wire messages."""
+    return [pb.BlockTransfer(src_block_id=s, dst_block_id=d) for run in runs for s, d in run.tolist()]
 
 
 def _step_error(error: RadixKVError) -> pb.StepError:

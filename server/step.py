@@ -30,6 +30,7 @@ from radixkv.errors import (
     UnknownSequence,
     UnknownSession,
 )
+from radixkv.host_tier import concat_pairs
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
@@ -104,7 +105,8 @@ def run_step(
             with _item("opens"):
                 service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
-                result = _apply(service, pool, session, step, requests)
+                with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
+                    result = _apply(service, pool, session, step, requests)
             except BaseException:
                 service.token_buckets.refund(caller, cost)
                 raise
@@ -266,7 +268,9 @@ def _apply(
             num_released += len(seq_ids)
     if step.forks or step.caches or any(keep for _, keep in step.releases):
         service.keep_cache_share(pool, session.tenant)
-    return StepResult(opened, appended, forked, num_cached, num_released)
+    offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
+    loads = concat_pairs(r.loads for r in opened)
+    return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads, loads=loads)
 
 
 def _budgets(step: Step) -> dict[str, Sequence[int] | None]:

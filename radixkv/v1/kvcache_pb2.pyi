@@ -111,7 +111,7 @@ class OpenSequencesRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., request_id: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class OpenedSequence(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace", "num_host_hit_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class OpenedSequence(_message.Message):
     MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,13 +129,26 @@ class OpenedSequence(_message.Message):
     miss_block_index: int
     evicted_at_unix_ns: int
     other_namespace: str
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
+    num_host_hit_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSequencesResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "offloads", "loads")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[OpenedSequence]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[OpenedSequence, _Mapping]]] = ...) -> None: ...
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    loads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[OpenedSequence, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
+
+class BlockTransfer(_message.Message):
+    __slots__ = ("src_block_id", "dst_block_id")
+    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    src_block_id: int
+    dst_block_id: int
+    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
 
 class AppendTokensRequest(_message.Message):
     __slots__ = ("pool", "session_id", "seq_ids", "num_token_ids", "token_ids", "request_id")
@@ -163,20 +177,22 @@ class BlockCopy(_message.Message):
     def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ..., sequence_index: _Optional[int] = ...) -> None: ...
 
 class AppendTokensResponse(_message.Message):
-    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")
+    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies", "offloads")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     table_offsets: _containers.RepeatedScalarFieldContainer[int]
     num_block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class ForkSequenceRequest(_message.Message):
     __slots__ = ("pool", "session_id", "seq_id", "num_children", "request_id")
@@ -251,18 +267,20 @@ class MatchRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
+    __slots__ = ("num_cached_tokens", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace", "num_host_cached_tokens")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     miss_reason: MissReason
     miss_block_index: int
     evicted_at_unix_ns: int
     other_namespace: str
-    def __init__(self, num_cached_tokens: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
+    num_host_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pool", "session_id", "token_ids", "namespace", "request_id")
@@ -311,7 +329,7 @@ class StatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use", "num_live_sequences", "num_namespaces", "num_requested_tokens", "num_hit_tokens", "num_evicted_blocks", "num_allocation_failures", "num_cow_copies", "num_opened_sequences", "num_forked_sequences", "num_released_sequences", "num_blocks_reserved", "num_preempted_sequences", "num_admission_refusals", "num_preemptions_swap", "num_preemptions_recompute", "num_resumed_sequences", "num_recomputed_tokens", "memory_pressure", "pressure_band")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use", "num_live_sequences", "num_namespaces", "num_requested_tokens", "num_hit_tokens", "num_evicted_blocks", "num_allocation_failures", "num_cow_copies", "num_opened_sequences", "num_forked_sequences", "num_released_sequences", "num_host_blocks_total", "num_host_blocks_free", "num_host_blocks_cached", "num_host_blocks_swapped", "num_offloaded_blocks", "num_loaded_blocks", "num_host_evicted_blocks", "num_host_hit_tokens", "num_swapped_sequences", "num_blocks_reserved", "num_preempted_sequences", "num_admission_refusals", "num_preemptions_swap", "num_preemptions_recompute", "num_resumed_sequences", "num_recomputed_tokens", "memory_pressure", "pressure_band")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +346,15 @@ class PoolStats(_message.Message):
     NUM_OPENED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMISSION_REFUSALS_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +380,15 @@ class PoolStats(_message.Message):
     num_opened_sequences: int
     num_forked_sequences: int
     num_released_sequences: int
+    num_host_blocks_total: int
+    num_host_blocks_free: int
+    num_host_blocks_cached: int
+    num_host_blocks_swapped: int
+    num_offloaded_blocks: int
+    num_loaded_blocks: int
+    num_host_evicted_blocks: int
+    num_host_hit_tokens: int
+    num_swapped_sequences: int
     num_blocks_reserved: int
     num_preempted_sequences: int
     num_admission_refusals: int
@@ -362,7 +398,7 @@ class PoolStats(_message.Message):
     num_recomputed_tokens: int
     memory_pressure: float
     pressure_band: str
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., num_preempted_sequences: _Optional[int] = ..., num_admission_refusals: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_resumed_sequences: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., memory_pressure: _Optional[float] = ..., pressure_band: _Optional[str] = ...) -> None: ...
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_evictable: _Optional[int] = ..., num_blocks_pinned: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., num_live_sequences: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_requested_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_evicted_blocks: _Optional[int] = ..., num_allocation_failures: _Optional[int] = ..., num_cow_copies: _Optional[int] = ..., num_opened_sequences: _Optional[int] = ..., num_forked_sequences: _Optional[int] = ..., num_released_sequences: _Optional[int] = ..., num_host_blocks_total: _Optional[int] = ..., num_host_blocks_free: _Optional[int] = ..., num_host_blocks_cached: _Optional[int] = ..., num_host_blocks_swapped: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_host_evicted_blocks: _Optional[int] = ..., num_host_hit_tokens: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., num_preempted_sequences: _Optional[int] = ..., num_admission_refusals: _Optional[int] = ..., num_preemptions_swap: _Optional[int] = ..., num_preemptions_recompute: _Optional[int] = ..., num_resumed_sequences: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., memory_pressure: _Optional[float] = ..., pressure_band: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("stats", "num_sessions", "num_available_blocks", "num_tombstones", "tombstone_bytes")
@@ -473,20 +509,24 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetPoolResponse(_message.Message):
-    __slots__ = ("pool", "layout", "device", "handle_json", "handle", "hash_contract")
+    __slots__ = ("pool", "layout", "device", "handle_json", "handle", "hash_contract", "host_layout", "host_handle")
     POOL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_JSON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     HASH_CONTRACT_FIELD_NUMBER: _ClassVar[int]
+    HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HOST_HANDLE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     layout: PoolLayout
     device: str
     handle_json: str
     handle: PoolHandle
     hash_contract: HashContract
-    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ...) -> None: ...
+    host_layout: PoolLayout
+    host_handle: PoolHandle
+    def __init__(self, pool: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., device: _Optional[str] = ..., handle_json: _Optional[str] = ..., handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., hash_contract: _Optional[_Union[HashContract, _Mapping]] = ..., host_layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., host_handle: _Optional[_Union[PoolHandle, _Mapping]] = ...) -> None: ...
 
 class HashContract(_message.Message):
     __slots__ = ("algorithm", "root_seed", "block_size", "salt_rule", "tenant_scope_rule", "wire_form", "format_version")
@@ -712,7 +752,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id", "steps")
+    __slots__ = ("request_id", "error", "opened", "appended", "forked", "num_cached_tokens", "num_released_sequences", "session_id", "steps", "offloads", "loads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -722,6 +762,8 @@ class SessionResponse(_message.Message):
     NUM_RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     error: StepError
     opened: _containers.RepeatedCompositeFieldContainer[StepOpened]
@@ -731,10 +773,12 @@ class SessionResponse(_message.Message):
     num_released_sequences: int
     session_id: str
     steps: _containers.RepeatedCompositeFieldContainer[SessionResponse]
-    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ...) -> None: ...
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    loads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., opened: _Optional[_Iterable[_Union[StepOpened, _Mapping]]] = ..., appended: _Optional[_Union[StepAppended, _Mapping]] = ..., forked: _Optional[_Iterable[_Union[StepForked, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_released_sequences: _Optional[int] = ..., session_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class StepOpened(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace", "num_host_hit_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -743,6 +787,7 @@ class StepOpened(_message.Message):
     MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -751,7 +796,8 @@ class StepOpened(_message.Message):
     miss_block_index: int
     evicted_at_unix_ns: int
     other_namespace: str
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ...) -> None: ...
+    num_host_hit_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class StepAppended(_message.Message):
     __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")
@@ -789,14 +835,6 @@ class PreemptRequest(_message.Message):
     request_id: int
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[_Union[PreemptMode, str]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
-class BlockTransfer(_message.Message):
-    __slots__ = ("src_block_id", "dst_block_id")
-    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    src_block_id: int
-    dst_block_id: int
-    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
-
 class PreemptResponse(_message.Message):
     __slots__ = ("offloads", "num_freed_blocks", "num_unreserved_blocks")
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
@@ -820,18 +858,22 @@ class ResumeRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ResumeResponse(_message.Message):
-    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "loads")
+    __slots__ = ("seq_id", "num_cached_tokens", "block_ids", "slots", "loads", "offloads", "num_host_hit_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_cached_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     loads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
-    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ...) -> None: ...
+    offloads: _containers.RepeatedCompositeFieldContainer[BlockTransfer]
+    num_host_hit_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., loads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., offloads: _Optional[_Iterable[_Union[BlockTransfer, _Mapping]]] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class VictimsRequest(_message.Message):
     __slots__ = ("pool", "session_id", "num_blocks")

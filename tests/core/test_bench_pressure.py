@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import pressure_trace  # noqa: E402 - sibling scripts of the benchmark, not a package
 from pressure_loop import Scheduler  # noqa: E402
-from pressure_policies import NoHostTier, PreemptRecompute  # noqa: E402
+from pressure_policies import HOST_FACTOR, NoHostTier, PreemptRecompute, PreemptSwap  # noqa: E402
 
 BLOCK_SIZE = 16
 TINY = pressure_trace.Sizes(
@@ -129,6 +129,35 @@ def test_multi_turn_on_a_small_pool_loses_revisited_history() -> None:
     assert counters.num_recomputed_tokens > 0
 
 
+@pytest.mark.parametrize("scenario", ["short prompt, long out", "long prompt, long out"])
+def test_swap_brings_preempted_sequences_back_whole(scenario: str) -> None:
+    requests = pressure_trace.scenarios(TINY)[scenario]
+    num_blocks = pressure_trace.working_set_blocks(requests, BLOCK_SIZE) // 3
+    scratch, _ = serve(requests, num_blocks, NoHostTier())
+    swap, cache = serve(requests, num_blocks, PreemptSwap())
+    stats = cache.stats()
+    assert stats.num_host_blocks_total == HOST_FACTOR * num_blocks
+    assert swap.num_preemptions > 0 and stats.num_preemptions_swap == swap.num_preemptions
+    assert stats.num_resumed_sequences == swap.num_preemptions
+    assert swap.num_offloaded_blocks == stats.num_offloaded_blocks > 0 and swap.num_loaded_blocks > 0
+    # The host tier holds the whole working set: what a victim had computed comes back, none is computed twice.
+    assert scratch.num_recomputed_tokens > 0 and swap.num_recomputed_tokens == 0
+    assert swap.num_prefill_tokens < scratch.num_prefill_tokens
+
+
+def test_multi_turn_revisits_load_their_history_from_the_host_tier() -> None:
+    requests = pressure_trace.scenarios(TINY)["multi-turn"]
+    num_blocks = pressure_trace.working_set_blocks(requests, BLOCK_SIZE) // 4
+    scratch, _ = serve(requests, num_blocks, NoHostTier())
+    swap, cache = serve(requests, num_blocks, PreemptSwap())
+    assert swap.num_revisit_prior_tokens == scratch.num_revisit_prior_tokens > 0  # the same history comes back
+    missed = swap.num_revisit_prior_tokens - swap.num_revisit_device_hit_tokens
+    assert missed > 0, "the device pool evicted history between turns"
+    assert swap.num_revisit_host_hit_tokens >= 0.8 * missed
+    assert swap.num_host_hit_tokens == cache.stats().num_host_hit_tokens
+    assert 2 * swap.num_recomputed_tokens <= scratch.num_recomputed_tokens
+
+
 def test_a_pool_too_small_for_one_request_is_an_error_not_a_hang() -> None:
     requests = pressure_trace.scenarios(TINY)["long prompt, long out"]
     with pytest.raises(RuntimeError, match="cannot hold request"):
@@ -146,6 +175,20 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "a model, not a measurement" in run.stdout and "recomp" in run.stdout, "the table is printed"
     result = json.loads(out.read_text())
+    assert result["bytes_per_block"] == 2 * 32 * 8 * 128 * 2 * BLOCK_SIZE  # Llama-3-8B bf16: K and V, 32 layers
     assert set(result["rows"]) == set(pressure_trace.scenarios(TINY))
     for row in result["rows"].values():
         assert row["num_blocks"] < row["working_set_blocks"] / 3
+        assert list(row["policies"]) == [NoHostTier.name, PreemptRecompute.name, PreemptSwap.name]
+        for r in row["policies"].values():
+            moved = r["num_offloaded_blocks"] + r["num_loaded_blocks"]
+            assert r["cost"]["bytes_moved"] == moved * result["bytes_per_block"]
+    # The targets, from the counts themselves: with the host tier, multi-turn recomputes at most half of
+    # what it recomputes without one, and revisited conversations find at least 80% of their lost history there.
+    multi_turn = result["rows"]["multi-turn"]["policies"]
+    none, swap = multi_turn[NoHostTier.name], multi_turn[PreemptSwap.name]
+    assert none["num_recomputed_tokens"] > 0
+    assert swap["num_recomputed_tokens"] <= 0.5 * none["num_recomputed_tokens"]
+    assert swap["revisit_host_hit_ratio"] >= 0.8
+    assert none["num_offloaded_blocks"] == none["num_loaded_blocks"] == 0
+    assert all(t["met"] for t in result["targets"].values()) and "NOT MET" not in run.stdout

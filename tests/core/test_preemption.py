@@ -36,7 +36,7 @@ def test_recompute_publishes_computed_blocks_and_keeps_the_tokens(cache):
     cache.append(seq, [10, 11, 12])  # 13 tokens; the first 10 computed
     predicted = cache.freeable_blocks([seq])
     result = cache.preempt([seq], "recompute")
-    assert (result.seq_ids, result.mode, result.offloads) == ([seq], "recompute", [])
+    assert (result.seq_ids, result.mode, result.offloads.tolist()) == ([seq], "recompute", [])
     assert result.num_freed_blocks == predicted == 4
     assert cache.is_preempted(seq) and cache.sequence_ids() == [] and cache.preempted_sequence_ids() == [seq]
     assert (cache.block_table(seq), cache.num_tokens(seq), cache.num_computed_tokens(seq)) == ([], 13, 0)
@@ -46,7 +46,7 @@ def test_recompute_publishes_computed_blocks_and_keeps_the_tokens(cache):
     cache.check_invariants()
 
     resumed = cache.resume(seq)
-    assert resumed.seq_id == seq and resumed.loads == []
+    assert resumed.seq_id == seq and resumed.loads.tolist() == []
     assert resumed.num_cached_tokens == 8
     assert len(resumed.block_table) == 4 and cache.block_table(seq) == resumed.block_table.tolist()
     table = resumed.block_table

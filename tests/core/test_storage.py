@@ -342,3 +342,38 @@ def test_cuda_pool_shared_with_another_process():
     layer1 = s.data[1].view(torch.int16).flatten()
     assert torch.equal(layer1, pattern(layer1.numel(), 17, "cuda"))
     s.close()
+
+
+def test_a_host_pool_is_shared_memory_another_process_maps():
+    host = KVStorage.create_host(LAYOUT, pin=False)
+    try:
+        assert host.device.type == "cpu" and not host.is_pinned
+        handle = host.export_handle()
+        assert handle.kind == "shm"
+        with KVStorage.open(handle) as mapped:
+            mapped.data[0, 1, 2] = 3.0
+            assert bool((host.data[0, 1, 2] == 3.0).all())
+    finally:
+        host.close()
+        host.unlink()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_pinning_needs_cuda():
+    with KVStorage.create(LAYOUT) as storage, pytest.raises(ValueError, match="^pin: .*needs CUDA"):
+        storage.pin()
+
+
+@pytest.mark.gpu
+def test_a_pinned_host_pool_swaps_with_a_cuda_pool():
+    from radixkv.kernels import swap_blocks
+
+    host = KVStorage.create_host(LAYOUT, pin=True)
+    try:
+        assert host.is_pinned and host.data.is_pinned()
+        device = torch.randn(LAYOUT.shape, device="cuda").to(host.data.dtype)
+        swap_blocks(device, host.data, [(1, 2)]).synchronize()
+        assert torch.equal(host.data[:, :, 2], device[:, :, 1].cpu())
+    finally:
+        host.close()
+        host.unlink()

@@ -1,4 +1,4 @@
-"""Generation under preemption by recompute yields the tokens it yields without:
+"""Generation under preemption, by recompute and by swap to the host tier, yields the tokens it yields without:
 the tiny model through a real server process, the worker's Triton kernels interpreted (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ class Run:
     stats: Stats
 
 
-def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int) -> Run:
+def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int, host_blocks: int = 0) -> Run:
     c = model.config
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
     with (
-        ServerProcess(layout) as address,
+        ServerProcess(layout, host_num_blocks=host_blocks) as address,
         RadixKVClient(address) as client,
         PoolView.from_client(client) as view,
     ):
-        orchestrator = Orchestrator(client, Worker(model, view, "triton"), (), "preempt")  # no EOS
+        host = view.host_data if host_blocks else None
+        orchestrator = Orchestrator(client, Worker(model, view, "triton", host), (), "preempt")  # no EOS
         results = orchestrator.run(specs)
         stats = client.stats()
     assert stats.num_live_sequences == 0 and stats.num_blocks_in_use == 0, "every sequence released, none leaked"
@@ -57,6 +58,8 @@ def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausal
     constrained = generate(model, specs, 12)
     num_preemptions = sum(r.num_preemptions for r in constrained.results)
     assert num_preemptions > 0
+    assert all(r.num_swaps == 0 for r in constrained.results)  # no host tier: recompute only
+    assert sum(s.num_offloaded_blocks + s.num_loaded_blocks for s in constrained.steps) == 0
     # Each preemption kept its sequence id and came back once; a resume is not a new sequence.
     stats = constrained.stats
     assert stats.num_preemptions_recompute == stats.num_resumed_sequences == num_preemptions
@@ -68,6 +71,25 @@ def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausal
     assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
     for spec, result in zip(specs[:2], constrained.results[:2], strict=True):  # and greedy is greedy
         assert result.outputs == [reference.greedy(model, spec.prompt, 12, eos_token_ids=())], spec.name
+
+
+def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM) -> None:
+    specs = [
+        RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
+        RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
+        RequestSpec("beam", SYSTEM + [80, 81, 82, 83, 84], 10, beam_width=2),
+    ]
+    constrained = generate(model, specs, 16, host_blocks=64)
+    swaps = sum(r.num_swaps for r in constrained.results)
+    assert swaps > 0, "a request of several sequences was preempted by swap"
+    assert constrained.stats.num_preemptions_swap > 0
+    # Every block the server moved, the worker moved: what the steps applied is what the server counted.
+    assert sum(s.num_offloaded_blocks for s in constrained.steps) == constrained.stats.num_offloaded_blocks > 0
+    assert sum(s.num_loaded_blocks for s in constrained.steps) == constrained.stats.num_loaded_blocks > 0
+    free = generate(model, specs, 256)
+    assert sum(r.num_preemptions for r in free.results) == 0
+    assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
+    torch.testing.assert_close(torch.tensor(constrained.results[2].scores), torch.tensor(free.results[2].scores))
 
 
 def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: LlamaForCausalLM) -> None:

@@ -259,3 +259,32 @@ def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path
         assert second.stop() == 0
         kept = json.loads((tmp_path / "state" / "keeper.json").read_text())["pools"]
         assert [(p["pool"], p["generation"]) for p in kept] == [("default", 2)]
+
+
+def test_the_keeper_keeps_the_host_tier_too(tmp_path: Path) -> None:
+    """A pool's host tier (issue 11) is the keeper's own allocation beside the device memory: the same bytes after
+    a server restart, listed as its own tier, freed with the pool."""
+    state = tmp_path / "state"
+    flags = ["--pool", POOL + ",host_num_blocks=32", "--debug-rpc"]
+    with KeeperProcess(state, tmp_path / "keeper.log") as keeper:
+        first = ServerProcess(flags, tmp_path / "first.log", keeper=keeper.socket)
+        with RadixKVClient(first.address) as client:
+            info = client.get_pool()
+            assert info.host is not None
+            host_segment = info.host.handle.shared_memory.name
+            with PoolView(info) as view:
+                view.host_data.copy_(torch.randn(view.host_data.shape, generator=torch.Generator().manual_seed(13)))
+                written = hashlib.sha256(view.host_data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        assert first.stop() == 0
+        kept = json.loads(_keeper_cli(state, "--list").stdout)["pools"]
+        assert sorted((p["tier"], p["layout"]["num_blocks"]) for p in kept) == [("device", 64), ("host", 32)]
+
+        second = ServerProcess(flags, tmp_path / "second.log", keeper=keeper.socket)
+        with RadixKVClient(second.address) as client:
+            info = client.get_pool()
+            assert info.host is not None and info.host.handle.shared_memory.name == host_segment
+            with PoolView(info) as view:
+                assert hashlib.sha256(view.host_data.view(torch.uint8).numpy().tobytes()).hexdigest() == written
+        assert second.stop() == 0
+        assert _keeper_cli(state, "--release", "default").returncode == 0
+        assert not os.path.exists(os.path.join(SHM_DIR, host_segment))

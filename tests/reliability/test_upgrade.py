@@ -182,8 +182,9 @@ def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, w
     router = Router([first.address], block_size=BLOCK_SIZE, health_interval=0.2)
     _warm(client)
     before = client.verify()
-    routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
     assert wait_until(lambda: router.status()[0].digest == before.digest, timeout=10)
+    routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
+    assert all(routed_before)
     assert first.stop() == 0  # SIGTERM: the same snapshot as Upgrade
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port), *zmq_flags)
     try:
@@ -278,6 +279,23 @@ def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with RadixKVClient(server.address, timeout=5) as client:
         assert client.match(PROMPTS[0]) == 0
+
+
+def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
+    keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
+    server = _serve(keeper, tmp_path / "server.log")
+    try:
+        keeper.kill()
+        assert wait_until(lambda: "keeper lost" in (tmp_path / "server.log").read_text(), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            _upgrade(server.address)  # its memory dies with it now: an upgrade would lose the cache
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with RadixKVClient(server.address, timeout=5) as client:
+            assert client.match(PROMPTS[0]) == 0
+        assert server.stop() == 0
+        assert not (tmp_path / "state" / "snapshots" / "default.snapshot").exists(), "nothing to adopt was written"
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(("tenant", "code"), [("acme", "PERMISSION_DENIED"), ("globex", "FAILED_PRECONDITION")])

@@ -113,6 +113,10 @@ def test_audit_interval_comes_from_the_flag_or_the_toml_and_must_not_be_negative
     assert parse_args([*pool, "--config", str(toml)])[0].audit_interval_seconds == 7.0
     with pytest.raises(ValueError, match="audit_interval_seconds"):
         parse_args([*pool, "--audit-interval", "-1"])
+    assert parse_args([*pool])[0].audit_slice_ms == 2.0
+    assert parse_args([*pool, "--audit-slice-ms", "0.5"])[0].audit_slice_ms == 0.5
+    with pytest.raises(ValueError, match="audit_slice_ms"):
+        parse_args([*pool, "--audit-slice-ms", "0"])
 
 
 def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_files, tokens) -> None:  # type: ignore[no-untyped-def]

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import itertools
 
+import grpc
 import pytest
 
 from radixkv.client import MatchExplanation, RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument
 from radixkv.step import Step
+from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 _namespaces = itertools.count()
 _BASE = 7_460_000  # token ids no other test of the shared server uses
@@ -106,3 +108,25 @@ def test_every_server_reason_has_its_wire_value_and_the_client_names_it_back() -
         wire = wire_reason(MissExplanation(reason, 3, 5))
         assert MatchExplanation.from_response(pb.StepOpened(miss_reason=wire, miss_block_index=3)).reason == reason.name
     assert pb.MissReason.Name(pb.MISS_REASON_HOST_TIER) == "MISS_REASON_HOST_TIER"
+
+
+TIERED = "tiered:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float32,host_num_blocks=16"
+
+
+def test_host_tier_explains_a_match_and_an_open_loads_past_it(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Evicted from the device into the host tier: Match says HOST_TIER; open loads it back, so its prefix ends
+    past both tiers, on the stream exactly as in the unary call."""
+    server = start_server("--pool", TIERED, "--debug-rpc", pool_flags=False)
+    prompt = list(range(_BASE + 5000, _BASE + 5009))  # 2 full blocks and 1 token
+    with RadixKVClient(server.address, pool="tiered") as client:
+        _cache(client, prompt, "")
+        fillers = [client.open([_BASE + 6000 + i] * 16).seq_id for i in range(2)]  # 8 blocks: the prompt's go to host
+        why = client.match(prompt, explain=True)
+        assert why == MatchExplanation(0, "HOST_TIER", 0)
+        assert client.match(prompt[:4], explain=True).reason == "HOST_TIER"  # one host-resident block past nothing
+        client.release_many(fillers, cache=False)
+        unary, stream = _twins(client, prompt, "")
+        assert unary == stream == MatchExplanation(8, "PARTIAL_BLOCK", 2)
+    with grpc.insecure_channel(server.address) as channel:
+        debug = debug_pb2_grpc.DebugStub(channel)
+        assert not debug.CheckInvariants(debug_pb2.CheckInvariantsRequest(pool="tiered"), timeout=10).violation

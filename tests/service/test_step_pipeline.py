@@ -17,7 +17,7 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
-from radixkv.client.step_stream import StepStream, StreamEnded
+from radixkv.client.step_stream import StepStream, StreamEnded, answers
 from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.step import Append, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
@@ -144,6 +144,16 @@ def test_a_frame_is_answered_step_by_step(server, debug) -> None:  # type: ignor
     stub.CloseSession(pb.CloseSessionRequest(session_id=session))
     channel.close()
     debug.check()
+
+
+def test_a_frame_answered_as_one_step_is_refused_not_taken_for_results() -> None:
+    lone = pb.SessionResponse(request_id=0)  # what a server from before frames answers to a frame: one empty step
+    assert [r.error.reason for r in answers(lone, 3)] == ["FAILED_PRECONDITION"] * 3
+    assert answers(lone, 1) == [lone]
+    refused = pb.SessionResponse(error=pb.StepError(reason="INVALID_ARGUMENT"))  # a frame that did not parse
+    assert answers(refused, 2) == [refused, refused]
+    framed = pb.SessionResponse(steps=[pb.SessionResponse(request_id=i) for i in (1, 2)])
+    assert [r.request_id for r in answers(framed, 2)] == [1, 2]
 
 
 def _with_session(request: pb.SessionRequest, session_id: str) -> pb.SessionRequest:

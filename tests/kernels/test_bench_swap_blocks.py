@@ -1,0 +1,22 @@
+"""benchmarks/bench_swap_blocks.py --quick runs end to end: it checks the bytes it moved, and writes its rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_swap_blocks.py"
+
+
+def test_quick_run_writes_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "swap.json"
+    subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--repeats", "1", "--out", str(out)], check=True, timeout=300
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["direction"], r["num_blocks"]) for r in rows} == {(d, n) for d in ("offload", "load") for n in (16, 64)}
+    for r in rows:
+        assert r["bytes"] == r["num_blocks"] * 4 * 2 * 16 * 8 * 128 * 2  # 4 layers' K and V of fp16 blocks
+        assert all(gb > 0 for gb in r["gb_per_s"].values())
