@@ -259,8 +259,12 @@ RAW_MESSAGES = st.one_of(
     ),
 )
 _KVCACHE = pb.DESCRIPTOR.services_by_name["KVCache"]
+# Every method but Debug.CorruptRefCount: that test hook breaks the pool on purpose (a fuzzed block id and
+# delta would, and the invariant check after the run would then fail for what the hook is for).
 UNARY_PATHS = [f"/radixkv.v1.KVCache/{m.name}" for m in _KVCACHE.methods if not m.server_streaming] + [
-    f"/radixkv.v1.Debug/{m.name}" for m in debug_pb2.DESCRIPTOR.services_by_name["Debug"].methods
+    f"/radixkv.v1.Debug/{m.name}"
+    for m in debug_pb2.DESCRIPTOR.services_by_name["Debug"].methods
+    if m.name != "CorruptRefCount"
 ]
 SESSION_FIELD = {"OpenSession": None, "KeepAlive": 1, "CloseSession": None}  # field number of session_id; 2 elsewhere
 
