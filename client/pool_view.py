@@ -47,7 +47,8 @@ class PoolView:
 
     def __init__(self, info: PoolInfo) -> None:
         """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
-        from radixkv.storage import KVStorage, PoolHandle
+        from radixkv.pool_handle import PoolHandle
+        from radixkv.storage import KVStorage
 
         self.info = info
         self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))

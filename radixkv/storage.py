@@ -2,104 +2,22 @@
 
 CPU pools live in named POSIX shared memory, CUDA pools in the creator's allocation exported as a CUDA
 IPC handle, so the memory belongs to the server and outlives the workers that map it. Torch is needed
-here, which is why `radixkv/__init__` never imports this module.
+here, which is why `radixkv/__init__` never imports this module. Beside it: the handle (`radixkv.pool_handle`),
+the shared-memory segment (`radixkv.shm_segment`) and sizing a pool to memory (`radixkv.memory_sizing`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import secrets
-import threading
-import weakref
-from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from multiprocessing import shared_memory
 
-import numpy as np
 import torch
 
 from radixkv.layout import DTYPE_BYTES, PoolLayout
-from radixkv.v1 import kvcache_pb2 as pb
+from radixkv.pool_handle import LAYOUT_FIELDS, PoolHandle
+from radixkv.shm_segment import attach_untracked, bytes_over, create_segment
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # same names as torch
-SHM_DIR = "/dev/shm"
-_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
-_UNTRACKED_LOCK = threading.Lock()
-_FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
 _HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device, by address
-_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolHandle:
-    """What another process needs to map a pool: plain str/int/bool/bytes fields, so it travels without pickle.
-
-    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are what
-    `torch.UntypedStorage._share_cuda_()` returns; `device_index` must name the same GPU in the opener).
-    """
-
-    kind: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_blocks: int
-    dtype: str
-    name: str = ""
-    device_index: int = -1
-    ipc_handle: bytes = b""
-    storage_size_bytes: int = 0
-    storage_offset_bytes: int = 0
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
-    event_sync_required: bool = False
-
-    @property
-    def layout(self) -> PoolLayout:
-        return PoolLayout(**{f: getattr(self, f) for f in _LAYOUT_FIELDS})
-
-    def to_dict(self) -> dict[str, str | int | bool]:
-        """JSON-able values: bytes become hex strings."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {name: v.hex() if isinstance(v, bytes) else v for name, v in values.items()}
-
-    @classmethod
-    def from_dict(cls, fields: dict[str, Any]) -> PoolHandle:
-        """Inverse of `to_dict`. Raises ValueError on a missing, unknown or mistyped field."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - set(known))
-        if unknown:
-            raise ValueError(f"PoolHandle: unknown fields {unknown}")
-        values: dict[str, Any] = {}
-        for name, f in known.items():
-            if name not in fields:
-                if f.default is dataclasses.MISSING:
-                    raise ValueError(f"PoolHandle: missing field {name!r}")
-                continue
-            values[name] = _from_plain(name, fields[name], _FIELD_TYPES[str(f.type)])
-        handle = cls(**values)
-        if handle.kind not in ("shm", "cuda_ipc"):
-            raise ValueError(f"PoolHandle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
-        handle.layout  # noqa: B018 -- validates the layout fields
-        return handle
-
-    def to_proto(self) -> pb.PoolHandle:
-        """The wire's typed handle (GetPoolResponse.handle); the layout travels beside it."""
-        if self.kind == "shm":
-            return pb.PoolHandle(shared_memory=pb.SharedMemoryHandle(name=self.name))
-        return pb.PoolHandle(cuda_ipc=pb.CudaIpcHandle(**{f: getattr(self, f) for f in _CUDA_IPC_FIELDS}))
-
-    @classmethod
-    def from_proto(cls, handle: pb.PoolHandle, layout: PoolLayout) -> PoolHandle:
-        """Inverse of `to_proto`, given the layout GetPool announced. Raises ValueError when no memory is set."""
-        fields = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
-        memory = handle.WhichOneof("memory")
-        if memory == "shared_memory":
-            return cls(kind="shm", name=handle.shared_memory.name, **fields)
-        if memory == "cuda_ipc":
-            return cls(kind="cuda_ipc", **{f: getattr(handle.cuda_ipc, f) for f in _CUDA_IPC_FIELDS}, **fields)
-        raise ValueError("handle: neither shared_memory nor cuda_ipc is set")
 
 
 class KVStorage:
@@ -166,15 +84,8 @@ class KVStorage:
             return storage
         if device.type != "cpu":
             raise ValueError(f"device: expected cpu or cuda, got {device}")
-        if os.path.isdir(SHM_DIR):
-            free = _shm_free_bytes()
-            if layout.total_bytes > free:
-                raise ValueError(f"layout: {layout.total_bytes} bytes do not fit the {free} bytes free in {SHM_DIR}")
-        name = name or f"radixkv-{os.getpid()}-{secrets.token_hex(4)}"
-        # The OS zero-fills new shared memory; the creator stays registered with the resource tracker,
-        # which unlinks the segment if the creator dies without unlinking it.
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, layout.total_bytes))
-        storage = cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=True)
+        shm = create_segment(layout, name)
+        storage = cls(layout, *_views(bytes_over(shm, layout), layout), shm, owner=True)
         storage._init_scales(scales)
         return storage
 
@@ -228,13 +139,13 @@ class KVStorage:
         """
         layout = handle.layout
         if handle.kind == "shm":
-            shm = _attach_untracked(handle.name)
+            shm = attach_untracked(handle.name)
             if shm.size < layout.total_bytes:
                 shm.close()
                 raise ValueError(
                     f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}"
                 )
-            return cls(layout, *_views(_bytes_over(shm, layout), layout), shm, owner=False)
+            return cls(layout, *_views(bytes_over(shm, layout), layout), shm, owner=False)
         if handle.kind != "cuda_ipc":
             raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         torch.cuda.init()
@@ -281,7 +192,7 @@ class KVStorage:
 
     def export_handle(self) -> PoolHandle:
         """The handle another process passes to `KVStorage.open`; for CUDA, one per opening process."""
-        fields = {f: getattr(self.layout, f) for f in _LAYOUT_FIELDS}
+        fields = {f: getattr(self.layout, f) for f in LAYOUT_FIELDS}
         if self._imported_handle is not None:
             return self._imported_handle  # the exporter's (a keeper's) allocation, which any process may open
         if self._shm is not None:
@@ -349,66 +260,6 @@ class KVStorage:
         return f"KVStorage({self.layout}, {where}, {'closed' if self._data is None else 'open'})"
 
 
-def layout_for_memory(
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: str,
-    device: str | torch.device,
-    budget_bytes: int | None = None,
-    memory_fraction: float | None = None,
-    reserved_bytes: int = 0,
-) -> PoolLayout:
-    """The layout with as many blocks as fit a byte budget, or a fraction of `device`'s free memory.
-
-    Either `budget_bytes`, or `memory_fraction` of `free_memory_bytes(device)` (as vLLM's
-    `--gpu-memory-utilization`); `reserved_bytes` (weights, activations) comes off either.
-
-    Raises:
-        ValueError: both or neither budget given, a value out of range, or a budget holding no block.
-    """
-    if (budget_bytes is None) == (memory_fraction is None):
-        raise ValueError("budget_bytes, memory_fraction: give exactly one")
-    if not isinstance(reserved_bytes, int) or isinstance(reserved_bytes, bool) or reserved_bytes < 0:
-        raise ValueError(f"reserved_bytes: expected an int >= 0, got {reserved_bytes!r}")
-    if budget_bytes is not None:
-        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
-            raise ValueError(f"budget_bytes: expected a positive int, got {budget_bytes!r}")
-        budget = budget_bytes
-    else:
-        if (
-            isinstance(memory_fraction, bool)
-            or not isinstance(memory_fraction, (int, float))
-            or not 0 < memory_fraction <= 1
-        ):
-            raise ValueError(f"memory_fraction: expected 0 < fraction <= 1, got {memory_fraction!r}")
-        budget = int(free_memory_bytes(device) * memory_fraction)
-    if budget - reserved_bytes <= 0:
-        raise ValueError(f"reserved_bytes: {reserved_bytes} reserved leaves nothing of a {budget}-byte budget")
-    return PoolLayout.for_budget(
-        budget - reserved_bytes,
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=dtype,
-    )
-
-
-def free_memory_bytes(device: str | torch.device) -> int:
-    """Free memory a pool could take: CUDA's free bytes, or on CPU available RAM capped by /dev/shm's free space."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    if device.type != "cpu":
-        raise ValueError(f"device: expected cpu or cuda, got {device}")
-    available = _mem_available_bytes()
-    return min(available, _shm_free_bytes()) if os.path.isdir(SHM_DIR) else available
-
-
 def _initial_scales(
     layout: PoolLayout, kv_scales: list[tuple[float, float]] | None
 ) -> list[tuple[float, float]] | None:
@@ -433,57 +284,3 @@ def _views(buffer: torch.Tensor, layout: PoolLayout) -> tuple[torch.Tensor, torc
         return data, None
     scales = buffer[layout.scales_offset : layout.scales_offset + layout.scales_bytes]
     return data, scales.view(torch.float32).view(layout.num_layers, 2)
-
-
-def _bytes_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Tensor:
-    # Not torch.frombuffer: it holds no buffer export, so SharedMemory.close() would unmap the memory
-    # under live tensors (a read then segfaults). numpy's array keeps a memoryview (its .base) that holds
-    # the mapping's export; that memoryview dies with the last tensor viewing the pool, and only then,
-    # once the export is released, does the finalizer close the segment.
-    assert shm.buf is not None, "KVStorage: the segment is already closed"
-    array = np.frombuffer(shm.buf, dtype=np.uint8, count=layout.total_bytes)
-    weakref.finalize(array.base, shm.close).atexit = False
-    return torch.from_numpy(array)  # uint8 [total_bytes]
-
-
-def _attach_untracked(name: str) -> shared_memory.SharedMemory:
-    # An attaching process must not register the segment with a resource tracker: a tracker of its own
-    # would unlink the creator's segment when this process exits, and a tracker shared with the creator
-    # (multiprocessing children) would lose the creator's registration on unregister.
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
-    except TypeError:
-        pass
-    with _UNTRACKED_LOCK:
-        register = resource_tracker.register
-        resource_tracker.register = lambda *args, **kwargs: None
-        try:
-            return shared_memory.SharedMemory(name=name)
-        finally:
-            resource_tracker.register = register
-
-
-def _shm_free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
-
-def _mem_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _from_plain(name: str, value: object, kind: type) -> object:
-    if kind is bytes:
-        if not isinstance(value, str):
-            raise ValueError(f"PoolHandle: {name} must be a hex string, got {type(value).__name__}")
-        return bytes.fromhex(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"PoolHandle: {name} must be {kind.__name__}, got {type(value).__name__}")
-    return value

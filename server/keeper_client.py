@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from radixkv.layout import PoolLayout
+from radixkv.pool_handle import PoolHandle
 from radixkv.server.keeper_protocol import LOCK_NAME, KeeperError, decode_object, recv_frame, send_frame, socket_path
-from radixkv.storage import PoolHandle
 
 log = logging.getLogger("radixkv.server")
 

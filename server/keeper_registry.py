@@ -31,7 +31,8 @@ from typing import Any
 
 from radixkv.layout import PoolLayout
 from radixkv.server.keeper_protocol import LAYOUT_KEYS, VERSION, KeeperError
-from radixkv.storage import SHM_DIR, KVStorage
+from radixkv.shm_segment import SHM_DIR
+from radixkv.storage import KVStorage
 
 log = logging.getLogger("radixkv.keeper")
 

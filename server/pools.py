@@ -157,7 +157,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
 def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
     """The pool's layout. Sized by memory, a pool the keeper already keeps keeps its block count: its own memory
     is no longer free, so sizing again would come out smaller and never match."""
-    from radixkv.storage import layout_for_memory
+    from radixkv.memory_sizing import layout_for_memory
 
     c = config
     if c.num_blocks is not None:

@@ -30,7 +30,8 @@ from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
-from radixkv.storage import SHM_DIR, KVStorage
+from radixkv.shm_segment import SHM_DIR
+from radixkv.storage import KVStorage
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
 GOOD_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 16, "dtype": "float32"}
