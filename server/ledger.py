@@ -109,7 +109,7 @@ class PoolLedger:
         self._owners[seq_id] = session
         self._sequences.setdefault(session, set()).add(seq_id)
         self._num_table_blocks[seq_id] = num_blocks
-        self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + num_blocks
+        self._charge(tenant, num_blocks)  # a preempted sequence holds none: no zero count kept
         self._tenant_sequences[tenant] = self._tenant_sequences.get(tenant, 0) + 1
 
     def resize(self, seq_id: int, num_blocks: int) -> None:

@@ -113,9 +113,16 @@ def pool_identity(pool: Pool, memory: str) -> PoolIdentity:
     return PoolIdentity(pool.name, pool.layout, memory, host_layout)
 
 
-def held_host_blocks(cache: KVCache) -> list[int]:
-    """Every host block the index says holds K/V (host-only nodes, host copies, swapped sequences), ascending."""
-    return [] if cache.host is None else [int(b) for b in np.flatnonzero(cache.host.pool.ref_counts)]
+def host_tier_checksums(pool: Pool, cache: KVCache) -> bytes:
+    """sha256 of every host block `cache` says holds K/V (host-only nodes, host copies, swapped sequences),
+    ascending, then of the device blocks its pending offloads will copy to the host (free on the device,
+    never handed out before they are copied); b"" without a host tier or anything on it."""
+    host = cache.host
+    if host is None or pool.host_storage is None:
+        return b""
+    held = [int(b) for b in np.flatnonzero(host.pool.ref_counts)]
+    sources = [int(b) for pairs in host._pending for b in pairs[:, 0]]
+    return kv_checksums(pool.host_storage, held) + kv_checksums(pool.storage, sources)
 
 
 def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> Written:
@@ -133,7 +140,7 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
                 [s.session_id, p.namespace, p.token_bytes, p.num_blocks] for s in sessions for p in pool.ledger.pins(s)
             ],
             "kv_checksums": kv_checksums(pool.storage, tree_block_ids),
-            "host_kv_checksums": kv_checksums(pool.host_storage, held_host_blocks(cache)) if pool.host_storage else b"",
+            "host_kv_checksums": host_tier_checksums(pool, cache),
         }
         identity = pool_identity(pool, memory_id(memory.incarnation, memory.generation))
         data = dump(cache, identity, extras)
@@ -186,11 +193,7 @@ def adopt_snapshot(pool: Pool, memory: KeptMemory, limits: Limits) -> Adopted | 
         tree_block_ids = sorted(int(b) for b in adopted.cache.tree.tree_block_ids())
         if kv_checksums(pool.storage, tree_block_ids) != adopted.extras.get("kv_checksums"):
             raise SnapshotRefused("KV_CHECKSUM", "the memory's K/V bytes differ from those the snapshot recorded")
-        host_block_ids = held_host_blocks(adopted.cache)
-        if host_block_ids and (
-            pool.host_storage is None
-            or kv_checksums(pool.host_storage, host_block_ids) != adopted.extras.get("host_kv_checksums")
-        ):
+        if host_tier_checksums(pool, adopted.cache) != adopted.extras.get("host_kv_checksums", b""):
             raise SnapshotRefused(
                 "HOST_KV_CHECKSUM", "the host tier's K/V bytes differ from those the snapshot recorded"
             )

@@ -101,3 +101,31 @@ def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_pat
         Debug(second.address).check()
     finally:
         second.stop()
+
+
+def test_a_sequence_swapped_out_before_a_restart_resumes_after_it_with_its_kv(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tokens = list(range(50, 61))  # 11 tokens: 3 blocks, none cached in the tree while it lives
+    first = _serve(keeper, tmp_path / "server1.log")
+    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    with PoolView.from_client(client) as view:
+        opened = client.open(tokens)
+        written = write_kv(view, opened.block_table, len(tokens), seed=11)
+        client.commit([opened.seq_id], [len(tokens)])
+        swapped = client.preempt([opened.seq_id], "swap")
+        assert len(swapped.offloads) == 3
+        apply(view, swapped.offloads, swapped.offloads[:0])
+    assert first.stop() == 0
+    second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port))
+    try:
+        assert _once_reachable(lambda: client.stats()).num_swapped_sequences == 1
+        with PoolView.from_client(client) as view:
+            resumed = client.resume(opened.seq_id)
+            assert resumed.seq_id == opened.seq_id and resumed.num_cached_tokens == len(tokens)
+            assert len(resumed.loads) == 3
+            apply(view, resumed.offloads, resumed.loads)
+            assert torch.equal(read_kv(view, resumed.block_table, len(tokens)), written), "the swapped K/V, bit for bit"
+        client.release(opened.seq_id)
+        Debug(second.address).check()
+    finally:
+        client.close()
+        second.stop()
