@@ -3,9 +3,10 @@
 What a restart must carry over so the next process continues as if nothing happened: the tree
 (nodes, their tokens and blocks, locks, pins, last access: the LRU order), the pool (ref counts and
 the free stack, in order), the live sequences (tables, watermarks, what they lock or hold), the pins,
-the sequence-id counter and the stats counters. Nodes are stored as columns (numpy arrays as bytes),
-parents before children, so a tree of 100k nodes encodes and decodes in numpy calls, not per-node
-dicts; ids of nodes are not kept, only their order (the LRU tie-break). Integers only: no KV here.
+the sequence-id counter, the stats counters and the host tier (`radixkv.host_state`). Nodes are
+stored as columns (numpy arrays as bytes), parents before children, so a tree of 100k nodes encodes
+and decodes in numpy calls, not per-node dicts; ids of nodes are not kept, only their order (the LRU
+tie-break). Integers only: no KV here.
 
 `rebuild` trusts nothing it reads: every link is checked as it is made and the invariant checker
 recounts the result, so a body that decodes but does not describe a consistent cache is refused.
@@ -22,6 +23,7 @@ import numpy.typing as npt
 from radixkv.block_table import BlockTable
 from radixkv.budget import Budget, reservation
 from radixkv.errors import SnapshotRefused
+from radixkv.host_state import capture_host, rebuild_host, swapped_records
 from radixkv.kv_cache import KVCache
 from radixkv.limits import Limits
 from radixkv.radix_node import Node
@@ -63,11 +65,10 @@ def capture(cache: KVCache) -> dict[str, Any]:
          _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
         for s in cache._sequences
     ]  # fmt: skip
-    # Preempted by recompute: tokens only. A swapped-out sequence's host blocks are the host tier's to capture.
-    preempted = [
-        [p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
-        for p in cache._sequences.preempted.values()
-    ]
+    # Tokens and watermarks; a swapped-out sequence's host blocks are in the host tier's columns.
+    records = list(cache._sequences.preempted.values())
+    preempted = [[p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
+                 for p in records]  # fmt: skip
     pins = [[namespace, key, ref(node), 1] for (namespace, key), nodes in cache._pins._pins.items() for node in nodes]
     return {
         "block_size": cache.block_size,
@@ -80,7 +81,6 @@ def capture(cache: KVCache) -> dict[str, Any]:
             "parent": _i32([ref(n.parent) for n in nodes if n.parent is not None]),
             "num_blocks": _i32([len(n.block_ids) for n in nodes]),
             "blocks": _i32(np.concatenate([np.empty(0, np.int32), *(n.block_ids for n in nodes)])),
-            # hosttier: a per-block residency column (device / host / both) belongs here, beside "blocks".
             "tokens": b"".join(n.token_bytes for n in nodes),
             "lock_ref": _i32([n.lock_ref for n in nodes]),
             "pin_ref": _i32([n.pin_ref for n in nodes]),
@@ -96,17 +96,20 @@ def capture(cache: KVCache) -> dict[str, Any]:
         "ref_counts": pool.ref_counts.astype("<i4").tobytes(),
         "free": _i32(pool._free[: pool.num_free]),
         "stats": {k: v for k, v in dataclasses.asdict(cache.stats_counters).items() if k not in _GAUGES},
+        # Added in place of a format bump: a snapshot without it restores with an empty host tier.
+        "host": capture_host(cache.host, nodes, ref, records) if cache.host is not None else None,
     }
 
 
-def rebuild(state: dict[str, Any], limits: Limits | None = None) -> KVCache:
-    """The cache `capture` saw, exactly: same hits, tables, LRU order, free stack, next ids, counters.
+def rebuild(state: dict[str, Any], limits: Limits | None = None, host_num_blocks: int = 0) -> KVCache:
+    """The cache `capture` saw, exactly: same hits (on both tiers), tables, LRU orders, free stacks, next ids,
+    counters. `host_num_blocks`: this pool's host tier (a state from a pool without one restores it empty).
 
     Raises:
         SnapshotRefused: (why INCONSISTENT) the state does not describe a consistent cache.
     """
     try:
-        cache = _rebuild(state, limits)
+        cache = _rebuild(state, limits, host_num_blocks)
         cache.check_invariants()
     except SnapshotRefused:
         raise
@@ -115,13 +118,20 @@ def rebuild(state: dict[str, Any], limits: Limits | None = None) -> KVCache:
     return cache
 
 
-def _rebuild(state: dict[str, Any], limits: Limits | None) -> KVCache:
-    cache = KVCache(int(state["num_blocks"]), int(state["block_size"]), limits, first_seq_id=int(state["next_seq_id"]))
+def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int) -> KVCache:
+    num_blocks, block_size, next_seq_id = int(state["num_blocks"]), int(state["block_size"]), int(state["next_seq_id"])
+    cache = KVCache(num_blocks, block_size, limits, first_seq_id=next_seq_id, host_num_blocks=host_num_blocks)
     tree, pool = cache.tree, cache.pool
     roots = [tree.root(name) for name in state["namespaces"]]
     for root, lock_ref in zip(roots, state["root_lock_refs"], strict=True):
         root.lock_ref = int(lock_ref)
     nodes = _rebuild_nodes(tree.block_bytes, state["nodes"], roots)
+    host_state = state.get("host")
+    if host_state is not None:
+        if cache.host is None:
+            raise ValueError("the snapshot has a host tier; this pool has none")
+        rebuild_host(cache.host, host_state, nodes, roots)  # before any LRU list: it renumbers the nodes
+    swapped = swapped_records(host_state)
 
     def node_at(i: int) -> Node:
         return nodes[i] if i >= 0 else roots[-1 - i]
@@ -159,11 +169,14 @@ def _rebuild(state: dict[str, Any], limits: Limits | None) -> KVCache:
         cache._sequences.add(seq)
         cache._blocks.num_reserved += reservation(seq)
     for seq_id, namespace, token_bytes, num_computed, rank, until, mode in state["preempted"]:
-        if mode != "recompute":
-            raise ValueError(f"sequence {seq_id}: preempted by {mode!r}, which a snapshot does not carry")
+        kept = swapped.pop(int(seq_id), None)
+        if (mode == "swap") != (kept is not None) or mode not in ("swap", "recompute"):
+            raise ValueError(f"sequence {seq_id}: preempted by {mode!r}, {'with' if kept else 'without'} host blocks")
         cache._sequences.preempted[int(seq_id)] = PreemptedSequence(
-            int(seq_id), namespace, bytes(token_bytes), int(num_computed), int(rank), int(until), mode
+            int(seq_id), namespace, bytes(token_bytes), int(num_computed), int(rank), int(until), mode, kept
         )
+    if swapped:
+        raise ValueError(f"host blocks of swapped sequences {sorted(swapped)} that are not preempted")
     for namespace, key, node_at_index, count in state["pins"]:
         cache._pins._pins.setdefault((namespace, bytes(key)), []).extend([node_at(int(node_at_index))] * int(count))
     known = {f.name for f in dataclasses.fields(Stats)} - _GAUGES

@@ -5,15 +5,15 @@ Layout, in this order (integers little-endian):
     magic b"RADIXKV\\x00" | format version u32 | header length u32 | body length u64
     | header (msgpack map) | body (msgpack map) | sha256 of everything before it (32 bytes)
 
-The header names what the index describes: the pool, its layout, the memory it indexes (the keeper's
-memory id: a snapshot of other memory, or of memory the keeper allocated afresh, describes bytes
+The header names what the index describes: the pool, its layout (and its host tier's), the memory it
+indexes (the keeper's memory id: a snapshot of other memory, or of memory the keeper allocated afresh, describes bytes
 that are not there) and the hashing contract. The body is `radixkv.cache_state.capture` plus what
 the caller adds (the server: sessions, ownership, block hashes, per-block KV checksums). msgpack,
 never pickle: reading a snapshot runs no code.
 
 `load` refuses (`SnapshotRefused`, nothing adopted) in the order a reader can tell: too short, not
 a snapshot, another format version, a length that does not add up, a checksum that does not match,
-then another pool, layout, contract or memory, and last a body that is not a consistent cache.
+then another pool, layout, contract, host layout or memory, and last a body that is not a consistent cache.
 """
 
 from __future__ import annotations
@@ -48,11 +48,17 @@ class PoolIdentity:
     pool: str
     layout: PoolLayout
     memory_id: str  # the keeper's id for this allocation: new whenever the memory is new
+    host_layout: PoolLayout | None = None  # the host tier's memory (same shape, its own num_blocks), if any
+
+    @property
+    def host_num_blocks(self) -> int:
+        return self.host_layout.num_blocks if self.host_layout is not None else 0
 
     def header(self) -> dict[str, Any]:
         return {
             "pool": self.pool,
             "layout": dataclasses.asdict(self.layout),
+            "host_layout": dataclasses.asdict(self.host_layout) if self.host_layout is not None else None,
             "memory_id": self.memory_id,
             "hash_contract": dataclasses.asdict(HashContract(self.layout.block_size)),
         }
@@ -71,6 +77,8 @@ def dump(cache: KVCache, identity: PoolIdentity, extras: dict[str, Any] | None =
     """The snapshot of `cache` (and the caller's `extras`, msgpack-able) as the bytes of one file."""
     if cache.block_size != identity.layout.block_size or cache.pool.num_blocks != identity.layout.num_blocks:
         raise ValueError(f"the cache's blocks ({cache.pool.num_blocks} x {cache.block_size}) are not {identity.layout}")
+    if (cache.host.pool.num_blocks if cache.host is not None else 0) != identity.host_num_blocks:
+        raise ValueError(f"the cache's host tier does not match {identity.host_layout}")
     header = {**identity.header(), "created_unix_ns": time.time_ns(), "num_cached_blocks": cache.tree.num_cached_blocks}
     body = {"cache": capture(cache), "extras": extras or {}}
     header_bytes: bytes = msgpack.packb(header, use_bin_type=True)
@@ -96,6 +104,12 @@ def load(data: bytes, identity: PoolIdentity, limits: Limits | None = None) -> A
     for field, why in (("pool", "OTHER_POOL"), ("layout", "LAYOUT"), ("hash_contract", "HASH_CONTRACT")):
         if header.get(field) != expected[field]:
             raise SnapshotRefused(why, f"{field}: the snapshot has {header.get(field)!r}, the pool {expected[field]!r}")
+    # Absent from snapshots written before the host tier was kept: they restore with an empty host tier.
+    if "host_layout" in header and header["host_layout"] != expected["host_layout"]:
+        raise SnapshotRefused(
+            "HOST_LAYOUT",
+            f"host_layout: the snapshot has {header['host_layout']!r}, the pool {expected['host_layout']!r}",
+        )
     if header.get("memory_id") != identity.memory_id:
         raise SnapshotRefused(
             "MEMORY",
@@ -107,7 +121,7 @@ def load(data: bytes, identity: PoolIdentity, limits: Limits | None = None) -> A
         state, extras = body["cache"], body["extras"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
         raise SnapshotRefused("INCONSISTENT", f"the body does not decode: {e}") from e
-    return Adopted(rebuild(state, limits), extras, header)
+    return Adopted(rebuild(state, limits, identity.host_num_blocks), extras, header)
 
 
 def _split(data: bytes) -> tuple[dict[str, Any], bytes]:

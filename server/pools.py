@@ -188,9 +188,9 @@ def _device_with_index(device: str) -> str:
 
 def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool, keeper: KeeperClient | None) -> KVStorage | None:
     """The host tier's memory: the device pool's layout with `host_num_blocks`, or as many as `host_memory_bytes`
-    holds; None without either. Shared memory of its own, or the keeper's (its "host" tier of the pool: nothing
-    in it is trusted after a restart, as the host tier's bookkeeping starts empty). Page-locked (`pin`) beside a
-    CUDA pool, so swaps read and write it directly."""
+    holds; None without either. Shared memory of its own, or the keeper's (its "host" tier of the pool: kept across
+    restarts, its index in the pool's snapshot and its bytes checksummed, see `radixkv.server.restart`).
+    Page-locked (`pin`) beside a CUDA pool, so swaps read and write it directly."""
     from radixkv.storage import KVStorage
 
     if config.host_num_blocks:

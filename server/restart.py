@@ -5,10 +5,11 @@ whether the memory this server attached to is `fresh` (allocated now: zeros) or 
 the previous server left), with an incarnation and a generation that count attaches. A graceful
 stop (SIGTERM, or the admin `Upgrade` call) freezes each pool under its lock, so no later call
 changes it, and writes `<snapshot_dir>/<pool>.snapshot` atomically: the core's bookkeeping
-(`radixkv.snapshot`), the live sessions and what each owns, and a sha256 of every cached block's
-K/V bytes. The next server adopts it only if everything matches: the pool, its layout, the memory
+(`radixkv.snapshot`, the host tier's included), the live sessions and what each owns, and a sha256 of
+the K/V bytes of every cached block on the device and of every held block of the host tier (the keeper
+keeps that memory too). The next server adopts it only if everything matches: the pool, its layout, the memory
 (same keeper incarnation, the generation just before its own), the checksum of the file and the
-K/V bytes of every cached block. Anything else is refused with the reason logged and counted, the
+K/V bytes of every cached block on both tiers. Anything else is refused with the reason logged and counted, the
 file kept aside as `.refused`, and the pool starts cold. An adopted file is removed before the pool
 serves, so a crash of this server never finds a snapshot that no longer describes the memory.
 
@@ -26,8 +27,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from radixkv.errors import SnapshotRefused
-from radixkv.kv_cache import Limits
+from radixkv.kv_cache import KVCache, Limits
 from radixkv.server.ledger import Pin
 from radixkv.snapshot import Adopted, PoolIdentity, dump, load, write_atomically
 
@@ -104,6 +107,17 @@ def kv_checksums(storage: KVStorage, block_ids: list[int]) -> bytes:
     return b"".join(digests)
 
 
+def pool_identity(pool: Pool, memory: str) -> PoolIdentity:
+    """What a snapshot of `pool` names: the pool, its layout and its host tier's, the memory `memory`."""
+    host_layout = pool.host_storage.layout if pool.host_storage is not None else None
+    return PoolIdentity(pool.name, pool.layout, memory, host_layout)
+
+
+def held_host_blocks(cache: KVCache) -> list[int]:
+    """Every host block the index says holds K/V (host-only nodes, host copies, swapped sequences), ascending."""
+    return [] if cache.host is None else [int(b) for b in np.flatnonzero(cache.host.pool.ref_counts)]
+
+
 def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> Written:
     """Freeze `pool` (no call changes it afterwards) and write its snapshot beside the kept memory."""
     started = time.perf_counter()
@@ -118,10 +132,10 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
             "pins": [
                 [s.session_id, p.namespace, p.token_bytes, p.num_blocks] for s in sessions for p in pool.ledger.pins(s)
             ],
-            # hosttier: blocks resident only in the host tier need checksums of that tier's memory too.
             "kv_checksums": kv_checksums(pool.storage, tree_block_ids),
+            "host_kv_checksums": kv_checksums(pool.host_storage, held_host_blocks(cache)) if pool.host_storage else b"",
         }
-        identity = PoolIdentity(pool.name, pool.layout, memory_id(memory.incarnation, memory.generation))
+        identity = pool_identity(pool, memory_id(memory.incarnation, memory.generation))
         data = dump(cache, identity, extras)
         num_sequences = len(cache.sequence_ids())
     path = snapshot_path(pool.name, memory)
@@ -167,11 +181,19 @@ def adopt_snapshot(pool: Pool, memory: KeptMemory, limits: Limits) -> Adopted | 
     try:
         if memory.fresh:
             raise SnapshotRefused("MEMORY", "the keeper allocated this memory afresh: it holds none of the snapshot")
-        expected = PoolIdentity(pool.name, pool.layout, memory_id(memory.incarnation, memory.generation - 1))
+        expected = pool_identity(pool, memory_id(memory.incarnation, memory.generation - 1))
         adopted = load(path.read_bytes(), expected, limits)
         tree_block_ids = sorted(int(b) for b in adopted.cache.tree.tree_block_ids())
         if kv_checksums(pool.storage, tree_block_ids) != adopted.extras.get("kv_checksums"):
             raise SnapshotRefused("KV_CHECKSUM", "the memory's K/V bytes differ from those the snapshot recorded")
+        host_block_ids = held_host_blocks(adopted.cache)
+        if host_block_ids and (
+            pool.host_storage is None
+            or kv_checksums(pool.host_storage, host_block_ids) != adopted.extras.get("host_kv_checksums")
+        ):
+            raise SnapshotRefused(
+                "HOST_KV_CHECKSUM", "the host tier's K/V bytes differ from those the snapshot recorded"
+            )
     except SnapshotRefused as e:
         path.replace(path.with_name(path.name + ".refused"))
         pool.snapshot_refusals[e.why] = pool.snapshot_refusals.get(e.why, 0) + 1

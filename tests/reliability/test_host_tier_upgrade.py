@@ -1,0 +1,103 @@
+"""The host tier across a restart, with real processes: a keeper holding both tiers' memory, servers coming and going.
+
+- a prefix evicted to the host tier before a graceful stop (SIGTERM) is still there after it: the new server
+  adopts the snapshot, an open loads it back, and once the worker applies the loads (`kernels.swap_blocks`)
+  the K/V bytes are those written before the restart;
+- a host block changed while no server runs: the snapshot is refused (HOST_KV_CHECKSUM), the pool starts cold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixkv.client import PoolView, RadixKVClient
+from radixkv.server.process import KeeperProcess, ServerProcess
+from tests.reliability.conftest import Debug
+from tests.reliability.test_upgrade import _once_reachable
+from tests.service.test_host_tier import apply, read_kv, write_kv
+
+TIERED = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32,host_num_blocks=16"
+PROMPT = list(range(1, 10))  # 2 full blocks of 4 tokens and 1 token
+
+
+@pytest.fixture
+def keeper(tmp_path: Path):
+    k = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
+    yield k
+    k.stop()
+
+
+def _serve(keeper: KeeperProcess, log_path: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(["--pool", TIERED, "--keeper", str(keeper.socket), "--debug-rpc", *extra], log_path)
+
+
+def _log_lines(path: Path, message: str) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("msg") == message]
+
+
+def _evict_prompt_to_the_host_tier(client: RadixKVClient, view: PoolView) -> tuple[torch.Tensor, list[int]]:
+    """Cache PROMPT with K/V written, then push it to the host tier; returns that K/V and its host blocks."""
+    first = client.open(PROMPT)
+    written = write_kv(view, first.block_table, len(PROMPT), seed=7)
+    client.commit([first.seq_id], [len(PROMPT)])
+    client.release(first.seq_id)
+    prompt_blocks = set(first.block_table[:2].tolist())
+    host_blocks: list[int] = []
+    others = []
+    for i in range(2):  # 8 device blocks: the prompt's cached blocks are evicted to make room
+        opened = client.open([100 + i] * 16)
+        apply(view, opened.offloads, opened.loads)
+        host_blocks += [int(h) for d, h in opened.offloads.tolist() if d in prompt_blocks]
+        write_kv(view, opened.block_table, 16, seed=i)
+        others.append(opened.seq_id)
+    client.release_many(others, cache=False)
+    assert client.match_tiers(PROMPT) == (0, 8) and len(host_blocks) == 2
+    return written, host_blocks
+
+
+def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = _serve(keeper, tmp_path / "server1.log")
+    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    with PoolView.from_client(client) as view:
+        written, _ = _evict_prompt_to_the_host_tier(client, view)
+    assert first.stop() == 0  # SIGTERM: a graceful stop writes the snapshot
+    second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port))
+    try:
+        assert _once_reachable(lambda: client.match_tiers(PROMPT)) == (0, 8), "the host tier came back"
+        (adopted,) = _log_lines(tmp_path / "server2.log", "snapshot adopted")
+        assert adopted["pool"] == "default"
+        with PoolView.from_client(client) as view:
+            again = client.open(PROMPT)
+            assert (again.num_cached_tokens, again.num_host_hit_tokens) == (8, 8)
+            assert sorted(again.loads[:, 1].tolist()) == sorted(again.block_table[:2].tolist())
+            apply(view, again.offloads, again.loads)
+            assert torch.equal(read_kv(view, again.block_table, 8), written[:, :, :8]), "K/V bytes of before"
+        assert client.stats().num_host_hit_tokens == 8
+        client.release(again.seq_id)
+        Debug(second.address).check()
+    finally:
+        client.close()
+        second.stop()
+
+
+def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = _serve(keeper, tmp_path / "server1.log")
+    with RadixKVClient(first.address, timeout=5) as client, PoolView.from_client(client) as view:
+        _, host_blocks = _evict_prompt_to_the_host_tier(client, view)
+        assert first.stop() == 0
+        view.host_data[0, 0, host_blocks[0], 0, 0, 0] += 1.0  # the keeper's memory, mapped still: one K value
+    second = _serve(keeper, tmp_path / "server2.log")
+    try:
+        (refused,) = _log_lines(tmp_path / "server2.log", "snapshot refused: starting cold")
+        assert refused["why"] == "HOST_KV_CHECKSUM"
+        with RadixKVClient(second.address, timeout=5) as client:
+            assert client.match_tiers(PROMPT) == (0, 0), "nothing adopted"
+            assert client.stats().num_host_blocks_free == 16
+        Debug(second.address).check()
+    finally:
+        second.stop()
