@@ -9,9 +9,9 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.allocation import Allocator
+from radixkv.block_pairs import NO_PAIRS
 from radixkv.block_pool import NO_BLOCKS, cdiv
 from radixkv.block_table import BlockTable
-from radixkv.host_tier import NO_PAIRS
 from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan

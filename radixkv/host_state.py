@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.block_pairs import NO_PAIRS
 from radixkv.block_pool import NO_BLOCKS
-from radixkv.host_tier import NO_PAIRS, HostTier
+from radixkv.host_tier import HostTier
 from radixkv.radix_node import Node
 from radixkv.sequence import PreemptedSequence
 from radixkv.swap import SwappedBlocks

@@ -17,7 +17,8 @@ from radixkv.sequence import LiveSequence, PreemptedSequence, path_runs
 from radixkv.token_ids import TokenKey
 
 if TYPE_CHECKING:
-    from radixkv.host_tier import BlockIds, HostTier  # which calls `check_host_tier` from here
+    from radixkv.host_loading import BlockIds
+    from radixkv.host_tier import HostTier  # which calls `check_host_tier` from here
     from radixkv.radix_tree import RadixTree  # which calls `check_tree` from here
 
 

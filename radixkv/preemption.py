@@ -21,10 +21,10 @@ from typing import Protocol
 
 from radixkv.admission import open_planned, plan_open
 from radixkv.allocation import Allocator
+from radixkv.block_pairs import NO_PAIRS, Pairs
 from radixkv.block_pool import cdiv
 from radixkv.budget import reservation
 from radixkv.errors import FailedPrecondition, InvalidArgument, RadixKVError
-from radixkv.host_tier import NO_PAIRS, Pairs
 from radixkv.publish import release
 from radixkv.radix_node import Node
 from radixkv.results import OpenResult

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.block_pairs import NO_PAIRS, Pairs
 from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
-from radixkv.host_tier import NO_PAIRS, Pairs
 
 
 @dataclasses.dataclass(slots=True, eq=False)

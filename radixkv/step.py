@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from radixkv.host_tier import NO_PAIRS, Pairs
+from radixkv.block_pairs import NO_PAIRS, Pairs
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.token_ids import TokenIds
 

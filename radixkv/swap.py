@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterable
 
 from radixkv.admission import num_newly_locked
 from radixkv.allocation import Allocator
+from radixkv.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.block_pool import NO_BLOCKS, cdiv
 from radixkv.block_table import BlockTable
 from radixkv.errors import OutOfBlocks
-from radixkv.host_tier import NO_PAIRS, BlockIds, HostTier, Pairs, concat_pairs
+from radixkv.host_loading import BlockIds
+from radixkv.host_tier import HostTier
 from radixkv.preemption import ResumeResult
 from radixkv.publish import release
 from radixkv.radix_node import Node

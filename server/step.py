@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 
+from radixkv.block_pairs import concat_pairs
 from radixkv.errors import (
     InvalidArgument,
     QuotaExceeded,
@@ -30,7 +31,6 @@ from radixkv.errors import (
     UnknownSequence,
     UnknownSession,
 )
-from radixkv.host_tier import concat_pairs
 from radixkv.results import OpenResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
