@@ -35,8 +35,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start=$(date +%s)
 
-echo "gpu_check ($mode): gpu-marked kernel tests"
-"$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels --junitxml="$work/junit.xml" >"$work/tests.log" 2>&1
+echo "gpu_check ($mode): every gpu-marked test (kernels, storage, keeper)"
+"$PY" -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$work/junit.xml" >"$work/tests.log" 2>&1
 tests_rc=$?
 tail -n 3 "$work/tests.log"
 echo "gpu_check ($mode): paged_decode_attention sweep"
