@@ -401,16 +401,23 @@ class KVService:
 
     # -- prefixes ---------------------------------------------------------------------------------
 
+    def _probe(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
+    ) -> tuple[Pool, str, bytes]:
+        """What a read-only lookup checks first: the pool, the size, the session if one is named (routers
+        probe without one); returns the pool, the tenant's namespace and the token key."""
+        pool = self.pool(pool_name)
+        check_request_size(pool, _num_tokens(token_ids))
+        if session_id:
+            self.sessions.get(session_id, caller)
+        return pool, caller.scope(namespace), to_token_bytes(token_ids)
+
     def match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
     ) -> tuple[int, int]:
         """(device tokens, host tokens), as `KVCache.match_tiers`. Read-only; a session is optional (routers
         probe without one)."""
-        pool = self.pool(pool_name)
-        check_request_size(pool, _num_tokens(token_ids))
-        if session_id:
-            self.sessions.get(session_id, caller)
-        core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
+        pool, core_namespace, key = self._probe(caller, session_id, pool_name, token_ids, namespace)
         with pool.lock:
             return pool.cache.match_tiers(key, core_namespace)
 
@@ -419,11 +426,7 @@ class KVService:
     ) -> tuple[int, int, MissExplanation]:
         """`match` (device tokens, host tokens), and why the device's cached prefix ends there (hashes one block;
         see `miss_reasons`)."""
-        pool = self.pool(pool_name)
-        check_request_size(pool, _num_tokens(token_ids))
-        if session_id:
-            self.sessions.get(session_id, caller)
-        core_namespace, key = caller.scope(namespace), to_token_bytes(token_ids)
+        pool, core_namespace, key = self._probe(caller, session_id, pool_name, token_ids, namespace)
         with pool.lock:
             num_cached, num_host = pool.cache.match_tiers(key, core_namespace)
             explanation = explain_miss(pool.cache, pool.events, caller, key, core_namespace, num_cached)
