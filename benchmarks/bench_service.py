@@ -2,9 +2,11 @@
 
 Runs a real server process on 127.0.0.1 and measures, in one run:
   - a decode step: one token appended to each of 256 sequences, in-process (`KVCache.append_batch`),
-    as a unary AppendTokens call, and as a step on the Session stream (blocking and asyncio clients);
-    p50/p99 ms per step, and the server's CPU per step (its process CPU time over the steps);
-  - the transport floor: one bare gRPC health check round trip (blocking and asyncio);
+    as a unary AppendTokens call, and as a step on the Session stream (blocking and asyncio clients),
+    beside one bare gRPC health round trip per client kind (the transport floor); p50/p99 ms per
+    step and the server's CPU per step. Every way runs a few steps in turn, round after round, at
+    two cadences: back to back, and one step every 10 ms as a serving loop calls it between forward
+    passes (service_decode.py says why both);
   - single open + release per second, one item per call or per step message, unary against the
     stream, with 1, 4 and 16 client processes, blocking and asyncio clients; on the stream once with
     one step in flight per client and once with PIPELINE open + release cycles in flight (steps
@@ -13,9 +15,10 @@ Runs a real server process on 127.0.0.1 and measures, in one run:
 Prints a table (ratios within this run); `--out FILE.json` writes the numbers; `--quick` finishes in
 well under a minute on 2 loaded cores (the targets below hold on the ratios, not the absolute times).
 
-Targets (issue 14): stream step <= in-process step + one health round trip; stream open/release
-with 4 clients, one item per step message, >= 3x the unary rate (checked on the pipelined run; the
-run with one step in flight is printed beside it).
+Targets (issue 14): stream step <= in-process step + one health round trip, at each cadence and for
+each client kind against its own health round trip; stream open/release with 4 clients, one item
+per step message, >= 3x the unary rate (checked on the pipelined run; the run with one step in
+flight is printed beside it).
 
     python benchmarks/bench_service.py [--quick] [--out results.json]
 """
@@ -31,19 +34,22 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from radixkv.kv_cache import KVCache
 from radixkv.server.process import ServerProcess
-from radixkv.step import Append, Step
+from radixkv.step import Step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from service_decode import CADENCES, cpu_seconds  # noqa: E402 - a sibling script, not a package
+from service_decode import measure as measure_decode  # noqa: E402
 
 NUM_BLOCKS = 65536
 BLOCK_SIZE = 16
 POOL = f"default:num_layers=1,num_kv_heads=1,head_dim=8,block_size={BLOCK_SIZE},num_blocks={NUM_BLOCKS},dtype=float16"
-BATCH = 256
 PROMPT = list(range(10_000, 10_064))  # a 64-token shared prefix (4 blocks): opens hit it after the first
 CLIENTS = (1, 4, 16)
 MODES = ("sync", "asyncio")
@@ -66,114 +72,6 @@ def start_server() -> ServerProcess:
         ["--pool", POOL, "--log-level", "warning", "--max-workers", "48", "--max-session-streams", "20",
          "--max-watch-streams", "2"],
     )  # fmt: skip
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def summary(samples: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": 1e3 * float(np.percentile(samples, 50)),
-        "p99_ms": 1e3 * float(np.percentile(samples, 99)),
-        "mean_ms": 1e3 * float(np.mean(samples)),
-    }
-
-
-# -- the decode step ----------------------------------------------------------------------------------
-
-
-def prompts_for_decode() -> list[tuple[list[int], str]]:
-    return [(list(range(1000 * i, 1000 * i + 100)), "bench") for i in range(BATCH)]
-
-
-def decode_inputs(i: int) -> tuple[list[int], np.ndarray]:
-    return [1] * BATCH, np.full(BATCH, i % 1000, np.int32)
-
-
-def time_sync(step: Callable[[int], object], num_steps: int) -> list[float]:
-    for i in range(5):
-        step(-1 - i)
-    samples = []
-    for i in range(num_steps):
-        start = time.perf_counter()
-        step(i)
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-async def time_async(step: Callable[[int], Awaitable[object]], num_steps: int) -> list[float]:
-    for i in range(5):
-        await step(-1 - i)
-    samples = []
-    for i in range(num_steps):
-        start = time.perf_counter()
-        await step(i)
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-def decode_in_process(num_steps: int) -> dict[str, float]:
-    cache = KVCache(NUM_BLOCKS, BLOCK_SIZE)
-    seq_ids = [r.seq_id for r in cache.open_many(prompts_for_decode())]
-    # .slots: the step's slot mapping, which the RPCs compute and send (the core computes it when read)
-    return summary(time_sync(lambda i: cache.append_batch(seq_ids, *decode_inputs(i)).slots, num_steps))
-
-
-def decode_over_grpc(address: str, server_pid: int, num_steps: int) -> dict[str, dict[str, float]]:
-    from radixkv.client import RadixKVClient
-
-    results = {}
-    with RadixKVClient(address) as client:
-        seq_ids = [r.seq_id for r in client.open_many(prompts_for_decode())]
-        ways: dict[str, Callable[[int], object]] = {
-            "unary": lambda i: client.append_batch(seq_ids, *decode_inputs(i)),
-            "stream": lambda i: client.step(Step(append=Append(seq_ids, *decode_inputs(i)))),
-        }
-        for name, step in ways.items():
-            cpu = cpu_seconds(server_pid)
-            results[name] = summary(time_sync(step, num_steps))
-            results[name]["server_cpu_ms"] = 1e3 * (cpu_seconds(server_pid) - cpu) / (num_steps + 5)
-        client.release_many(seq_ids, cache=False)
-    results["stream_asyncio"] = asyncio.run(decode_async(address, server_pid, num_steps))
-    return results
-
-
-async def decode_async(address: str, server_pid: int, num_steps: int) -> dict[str, float]:
-    from radixkv.client.aio import AsyncRadixKVClient
-
-    async with AsyncRadixKVClient(address) as client:
-        seq_ids = [r.seq_id for r in (await client.step(Step(opens=prompts_for_decode()))).opened]
-        cpu = cpu_seconds(server_pid)
-        result = summary(
-            await time_async(lambda i: client.step(Step(append=Append(seq_ids, *decode_inputs(i)))), num_steps)
-        )
-        result["server_cpu_ms"] = 1e3 * (cpu_seconds(server_pid) - cpu) / (num_steps + 5)
-        await client.step(Step(releases=[(seq_ids, False)]))
-    return result
-
-
-# -- the transport floor -------------------------------------------------------------------------------
-
-
-def health_round_trip(address: str, num_calls: int) -> dict[str, dict[str, float]]:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    request = health_pb2.HealthCheckRequest()
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        sync = summary(time_sync(lambda i: stub.Check(request), num_calls))
-
-    async def run() -> dict[str, float]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            return summary(await time_async(lambda i: stub.Check(request), num_calls))
-
-    return {"sync": sync, "asyncio": asyncio.run(run())}
 
 
 # -- open + release, many clients ----------------------------------------------------------------------
@@ -335,7 +233,6 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    steps = 40 if quick else 300
     seconds = 0.4 if quick else 3.0
     server = start_server()
     address, proc = server.address, server.proc
@@ -344,8 +241,7 @@ def run(quick: bool) -> dict[str, Any]:
             "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
             "quick": quick,
         }
-        results["decode_256"] = {"in_process": decode_in_process(steps), **decode_over_grpc(address, proc.pid, steps)}
-        results["health"] = health_round_trip(address, steps * 5)
+        results["decode_256"] = measure_decode(address, proc.pid, NUM_BLOCKS, BLOCK_SIZE, quick)
         results["open_release"] = {str(n): open_release(address, proc.pid, n, seconds) for n in CLIENTS}
         results["wire"] = wire_encodings(50 if quick else 500)
         return results
@@ -353,46 +249,43 @@ def run(quick: bool) -> dict[str, Any]:
         server.stop(timeout=30)
 
 
+DECODE_ROWS = (
+    ("in_process", "in-process"),
+    ("unary", "unary AppendTokens"),
+    ("stream", "stream step, sync"),
+    ("stream_asyncio", "stream step, asyncio"),
+    ("health", "bare health round trip, sync"),
+    ("health_asyncio", "bare health round trip, asyncio"),
+)
+
+
+def decode_rows(by_cadence: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per cadence: each way's step, and for the streams the target (in-process + health, same client kind)."""
+    rows = []
+    for cadence in CADENCES:
+        d = by_cadence[cadence]
+        local = d["in_process"]["p50_ms"]
+        for key, label in DECODE_ROWS:
+            x = d[key]
+            note = ""
+            if key.startswith("stream"):
+                health = d["health_asyncio" if key.endswith("asyncio") else "health"]["p50_ms"]
+                floor = local + health
+                note = (
+                    f"target <= {floor:.2f} ms (+ health {health:.2f}): {'met' if x['p50_ms'] <= floor else 'MISSED'}"
+                )
+            elif key.startswith("health"):
+                note = "transport floor"
+            label = f"{label}, {cadence.replace('_', ' ')}"
+            ratio = "" if key.startswith("health") else f"{x['p50_ms'] / local:.1f}x"
+            cpu = f"{x['server_cpu_ms']:.2f} ms/step" if "server_cpu_ms" in x else ""
+            name = label if key.startswith("health") else f"decode step 256 seqs, {label}"
+            rows.append((name, f"{x['p50_ms']:.2f} ms", f"{x['p99_ms']:.2f} ms", ratio, cpu, note))
+    return rows
+
+
 def table(r: dict[str, Any]) -> str:
-    d, health = r["decode_256"], r["health"]
-    floor = d["in_process"]["p50_ms"] + health["sync"]["p50_ms"]
-    rows = [("measurement", "p50", "p99", "vs in-process", "server CPU", "note")]
-    rows.append(
-        (
-            "decode step 256 seqs, in-process",
-            f"{d['in_process']['p50_ms']:.2f} ms",
-            f"{d['in_process']['p99_ms']:.2f} ms",
-            "1.0x",
-            "",
-            "",
-        )
-    )
-    for key, label in (
-        ("unary", "unary AppendTokens"),
-        ("stream", "stream step, sync"),
-        ("stream_asyncio", "stream step, asyncio"),
-    ):
-        x = d[key]
-        note = (
-            f"target <= {floor:.2f} ms: {'met' if x['p50_ms'] <= floor else 'MISSED'}"
-            if key.startswith("stream")
-            else ""
-        )
-        rows.append((f"decode step 256 seqs, {label}", f"{x['p50_ms']:.2f} ms", f"{x['p99_ms']:.2f} ms",
-                     f"{x['p50_ms'] / d['in_process']['p50_ms']:.1f}x", f"{x['server_cpu_ms']:.2f} ms/step",
-                     note))  # fmt: skip
-    for mode in MODES:
-        h = health[mode]
-        rows.append(
-            (
-                f"bare health round trip, {mode}",
-                f"{h['p50_ms']:.2f} ms",
-                f"{h['p99_ms']:.2f} ms",
-                "",
-                "",
-                "transport floor",
-            )
-        )
+    rows = [("measurement", "p50", "p99", "vs in-process", "server CPU", "note"), *decode_rows(r["decode_256"])]
     for n, by_way in r["open_release"].items():
         for mode in MODES:
             unary = by_way[f"unary_{mode}"]

@@ -39,6 +39,7 @@ import grpc
 from radixkv.block_hash import HashContract
 from radixkv.client import messages as m
 from radixkv.client.channels import channel_settings
+from radixkv.client.direct_stream import DirectStepStream
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
@@ -98,7 +99,7 @@ class RadixKVClient:
         self.pool = pool
         self._tables = m.BlockTables()
         self._stream_lock = threading.RLock()  # the stream steps are sent on (a broken one re-sends on the next)
-        self._steps: StepStream | None = None
+        self._steps: DirectStepStream | StepStream | None = None
         self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
         self.address = address
@@ -318,7 +319,7 @@ class RadixKVClient:
         """On the current stream, or a new one if it failed (holding `_stream_lock`)."""
         pending.attempts += 1
         while self._steps is None or not self._steps.send(pending):
-            self._steps = StepStream(self._stub, self._metadata, self._settle, self._stream_broke)
+            self._steps = self._open_steps()
 
     def _settle(self, pending: StepFuture, response: pb.SessionResponse) -> None:
         try:
@@ -329,7 +330,14 @@ class RadixKVClient:
         self._tables.stepped(pending.step, result)  # in stream order: the reader settles steps in turn
         pending.settle(result, None)
 
-    def _stream_broke(self, stream: StepStream, error: grpc.RpcError, unanswered: list[StepFuture]) -> None:
+    def _open_steps(self) -> DirectStepStream | StepStream:
+        """A Session stream driven by the waiting caller where gRPC's core call API allows it (direct_stream)."""
+        direct = DirectStepStream.open(self._channel, self._metadata, self._settle, self._stream_broke)
+        return direct or StepStream(self._stub, self._metadata, self._settle, self._stream_broke)
+
+    def _stream_broke(
+        self, stream: DirectStepStream | StepStream, error: grpc.RpcError, unanswered: list[StepFuture]
+    ) -> None:
         """Re-send the broken stream's unanswered steps, in order, once each (UNAVAILABLE); fail the rest."""
         with self._stream_lock:
             if self._steps is stream:

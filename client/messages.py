@@ -72,7 +72,7 @@ class BlockTables:
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
-        changed = [i for i, n in enumerate(batch.num_block_ids) if n]
+        changed = itertools.compress(range(len(batch.num_block_ids)), batch.num_block_ids)
         with self._lock:
             start = 0
             for i in changed:
@@ -315,9 +315,14 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
         request.opens.append(opened)
     if step.append is not None:
         a = step.append
-        appended = build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)
+        appended = request.append
+        try:  # in place: a decode step's hundreds of ids are converted once, not again by a copy
+            appended.seq_ids.extend(a.seq_ids)
+            appended.num_token_ids.extend(a.num_token_ids)
+        except (TypeError, ValueError):
+            build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)  # raises, naming the field
+            raise
         appended.token_ids = packed_tokens(a.token_ids, "token_ids")
-        request.append.CopyFrom(appended)
     request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
     request.MergeFrom(build(pb.SessionRequest, cache_seq_ids=step.caches))
     request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
@@ -343,7 +348,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         a, r = step.append, response.appended
         appended = AppendBatch(
             list(a.seq_ids),
-            list(map(int, a.num_token_ids)),
+            list(a.num_token_ids) if isinstance(a.num_token_ids, list) else list(map(int, a.num_token_ids)),
             list(r.num_tokens),
             list(r.table_offsets),
             list(r.num_block_ids),
@@ -351,6 +356,8 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
             [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
             np.frombuffer(r.slots, dtype=_INT64),
         )
+    if not (response.forked or response.offloads or response.loads or response.num_cached_tokens or any(step.explain)):
+        return StepResult(opened, appended, [], [], response.num_released_sequences)  # a decode step: the common case
     forked = [list(f.child_seq_ids) for f in response.forked]
     explained: Sequence[MatchExplanation | None] = ()
     if any(step.explain):  # a step retried from the window is answered with its first result, explanations too

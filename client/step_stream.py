@@ -20,7 +20,7 @@ import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -48,7 +48,13 @@ class Pending(Generic[S]):
         self.attempts = 0
 
 
-class StepFuture(Pending["StepStream"]):
+class BlockingStream(Protocol):
+    """A stream a blocking caller waits on: `StepStream` here, or `direct_stream.DirectStepStream`."""
+
+    def read_until(self, pending: StepFuture) -> None: ...
+
+
+class StepFuture(Pending[BlockingStream]):
     """A step submitted on a blocking client's stream; `result()` waits for it (see `RadixKVClient.submit`)."""
 
     __slots__ = ("_result", "_error", "_done")

@@ -12,12 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.allocation import Allocator
-from radixkv.block_pool import BlockPool, cdiv
+from radixkv.block_pool import BlockPool
 from radixkv.budget import num_drawn
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.results import AppendBatch, SlotPlan
 from radixkv.sequence import LiveSequence, Sequences
-from radixkv.token_ids import TokenIds, TokenKey
+from radixkv.token_ids import TOKEN_BYTES, TokenIds, TokenKey
 
 AppendPlan = tuple[int, int | None]  # (num_new_blocks, cow_src): the shared last block to copy first, if any
 
@@ -26,7 +26,9 @@ def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: s
     """`num_token_ids` checked against `seq_ids`, as ints."""
     if len(num_token_ids) != len(seq_ids):
         raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
-    counts = [int(n) for n in num_token_ids]
+    counts = list(num_token_ids)
+    if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints (a decode step's list skips the loop)
+        counts = [int(n) for n in counts]
     if counts and min(counts) < 1:
         raise InvalidArgument(field, "every sequence appends at least one token")
     return counts
@@ -57,14 +59,15 @@ def plan_append(
     holder in this batch (`copied_away`, updated here) already copies it away: the last holder of a
     shared block writes in place. Changes nothing else.
     """
-    table = seq.block_table
-    cow_src = None
-    if seq.num_tokens % block_size:
-        last = table.last()
-        if ref_counts[last] - copied_away.get(last, 0) > 1:
+    table, num_tokens = seq.block_table, seq.num_tokens
+    num_new = -(-(num_tokens + count) // block_size) - table.length  # ceiling division, inlined: once per sequence
+    if num_tokens % block_size:
+        last = table.last
+        held = ref_counts[last]
+        if held > 1 and held - copied_away.get(last, 0) > 1:
             copied_away[last] = copied_away.get(last, 0) + 1
-            cow_src = last
-    return cdiv(seq.num_tokens + count, block_size) - len(table) + (cow_src is not None), cow_src
+            return num_new + 1, last
+    return num_new, None
 
 
 def plan_batch(
@@ -97,18 +100,24 @@ def apply_append(
     Appending says every earlier token's K/V is written, so the watermark moves up to the old length.
     """
     table = seq.block_table
-    offset = len(table)
+    offset = table.length
     if cow_src is not None:
         pool.decref([cow_src])
         table.set_last(int(new_blocks[0]))
         offset -= 1
         table.extend(new_blocks[1:])
-    elif len(new_blocks):
+    elif new_blocks.size:
         table.extend(new_blocks)
     seq.tail_bytes += tokens
-    seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens)
-    seq.num_tokens += count
+    num_tokens = seq.num_tokens
+    if seq.num_computed_tokens < num_tokens:
+        seq.num_computed_tokens = num_tokens
+    seq.num_tokens = num_tokens + count
     return offset
+
+
+_NO_BLOCKS = np.empty(0, dtype=np.int32)
+_NO_BLOCKS.flags.writeable = False
 
 
 def apply_batch(
@@ -125,28 +134,33 @@ def apply_batch(
 
     Sequence i's changed table entries are exactly its share of `new_blocks` (a copy-on-write
     replaces the last entry with the first of them), so that array is the batch's `block_ids`.
+    A decode step appends one token to each of hundreds of sequences, mostly without a new block,
+    so the loop touches only plain ints for them (no array slice per sequence).
     """
     bs, view = block_size, memoryview(key)
     num_tokens_after, offsets, num_block_ids, copies = [], [], [], []
-    spans: list[npt.NDArray[np.int32]] = []  # per sequence, the table blocks its new tokens land in
-    span_starts: list[int] = []  # position of each sequence's first new token, relative to the spans
+    span_blocks: list[int] = []  # per sequence in turn, the table blocks its new tokens land in
+    span_starts: list[int] = []  # position of each sequence's first new token, relative to span_blocks
     taken = byte = num_span_blocks = 0
     for i, (seq, count, (num_new, cow_src)) in enumerate(zip(sequences, counts, plans, strict=True)):
-        mine = new_blocks[taken : taken + num_new]
+        mine = new_blocks[taken : taken + num_new] if num_new else _NO_BLOCKS
         taken += num_new
-        start, num_bytes = seq.num_tokens, TokenKey.num_bytes(count)
+        start, num_bytes = seq.num_tokens, count * TOKEN_BYTES
         offset = apply_append(seq, view[byte : byte + num_bytes], count, cow_src, mine, pool)
         byte += num_bytes
         if cow_src is not None:
             copies.append((cow_src, int(mine[0]), i))
-        first, end = start // bs, cdiv(seq.num_tokens, bs)
+        first, table = start // bs, seq.block_table
         span_starts.append(num_span_blocks * bs + start - first * bs)
-        spans.append(seq.block_table[first:end])
-        num_span_blocks += end - first
+        if table.length - first == 1:  # the new tokens all land in the last block
+            span_blocks.append(table.last)
+        else:
+            span_blocks.extend(table[first:].tolist())
+        num_span_blocks += table.length - first
         num_tokens_after.append(seq.num_tokens)
         offsets.append(offset)
         num_block_ids.append(num_new)
-    plan = SlotPlan(bs, np.concatenate(spans) if spans else new_blocks, span_starts, counts)  # a copy: a snapshot
+    plan = SlotPlan(bs, np.array(span_blocks, dtype=np.int32), span_starts, counts)
     block_ids: list[int] = new_blocks.tolist()
     return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
 

@@ -18,14 +18,21 @@ Int32Array = npt.NDArray[np.int32]
 
 
 class BlockTable:
-    """`len(self)` block ids in `_buffer[:len]`; `_buffer[len:]` is room for the next appends."""
+    """`length` block ids in `_buffer[:length]`; `_buffer[length:]` is room for the next appends.
 
-    __slots__ = ("_buffer", "_len", "_shared")
+    A decode step reads every sequence's length and last block, and most sequences get no block:
+    both are plain attributes (`last` is -1 for an empty table), so the step touches neither the
+    buffer nor a method per sequence. A server step runs after an idle wait, when every line it
+    touches comes from memory (bench_service's cadence rows).
+    """
+
+    __slots__ = ("_buffer", "length", "last", "_shared")
 
     def __init__(self, buffer: Int32Array, length: int) -> None:
         self._buffer = buffer  # [capacity] int32, owned by this table
-        self._len = length
-        self._shared = False  # a view of the first `_len` entries is out: rewrite none of them in place
+        self.length = length
+        self.last = int(buffer[length - 1]) if length else -1
+        self._shared = False  # a view of the first `length` entries is out: rewrite none of them in place
 
     @classmethod
     def of(cls, parts: Sequence[npt.NDArray[np.int32]]) -> BlockTable:
@@ -37,43 +44,43 @@ class BlockTable:
         return cls(buffer, length)
 
     def __len__(self) -> int:
-        return self._len
-
-    def last(self) -> int:
-        return int(self._buffer[self._len - 1])
+        return self.length
 
     def array(self) -> Int32Array:
         """The table as a read-only int32 view: later appends and copy-on-write leave it as it is."""
-        view = self._buffer[: self._len]
+        view = self._buffer[: self.length]
         view.flags.writeable = False
         self._shared = True
         return view
 
     def __getitem__(self, index: slice) -> Int32Array:
         """A view of a range, for the caller to use at once (the core's own reads)."""
-        start, stop, _ = index.indices(self._len)
+        start, stop, _ = index.indices(self.length)
         return self._buffer[start:stop]
 
     def extend(self, block_ids: Int32Array) -> None:
         n = len(block_ids)
-        end = self._len + n
+        end = self.length + n
         if end > len(self._buffer):
             grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
-            grown[: self._len] = self._buffer[: self._len]
+            grown[: self.length] = self._buffer[: self.length]
             self._buffer, self._shared = grown, False
-        self._buffer[self._len : end] = block_ids
-        self._len = end
+        self._buffer[self.length : end] = block_ids
+        self.length = end
+        if n:
+            self.last = int(block_ids[-1])
 
     def set_last(self, block_id: int) -> None:
         """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""
         if self._shared:
             self._buffer, self._shared = self._buffer.copy(), False
-        self._buffer[self._len - 1] = block_id
+        self._buffer[self.length - 1] = block_id
+        self.last = int(block_id)
 
     def copy(self) -> BlockTable:
         """An independent table with the same blocks (a forked child's)."""
-        return BlockTable(self._buffer.copy(), self._len)
+        return BlockTable(self._buffer.copy(), self.length)
 
     def tolist(self) -> list[int]:
-        block_ids: list[int] = self._buffer[: self._len].tolist()
+        block_ids: list[int] = self._buffer[: self.length].tolist()
         return block_ids

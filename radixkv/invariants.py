@@ -88,6 +88,7 @@ def check_holders(
     for seq in sequences:
         assert len(seq.block_table) == cdiv(seq.num_tokens, bs), f"seq {seq.seq_id}: table length wrong"
         table = seq.block_table.tolist()
+        assert seq.block_table.last == (table[-1] if table else -1), f"seq {seq.seq_id}: table's last block stale"
         assert len(set(table)) == len(table), f"seq {seq.seq_id}: a block twice in one table"
         assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id}: computed past its length"
         assert seq.num_tree_blocks * bs <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"

@@ -9,6 +9,8 @@ written. `append` raises it to the tokens before the appended ones; `commit` rai
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -116,10 +118,14 @@ class Sequences:
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
         live = self._live
-        found = [live.get(s) if isinstance(s, int) else None for s in seq_ids]
-        for i, seq in enumerate(found):
-            if seq is None:
-                self.get(seq_ids[i], f"seq_ids[{i}]")  # raises
+        try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
+            found = list(map(live.get, seq_ids))
+        except TypeError:  # an unhashable entry: found below, by name
+            found = [None] * len(seq_ids)
+        if set(map(type, seq_ids)) - {int} or any(map(operator.is_, found, itertools.repeat(None))):
+            for i, seq_id in enumerate(seq_ids):
+                if not isinstance(seq_id, int) or found[i] is None:
+                    self.get(seq_id, f"seq_ids[{i}]")  # raises
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return found  # type: ignore[return-value]  # no None is left

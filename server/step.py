@@ -163,16 +163,17 @@ class _StepPlan:
             with _item("commit"):
                 self._own_all(step.commit.seq_ids, "seq_ids")
                 cache.check_commit(step.commit.seq_ids, step.commit.num_tokens)
-        # The core checks an item when it is applied; an item that others follow is checked now,
-        # so that the first item refused in order is the one reported. A step of one item (a
-        # decode step) is checked once.
+        # The core checks an item when it is applied; an item that others follow or precede is
+        # checked now, so that the first item refused in order is the one reported and nothing
+        # before it was applied. A step of one item (a decode step) is checked once.
         after_append = bool(step.forks or step.caches or step.releases)
+        committed = step.commit is not None
         if requests:
             with _item("opens"):
                 self._add_sequences(len(requests))
                 self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
                 self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
-                if step.append is not None or after_append:
+                if committed or step.append is not None or after_append:
                     num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
             with _item("append"):
@@ -185,7 +186,7 @@ class _StepPlan:
                         growth += max(0, after - pool.ledger.num_table_blocks(s))
                         self.table_blocks[s] = max(after, pool.ledger.num_table_blocks(s))
                     self._charge(growth)
-                if requests or after_append:
+                if committed or requests or after_append:
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
             with _item(f"forks[{i}]"):

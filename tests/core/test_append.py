@@ -1,10 +1,13 @@
 """The append path's two steps on hand-built sequences: `plan_append` then `apply_append`."""
 
 import numpy as np
+import pytest
 
 from radixkv.append import apply_append, plan_append
 from radixkv.block_pool import NO_BLOCKS, BlockPool
 from radixkv.block_table import BlockTable
+from radixkv.errors import InvalidArgument, UnknownSequence
+from radixkv.kv_cache import KVCache
 from radixkv.radix_node import Node
 from radixkv.sequence import LiveSequence
 from radixkv.token_ids import TokenKey
@@ -55,3 +58,31 @@ def test_apply_swaps_the_copied_block_and_drops_its_hold():
     offset = apply_append(seq, memoryview(TokenKey.of([7]).data), 1, cow_src, new_blocks, pool)
     assert offset == 1 and seq.block_table.tolist() == [table[0], new_blocks[0]]
     assert pool.ref_counts[table[1]] == 1  # the sibling's hold is left
+
+
+@pytest.mark.parametrize(
+    ("bad", "field", "error"),
+    [
+        (2.0, "seq_ids[1]", InvalidArgument),  # equal to a live id as a dict key, but not an integer
+        (np.int64(0), "seq_ids[1]", InvalidArgument),
+        ([0], "seq_ids[1]", InvalidArgument),  # unhashable
+        (10**6, None, UnknownSequence),
+    ],
+)
+def test_a_decode_batch_names_its_bad_entry_and_changes_nothing(bad: object, field: str | None, error: type) -> None:
+    cache = KVCache(64, BLOCK_SIZE)
+    ids = [r.seq_id for r in cache.open_many([([1, 2, 3], "a"), ([4, 5, 6], "b"), ([7, 8, 9], "c")])]
+    before = [cache.block_table(s) for s in ids], [cache.num_tokens(s) for s in ids]
+    with pytest.raises(error) as refused:
+        cache.append_batch([ids[0], bad, ids[2]], [1, 1, 1], [5, 5, 5])  # type: ignore[list-item]
+    if field is not None:
+        assert refused.value.field == field  # type: ignore[attr-defined]
+    assert ([cache.block_table(s) for s in ids], [cache.num_tokens(s) for s in ids]) == before
+    cache.check_invariants()
+    grown = cache.append_batch(ids, [1, 2, 1], [5, 6, 7, 8])  # the same batch, all entries good
+    assert grown.num_tokens == [4, 5, 4] and grown.slots.tolist() == [
+        cache.block_table(ids[0])[0] * BLOCK_SIZE + 3,
+        cache.block_table(ids[1])[0] * BLOCK_SIZE + 3,
+        cache.block_table(ids[1])[1] * BLOCK_SIZE + 0,
+        cache.block_table(ids[2])[0] * BLOCK_SIZE + 3,
+    ]

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from radixkv.client import RadixKVClient
-from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError
 from radixkv.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -272,6 +272,26 @@ def test_a_step_caches_only_what_its_commit_says_was_written(server: ServerProce
         assert result.num_cached_tokens == [8], "the commit comes first: the step caches both full blocks"
         client.step(Step(releases=[([written], True)]))
         assert client.match(prompt, "commit-a") == 8
+
+
+@pytest.mark.parametrize("then", ["opens", "append"])
+def test_a_commit_is_not_applied_when_the_item_after_it_is_refused(server: ServerProcess, debug, then: str) -> None:  # type: ignore[no-untyped-def]
+    """The commit comes first and is not checked against blocks; an open or append after it that the pool
+    cannot hold is refused, and the commit must not have moved the watermark."""
+    with RadixKVClient(server.address, pool="tiny") as client:  # 8 blocks of 4
+        seq_id = client.step(Step(opens=[(list(range(100, 106)), "commit-then")])).opened[0].seq_id
+        too_big = list(range(200, 240))  # 10 blocks
+        item = (
+            {"opens": [(too_big, "commit-then")]}
+            if then == "opens"
+            else {"append": Append([seq_id], [len(too_big)], too_big)}
+        )
+        with pytest.raises(OutOfBlocks) as refused:
+            client.step(Step(commit=Commit([seq_id], [6]), **item))  # type: ignore[arg-type]
+        assert refused.value.metadata["item"] == then
+        assert client.num_computed_tokens(seq_id) == 0, "the refused step applied its commit"
+        client.step(Step(releases=[([seq_id], False)]))
+    debug.check("tiny")
 
 
 def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: ServerProcess, tls_files) -> None:  # type: ignore[no-untyped-def]
