@@ -59,7 +59,7 @@ def measure(address: str, server_pid: int, num_blocks: int, block_size: int, qui
     from radixkv.client import RadixKVClient
     from radixkv.client.aio import AsyncRadixKVClient
 
-    loop = asyncio.new_event_loop()
+    runner = asyncio.Runner()  # one loop for every asyncio turn; closing it settles the client's tasks
     cache = KVCache(num_blocks, block_size)
     local_ids = [r.seq_id for r in cache.open_many(prompts())]
     health_request = health_pb2.HealthCheckRequest()
@@ -76,7 +76,7 @@ def measure(address: str, server_pid: int, num_blocks: int, block_size: int, qui
     with RadixKVClient(address) as client:
         unary_ids = [r.seq_id for r in client.open_many(prompts())]
         stream_ids = [r.seq_id for r in client.step(Step(opens=prompts())).opened]
-        aio_client, aio_channel, aio_ids = loop.run_until_complete(open_async())
+        aio_client, aio_channel, aio_ids = runner.run(open_async())
         aio_health = health_pb2_grpc.HealthStub(aio_channel)
         sync_ways: dict[str, SyncWay] = {
             "in_process": lambda i: cache.append_batch(local_ids, *inputs(i)).slots,  # the slots the RPCs send
@@ -95,15 +95,15 @@ def measure(address: str, server_pid: int, num_blocks: int, block_size: int, qui
                 rounds, per = (6, 8) if quick else (20, 15)
                 if gap:
                     rounds, per = (3, 5) if quick else (8, 8)
-                samples, cpu = _interleaved(loop, sync_ways, async_ways, rounds, per, gap, server_pid)
+                samples, cpu = _interleaved(runner, sync_ways, async_ways, rounds, per, gap, server_pid)
                 results[cadence] = {
                     way: summary(s, cpu[way] if way in reaches_server else None) for way, s in samples.items()
                 }
         finally:
-            loop.run_until_complete(_close_async(aio_client, aio_channel, aio_ids))
+            runner.run(_close_async(aio_client, aio_channel, aio_ids))
+            runner.close()
             client.release_many(unary_ids + stream_ids, cache=False)
             channel.close()
-            loop.close()
     return results
 
 
@@ -114,7 +114,7 @@ async def _close_async(client: Any, channel: Any, ids: list[int]) -> None:
 
 
 def _interleaved(
-    loop: asyncio.AbstractEventLoop,
+    runner: asyncio.Runner,
     sync_ways: dict[str, SyncWay],
     async_ways: dict[str, AsyncWay],
     rounds: int,
@@ -148,18 +148,22 @@ def _interleaved(
             out.append(time.perf_counter() - start)
             counter += 1
 
-    for name in names:  # warm each way up
+    async def warm(step: AsyncWay) -> None:
         for i in range(3):
-            if name in sync_ways:
+            await step(-1 - i)
+
+    for name in names:
+        if name in sync_ways:
+            for i in range(3):
                 sync_ways[name](-1 - i)
-            else:
-                loop.run_until_complete(async_ways[name](-1 - i))  # type: ignore[arg-type]
+        else:
+            runner.run(warm(async_ways[name]))
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             before = cpu_seconds(server_pid)
             if name in sync_ways:
                 run_sync(sync_ways[name], samples[name])
             else:
-                loop.run_until_complete(run_async(async_ways[name], samples[name]))
+                runner.run(run_async(async_ways[name], samples[name]))
             cpu[name] += cpu_seconds(server_pid) - before
     return samples, cpu
