@@ -301,8 +301,9 @@ class RadixKVClient:
         return self.submit(step, request_id=request_id).result()
 
     def submit(self, step: Step, *, request_id: int | None = None) -> StepFuture:
-        """Send a step without waiting for it: several may be in flight on the stream, applied and answered
-        in the order submitted (steps queued together leave in one message). `result()` waits for one.
+        """Queue a step without waiting for it: several may be in flight on the stream, applied and answered
+        in the order submitted. `result()` waits for one; queued steps leave together, in one message, when
+        a caller waits for a result (client/direct_stream.py), so submit a batch, then wait.
 
         A step submitted before an earlier one's result arrived cannot name what that one opens or
         forks; it sees everything else the earlier steps did. Block tables follow each result in order.

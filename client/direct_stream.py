@@ -2,19 +2,22 @@
 
 gRPC's public blocking stream API writes requests from an iterator on a thread of its own and
 hands each response over from its channel thread, waking the waiting caller through a condition:
-several thread switches per step. Here the caller that submits a step starts the write itself, and
-the caller that waits for a result takes the completions from the call's own completion queue, as
-gRPC's blocking unary calls do. Measured on this project's 2 vCPUs, in turns: an empty step's round
-trip took 275 us through the public API and 195 us driven directly.
+several thread switches per step. Here the callers drive the call themselves, as gRPC's blocking
+unary calls do: a caller that waits for a result writes what is queued and then takes completions
+from the call's own completion queue. Measured on this project's 2 vCPUs, in turns: an empty
+step's round trip took 275 us through the public API and 195 us driven directly.
+
+A submitted step is queued, and leaves when a caller waits for a result (or a waiting caller takes
+a completion), together with every step queued by then, in one frame. A lone step leaves at once,
+since its caller waits for it at once; a thread pipelining steps gets full frames. (The public
+stream batches the same way by accident: its writer thread wakes once the submitting thread
+blocks.) A step submitted and never waited for leaves when some caller next waits.
 
 That is gRPC's Cython layer (`SegregatedCall`, which its own blocking calls are built on), not its
 public API: `DirectStepStream.open` returns None where it is missing or changed, and the client
 keeps the public stream (step_stream.StepStream) then. Both keep one contract: one write in flight
-at a time (gRPC allows no more), steps queued behind it leave together as one frame, responses
-settle steps in order, and a stream that ends fails its unanswered steps through `broken`. Here a
-write also waits while MAX_UNANSWERED messages are unanswered: writes start at once from the
-submitting thread, and the bound is what gathers a sustained pipeline's steps into frames instead
-of each paying gRPC's per-message cost.
+at a time (gRPC allows no more), queued steps leave together as one frame, responses settle steps
+in order, and a stream that ends fails its unanswered steps through `broken`.
 """
 
 from __future__ import annotations
@@ -37,12 +40,9 @@ except ImportError:  # a gRPC build without its Cython layer: the public stream 
 
 SESSION_METHOD = b"/radixkv.v1.KVCache/Session"
 # Messages written and not yet answered, at most: with threads sharing one client, one thread's step can
-# leave while another's is being answered. Steps submitted past that, or while a write's completion has not
-# been taken yet (a write is in flight until a waiting caller takes it), wait, and leave together, in one
-# frame. (bench_service's open_release, 4 clients with 8 open + release cycles in flight each, measured in
-# turns: a bound of 1, of 2, and gRPC's public stream gave 2.3x, 2.2-2.5x and 2.7-3.3x the unary rate. The
-# public stream's writer thread wakes late and finds more steps queued by then; this stream writes a step
-# the moment it is submitted to an idle stream, which is what a lone step's latency needs.)
+# leave while another's is being answered. (bench_service's open_release, 4 clients with 8 open + release
+# cycles in flight each, measured in turns: 7.9 steps per message and 2.7-3.4x the unary rate, as gRPC's
+# public stream gave in the same runs; writing each step as it was submitted left 2.7 per message, 2.1-2.6x.)
 MAX_UNANSWERED = 2
 _START, _STATUS, _WRITE, _READ = "start", "status", "write", "read"  # completion tags, one batch each in flight
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -70,8 +70,8 @@ class StreamStatus(grpc.RpcError):
 
 
 class DirectStepStream:
-    """A Session stream on one core call. Writes start from the submitting thread when none is in flight, and
-    otherwise from whichever thread takes the write's completion; one thread at a time takes completions."""
+    """A Session stream on one core call. Writes start from a caller about to wait, or from whichever thread
+    takes a completion; one thread at a time takes completions."""
 
     def __init__(self, call: Any, settle: Settle, broken: Broken) -> None:
         self._call = call
@@ -117,20 +117,19 @@ class DirectStepStream:
         return cls(call, settle, broken)
 
     def send(self, pending: StepFuture) -> bool:
-        """Queue `pending`, writing it now if no write is in flight; False if the stream has ended."""
+        """Queue `pending`; it leaves when a caller waits for a result (see `read_until`). False if the stream
+        has ended."""
         with self._lock:
             if self.closed:
                 return False
             pending.stream = self
             self._in_flight.append(pending)
             self._outbox.append(pending)
-            self._write_if_due()
         return True
 
     def _write_if_due(self) -> None:
-        """Write what is queued unless a write is in flight or MAX_UNANSWERED messages wait for their response:
-        steps queued meanwhile then leave together, as one frame, when the reader takes a completion (holding
-        `_lock`)."""
+        """Write what is queued unless a write is in flight or MAX_UNANSWERED messages wait for their response
+        (then it leaves when the reader takes a completion), holding `_lock`."""
         if self._outbox and not self._writing and not self.closed and len(self._frame_sizes) < MAX_UNANSWERED:
             self._write_queued()
 
@@ -160,8 +159,10 @@ class DirectStepStream:
         self._due.add(tag)
 
     def read_until(self, pending: StepFuture) -> None:
-        """Take completions until `pending` is settled or moved to another stream; a stream that ended is also
-        drained of what was still due."""
+        """Write what is queued, then take completions until `pending` is settled or moved to another stream; a
+        stream that ended is also drained of what was still due."""
+        with self._lock:  # what is queued leaves now, before this caller waits for another one reading
+            self._write_if_due()
         with self._read_lock:
             while self._due:
                 if (pending.done() or pending.stream is not self) and not self.closed:

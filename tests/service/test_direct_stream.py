@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from radixkv.client import RadixKVClient
-from radixkv.client.direct_stream import MAX_UNANSWERED, DirectStepStream
+from radixkv.client.direct_stream import DirectStepStream
 from radixkv.client.step_stream import StepStream
 from radixkv.errors import LimitExceeded
 from radixkv.server.process import ServerProcess
@@ -40,9 +40,8 @@ def test_the_blocking_client_drives_its_stream_with_no_thread_of_its_own(server:
         client.step(Step(releases=[([seq_id], False)]))
 
 
-def test_steps_submitted_behind_a_write_in_flight_leave_together(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
-    """A step submitted to an idle stream is written at once; the steps submitted behind it (its write not yet
-    completed for the client) wait, and leave as frames when a caller waits, each still answered alone."""
+def test_submitted_steps_leave_together_when_a_caller_waits(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
+    """Submitting queues; the first wait writes everything queued as one frame, each step still answered alone."""
     with RadixKVClient(server.address) as client:
         client.step(Step())
         stream = client._steps
@@ -56,12 +55,14 @@ def test_steps_submitted_behind_a_write_in_flight_leave_together(server: ServerP
 
         stream._write_queued = counting  # type: ignore[method-assign]
         futures = [client.submit(Step(opens=[([300, i, 1], "gather")])) for i in range(7)]
-        assert written == [1] and len(stream._outbox) == 6, "one write in flight, the rest queued behind it"
+        assert written == [] and len(stream._outbox) == 7, "nothing leaves before a caller waits"
         opened = [f.result().opened[0].seq_id for f in futures]
+        assert written == [7], "the seven left in one frame"
         assert len(set(opened)) == 7 and not stream._outbox and not stream._frame_sizes
-        assert len(written) <= 1 + MAX_UNANSWERED, written  # the six left in frames, not one message each
         assert [len(client.block_table(s)) for s in opened] == [1] * 7
-        client.step(Step(releases=[(opened, False)]))
+        lone = client.step(Step(opens=[([301, 1], "gather")])).opened[0].seq_id  # a lone step leaves at once
+        assert written == [7, 1]
+        client.step(Step(releases=[([*opened, lone], False)]))
     debug.check()
 
 
