@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixkv import KVCache, OutOfBlocks
+from radixkv import KVCache, OpenResult, OutOfBlocks
 from radixkv.errors import NotAdmitted
 
 if TYPE_CHECKING:
@@ -103,6 +103,10 @@ class PreemptRecompute(Policy):
         except NotAdmitted:
             return None
         live.seq_id = opened.seq_id
+        return self.hits(opened)
+
+    def hits(self, opened: OpenResult) -> tuple[int, int]:
+        """(prompt tokens served from the device, from the host tier) of an admitted open."""
         return opened.num_cached_tokens, 0
 
     def victims(self, cache: KVCache, running: list[Live], num_blocks: int) -> list[Live]:
@@ -137,15 +141,7 @@ class PreemptSwap(PreemptRecompute):
             host_num_blocks=self.host_factor * num_blocks,
         )
 
-    def admit(
-        self, cache: KVCache, live: Live, context: np.ndarray, num_running: int, counters: Counters
-    ) -> tuple[int, int] | None:
-        max_new_tokens = len(live.request.output) - live.num_generated
-        try:
-            opened = cache.open(context, NAMESPACE, max_new_tokens=max_new_tokens)
-        except NotAdmitted:
-            return None
-        live.seq_id = opened.seq_id
+    def hits(self, opened: OpenResult) -> tuple[int, int]:
         return opened.num_cached_tokens - opened.num_host_hit_tokens, opened.num_host_hit_tokens
 
     def preempt(self, cache: KVCache, live: Live, counters: Counters) -> None:

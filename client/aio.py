@@ -28,7 +28,7 @@ from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import KVEvent, event_batch
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
-from radixkv.client.step_stream import AsyncPending, AsyncStepStream
+from radixkv.client.step_stream import AsyncPending, AsyncStepStream, resend_or_fail
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.preemption import PreemptResult, ResumeResult
@@ -270,11 +270,7 @@ class AsyncRadixKVClient:
         if self._steps is stream:
             self._steps = None
         stream.close()
-        for pending in unanswered:
-            if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
-                self._send(pending)
-            else:
-                pending.settle(None, error_from_rpc(error))
+        resend_or_fail(error, unanswered, self._send)
 
     def _drop_stream(self) -> None:
         if self._steps is not None:

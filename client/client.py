@@ -45,7 +45,7 @@ from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
-from radixkv.client.step_stream import StepFuture, StepStream
+from radixkv.client.step_stream import StepFuture, StepStream, resend_or_fail
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
@@ -344,11 +344,7 @@ class RadixKVClient:
             if self._steps is stream:
                 self._steps = None
             stream.close()
-            for pending in unanswered:
-                if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
-                    self._send(pending)
-                else:
-                    pending.settle(None, error_from_rpc(error))
+            resend_or_fail(error, unanswered, self._send)
 
     def _drop_stream(self) -> None:
         """End the stream (the server then lets the lease run again); the next step opens a new one."""

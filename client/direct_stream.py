@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from radixkv.client.step_stream import MAX_FRAME_BYTES, MAX_FRAME_STEPS, Broken, Settle, StepFuture, answers, frame
+from radixkv.client.step_stream import Broken, Settle, StepFuture, answers, frame, take_frame
 from radixkv.v1 import kvcache_pb2 as pb
 
 try:
@@ -135,14 +135,7 @@ class DirectStepStream:
 
     def _write_queued(self) -> None:
         """Write the queued steps as one message, and read its response (holding `_lock`)."""
-        requests: list[pb.SessionRequest] = []
-        num_bytes = 0
-        while self._outbox and len(requests) < MAX_FRAME_STEPS:
-            size = self._outbox[0].request.ByteSize() if requests or len(self._outbox) > 1 else 0  # alone: any size
-            if requests and num_bytes + size > MAX_FRAME_BYTES:
-                break
-            requests.append(self._outbox.popleft().request)
-            num_bytes += size
+        requests = take_frame(self._outbox)
         self._frame_sizes.append(len(requests))
         self._start((cygrpc.SendMessageOperation(frame(requests).SerializeToString(), 0),), _WRITE)
         self._writing = True

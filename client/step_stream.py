@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import grpc
 import grpc.aio
 
+from radixkv.client.errors import error_from_rpc
 from radixkv.step import Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -114,6 +115,30 @@ Broken = Callable[[Any, grpc.RpcError, list[Any]], None]
 def frame(requests: list[pb.SessionRequest]) -> pb.SessionRequest:
     """One message for the queued steps: the step itself when alone."""
     return requests[0] if len(requests) == 1 else pb.SessionRequest(steps=requests)
+
+
+def take_frame(outbox: collections.deque[Any]) -> list[pb.SessionRequest]:
+    """The requests of the steps queued first in `outbox` (taken off it) that fit one frame: at most
+    MAX_FRAME_STEPS and MAX_FRAME_BYTES, and always the first step, whatever its size."""
+    requests: list[pb.SessionRequest] = []
+    num_bytes = 0
+    while outbox and len(requests) < MAX_FRAME_STEPS:
+        size = outbox[0].request.ByteSize() if requests or len(outbox) > 1 else 0  # alone: any size
+        if requests and num_bytes + size > MAX_FRAME_BYTES:
+            break
+        requests.append(outbox.popleft().request)
+        num_bytes += size
+    return requests
+
+
+def resend_or_fail(error: grpc.RpcError, unanswered: list[Any], send: Callable[[Any], None]) -> None:
+    """A broken stream's unanswered steps, in order: re-sent once on UNAVAILABLE (the request ids keep a step
+    the server did apply from applying twice), failed with `error` otherwise."""
+    for pending in unanswered:
+        if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
+            send(pending)
+        else:
+            pending.settle(None, error_from_rpc(error))
 
 
 def answers(response: pb.SessionResponse, num_steps: int) -> list[pb.SessionResponse]:
@@ -227,7 +252,7 @@ class AsyncStepStream:
     def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
         self._call = stub.Session(metadata=metadata)
-        self._outbox: list[AsyncPending] = []
+        self._outbox: collections.deque[AsyncPending] = collections.deque()
         self._in_flight: collections.deque[AsyncPending] = collections.deque()
         self._frame_sizes: collections.deque[int] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
@@ -248,15 +273,7 @@ class AsyncStepStream:
     async def _write_queued(self) -> None:
         try:
             while self._outbox and not self.closed:
-                requests: list[pb.SessionRequest] = []
-                num_bytes = 0
-                for pending in self._outbox[:MAX_FRAME_STEPS]:
-                    size = pending.request.ByteSize()
-                    if requests and num_bytes + size > MAX_FRAME_BYTES:
-                        break
-                    requests.append(pending.request)
-                    num_bytes += size
-                del self._outbox[: len(requests)]
+                requests = take_frame(self._outbox)
                 self._frame_sizes.append(len(requests))
                 await self._call.write(frame(requests))
         except (grpc.RpcError, asyncio.InvalidStateError):

@@ -18,7 +18,7 @@ from radixkv.block_pairs import NO_PAIRS, Pairs, pairs_of
 from radixkv.block_pool import NO_BLOCKS
 from radixkv.radix_node import Match, Node
 from radixkv.stats import Stats
-from radixkv.token_ids import TOKEN_BYTES
+from radixkv.token_ids import common_blocks
 
 if TYPE_CHECKING:
     from radixkv.radix_tree import RadixTree
@@ -58,10 +58,7 @@ class HostLoading:
             if pos + len(run) <= end and key.startswith(run, pos):
                 node, pos, num_in_last = child, pos + len(run), len(child.host_block_ids)
                 continue
-            n = min(len(run), end - pos) // TOKEN_BYTES
-            ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
-            differ = np.flatnonzero(ours != np.frombuffer(run, dtype="<i4", count=n))
-            num_in_last = (int(differ[0]) if differ.size else n) // self.tree.block_size
+            num_in_last = common_blocks(key, pos, end, run, self.tree.block_size)
             pos += num_in_last * bb
             break
         return path, num_in_last, pos // bb - match.num_blocks

@@ -19,7 +19,7 @@ from sortedcontainers import SortedList
 from radixkv.block_pool import NO_BLOCKS, BlockIds
 from radixkv.invariants import check_tree
 from radixkv.radix_node import Match, Node, TreeObserver, lru_key
-from radixkv.token_ids import TOKEN_BYTES
+from radixkv.token_ids import TOKEN_BYTES, common_blocks
 from radixkv.tree_eviction import TreeEviction
 
 if TYPE_CHECKING:
@@ -90,12 +90,7 @@ class RadixTree(TreeEviction):
             if pos + len(run) <= end and key.startswith(run, pos):
                 node, pos, num_in_node = child, pos + len(run), len(child.block_ids)
                 continue
-            # The match ends inside `child`: find the first block that differs.
-            n = min(len(run), end - pos) // TOKEN_BYTES
-            ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
-            theirs = np.frombuffer(run, dtype="<i4", count=n)
-            differ = np.flatnonzero(ours != theirs)
-            num_in_node = (int(differ[0]) if differ.size else n) // self.block_size
+            num_in_node = common_blocks(key, pos, end, run, self.block_size)  # the match ends inside `child`
             node, pos = child, pos + num_in_node * block_bytes
             break
         return Match(node, num_in_node, pos // block_bytes, path)

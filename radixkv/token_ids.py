@@ -106,3 +106,12 @@ class TokenKey:
 def from_token_bytes(data: bytes | bytearray) -> list[int]:
     token_ids: list[int] = np.frombuffer(bytes(data), dtype="<i4").tolist()
     return token_ids
+
+
+def common_blocks(key: bytes, pos: int, end: int, run: bytes, block_size: int) -> int:
+    """Whole blocks at the start of `run` equal to `key[pos:end]`: where a prefix match ending inside a tree
+    node (device or host) stops."""
+    n = min(len(run), end - pos) // TOKEN_BYTES
+    ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
+    differ = np.flatnonzero(ours != np.frombuffer(run, dtype="<i4", count=n))
+    return (int(differ[0]) if differ.size else n) // block_size

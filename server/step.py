@@ -73,10 +73,12 @@ def run_step(
     pool = service.pool(pool_name)
     requests: list[tuple[TokenIds, str]] = []
     keys: list[bytes | None] = []  # per open, its tokens packed where it asks to be explained
+    num_prompt_tokens = 0  # the opens' tokens: charged to the token bucket, and their slots kept with the result
     if step.opens:
         with _item("opens"):  # as OpenSequences does before it takes the lock
             counts = [_num_tokens(t) for t, _ in step.opens]
-            check_request_size(pool, sum(counts), open_response_bytes(pool, counts), service.max_message_bytes)
+            num_prompt_tokens = sum(counts)
+            check_request_size(pool, num_prompt_tokens, open_response_bytes(pool, counts), service.max_message_bytes)
             batch = len(step.opens) > 1
             requests = [
                 (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
@@ -101,7 +103,7 @@ def run_step(
                 if keys
                 else []
             )
-            cost = sum(_num_tokens(t) for t, _ in requests) + sum(step.max_new_tokens) if requests else 0
+            cost = num_prompt_tokens + sum(step.max_new_tokens) if requests else 0
             with _item("opens"):
                 service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
@@ -118,7 +120,6 @@ def run_step(
                 result, explanations=[None if b is None else after_open(b, r.num_cached_tokens, size) for b, r in pairs]
             )
 
-        num_prompt_tokens = sum(_num_tokens(t) for t, _ in step.opens)  # the opens' slots, kept with the result
         return session.requests.once(
             request_id, f"Session {pool.name}", check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens
         )
