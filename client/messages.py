@@ -304,15 +304,18 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
     request = pb.SessionRequest(session_id=session_id, pool=pool, request_id=request_id)
     if step.commit is not None:
         request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
-    budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
-    ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
-    explain = _per_prompt("explain", [int(bool(e)) for e in step.explain] or None, len(step.opens))
-    columns = zip(step.opens, budgets, ranks, explain, strict=True)
-    for i, ((token_ids, namespace), budget, rank, why) in enumerate(columns):
-        field = f"prompts[{i}]." if len(step.opens) > 1 else ""
-        opened = build(pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank, explain=bool(why))
-        opened.token_ids = packed_tokens(token_ids, field + "token_ids")
-        request.opens.append(opened)
+    if step.opens or step.max_new_tokens or step.priorities or step.explain:  # a decode step skips the opens
+        budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
+        ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
+        explain = _per_prompt("explain", [int(bool(e)) for e in step.explain] or None, len(step.opens))
+        columns = zip(step.opens, budgets, ranks, explain, strict=True)
+        for i, ((token_ids, namespace), budget, rank, why) in enumerate(columns):
+            field = f"prompts[{i}]." if len(step.opens) > 1 else ""
+            opened = build(
+                pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank, explain=bool(why)
+            )
+            opened.token_ids = packed_tokens(token_ids, field + "token_ids")
+            request.opens.append(opened)
     if step.append is not None:
         a = step.append
         appended = request.append
@@ -323,9 +326,12 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
             build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)  # raises, naming the field
             raise
         appended.token_ids = packed_tokens(a.token_ids, "token_ids")
-    request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
-    request.MergeFrom(build(pb.SessionRequest, cache_seq_ids=step.caches))
-    request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
+    if step.forks:
+        request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
+    if step.caches:
+        request.MergeFrom(build(pb.SessionRequest, cache_seq_ids=step.caches))
+    if step.releases:
+        request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
     return request
 
 

@@ -1,63 +1,106 @@
-"""The append path's two steps on hand-built sequences: `plan_append` then `apply_append`."""
+"""The append path's two steps on hand-built sequences: `plan` then `apply`, over the decode columns."""
 
 import numpy as np
 import pytest
 
-from radixkv.append import apply_append, plan_append
+from radixkv.append import apply, plan
 from radixkv.block_pool import NO_BLOCKS, BlockPool
 from radixkv.block_table import BlockTable
-from radixkv.errors import InvalidArgument, UnknownSequence
+from radixkv.errors import InvalidArgument, LimitExceeded, UnknownSequence
 from radixkv.kv_cache import KVCache
 from radixkv.radix_node import Node
-from radixkv.sequence import LiveSequence
+from radixkv.sequence import LiveSequence, Sequences
 from radixkv.token_ids import TokenKey
 
 BLOCK_SIZE = 4
+NUM_BLOCKS = 16
 
 
-def sequence(seq_id: int, block_table: list[int], num_tokens: int) -> LiveSequence:
-    tail = bytearray(TokenKey.of(list(range(num_tokens))).data)
+def sequence(sequences: Sequences, block_table: list[int], num_tokens: int, tail: bool = True) -> LiveSequence:
+    """A sequence holding `block_table` with tokens 0..num_tokens-1 (`tail=False`: its blocks' rows hold them)."""
     root = Node(b"", NO_BLOCKS, None, "default")
     table = BlockTable.of([np.array(block_table, dtype=np.int32)])
-    return LiveSequence(seq_id, "default", tail, table, root, 0, NO_BLOCKS, num_tokens, num_tokens)
+    tokens = TokenKey.of(list(range(num_tokens))).data if tail else None
+    seq = LiveSequence(
+        sequences.columns, sequences.next_id(), "default", tokens, table, root, 0, NO_BLOCKS, num_tokens, num_tokens
+    )
+    sequences.add(seq)
+    return seq
+
+
+def tokens_of(seq: LiveSequence) -> list[int]:
+    return np.frombuffer(seq.tail_bytes, dtype="<i4").tolist()
 
 
 def test_a_shared_partial_last_block_is_copied_by_all_but_its_last_holder():
-    pool = BlockPool(8)
-    table = pool.allocate(2)  # 6 tokens: the second block is partial
+    pool, sequences = BlockPool(NUM_BLOCKS), Sequences(0, NUM_BLOCKS, BLOCK_SIZE)
+    table = pool.allocate(2).tolist()  # 6 tokens: the second block is partial
     pool.incref([table[1]])  # a fork sibling shares it
-    first, second = sequence(1, list(table), 6), sequence(2, list(table), 6)
-    copied_away: dict[int, int] = {}
-    assert plan_append(first, 3, BLOCK_SIZE, pool.ref_counts, copied_away) == (2, table[1])  # a copy + 1 new block
-    assert plan_append(second, 3, BLOCK_SIZE, pool.ref_counts, copied_away) == (
-        1,
-        None,
-    )  # the last holder writes in place
+    first, second = sequence(sequences, table, 6), sequence(sequences, table, 6, tail=False)
+    rows = sequences.rows([first.seq_id, second.seq_id])
+    planned = plan(sequences.columns, rows, [3, 3], 100, pool.ref_counts)
+    assert planned.copied == {0: table[1]} and planned.num_new.tolist() == [2, 1]  # a copy + 1 new block; in place
     assert pool.ref_counts[table[1]] == 2, "planning changes nothing"
+    assert (first.num_tokens, second.num_tokens) == (6, 6), "planning changes nothing"
+    only_second = plan(sequences.columns, rows[1:], [3], 100, pool.ref_counts)
+    assert only_second.copied == {0: table[1]}, "a holder outside the batch still reads the block: copy"
 
 
 def test_a_full_last_block_needs_no_copy_and_apply_follows_the_plan():
-    pool = BlockPool(8)
-    table = pool.allocate(2)
-    seq = sequence(1, list(table), 8)  # both blocks full
-    num_new, cow_src = plan_append(seq, 5, BLOCK_SIZE, pool.ref_counts, {})
-    assert (num_new, cow_src) == (2, None)
-    offset = apply_append(seq, memoryview(TokenKey.of([7] * 5).data), 5, cow_src, pool.allocate(num_new), pool)
-    assert offset == 2 and len(seq.block_table) == 4
+    pool, sequences = BlockPool(NUM_BLOCKS), Sequences(0, NUM_BLOCKS, BLOCK_SIZE)
+    table = pool.allocate(2).tolist()
+    seq = sequence(sequences, table, 8)  # both blocks full
+    planned = plan(sequences.columns, sequences.rows([seq.seq_id]), [5], 100, pool.ref_counts)
+    assert planned.num_new.tolist() == [2] and not planned.copied and planned.num_drawn == 0
+    new_blocks = pool.allocate(planned.num_blocks)
+    num_tokens, offsets, copies, slots = apply(sequences.columns, planned, new_blocks, TokenKey.of([7] * 5).data, pool)
+    assert (num_tokens, offsets, copies) == ([13], [2], []) and seq.block_table.tolist() == table + new_blocks.tolist()
     assert (seq.num_tokens, seq.num_computed_tokens) == (13, 8)  # appending marks the earlier tokens computed
+    first_new = int(new_blocks[0]) * BLOCK_SIZE
+    assert slots.tolist() == [*range(first_new, first_new + 4), int(new_blocks[1]) * BLOCK_SIZE]
+    assert tokens_of(seq) == [*range(8), 7, 7, 7, 7, 7]
 
 
-def test_apply_swaps_the_copied_block_and_drops_its_hold():
-    pool = BlockPool(8)
-    table = pool.allocate(2)
+def test_apply_copies_the_shared_block_and_its_tokens_and_drops_its_hold():
+    pool, sequences = BlockPool(NUM_BLOCKS), Sequences(0, NUM_BLOCKS, BLOCK_SIZE)
+    table = pool.allocate(2).tolist()
     pool.incref([table[1]])
-    seq = sequence(1, list(table), 6)
-    num_new, cow_src = plan_append(seq, 1, BLOCK_SIZE, pool.ref_counts, {})
-    assert (num_new, cow_src) == (1, table[1])
-    new_blocks = pool.allocate(num_new)
-    offset = apply_append(seq, memoryview(TokenKey.of([7]).data), 1, cow_src, new_blocks, pool)
-    assert offset == 1 and seq.block_table.tolist() == [table[0], new_blocks[0]]
+    seq, sibling = sequence(sequences, table, 6), sequence(sequences, table, 6, tail=False)
+    planned = plan(sequences.columns, sequences.rows([seq.seq_id]), [1], 100, pool.ref_counts)
+    assert planned.copied == {0: table[1]} and planned.num_new.tolist() == [1]
+    new_blocks = pool.allocate(planned.num_blocks)
+    _, offsets, copies, _ = apply(sequences.columns, planned, new_blocks, TokenKey.of([70]).data, pool)
+    assert offsets == [1] and copies == [(table[1], int(new_blocks[0]), 0)]
+    assert seq.block_table.tolist() == [table[0], int(new_blocks[0])] and sibling.block_table.tolist() == table
     assert pool.ref_counts[table[1]] == 1  # the sibling's hold is left
+    assert tokens_of(seq) == [0, 1, 2, 3, 4, 5, 70], "the copy took the shared block's token ids, then the new one"
+    assert tokens_of(sibling) == [0, 1, 2, 3, 4, 5], "the sibling's block is left as it was"
+
+
+def test_a_reservation_covers_growth_up_to_it_and_no_copy():
+    pool, sequences = BlockPool(NUM_BLOCKS), Sequences(0, NUM_BLOCKS, BLOCK_SIZE)
+    root = Node(b"", NO_BLOCKS, None, "default")
+    table = BlockTable.of([pool.allocate(1)])
+    seq = LiveSequence(sequences.columns, 0, "default", b"\0" * 16, table, root, 0, NO_BLOCKS, 4, 4, 0, 3)
+    sequences.add(seq)
+    planned = plan(sequences.columns, sequences.rows([0]), [13], 100, pool.ref_counts)  # 17 tokens: 5 blocks
+    assert planned.num_blocks == 4 and planned.num_drawn == 2  # the reservation reaches table length 3
+    with pytest.raises(LimitExceeded):
+        plan(sequences.columns, sequences.rows([0]), [97], 100, pool.ref_counts)
+
+
+def test_rows_are_reused_and_a_batch_may_name_a_sequence_once():
+    sequences = Sequences(0, NUM_BLOCKS, BLOCK_SIZE)
+    first, second = sequence(sequences, [0], 2), sequence(sequences, [1], 2)
+    with pytest.raises(InvalidArgument, match="twice"):
+        sequences.rows([first.seq_id, second.seq_id, first.seq_id])
+    row = first.row
+    sequences.remove(first)
+    third = sequence(sequences, [2], 3)
+    assert third.row == row and sequences.batch([third.seq_id, second.seq_id]) == [third, second]
+    assert sequences.columns.num_rows_used() == 2
+    many = [sequence(sequences, [3 + i % 8], 1) for i in range(100)]  # past the first capacity: the columns grow
+    assert [s.num_tokens for s in many] == [1] * 100 and (second.num_tokens, third.num_tokens) == (2, 3)
 
 
 @pytest.mark.parametrize(

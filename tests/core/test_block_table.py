@@ -13,7 +13,7 @@ def ids(*values: int) -> np.ndarray:
 
 def test_of_joins_the_parts_and_extend_grows_past_the_room_it_had():
     table = BlockTable.of([ids(4, 5), ids(), ids(6)])
-    assert table.tolist() == [4, 5, 6] and len(table) == 3 and table.last == 6
+    assert table.tolist() == [4, 5, 6] and len(table) == 3 and table.last() == 6 and BlockTable.of([]).last() == -1
     for block_id in range(100, 140):  # past the initial room of 16: the buffer moves and keeps every entry
         table.extend(ids(block_id))
     assert table.tolist() == [4, 5, 6, *range(100, 140)]

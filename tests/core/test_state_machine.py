@@ -1,6 +1,7 @@
 """Random scheduler histories against a simple model, with every invariant checked after each step."""
 
 import hypothesis.strategies as st
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
@@ -8,6 +9,7 @@ from radixkv import KVCache
 from radixkv.block_pool import cdiv
 from radixkv.errors import FailedPrecondition, InvalidArgument, NotAdmitted, OutOfBlocks, SequencePreempted
 from radixkv.kv_cache import Limits
+from radixkv.preemption import all_token_bytes
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 24
@@ -365,6 +367,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.num_computed_tokens(seq) == self.computed[seq]
             if seq not in self.preempted:
                 reserved += max(0, self.reserve_until[seq] - len(self.cache.block_table(seq)))
+                live = self.cache._sequences.get(seq)  # its tokens: the locked path's, then its rows' past it
+                assert np.frombuffer(all_token_bytes(live), dtype="<i4").tolist() == tokens
         assert stats.num_blocks_reserved == reserved
 
     def teardown(self):
