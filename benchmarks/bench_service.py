@@ -11,7 +11,8 @@ Runs a real server process on 127.0.0.1 and measures, in one run:
     stream, with 1, 4 and 16 client processes, blocking and asyncio clients; on the stream once with
     one step in flight per client and once with PIPELINE open + release cycles in flight (steps
     queued together leave in one message, client/step_stream.py), each step still one item;
-  - the wire encodings the stream uses: token ids and slots as packed bytes against repeated fields.
+  - the wire encodings the stream uses: token ids and slots as packed bytes against repeated fields, and a
+    decode step's append columns (ids, counts, results) packed against repeated.
 Prints a table (ratios within this run); `--out FILE.json` writes the numbers; `--quick` finishes in
 well under a minute on 2 loaded cores (the targets below hold on the ratios, not the absolute times).
 
@@ -229,6 +230,45 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def append_columns(repeat: int) -> dict[str, float]:
+    """Microseconds for a decode step's append columns both ways (256 ids and counts in the request, four result
+    columns in the response), built from lists, serialized, parsed and read back as lists: repeated fields
+    against the packed ones (radixkv.packed)."""
+    from radixkv.packed import pack, unpack
+    from radixkv.v1 import kvcache_pb2 as pb
+
+    ids, counts = list(range(10_000, 10_256)), [1] * 256
+    columns = [list(range(500, 756)), [7] * 256, [0] * 255 + [1], [4242]]
+    names = ("num_tokens", "table_offsets", "num_block_ids", "block_ids")
+
+    def repeated() -> object:
+        request = pb.StepAppend.FromString(pb.StepAppend(seq_ids=ids, num_token_ids=counts).SerializeToString())
+        list(request.seq_ids), list(request.num_token_ids)
+        response = pb.StepAppended()
+        for name, column in zip(names, columns, strict=True):
+            getattr(response, name).extend(column)
+        parsed = pb.StepAppended.FromString(response.SerializeToString())
+        return [list(getattr(parsed, name)) for name in names]
+
+    def packed() -> object:
+        request = pb.StepAppend.FromString(pb.StepAppend(packed_seq_ids=pack(ids, 8)).SerializeToString())
+        unpack(request.packed_seq_ids, 8, "packed_seq_ids"), [1] * 256  # a decode step's counts: implied
+        response = pb.StepAppended()
+        for name, column in zip(names, columns, strict=True):
+            setattr(response, f"packed_{name}", pack(column, 4))
+        parsed = pb.StepAppended.FromString(response.SerializeToString())
+        return [unpack(getattr(parsed, f"packed_{name}"), 4, name) for name in names]
+
+    timings = {}
+    for name, fn in (("repeated_us", repeated), ("packed_us", packed)):
+        fn()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        timings[name] = 1e6 * (time.perf_counter() - start) / repeat
+    return timings
+
+
 # -- the run ----------------------------------------------------------------------------------------------
 
 
@@ -244,6 +284,7 @@ def run(quick: bool) -> dict[str, Any]:
         results["decode_256"] = measure_decode(address, proc.pid, NUM_BLOCKS, BLOCK_SIZE, quick)
         results["open_release"] = {str(n): open_release(address, proc.pid, n, seconds) for n in CLIENTS}
         results["wire"] = wire_encodings(50 if quick else 500)
+        results["append_columns"] = append_columns(200 if quick else 2000)
         return results
     finally:
         server.stop(timeout=30)
@@ -313,6 +354,10 @@ def table(r: dict[str, Any]) -> str:
                 "",
             )
         )
+    c = r["append_columns"]
+    rows.append(("wire: decode step's append columns, repeated", f"{c['repeated_us']:.1f} us", "", "", "", ""))
+    speedup = f"{c['repeated_us'] / c['packed_us']:.1f}x faster"
+    rows.append(("wire: decode step's append columns, packed", f"{c['packed_us']:.1f} us", "", speedup, "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

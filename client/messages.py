@@ -22,10 +22,11 @@ from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.layout import PoolLayout
+from radixkv.packed import all_ones, pack, unpack
 from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, OpenResult
 from radixkv.stats import Stats
-from radixkv.step import Step, StepResult
+from radixkv.step import Append, Step, StepResult
 from radixkv.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -319,12 +320,14 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
     if step.append is not None:
         a = step.append
         appended = request.append
-        try:  # in place: a decode step's hundreds of ids are converted once, not again by a copy
-            appended.seq_ids.extend(a.seq_ids)
-            appended.num_token_ids.extend(a.num_token_ids)
-        except (TypeError, ValueError):
-            build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids)  # raises, naming the field
-            raise
+        try:
+            packed = _packed_columns(a) if len(a.seq_ids) == len(a.num_token_ids) else None
+        except (TypeError, OverflowError):
+            packed = None
+        if packed is not None:
+            appended.packed_seq_ids, appended.packed_num_token_ids = packed
+        else:  # a bad entry (named here) or a short column (named by the server), as the unary call says it
+            appended.CopyFrom(build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids))
         appended.token_ids = packed_tokens(a.token_ids, "token_ids")
     if step.forks:
         request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
@@ -333,6 +336,16 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
     if step.releases:
         request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
     return request
+
+
+_APPENDED_COLUMNS = ("num_tokens", "table_offsets", "num_block_ids", "block_ids")  # StepAppended's, in order
+
+
+def _packed_columns(append: Append) -> tuple[bytes, bytes]:
+    """An append's ids and counts as the stream packs them (radixkv.packed): a decode step's ones are left
+    implied. Raises TypeError or OverflowError for an entry that is not an unsigned integer."""
+    counts = b"" if all_ones(append.num_token_ids) else pack(append.num_token_ids, 4)
+    return pack(append.seq_ids, 8), counts
 
 
 def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
@@ -352,13 +365,19 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
     appended = None
     if step.append is not None:
         a, r = step.append, response.appended
+        if r.packed_num_tokens:  # the server answers packed columns to a packed append
+            num_tokens, offsets, num_blocks, blocks = (
+                unpack(getattr(r, f"packed_{name}"), 4, f"packed_{name}") for name in _APPENDED_COLUMNS
+            )
+        else:
+            num_tokens, offsets, num_blocks, blocks = (list(getattr(r, name)) for name in _APPENDED_COLUMNS)
         appended = AppendBatch(
             list(a.seq_ids),
             list(a.num_token_ids) if isinstance(a.num_token_ids, list) else list(map(int, a.num_token_ids)),
-            list(r.num_tokens),
-            list(r.table_offsets),
-            list(r.num_block_ids),
-            list(r.block_ids),
+            num_tokens,
+            offsets,
+            num_blocks,
+            blocks,
             [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
             np.frombuffer(r.slots, dtype=_INT64),
         )

@@ -60,6 +60,9 @@ class AppendPlan:
     rows: Int64Array
     counts: Int64Array | int  # 1: one token each (a decode step)
     before: Int64Array  # each sequence's length before
+    after: Int64Array
+    old_length: Int64Array  # each table's length before
+    last: Int64Array  # each table's last block before (-1: empty); `apply` rewrites it
     num_new: Int64Array  # new table entries of each sequence, its copy-on-write copy included
     copied: dict[int, int]  # batch index -> the shared last block that sequence copies before writing
     num_drawn: int  # of the new entries, those the sequences' own reservations cover (see `radixkv.budget`)
@@ -106,13 +109,13 @@ def plan(
                 copied[i] = block
     if copied:
         grown[list(copied)] += 1
-    return AppendPlan(rows, added, before, grown, copied, num_drawn)
+    return AppendPlan(rows, added, before, after, old_length, last, grown, copied, num_drawn)
 
 
 def apply(
     columns: SequenceColumns, planned: AppendPlan, new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool
 ) -> tuple[list[int], list[int], list[tuple[int, int, int]], Int64Array]:
-    """Apply a plan (`new_blocks` holds every block it takes, in order); returns the batch's columns:
+    """Apply a plan, once (`new_blocks` holds every block it takes, in order); returns the batch's columns:
     lengths after, table offsets, copies (src, dst, batch index), and the slots, whose rows took the tokens.
 
     Sequence i's changed table entries are exactly its share of `new_blocks` (a copy-on-write
@@ -120,38 +123,57 @@ def apply(
     other sequence's new tokens land in its last block. Appending says every earlier token's K/V is
     written, so the watermark moves up to the old length.
     """
-    bs, rows, before, num_new = columns.block_size, planned.rows, planned.before, planned.num_new
-    after = before + planned.counts
-    offsets = -(-before // bs)
-    copies = []
+    bs, rows, before, num_new, last = columns.block_size, planned.rows, planned.before, planned.num_new, planned.last
+    offsets = planned.old_length
+    copies: list[tuple[int, int, int]] = []
     growing = np.flatnonzero(num_new)
     if growing.size:
         ends = np.cumsum(num_new)[growing]  # each growing sequence's share of new_blocks ends here
-        grown_rows = rows[growing]
-        columns.last_block[grown_rows] = new_blocks[ends - 1]
+        grown_rows, new_lasts = rows[growing], new_blocks[ends - 1]
+        columns.last_block[grown_rows] = last[growing] = new_lasts
         owner, copied = columns.owner, planned.copied
-        shares = zip(growing.tolist(), grown_rows.tolist(), ends.tolist(), num_new[growing].tolist(), strict=True)
-        for i, row, end, n in shares:
-            table = owner[row].block_table  # a live row has its owner
-            mine = new_blocks[end - n : end]
-            src = copied.get(i) if copied else None
-            if src is None:
-                table.extend(mine)
-            else:
-                pool.decref([src])
-                table.set_last(int(mine[0]))
-                table.extend(mine[1:])
-                columns.copy_block(src, int(mine[0]))
-                copies.append((src, int(mine[0]), i))
-                offsets[i] -= 1
+        if not copied and ends[-1] == len(growing):  # one new block each: a decode step's full last blocks
+            for row, block in zip(grown_rows.tolist(), new_lasts.tolist(), strict=True):
+                owner[row].block_table.push(block)  # a live row has its owner
+        else:
+            _grow_tables(columns, planned, growing, ends, new_blocks, pool, copies)
     columns.num_computed[rows] = np.maximum(columns.num_computed[rows], before)
-    columns.num_tokens[rows] = after
+    columns.num_tokens[rows] = planned.after
     if isinstance(planned.counts, int):  # one token each: it lands in the last block (a new one if it grew)
-        slots = columns.last_block[rows] * bs + before % bs
+        slots = last * bs + before % bs
     else:
-        slots = _slots(columns, rows, before, after, planned.counts)
+        slots = _slots(columns, rows, before, planned.after, planned.counts)
     columns.tokens[slots] = np.frombuffer(key, dtype="<i4")
-    return after.tolist(), offsets.tolist(), copies, slots
+    if copies:
+        offsets = offsets.copy()
+        offsets[[i for _, _, i in copies]] -= 1  # a copy-on-write rewrites the old last entry
+    return planned.after.tolist(), offsets.tolist(), copies, slots
+
+
+def _grow_tables(
+    columns: SequenceColumns,
+    planned: AppendPlan,
+    growing: Int64Array,
+    ends: Int64Array,
+    new_blocks: npt.NDArray[np.int32],
+    pool: BlockPool,
+    copies: list[tuple[int, int, int]],
+) -> None:
+    """Each growing sequence's table takes its share of `new_blocks`, a copy-on-write first (added to `copies`)."""
+    owner, copied = columns.owner, planned.copied
+    rows, num_new = planned.rows[growing].tolist(), planned.num_new[growing].tolist()
+    for i, row, end, n in zip(growing.tolist(), rows, ends.tolist(), num_new, strict=True):
+        table = owner[row].block_table  # a live row has its owner
+        src = copied.get(i)
+        if src is None:
+            table.extend(new_blocks[end - n : end])
+            continue
+        dst = int(new_blocks[end - n])
+        pool.decref([src])
+        table.set_last(dst)
+        table.extend(new_blocks[end - n + 1 : end])
+        columns.copy_block(src, dst)
+        copies.append((src, dst, i))
 
 
 def _slots(

@@ -56,14 +56,23 @@ class BlockTable:
         return self._buffer[start:stop]
 
     def extend(self, block_ids: Int32Array) -> None:
-        n = len(block_ids)
-        end = self.length + n
+        end = self.length + len(block_ids)
         if end > len(self._buffer):
-            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
-            grown[: self.length] = self._buffer[: self.length]
-            self._buffer, self._shared = grown, False
+            self._grow(end)
         self._buffer[self.length : end] = block_ids
         self.length = end
+
+    def push(self, block_id: int) -> None:
+        """Append one block: what a decode step gives the sequences that fill their last block."""
+        if self.length == len(self._buffer):
+            self._grow(self.length + 1)
+        self._buffer[self.length] = block_id
+        self.length += 1
+
+    def _grow(self, length: int) -> None:
+        grown = np.empty(max(length, 2 * len(self._buffer)), dtype=np.int32)
+        grown[: self.length] = self._buffer[: self.length]
+        self._buffer, self._shared = grown, False
 
     def set_last(self, block_id: int) -> None:
         """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""

@@ -137,6 +137,8 @@ class Sequences:
         self.columns = SequenceColumns(num_blocks, block_size)
         self._live: dict[int, LiveSequence] = {}
         self._rows: dict[int, int] = {}  # seq_id -> row: a batch finds its rows without touching the objects
+        self._version = 0  # moves on every add and remove: a batch's rows stay its rows until then
+        self._last_batch: tuple[list[int], npt.NDArray[np.int64], int] = ([], np.empty(0, dtype=np.int64), -1)
         self.preempted: dict[int, PreemptedSequence] = {}
         self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
 
@@ -148,10 +150,12 @@ class Sequences:
     def add(self, seq: LiveSequence) -> None:
         self._live[seq.seq_id] = seq
         self._rows[seq.seq_id] = seq.row
+        self._version += 1
 
     def remove(self, seq: LiveSequence) -> None:
         del self._live[seq.seq_id], self._rows[seq.seq_id]
         self.columns.free_row(seq.row)
+        self._version += 1
 
     def __len__(self) -> int:
         return len(self._live)
@@ -174,7 +178,14 @@ class Sequences:
         return seq
 
     def rows(self, seq_ids: Sequence[int]) -> npt.NDArray[np.int64]:
-        """The rows of a batch's live sequences, each once, or the error naming the first bad entry."""
+        """The rows of a batch's live sequences, each once, or the error naming the first bad entry.
+
+        A decode step names the batch the step before it named: while no sequence came or went, its
+        rows are the ones found then (a list compare instead of a lookup per id; not written to).
+        """
+        last_ids, last_rows, version = self._last_batch
+        if version == self._version and type(seq_ids) is list and seq_ids == last_ids and type(sum(seq_ids)) is int:
+            return last_rows
         num = len(seq_ids)
         try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
             rows = np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.int64, count=num)
@@ -190,6 +201,7 @@ class Sequences:
         marks[rows] = order  # a row given twice keeps only its last position
         if (marks[rows] != order).any():
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        self._last_batch = (list(seq_ids), rows, self._version)
         return rows
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:

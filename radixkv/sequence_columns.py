@@ -37,6 +37,7 @@ class SequenceColumns:
         self.last_block = np.full(capacity, -1, dtype=np.int64)
         self.marks = np.zeros(capacity, dtype=np.int64)  # scratch: a batch's duplicate check
         self.tokens = np.empty(num_blocks * block_size, dtype="<i4")  # token ids by slot
+        self.by_block = self.tokens.reshape(num_blocks, block_size)  # the same, a row per block
         self.owner: list[LiveSequence | None] = [None] * capacity
         self._free_rows = list(range(capacity - 1, -1, -1))
 
@@ -57,17 +58,17 @@ class SequenceColumns:
 
     def write_tokens(self, block_ids: npt.NDArray[np.int32], token_bytes: bytes) -> None:
         """Token ids (int32 LE bytes) into the rows of `block_ids`, from the first slot of the first."""
-        n = len(token_bytes) // 4
-        if n:
-            bs = self.block_size
-            starts = np.asarray(block_ids[: -(-n // bs)], dtype=np.int64) * bs
-            slots = (starts[:, None] + np.arange(bs)).ravel()[:n]
-            self.tokens[slots] = np.frombuffer(token_bytes, dtype="<i4")
+        ids, bs = np.frombuffer(token_bytes, dtype="<i4"), self.block_size
+        num_full, rest = divmod(len(ids), bs)
+        if num_full:
+            self.by_block[block_ids[:num_full]] = ids[: num_full * bs].reshape(num_full, bs)
+        if rest:
+            self.by_block[block_ids[num_full], :rest] = ids[num_full * bs :]
 
     def read_tokens(self, block_ids: npt.NDArray[np.int32], num_tokens: int) -> bytes:
         """The first `num_tokens` token ids of the rows of `block_ids`, as int32 LE bytes."""
-        rows = self.tokens.reshape(-1, self.block_size)[np.asarray(block_ids, dtype=np.int64)]
-        return rows.ravel()[:num_tokens].tobytes()
+        data = self.by_block[block_ids].tobytes()
+        return data if len(data) == 4 * num_tokens else data[: 4 * num_tokens]
 
     def copy_block(self, src: int, dst: int) -> None:
         """A copy-on-write's token ids: `dst`'s row becomes `src`'s (before anyone writes `src` again)."""

@@ -43,6 +43,8 @@ class PoolLedger:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._owners: dict[int, Session] = {}
+        self._version = 0  # moves on every adopt and forget: a checked batch stays checked until then
+        self._last_checked: tuple[Session | None, list[int], int] = (None, [], -1)
         self._num_table_blocks: dict[int, int] = {}
         self._sequences: dict[Session, set[int]] = {}
         self._pins: dict[Session, list[Pin]] = {}
@@ -63,9 +65,14 @@ class PoolLedger:
 
     def check_owners(self, session: Session, seq_ids: Sequence[int], field: str = "seq_ids") -> None:
         # A decode step: check fast (no Python-level loop over its hundreds of ids), name the culprit slowly.
+        # It names the batch the step before it named: checked already, while no sequence came or went.
+        checked_for, checked, version = self._last_checked
+        if checked_for is session and version == self._version and type(seq_ids) is list and seq_ids == checked:
+            return
         if any(map(operator.is_not, map(self._owners.get, seq_ids), itertools.repeat(session))):
             for i, seq_id in enumerate(seq_ids):
                 self.check_owner(session, seq_id, f"{field}[{i}]")
+        self._last_checked = (session, list(seq_ids), self._version)
 
     def sequences_of(self, session: Session) -> list[int]:
         return sorted(self._sequences.get(session, ()))
@@ -107,6 +114,7 @@ class PoolLedger:
     def adopt(self, session: Session, seq_id: int, num_blocks: int) -> None:
         tenant = session.tenant.name
         self._owners[seq_id] = session
+        self._version += 1
         self._sequences.setdefault(session, set()).add(seq_id)
         self._num_table_blocks[seq_id] = num_blocks
         self._charge(tenant, num_blocks)  # a preempted sequence holds none: no zero count kept
@@ -122,11 +130,19 @@ class PoolLedger:
 
         Only a sequence that got blocks changed length (one in `block_size` per decode step), so only those are visited.
         """
+        tables, owners = self._num_table_blocks, self._owners
+        growth: dict[str, int] = {}  # per tenant: charged once, not once per sequence
         for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
-            self.resize(seq_ids[i], table_offsets[i] + num_block_ids[i])
+            seq_id, length = seq_ids[i], table_offsets[i] + num_block_ids[i]
+            tenant = owners[seq_id].tenant.name
+            growth[tenant] = growth.get(tenant, 0) + length - tables[seq_id]
+            tables[seq_id] = length
+        for tenant, num_blocks in growth.items():
+            self._charge(tenant, num_blocks)
 
     def forget(self, seq_id: int) -> None:
         session = self._owners.pop(seq_id)
+        self._version += 1
         tenant = session.tenant.name
         held = self._sequences[session]
         held.discard(seq_id)

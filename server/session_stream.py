@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
+from radixkv.packed import pack, unpack
 from radixkv.server.decoding import Undecodable
 from radixkv.server.miss_reasons import wire_reason
 from radixkv.server.service import KVService
@@ -134,14 +135,16 @@ class _Stream:
             return pb.SessionResponse(error=_step_error(error)), ""
         try:
             session = self._bind(request.session_id)
-            result = run_step(self._service, self._caller, session, request.pool, _step(request), request.request_id)
+            step = _step(request)
+            result = run_step(self._service, self._caller, session, request.pool, step, request.request_id)
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""
             return pb.SessionResponse(
                 request_id=request.request_id, session_id=bound, error=_step_error(e)
             ), request.pool
-        return _response(request.request_id, session.session_id, result), request.pool
+        packed = bool(request.append.packed_seq_ids or request.append.packed_num_token_ids)
+        return _response(request.request_id, session.session_id, result, packed), request.pool
 
     def _bind(self, session_id: str) -> Session:
         """The stream's session: the first request names it; later ones leave it empty or repeat it."""
@@ -171,8 +174,7 @@ def _step(request: pb.SessionRequest) -> Step:
         if any(o.explain for o in request.opens):
             items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
-        a = request.append
-        items["append"] = Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
+        items["append"] = _append(request.append)
     if request.forks:
         items["forks"] = [(f.seq_id, f.num_children) for f in request.forks]
     if request.cache_seq_ids:
@@ -182,9 +184,31 @@ def _step(request: pb.SessionRequest) -> Step:
     return Step(**items)  # type: ignore[arg-type]
 
 
-def _response(request_id: int, session_id: str, result: StepResult) -> pb.SessionResponse:
+def _append(a: pb.StepAppend) -> Append:
+    """The append item, from its repeated or its packed columns (see radixkv.packed)."""
+    if not (a.packed_seq_ids or a.packed_num_token_ids):
+        return Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
+    try:
+        if a.seq_ids or a.num_token_ids:
+            raise InvalidArgument("packed_seq_ids", "set seq_ids and num_token_ids or their packed forms, not both")
+        seq_ids = unpack(a.packed_seq_ids, 8, "packed_seq_ids")
+        if not a.packed_num_token_ids:
+            return Append(seq_ids, [1] * len(seq_ids), a.token_ids)  # a decode step: one token each
+        counts = unpack(a.packed_num_token_ids, 4, "packed_num_token_ids")
+        if len(counts) != len(seq_ids):
+            raise InvalidArgument(
+                "packed_num_token_ids", f"needs one entry per sequence ({len(seq_ids)}), got {len(counts)}"
+            )
+    except InvalidArgument as e:
+        e.metadata["item"] = "append"
+        raise
+    return Append(seq_ids, counts, a.token_ids)
+
+
+def _response(request_id: int, session_id: str, result: StepResult, packed: bool) -> pb.SessionResponse:
     """Only the fields the step has results for are set, in place (protobuf costs per field given, even an
-    empty one, and a submessage passed to a constructor is copied again)."""
+    empty one, and a submessage passed to a constructor is copied again). `packed`: the append's columns
+    as the request sent its own."""
     response = pb.SessionResponse(request_id=request_id, session_id=session_id)
     for r in result.opened:
         response.opened.add(
@@ -203,11 +227,17 @@ def _response(request_id: int, session_id: str, result: StepResult) -> pb.Sessio
     if b is not None:
         appended = response.appended
         appended.SetInParent()  # an append of no sequences still answers with an (empty) `appended`
-        appended.num_tokens.extend(b.num_tokens)
-        appended.table_offsets.extend(b.table_offsets)
-        appended.num_block_ids.extend(b.num_block_ids)
-        if b.block_ids:
-            appended.block_ids.extend(b.block_ids)
+        if packed:
+            appended.packed_num_tokens = pack(b.num_tokens, 4)
+            appended.packed_table_offsets = pack(b.table_offsets, 4)
+            appended.packed_num_block_ids = pack(b.num_block_ids, 4)
+            appended.packed_block_ids = pack(b.block_ids, 4)
+        else:
+            appended.num_tokens.extend(b.num_tokens)
+            appended.table_offsets.extend(b.table_offsets)
+            appended.num_block_ids.extend(b.num_block_ids)
+            if b.block_ids:
+                appended.block_ids.extend(b.block_ids)
         appended.slots = b.slots.astype(_INT64, copy=False).tobytes()
         for s, d, i in b.copies:
             appended.copies.add(src_block_id=s, dst_block_id=d, sequence_index=i)

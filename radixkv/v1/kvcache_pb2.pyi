@@ -707,14 +707,18 @@ class StepOpen(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., namespace: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class StepAppend(_message.Message):
-    __slots__ = ("seq_ids", "num_token_ids", "token_ids")
+    __slots__ = ("seq_ids", "num_token_ids", "token_ids", "packed_seq_ids", "packed_num_token_ids")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: bytes
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    packed_seq_ids: bytes
+    packed_num_token_ids: bytes
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., packed_seq_ids: _Optional[bytes] = ..., packed_num_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepFork(_message.Message):
     __slots__ = ("seq_id", "num_children")
@@ -800,20 +804,28 @@ class StepOpened(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class StepAppended(_message.Message):
-    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies")
+    __slots__ = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "slots", "copies", "packed_num_tokens", "packed_table_offsets", "packed_num_block_ids", "packed_block_ids")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     table_offsets: _containers.RepeatedScalarFieldContainer[int]
     num_block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: bytes
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    packed_num_tokens: bytes
+    packed_table_offsets: bytes
+    packed_num_block_ids: bytes
+    packed_block_ids: bytes
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., table_offsets: _Optional[_Iterable[int]] = ..., num_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[bytes] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., packed_num_tokens: _Optional[bytes] = ..., packed_table_offsets: _Optional[bytes] = ..., packed_num_block_ids: _Optional[bytes] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepForked(_message.Message):
     __slots__ = ("child_seq_ids",)

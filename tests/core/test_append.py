@@ -8,6 +8,7 @@ from radixkv.block_pool import NO_BLOCKS, BlockPool
 from radixkv.block_table import BlockTable
 from radixkv.errors import InvalidArgument, LimitExceeded, UnknownSequence
 from radixkv.kv_cache import KVCache
+from radixkv.preemption import all_token_bytes
 from radixkv.radix_node import Node
 from radixkv.sequence import LiveSequence, Sequences
 from radixkv.token_ids import TokenKey
@@ -129,3 +130,21 @@ def test_a_decode_batch_names_its_bad_entry_and_changes_nothing(bad: object, fie
         cache.block_table(ids[1])[1] * BLOCK_SIZE + 0,
         cache.block_table(ids[2])[0] * BLOCK_SIZE + 3,
     ]
+
+
+def test_a_batch_named_again_finds_the_same_rows_until_a_sequence_comes_or_goes() -> None:
+    cache = KVCache(64, BLOCK_SIZE)
+    ids = [r.seq_id for r in cache.open_many([([1, 2, 3], "a"), ([4, 5, 6], "b")])]
+    cache.append_batch(ids, [1, 1], [7, 8])
+    cache.append_batch(list(ids), [1, 1], [9, 10])  # the next decode step, in another list
+    with pytest.raises(InvalidArgument):
+        cache.append_batch([float(s) for s in ids], [1, 1], [0, 0])  # equal to the batch before, still refused
+    cache.release(ids[0])
+    with pytest.raises(UnknownSequence):
+        cache.append_batch(ids, [1, 1], [0, 0])
+    other = cache.open([1, 2, 3, 4, 5, 6]).seq_id  # takes the row the released one left
+    cache.append_batch([other, ids[1]], [1, 1], [11, 12])
+    assert (cache.num_tokens(other), cache.num_tokens(ids[1])) == (7, 6)
+    live = {s: all_token_bytes(cache._sequences.get(s)) for s in (other, ids[1])}
+    assert live == {other: TokenKey.of([1, 2, 3, 4, 5, 6, 11]).data, ids[1]: TokenKey.of([4, 5, 6, 8, 10, 12]).data}
+    cache.check_invariants()

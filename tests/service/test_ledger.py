@@ -150,6 +150,33 @@ def test_a_foreign_sequence_is_refused_as_an_absent_one() -> None:
         assert refused.value.metadata == {"seq_id": str(seq_id)}
 
 
+def test_a_batch_checked_once_is_checked_again_when_ownership_changes() -> None:
+    ledger, mine, theirs = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
+    for seq_id in (1, 2, 3):
+        ledger.adopt(mine, seq_id, 1)
+    ledger.check_owners(mine, [1, 2, 3])
+    ledger.check_owners(mine, [1, 2, 3])  # the decode step after: the same batch, checked already
+    with pytest.raises(UnknownSequence):
+        ledger.check_owners(theirs, [1, 2, 3])  # checked for another session: not theirs
+    ledger.forget(2)
+    with pytest.raises(UnknownSequence) as refused:
+        ledger.check_owners(mine, [1, 2, 3])
+    assert refused.value.metadata == {"seq_id": "2"}
+    ledger.adopt(theirs, 4, 1)
+    ledger.check_owners(mine, [1, 3])
+    ledger.forget(1), ledger.adopt(theirs, 1, 1)  # an id moving to another session (as a restart may adopt it)
+    with pytest.raises(UnknownSequence):
+        ledger.check_owners(mine, [1, 3])
+
+
+def test_growth_is_charged_to_each_sequence_and_its_tenant() -> None:
+    ledger, a, b = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
+    ledger.adopt(a, 1, 2), ledger.adopt(a, 2, 1), ledger.adopt(b, 3, 1)
+    ledger.follow_append([1, 2, 3], [2, 1, 0], [1, 0, 2])  # 1 grows to 3 blocks, 2 stays, 3 is rewritten to 2
+    assert [ledger.num_table_blocks(s) for s in (1, 2, 3)] == [3, 1, 2]
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (4, 2)
+
+
 def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
     window, applied = RequestWindow(max_results=2), []
 
