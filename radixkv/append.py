@@ -143,7 +143,7 @@ def apply(
         slots = last * bs + before % bs
     else:
         slots = _slots(columns, rows, before, planned.after, planned.counts)
-    columns.tokens[slots] = np.frombuffer(key, dtype="<i4")
+    columns.write_slots(slots, key)
     if copies:
         offsets = offsets.copy()
         offsets[[i for _, _, i in copies]] -= 1  # a copy-on-write rewrites the old last entry
@@ -193,21 +193,85 @@ def _slots(
     return SlotPlan(bs, span_blocks, span_at * bs + before % bs, counts).slots()
 
 
+SMALL_BATCH = 16  # fewer sequences: one at a time costs less than the columns' fixed cost (~60 numpy calls)
+
+
 def append(
     blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
 ) -> AppendBatch:
     """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order.
 
-    New table entries draw on each sequence's own reservation first (see `radixkv.budget`).
+    New table entries draw on each sequence's own reservation first (see `radixkv.budget`). A batch
+    of a few sequences goes one at a time (`_append_few`), a decode step's hundreds by columns; both
+    plan and apply alike (tests/core/test_append.py runs every batch both ways).
     """
-    columns, reserved = sequences.columns, blocks.num_reserved > 0
-    planned = plan(columns, sequences.rows(seq_ids), counts, max_tokens, blocks.pool.ref_counts, reserved)
-    new_blocks = blocks.allocate(planned.num_blocks, planned.num_drawn)
-    num_tokens, offsets, copies, slots = apply(columns, planned, new_blocks, key, blocks.pool)
-    batch = AppendBatch(
-        list(seq_ids), counts, num_tokens, offsets, planned.num_new.tolist(), new_blocks.tolist(), copies, slots
-    )
-    blocks.stats.num_cow_copies += len(copies)
+    if len(seq_ids) < SMALL_BATCH:
+        batch = _append_few(blocks, sequences, seq_ids, counts, key, max_tokens)
+    else:
+        columns, reserved = sequences.columns, blocks.num_reserved > 0
+        planned = plan(columns, sequences.rows(seq_ids), counts, max_tokens, blocks.pool.ref_counts, reserved)
+        new_blocks = blocks.allocate(planned.num_blocks, planned.num_drawn)
+        num_tokens, offsets, copies, slots = apply(columns, planned, new_blocks, key, blocks.pool)
+        batch = AppendBatch(
+            list(seq_ids), counts, num_tokens, offsets, planned.num_new.tolist(), new_blocks.tolist(), copies, slots
+        )
+    blocks.stats.num_cow_copies += len(batch.copies)
     if blocks.tree.host is not None:
         batch.offloads = blocks.tree.host.take_offloads()
     return batch
+
+
+def _append_few(
+    blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
+) -> AppendBatch:
+    """`append` one sequence at a time: `plan` and `apply` in a loop (their docstrings say what), with the
+    slots left to compute when read."""
+    live, columns, pool = sequences.batch(seq_ids), sequences.columns, blocks.pool
+    bs = columns.block_size
+    planned: list[tuple[int, int, int | None]] = []  # (length before, new table entries, block copied first)
+    copied_away: dict[int, int] = {}
+    drawn = 0
+    for seq, count in zip(live, counts, strict=True):
+        before, length = seq.num_tokens, seq.block_table.length
+        if before + count > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", before + count, max_tokens)
+        num_new, src = -(-(before + count) // bs) - length, None
+        if blocks.num_reserved and seq.reserve_until > length:
+            drawn += min(num_new, seq.reserve_until - length)
+        if before % bs:
+            last = int(columns.last_block[seq.row])
+            if pool.ref_counts[last] - copied_away.get(last, 0) > 1:
+                copied_away[last] = copied_away.get(last, 0) + 1
+                num_new, src = num_new + 1, last
+        planned.append((before, num_new, src))
+    new_blocks = blocks.allocate(sum(n for _, n, _ in planned), drawn)
+    num_tokens, offsets, span_starts = [], [], []
+    copies: list[tuple[int, int, int]] = []
+    span_blocks: list[int] = []  # per sequence in turn, the table entries its new tokens land in
+    taken = byte = 0
+    for i, (seq, count, (before, num_new, src)) in enumerate(zip(live, counts, planned, strict=True)):
+        table, row, mine = seq.block_table, seq.row, new_blocks[taken : taken + num_new]
+        taken += num_new
+        offsets.append(table.length - (src is not None))
+        if src is not None:
+            dst = int(mine[0])
+            pool.decref([src])
+            table.set_last(dst)
+            columns.copy_block(src, dst)
+            copies.append((src, dst, i))
+            mine = mine[1:]
+        table.extend(mine)
+        if num_new:
+            columns.last_block[row] = table.last()
+        span = table[before // bs :]  # the entries the new tokens land in
+        columns.write_tokens(span, key[byte : byte + 4 * count], before % bs)
+        byte += 4 * count
+        span_starts.append(len(span_blocks) * bs + before % bs)
+        span_blocks += span.tolist()
+        if columns.num_computed[row] < before:
+            columns.num_computed[row] = before
+        columns.num_tokens[row] = before + count
+        num_tokens.append(before + count)
+    slots = SlotPlan(bs, np.array(span_blocks, dtype=np.int64), span_starts, counts)
+    num_block_ids = [n for _, n, _ in planned]
+    return AppendBatch(list(seq_ids), counts, num_tokens, offsets, num_block_ids, new_blocks.tolist(), copies, slots)

@@ -9,6 +9,8 @@ written. `append` raises it to the tokens before the appended ones; `commit` rai
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -64,13 +66,13 @@ class LiveSequence:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.columns.num_tokens[self.row])
+        return self.columns.num_tokens.item(self.row)
 
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
         full blocks below this watermark are ever published to the tree."""
-        return int(self.columns.num_computed[self.row])
+        return self.columns.num_computed.item(self.row)
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
@@ -80,7 +82,7 @@ class LiveSequence:
     def reserve_until(self) -> int:
         """The table length its admission reserved growth up to (see `radixkv.budget`); blocks it
         appends below this draw on its reservation first. 0: no reservation."""
-        return int(self.columns.reserve_until[self.row])
+        return self.columns.reserve_until.item(self.row)
 
     @property
     def tail_bytes(self) -> bytes:
@@ -205,9 +207,19 @@ class Sequences:
         return rows
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
-        """The live sequences of a batch, each once, or the error naming the first bad entry."""
-        owner = self.columns.owner
-        return [owner[row] for row in self.rows(seq_ids).tolist()]
+        """The live sequences of a batch, each once, or the error naming the first bad entry (see `rows`)."""
+        live = self._live
+        try:
+            found = list(map(live.get, seq_ids))
+        except TypeError:  # an unhashable entry: found below, by name
+            found = [None] * len(seq_ids)
+        if set(map(type, seq_ids)) - {int} or any(map(operator.is_, found, itertools.repeat(None))):
+            for i, seq_id in enumerate(seq_ids):
+                if not isinstance(seq_id, int) or found[i] is None:
+                    self.get(seq_id, f"seq_ids[{i}]")  # raises
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        return found  # type: ignore[return-value]  # no None is left
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""

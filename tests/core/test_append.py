@@ -1,13 +1,16 @@
 """The append path's two steps on hand-built sequences: `plan` then `apply`, over the decode columns."""
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
+import radixkv.append as append_module
 from radixkv.append import apply, plan
 from radixkv.block_pool import NO_BLOCKS, BlockPool
 from radixkv.block_table import BlockTable
-from radixkv.errors import InvalidArgument, LimitExceeded, UnknownSequence
-from radixkv.kv_cache import KVCache
+from radixkv.errors import InvalidArgument, LimitExceeded, OutOfBlocks, UnknownSequence
+from radixkv.kv_cache import KVCache, Limits
 from radixkv.preemption import all_token_bytes
 from radixkv.radix_node import Node
 from radixkv.sequence import LiveSequence, Sequences
@@ -133,18 +136,68 @@ def test_a_decode_batch_names_its_bad_entry_and_changes_nothing(bad: object, fie
 
 
 def test_a_batch_named_again_finds_the_same_rows_until_a_sequence_comes_or_goes() -> None:
-    cache = KVCache(64, BLOCK_SIZE)
-    ids = [r.seq_id for r in cache.open_many([([1, 2, 3], "a"), ([4, 5, 6], "b")])]
-    cache.append_batch(ids, [1, 1], [7, 8])
-    cache.append_batch(list(ids), [1, 1], [9, 10])  # the next decode step, in another list
+    cache, n = KVCache(256, BLOCK_SIZE), append_module.SMALL_BATCH  # a batch the columns take
+    ids = [r.seq_id for r in cache.open_many([([i, i + 1, i + 2], "a") for i in range(n)])]
+    cache.append_batch(ids, [1] * n, [7] * n)
+    cache.append_batch(list(ids), [1] * n, [9] * n)  # the next decode step, in another list
     with pytest.raises(InvalidArgument):
-        cache.append_batch([float(s) for s in ids], [1, 1], [0, 0])  # equal to the batch before, still refused
+        cache.append_batch([float(s) for s in ids], [1] * n, [0] * n)  # equal to the batch before, still refused
     cache.release(ids[0])
     with pytest.raises(UnknownSequence):
-        cache.append_batch(ids, [1, 1], [0, 0])
+        cache.append_batch(ids, [1] * n, [0] * n)
     other = cache.open([1, 2, 3, 4, 5, 6]).seq_id  # takes the row the released one left
-    cache.append_batch([other, ids[1]], [1, 1], [11, 12])
+    cache.append_batch([other, *ids[1:]], [1] * n, list(range(n)))
     assert (cache.num_tokens(other), cache.num_tokens(ids[1])) == (7, 6)
     live = {s: all_token_bytes(cache._sequences.get(s)) for s in (other, ids[1])}
-    assert live == {other: TokenKey.of([1, 2, 3, 4, 5, 6, 11]).data, ids[1]: TokenKey.of([4, 5, 6, 8, 10, 12]).data}
+    assert live == {other: TokenKey.of([1, 2, 3, 4, 5, 6, 0]).data, ids[1]: TokenKey.of([1, 2, 3, 7, 9, 1]).data}
     cache.check_invariants()
+
+
+def _appended(cache: KVCache, ids: list[int], counts: list[int], tokens: list[int], small: int) -> object:
+    """`append_batch` with batches below `small` sequences taken one at a time (as `_append_few` does)."""
+    kept = append_module.SMALL_BATCH
+    append_module.SMALL_BATCH = small
+    try:
+        return cache.append_batch(ids, counts, tokens)
+    except (LimitExceeded, OutOfBlocks) as e:
+        return type(e)
+    finally:
+        append_module.SMALL_BATCH = kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 11), min_size=1, max_size=5),
+    forks=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 3)), max_size=3),
+    steps=st.lists(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 6)), min_size=1, max_size=8), max_size=4),
+)
+def test_a_batch_one_at_a_time_and_by_columns_are_the_same_append(
+    prompts: list[int], forks: list[tuple[int, int]], steps: list[list[tuple[int, int]]]
+) -> None:
+    """Twin caches, the same history: each batch by `_append_few` in one, by the columns in the other."""
+    caches = [KVCache(48, BLOCK_SIZE, Limits(max_tokens_per_request=40)) for _ in range(2)]
+    for cache in caches:
+        ids = [cache.open(list(range(100 * i, 100 * i + n))).seq_id for i, n in enumerate(prompts)]
+        for parent, n in forks:  # shared partial last blocks: copy-on-write in the appends below
+            ids += cache.fork(ids[parent % len(ids)], n)
+    for step in steps:
+        batch = list(dict.fromkeys(ids[i % len(ids)] for i, _ in step))  # each sequence once
+        counts = [n for _, n in step][: len(batch)]
+        tokens = list(range(sum(counts)))
+        one_at_a_time = _appended(caches[0], batch, counts, tokens, small=10**6)
+        by_columns = _appended(caches[1], batch, counts, tokens, small=0)
+        if isinstance(one_at_a_time, type):
+            assert one_at_a_time is by_columns, "both refuse alike"
+            continue
+        assert not isinstance(by_columns, type)
+        columns = ("num_tokens", "table_offsets", "num_block_ids", "block_ids", "copies")
+        assert [getattr(one_at_a_time, c) for c in columns] == [getattr(by_columns, c) for c in columns]
+        assert one_at_a_time.slots.tolist() == by_columns.slots.tolist()  # type: ignore[attr-defined]
+    for cache in caches:
+        cache.check_invariants()
+    states = [
+        {s: (c.block_table(s), c.num_computed_tokens(s), all_token_bytes(c._sequences.get(s))) for s in ids}
+        for c in caches
+    ]
+    assert states[0] == states[1]
+    assert caches[0].pool.ref_counts.tolist() == caches[1].pool.ref_counts.tolist()
