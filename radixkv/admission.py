@@ -16,7 +16,6 @@ from radixkv.radix_node import Match, Node
 from radixkv.radix_tree import RadixTree
 from radixkv.results import OpenResult, SlotPlan
 from radixkv.sequence import LiveSequence, Sequences, path_runs
-from radixkv.sequence_columns import SequenceColumns
 from radixkv.stats import Stats
 from radixkv.token_ids import TokenKey
 
@@ -71,7 +70,6 @@ def lock_matches(tree: RadixTree, planned: list[PlannedOpen]) -> list[tuple[Toke
 
 
 def start_sequence(
-    columns: SequenceColumns,
     seq_id: int,
     namespace: str,
     node: Node,
@@ -91,7 +89,7 @@ def start_sequence(
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(
-        columns, seq_id, namespace, tail, table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
+        seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
         priority, reserve_until,
     )  # fmt: skip
     slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
@@ -125,9 +123,7 @@ def open_planned(
             num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
         tail = key.tail_after(num_matched_blocks * bs)
         new_id = sequences.next_id() if seq_id is None else seq_id
-        seq, opened = start_sequence(
-            sequences.columns, new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until
-        )
+        seq, opened = start_sequence(new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until)
         if until:
             blocks.num_reserved += max(0, until - len(seq.block_table))
         sequences.add(seq)
@@ -156,7 +152,7 @@ def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenK
     node = tree.split(match)
     tree.lock(node)
     seq, opened = start_sequence(
-        sequences.columns, sequences.next_id(), namespace, node, match.num_blocks, NO_BLOCKS, b"", tree.block_size
+        sequences.next_id(), namespace, node, match.num_blocks, NO_BLOCKS, b"", tree.block_size
     )
     sequences.add(seq)
     return opened

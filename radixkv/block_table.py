@@ -20,15 +20,18 @@ Int32Array = npt.NDArray[np.int32]
 class BlockTable:
     """`length` block ids in `_buffer[:length]`; `_buffer[length:]` is room for the next appends.
 
-    A decode step reads no table: each sequence's length and last block are in its row of the
-    decode columns (`radixkv.sequence_columns`), and only a table that grows is touched.
+    A decode step reads every sequence's length and last block, and most sequences get no block:
+    both are plain attributes (`last` is -1 for an empty table), so the step touches neither the
+    buffer nor a method per sequence. A server step runs after an idle wait, when every line it
+    touches comes from memory (bench_service's cadence rows).
     """
 
-    __slots__ = ("_buffer", "length", "_shared")
+    __slots__ = ("_buffer", "length", "last", "_shared")
 
     def __init__(self, buffer: Int32Array, length: int) -> None:
         self._buffer = buffer  # [capacity] int32, owned by this table
         self.length = length
+        self.last = int(buffer[length - 1]) if length else -1
         self._shared = False  # a view of the first `length` entries is out: rewrite none of them in place
 
     @classmethod
@@ -56,33 +59,23 @@ class BlockTable:
         return self._buffer[start:stop]
 
     def extend(self, block_ids: Int32Array) -> None:
-        end = self.length + len(block_ids)
+        n = len(block_ids)
+        end = self.length + n
         if end > len(self._buffer):
-            self._grow(end)
+            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
+            grown[: self.length] = self._buffer[: self.length]
+            self._buffer, self._shared = grown, False
         self._buffer[self.length : end] = block_ids
         self.length = end
-
-    def push(self, block_id: int) -> None:
-        """Append one block: what a decode step gives the sequences that fill their last block."""
-        if self.length == len(self._buffer):
-            self._grow(self.length + 1)
-        self._buffer[self.length] = block_id
-        self.length += 1
-
-    def _grow(self, length: int) -> None:
-        grown = np.empty(max(length, 2 * len(self._buffer)), dtype=np.int32)
-        grown[: self.length] = self._buffer[: self.length]
-        self._buffer, self._shared = grown, False
+        if n:
+            self.last = int(block_ids[-1])
 
     def set_last(self, block_id: int) -> None:
         """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""
         if self._shared:
             self._buffer, self._shared = self._buffer.copy(), False
         self._buffer[self.length - 1] = block_id
-
-    def last(self) -> int:
-        """The last entry, or -1 for an empty table."""
-        return int(self._buffer[self.length - 1]) if self.length else -1
+        self.last = int(block_id)
 
     def copy(self) -> BlockTable:
         """An independent table with the same blocks (a forked child's)."""

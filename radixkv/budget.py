@@ -31,6 +31,17 @@ def reservation(seq: LiveSequence) -> int:
     return max(0, seq.reserve_until - len(seq.block_table))
 
 
+def num_drawn(sequences: Sequence[LiveSequence], counts: Sequence[int], block_size: int) -> int:
+    """How many of the blocks appending `counts[i]` tokens to `sequences[i]` takes come out of their own
+    reservations: new table entries up to each reservation (a copy-on-write copy never does)."""
+    drawn = 0
+    for seq, count in zip(sequences, counts, strict=True):
+        if seq.reserve_until > len(seq.block_table):
+            growth = cdiv(seq.num_tokens + count, block_size) - len(seq.block_table)
+            drawn += min(growth, seq.reserve_until - len(seq.block_table))
+    return drawn
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Budget:
     """A pool's admission settings: the share of stated growth reserved, and the blocks kept free of admissions."""

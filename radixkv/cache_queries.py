@@ -10,14 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from radixkv.admission import PlannedOpen, plan_open
 from radixkv.allocation import Allocator
-from radixkv.append import append_args, append_counts, plan
+from radixkv.append import append_args, append_counts, plan_batch
 from radixkv.block_pool import BlockPool, cdiv
-from radixkv.budget import Budget, budget_args
+from radixkv.budget import Budget, budget_args, num_drawn
 from radixkv.errors import LimitExceeded
 from radixkv.fork import check_fork
 from radixkv.host_tier import HostTier
@@ -27,7 +24,7 @@ from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.pins import Pins
 from radixkv.radix_tree import Node, RadixTree
 from radixkv.scheduling import freeable_blocks, victims
-from radixkv.sequence import Sequences
+from radixkv.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
 from radixkv.swap import swapped_host_blocks
 from radixkv.token_ids import TokenIds, TokenKey
@@ -88,18 +85,18 @@ class CacheQueries:
         InvalidArgument or UnknownSequence where the query itself is malformed.
         """
         counts = append_counts(seq_ids, num_tokens, "num_tokens")
-        rows = self._sequences.rows(seq_ids)
+        sequences = self._sequences.batch(seq_ids)
         try:
-            needed, drawn = self._num_blocks_to_append(rows, counts)
+            needed, drawn = self._num_blocks_to_append(sequences, counts)
         except LimitExceeded:
             return False
         return needed - drawn <= self._blocks.num_unreserved() and needed <= self.num_available_blocks()
 
-    def _num_blocks_to_append(self, rows: npt.NDArray[np.int64], counts: list[int]) -> tuple[int, int]:
-        """New blocks plus copies (see `radixkv.append.plan`), and how many of them the sequences'
+    def _num_blocks_to_append(self, sequences: list[LiveSequence], counts: list[int]) -> tuple[int, int]:
+        """New blocks plus copies (see `radixkv.append.plan_append`), and how many of them the sequences'
         reservations cover; changes nothing."""
-        planned = plan(self._sequences.columns, rows, counts, self.limits.max_tokens_per_request, self.pool.ref_counts)
-        return planned.num_blocks, planned.num_drawn
+        plans = plan_batch(sequences, counts, self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts)
+        return sum(n for n, _ in plans), num_drawn(sequences, counts, self.block_size)
 
     def check_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Raise what `commit` would raise for these arguments; changes nothing."""
@@ -151,7 +148,7 @@ class CacheQueries:
         """Raise what `append_batch(...)` would raise once `num_blocks_taken` of the available blocks
         are gone (to opens applied before it). Changes nothing but the allocation-failure counter."""
         counts, _ = append_args(seq_ids, num_token_ids, token_ids)
-        needed, drawn = self._num_blocks_to_append(self._sequences.rows(seq_ids), counts)
+        needed, drawn = self._num_blocks_to_append(self._sequences.batch(seq_ids), counts)
         self._blocks.refuse_unless(needed - drawn, max(0, self._blocks.num_unreserved() - num_blocks_taken))
 
     def check_fork(self, seq_id: int, num_children: int) -> None:
@@ -198,7 +195,7 @@ class CacheQueries:
             **(self.host.gauges() if self.host is not None else {}),
         )
 
-    def holders(self) -> tuple[Sequences, Iterable[tuple[Node, int]]]:
+    def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
         """The live sequences and the pins (deepest node, count): what the online audit copies."""
         return self._sequences, self._pins.holders()
 

@@ -29,7 +29,6 @@ from radixkv.limits import Limits
 from radixkv.radix_node import Node
 from radixkv.sequence import LiveSequence, PreemptedSequence
 from radixkv.stats import Stats
-from radixkv.token_ids import TokenKey
 
 # Stats fields that are gauges, read from the structures at `stats()` time: never restored.
 _GAUGES = frozenset(
@@ -163,12 +162,9 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         lock_node = node_at(int(lock_at))
         if lock_node.namespace != namespace:
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
-        num_tail = int(num_tokens) - int(num_tree_blocks) * block_size
-        if len(tail) != TokenKey.num_bytes(num_tail):
-            raise ValueError(f"sequence {seq_id}: {len(tail)} tail bytes for {num_tail} tokens past its locked path")
         seq = LiveSequence(
-            cache._sequences.columns, int(seq_id), namespace, bytes(tail), BlockTable.of([_ids(table)]), lock_node,
-            int(num_tree_blocks), _ids(private), int(num_tokens), int(num_computed), int(rank), int(until),
+            int(seq_id), namespace, bytearray(tail), BlockTable.of([_ids(table)]), lock_node, int(num_tree_blocks),
+            _ids(private), int(num_tokens), int(num_computed), int(rank), int(until),
         )  # fmt: skip
         cache._sequences.add(seq)
         cache._blocks.num_reserved += reservation(seq)

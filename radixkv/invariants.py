@@ -85,21 +85,17 @@ def check_holders(
     expected = np.zeros(pool.num_blocks, dtype=np.int64)
     np.add.at(expected, tree.tree_block_ids(), 1)
     locks: dict[int, int] = {}
-    rows: set[int] = set()
     for seq in sequences:
-        assert seq.row not in rows, f"seq {seq.seq_id}: its row {seq.row} is another's too"
-        rows.add(seq.row)
         assert len(seq.block_table) == cdiv(seq.num_tokens, bs), f"seq {seq.seq_id}: table length wrong"
         table = seq.block_table.tolist()
-        columns = seq.columns
-        assert columns.owner[seq.row] is seq, f"seq {seq.seq_id}: its row {seq.row} describes another"
-        assert columns.last_block[seq.row] == (table[-1] if table else -1), f"seq {seq.seq_id}: last block stale"
+        assert seq.block_table.last == (table[-1] if table else -1), f"seq {seq.seq_id}: table's last block stale"
         assert len(set(table)) == len(table), f"seq {seq.seq_id}: a block twice in one table"
         assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id}: computed past its length"
         assert seq.num_tree_blocks * bs <= seq.num_computed_tokens, f"seq {seq.seq_id}: cached uncomputed tokens"
         np.add.at(expected, seq.private_blocks(), 1)
         path_tokens = sum(TokenKey.count(run) for run in _path_runs(seq.lock_node))
         assert path_tokens == seq.num_tree_blocks * bs, f"seq {seq.seq_id}: locked path length wrong"
+        assert TokenKey.count(seq.tail_bytes) == seq.num_tokens - path_tokens, f"seq {seq.seq_id}: tail tokens lost"
         assert tree.roots[seq.namespace] is _root_of(seq.lock_node), (
             f"seq {seq.seq_id}: locked path in another namespace"
         )
@@ -110,8 +106,6 @@ def check_holders(
                 f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
             )
         _count_path(seq.lock_node, locks, 1)
-    if rows:
-        assert seq.columns.num_rows_used() == len(rows), "a row of the decode columns is held by no live sequence"
     for node, count in pins:
         _count_path(node, locks, count)
     for node in [*tree.roots.values(), *(n for _, n in tree.nodes())]:

@@ -71,14 +71,14 @@ class KVCache(CacheQueries):
         self.pool = BlockPool(num_blocks)
         self.tree = tree or RadixTree(block_size)
         self.stats_counters = Stats(num_blocks_total=num_blocks)
-        self._sequences = Sequences(first_seq_id, num_blocks, block_size)
+        self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
         self._blocks = Allocator(self.pool, self.tree, self.stats_counters)
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
         self.preemption = Preemption(self._blocks, self._sequences, self._root)  # `swap_tier`: the host tier
         self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
         if self.host is not None:
-            self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root, self._sequences.columns)
+            self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
         self._num_open_results = 0  # depth of `one_result` scopes
 
     def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
@@ -149,9 +149,8 @@ class KVCache(CacheQueries):
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
         """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
 
-        All or none. Validation runs once for the batch, and the sequences' lengths, last blocks and
-        token ids are columns (see `radixkv.sequence_columns`), so a step of hundreds of sequences
-        costs a fraction of a microsecond each. Each sequence's earlier
+        All or none. Validation runs once for the batch and slots are computed only when read,
+        so a step of hundreds of sequences costs a few microseconds each. Each sequence's earlier
         tokens count as computed from now on (see `commit`).
         """
         return self._append(seq_ids, *append_args(seq_ids, num_token_ids, token_ids))

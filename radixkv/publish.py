@@ -22,7 +22,7 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
         return
     bb = TokenKey.num_bytes(bs)
     new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
-    key = seq.columns.read_tokens(new_blocks, len(new_blocks) * bs)
+    key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
     counts = pool.ref_counts[new_blocks]
     if counts.max() > 1:
         num_known = tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
@@ -39,7 +39,8 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
         seq.private_prefix = np.concatenate((seq.private_prefix, new_blocks[: len(new_blocks) - num_taken]))
     tree.lock(node)
     tree.unlock(seq.lock_node)
-    seq.lock_node, seq.num_tree_blocks = node, num_full  # its tail now starts past these blocks
+    seq.lock_node, seq.num_tree_blocks = node, num_full
+    del seq.tail_bytes[: len(key)]
 
 
 def release(tree: RadixTree, pool: BlockPool, seq: LiveSequence, cache: bool) -> None:

@@ -15,16 +15,15 @@ from radixkv.handoff import BlockTableOf, StepArrays, copy_pairs
 class SlotPlan:
     """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
 
-    Kept instead of the slots themselves, so a caller that never reads an open's slots (a scheduler
-    whose workers derive slots from block tables) never pays for them. Serves one sequence (an open)
-    or a batch (an append step, which computes them at once: its token ids go by slot) alike; the
-    array is computed on the first `slots()` and kept.
+    Kept instead of the slots themselves, so a caller that never reads them (a scheduler whose
+    workers derive slots from block tables) never pays for them. Serves one sequence (an open) or
+    a batch (an append step) alike; the array is computed on the first `slots()` and kept.
     """
 
     block_size: int
-    span_blocks: npt.NDArray[np.int32] | npt.NDArray[np.int64]  # per sequence in turn, the blocks its tokens land in
-    span_starts: list[int] | npt.NDArray[np.int64]  # each sequence's first new token, as a position within span_blocks
-    counts: list[int] | npt.NDArray[np.int64]
+    span_blocks: npt.NDArray[np.int32]  # per sequence in turn, the blocks its new tokens land in
+    span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
+    counts: list[int]
     computed: npt.NDArray[np.int64] | None = None  # the slots, once read
 
     def slots(self) -> npt.NDArray[np.int64]:

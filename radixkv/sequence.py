@@ -19,77 +19,29 @@ import numpy.typing as npt
 from radixkv.block_table import BlockTable
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.radix_node import Node
-from radixkv.sequence_columns import SequenceColumns
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class LiveSequence:
-    """A sequence holding blocks: its table, its locked path, and its row of the decode columns.
-
-    `num_tokens`, `num_computed_tokens` and `reserve_until` live in the row (see
-    `radixkv.sequence_columns`), and so do its tokens past the locked path (`tail_bytes`). The row
-    is taken here and freed by `Sequences.remove`; the object is not read after that.
-    """
-
-    __slots__ = (
-        "seq_id", "namespace", "block_table", "lock_node", "num_tree_blocks", "private_prefix", "priority", "columns",
-        "row",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        columns: SequenceColumns,
-        seq_id: int,
-        namespace: str,
-        tail: bytes | None,
-        block_table: BlockTable,
-        lock_node: Node,
-        num_tree_blocks: int,
-        private_prefix: npt.NDArray[np.int32],
-        num_tokens: int,
-        num_computed_tokens: int,
-        priority: int = 0,
-        reserve_until: int = 0,
-    ) -> None:
-        """`tail`: the tokens past the locked path, written to the tail blocks' rows (None: they hold them already)."""
-        self.seq_id, self.namespace, self.block_table = seq_id, namespace, block_table
-        self.lock_node = lock_node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
-        self.num_tree_blocks = num_tree_blocks  # leading blocks of the table that the locked path covers
-        # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
-        # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
-        self.private_prefix = private_prefix  # never written in place: replaced when it grows
-        self.priority = priority  # victims go lowest priority first (see `radixkv.preemption.victims`)
-        self.columns = columns
-        self.row = columns.take_row(num_tokens, num_computed_tokens, reserve_until, block_table.last())
-        columns.owner[self.row] = self
-        if tail:
-            columns.write_tokens(block_table[num_tree_blocks:], tail)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.columns.num_tokens.item(self.row)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
-        full blocks below this watermark are ever published to the tree."""
-        return self.columns.num_computed.item(self.row)
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        self.columns.num_computed[self.row] = value
-
-    @property
-    def reserve_until(self) -> int:
-        """The table length its admission reserved growth up to (see `radixkv.budget`); blocks it
-        appends below this draw on its reservation first. 0: no reservation."""
-        return self.columns.reserve_until.item(self.row)
-
-    @property
-    def tail_bytes(self) -> bytes:
-        """Its tokens past the locked path (int32 LE): all a sequence must keep of its history, since the
-        tree holds the rest. After a fork (which caches first) that is less than one block per child."""
-        num_tail = self.num_tokens - self.num_tree_blocks * self.columns.block_size
-        return self.columns.read_tokens(self.block_table[self.num_tree_blocks :], num_tail)
+    seq_id: int
+    namespace: str
+    # Tokens past the locked path (int32 bytes): all a sequence must keep of its history, since the
+    # tree holds the rest. After a fork (which caches first) that is less than one block per child.
+    tail_bytes: bytearray
+    block_table: BlockTable
+    lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
+    num_tree_blocks: int  # leading blocks of the table that the locked path covers
+    # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
+    # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
+    private_prefix: npt.NDArray[np.int32]  # never written in place: replaced when it grows
+    num_tokens: int
+    # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
+    # full blocks below this watermark are ever published to the tree.
+    num_computed_tokens: int
+    priority: int = 0  # victims go lowest priority first (see `radixkv.preemption.victims`)
+    # The table length its admission reserved growth up to (see `radixkv.budget`); blocks it appends
+    # below this draw on its reservation first. 0: no reservation.
+    reserve_until: int = 0
 
     def private_blocks(self) -> npt.NDArray[np.int32]:
         """The blocks this sequence holds by count (a view or a fresh array: use it at once)."""
@@ -97,21 +49,13 @@ class LiveSequence:
         return np.concatenate((self.private_prefix, own)) if len(self.private_prefix) else own
 
     def fork_child(self, seq_id: int) -> LiveSequence:
-        """A copy sharing every block, tail rows included (the caller adds the child's holds on them), and
-        the priority; it reserves nothing, as its growth was never budgeted."""
+        """A copy sharing every block (the caller adds the child's holds on them) and the priority; it
+        reserves nothing, as its growth was never budgeted."""
         return LiveSequence(
-            self.columns, seq_id, self.namespace, None, self.block_table.copy(), self.lock_node,
-            self.num_tree_blocks, self.private_prefix, self.num_tokens, self.num_computed_tokens, self.priority,
+            seq_id, self.namespace, bytearray(self.tail_bytes), self.block_table.copy(), self.lock_node,
+            self.num_tree_blocks, self.private_prefix, self.num_tokens, self.num_computed_tokens,
+            self.priority,
         )  # fmt: skip
-
-    def image(self, columns: SequenceColumns) -> LiveSequence:
-        """A copy on `columns` (a copy of this one's, same row) that later changes leave alone: the online audit's."""
-        copy = object.__new__(LiveSequence)
-        copy.seq_id, copy.namespace, copy.block_table = self.seq_id, self.namespace, self.block_table.copy()
-        copy.lock_node, copy.num_tree_blocks, copy.priority = self.lock_node, self.num_tree_blocks, self.priority
-        copy.private_prefix, copy.columns, copy.row = self.private_prefix.copy(), columns, self.row
-        columns.owner[self.row] = copy
-        return copy
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -135,12 +79,8 @@ class PreemptedSequence:
 class Sequences:
     """The live sequences by id, and the preempted ones apart; ids are never reused within one run."""
 
-    def __init__(self, first_seq_id: int, num_blocks: int, block_size: int) -> None:
-        self.columns = SequenceColumns(num_blocks, block_size)
+    def __init__(self, first_seq_id: int) -> None:
         self._live: dict[int, LiveSequence] = {}
-        self._rows: dict[int, int] = {}  # seq_id -> row: a batch finds its rows without touching the objects
-        self._version = 0  # moves on every add and remove: a batch's rows stay its rows until then
-        self._last_batch: tuple[list[int], npt.NDArray[np.int64], int] = ([], np.empty(0, dtype=np.int64), -1)
         self.preempted: dict[int, PreemptedSequence] = {}
         self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
 
@@ -151,13 +91,9 @@ class Sequences:
 
     def add(self, seq: LiveSequence) -> None:
         self._live[seq.seq_id] = seq
-        self._rows[seq.seq_id] = seq.row
-        self._version += 1
 
     def remove(self, seq: LiveSequence) -> None:
-        del self._live[seq.seq_id], self._rows[seq.seq_id]
-        self.columns.free_row(seq.row)
-        self._version += 1
+        del self._live[seq.seq_id]
 
     def __len__(self) -> int:
         return len(self._live)
@@ -179,37 +115,10 @@ class Sequences:
             raise UnknownSequence(seq_id)
         return seq
 
-    def rows(self, seq_ids: Sequence[int]) -> npt.NDArray[np.int64]:
-        """The rows of a batch's live sequences, each once, or the error naming the first bad entry.
-
-        A decode step names the batch the step before it named: while no sequence came or went, its
-        rows are the ones found then (a list compare instead of a lookup per id; not written to).
-        """
-        last_ids, last_rows, version = self._last_batch
-        if version == self._version and type(seq_ids) is list and seq_ids == last_ids and type(sum(seq_ids)) is int:
-            return last_rows
-        num = len(seq_ids)
-        try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
-            rows = np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.int64, count=num)
-            named = type(sum(seq_ids)) is int  # a float or a numpy int equal to a live id is found, but refused
-        except (KeyError, TypeError):  # unknown or unhashable: found below, by name
-            named = False
-        if not named:
-            for i, seq_id in enumerate(seq_ids):
-                if not isinstance(seq_id, int) or seq_id not in self._live:
-                    self.get(seq_id, f"seq_ids[{i}]")  # raises
-            rows = np.fromiter(map(self._rows.__getitem__, seq_ids), dtype=np.int64, count=num)
-        marks, order = self.columns.marks, np.arange(num)
-        marks[rows] = order  # a row given twice keeps only its last position
-        if (marks[rows] != order).any():
-            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
-        self._last_batch = (list(seq_ids), rows, self._version)
-        return rows
-
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
-        """The live sequences of a batch, each once, or the error naming the first bad entry (see `rows`)."""
+        """The live sequences of a batch, each once, or the error naming the first bad entry."""
         live = self._live
-        try:
+        try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
             found = list(map(live.get, seq_ids))
         except TypeError:  # an unhashable entry: found below, by name
             found = [None] * len(seq_ids)

@@ -31,7 +31,6 @@ from radixkv.publish import release
 from radixkv.radix_node import Node
 from radixkv.results import SlotPlan
 from radixkv.sequence import LiveSequence, PreemptedSequence, path_runs
-from radixkv.sequence_columns import SequenceColumns
 from radixkv.token_ids import TokenKey
 
 
@@ -46,10 +45,8 @@ class SwappedBlocks:
 class HostSwap:
     """`SwapTier` over a cache's allocator and host tier; `root(namespace)` gives a namespace's tree root."""
 
-    def __init__(
-        self, blocks: Allocator, host: HostTier, root: Callable[[str], Node], columns: SequenceColumns
-    ) -> None:
-        self.blocks, self.host, self.root, self.columns = blocks, host, root, columns
+    def __init__(self, blocks: Allocator, host: HostTier, root: Callable[[str], Node]) -> None:
+        self.blocks, self.host, self.root = blocks, host, root
 
     def swap_out(self, sequences: list[LiveSequence]) -> tuple[Pairs, list[object]]:
         """Copy each sequence's blocks past its locked path to the host tier and drop all its device holds.
@@ -106,7 +103,7 @@ class HostSwap:
         host.num_swapped_sequences -= 1
         table = BlockTable.of([*path_runs(node), own])
         seq = LiveSequence(
-            self.columns, record.seq_id, record.namespace, key.tail_after(num_matched * bs), table, node, num_matched,
+            record.seq_id, record.namespace, bytearray(key.tail_after(num_matched * bs)), table, node, num_matched,
             NO_BLOCKS, key.num_tokens, num_computed, record.priority, record.reserve_until,
         )  # fmt: skip
         table_ids = table.array()

@@ -140,7 +140,6 @@ class PoolImage:
     def _take_instant(self) -> _Instant:
         pool, tree, hub = self._pool, self._pool.cache.tree, self._pool.events
         sequences, pins = pool.cache.holders()
-        columns = sequences.columns.copy()
         try:
             pool.ledger.check_invariants(pool.cache)
             pool.cache.check_reservations()
@@ -149,7 +148,8 @@ class PoolImage:
             ledger_violation = f"ledger: {e}"
         return _Instant(
             [_copy(root, tree, pool) for root in tree.roots.values()],
-            [s.image(columns) for s in sequences],
+            [dataclasses.replace(s, tail_bytes=bytearray(s.tail_bytes), block_table=s.block_table.copy(),
+                                 private_prefix=s.private_prefix.copy()) for s in sequences],
             [(node.node_id, count) for node, count in pins],
             pool.cache.pool.copy(),
             (tree.num_evictable_blocks, tree.num_pinned_blocks, tree.num_cached_blocks,

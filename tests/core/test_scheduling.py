@@ -182,8 +182,12 @@ def test_lock_prefix_pins_a_hit_without_allocating(cache):
     cache.release(miss.seq_id)
 
 
-def test_single_append_slots_are_right(cache):
+def test_single_append_slots_are_lazy_and_right(cache):
     r = cache.open([1, 2, 3])
     a = cache.append(r.seq_id, [4, 5])
+    from radixkv.results import SlotPlan
+
+    plan = a.batch.slot_source
+    assert isinstance(plan, SlotPlan) and plan.computed is None, "nothing computed before the slots are read"
     table = cache.block_table(r.seq_id)
     assert list(a.slots) == [table[0] * 4 + 3, table[1] * 4]
