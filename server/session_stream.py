@@ -16,7 +16,9 @@ that this session already answered (re-sent after a reconnect) is answered again
 
 A client with several steps queued sends them as one frame (`SessionRequest.steps`, see
 client/step_stream.py): each is answered exactly as if it came alone, in order, and the answers go
-back in one message, so gRPC's per-message cost is paid once for them.
+back in one message, so gRPC's per-message cost is paid once for them. An append may carry its id
+and count columns packed (`StepAppend.packed_seq_ids`, radixkv.packed); it is answered with its
+result columns in the form it sent them.
 """
 
 from __future__ import annotations
