@@ -367,7 +367,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.num_computed_tokens(seq) == self.computed[seq]
             if seq not in self.preempted:
                 reserved += max(0, self.reserve_until[seq] - len(self.cache.block_table(seq)))
-                live = self.cache._sequences.get(seq)  # its tokens: the locked path's, then its rows' past it
+                live = self.cache._sequences.get(seq)  # its tokens: the locked path's, then its tail
                 assert np.frombuffer(all_token_bytes(live), dtype="<i4").tolist() == tokens
         assert stats.num_blocks_reserved == reserved
 
