@@ -1,7 +1,8 @@
 """Appending tokens to live sequences in two steps: plan (blocks to take, copy-on-write) then apply.
 
 Planning changes nothing, so a dry run (`check_append`, `can_append`) and the append itself count
-new blocks and copies the same way.
+new blocks and copies the same way. A decode step (many sequences, one token each, no shared last
+block) takes `decode_step`, which plans and applies the same way in a few passes over plain ints.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: s
     if len(num_token_ids) != len(seq_ids):
         raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
     counts = list(num_token_ids)
-    if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints (a decode step's list skips the loop)
-        counts = [int(n) for n in counts]
+    try:
+        if counts.count(1) == len(counts):
+            return [1] * len(counts)  # a decode step: one C loop, and an entry equal to 1 is one token
+        if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints; 1.5 or "2" is refused
+            as_ints = [int(n) for n in counts]
+            if as_ints != counts:
+                raise ValueError
+            counts = as_ints
+    except (TypeError, ValueError):
+        raise InvalidArgument(field, f"must be integers, got {counts!r:.80}") from None
     if counts and min(counts) < 1:
         raise InvalidArgument(field, "every sequence appends at least one token")
     return counts
@@ -116,6 +125,7 @@ def apply_append(
     return offset
 
 
+_TOKEN_VOID = np.dtype(f"V{TOKEN_BYTES}")  # a token's bytes as one opaque item (`tolist()` gives `bytes`)
 _NO_BLOCKS = np.empty(0, dtype=np.int32)
 _NO_BLOCKS.flags.writeable = False
 
@@ -165,6 +175,49 @@ def apply_batch(
     return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
 
 
+# Batches this large that append one token each take `decode_step`: below it, its fixed cost (a few numpy
+# calls) outweighs what it saves per sequence (bench_core's engine replay appends to one or a few at a time).
+DECODE_STEP_MIN = 16
+
+
+def decode_step(
+    blocks: Allocator, live: list[LiveSequence], seq_ids: Sequence[int], key: bytes, max_tokens: int
+) -> AppendBatch | None:
+    """One token to each of `live`, planned and applied in a few passes; None where `append`'s general path
+    must serve (a sequence at `max_tokens`, or one writing into a partial block another sequence shares).
+
+    A decode step is the server's hottest call: hundreds of sequences, each writing one slot of its
+    last block or taking one new block. So each sequence costs a handful of attribute writes, the
+    result columns are list comprehensions, and the slots are computed here from the same ints
+    (a `SlotPlan` would spend ~10 numpy calls on them).
+    """
+    bs = blocks.tree.block_size
+    nums = [seq.num_tokens for seq in live]
+    if not nums or max(nums) >= max_tokens:
+        return None
+    tables = [seq.block_table for seq in live]
+    within = [n % bs for n in nums]  # the token's place in its block: 0 opens a new one
+    partial_lasts = [table.last for table, w in zip(tables, within, strict=True) if w]
+    if partial_lasts and int(blocks.pool.ref_counts[partial_lasts].max()) > 1:  # a fork's shared block: copy first
+        return None
+    grows = [0 if w else 1 for w in within]
+    counts = [1] * len(live)
+    drawn = num_drawn(live, counts, bs) if blocks.num_reserved else 0
+    new_blocks: list[int] = blocks.allocate(len(live) - len(partial_lasts), drawn).tolist()
+    taken = iter(new_blocks)
+    tokens = np.frombuffer(key, _TOKEN_VOID).tolist()  # one 4-byte `bytes` per token, in one C loop
+    for seq, table, n, w, token in zip(live, tables, nums, within, tokens, strict=True):
+        seq.tail_bytes += token
+        if seq.num_computed_tokens < n:
+            seq.num_computed_tokens = n
+        seq.num_tokens = n + 1
+        if not w:
+            table.append(next(taken))
+    slots = np.array([table.last * bs + w for table, w in zip(tables, within, strict=True)], dtype=np.int64)
+    offsets = [table.length - grow for table, grow in zip(tables, grows, strict=True)]
+    return AppendBatch(list(seq_ids), counts, [n + 1 for n in nums], offsets, grows, new_blocks, [], slots)
+
+
 def append(
     blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], counts: list[int], key: bytes, max_tokens: int
 ) -> AppendBatch:
@@ -173,6 +226,12 @@ def append(
     New table entries draw on each sequence's own reservation first (see `radixkv.budget`).
     """
     live = sequences.batch(seq_ids)
+    one_each = len(live) >= DECODE_STEP_MIN and counts.count(1) == len(counts)
+    decoded = decode_step(blocks, live, seq_ids, key, max_tokens) if one_each else None
+    if decoded is not None:
+        if blocks.tree.host is not None:
+            decoded.offloads = blocks.tree.host.take_offloads()
+        return decoded
     plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
     drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: nothing to draw on
     new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)

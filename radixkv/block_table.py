@@ -70,6 +70,16 @@ class BlockTable:
         if n:
             self.last = int(block_ids[-1])
 
+    def append(self, block_id: int) -> None:
+        """One more block (a decode step's new one): `extend` without an array."""
+        if self.length == len(self._buffer):
+            grown = np.empty(max(16, 2 * len(self._buffer)), dtype=np.int32)
+            grown[: self.length] = self._buffer
+            self._buffer, self._shared = grown, False
+        self._buffer[self.length] = block_id
+        self.length += 1
+        self.last = block_id
+
     def set_last(self, block_id: int) -> None:
         """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""
         if self._shared:

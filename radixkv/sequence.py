@@ -9,8 +9,6 @@ written. `append` raises it to the tokens before the appended ones; `commit` rai
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -117,18 +115,17 @@ class Sequences:
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
-        live = self._live
         try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
-            found = list(map(live.get, seq_ids))
-        except TypeError:  # an unhashable entry: found below, by name
-            found = [None] * len(seq_ids)
-        if set(map(type, seq_ids)) - {int} or any(map(operator.is_, found, itertools.repeat(None))):
+            found: list[LiveSequence] | None = list(map(self._live.__getitem__, seq_ids))
+        except (KeyError, TypeError):  # one is not live (or not hashable)
+            found = None
+        if found is None or set(map(type, seq_ids)) - {int}:  # 2.0 finds sequence 2 as a key, yet is refused
             for i, seq_id in enumerate(seq_ids):
-                if not isinstance(seq_id, int) or found[i] is None:
-                    self.get(seq_id, f"seq_ids[{i}]")  # raises
+                self.get(seq_id, f"seq_ids[{i}]")  # raises at the first entry that is not a live sequence's id
+        assert found is not None  # an entry not found raised above
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
-        return found  # type: ignore[return-value]  # no None is left
+        return found
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""

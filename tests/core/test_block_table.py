@@ -20,6 +20,18 @@ def test_of_joins_the_parts_and_extend_grows_past_the_room_it_had():
     assert table[1:4].tolist() == [5, 6, 100]
 
 
+def test_append_adds_one_block_and_moves_the_buffer_when_full_leaving_views_as_they_were():
+    table = BlockTable(np.empty(0, dtype=np.int32), 0)  # no room at all: the first append makes some
+    assert table.last == -1
+    views = []
+    for block_id in range(40):
+        table.append(block_id)
+        views.append(table.array())
+        assert table.last == block_id and len(table) == block_id + 1
+    assert table.tolist() == list(range(40))
+    assert [v.tolist() for v in views] == [list(range(n + 1)) for n in range(40)]
+
+
 def test_a_view_is_read_only_and_unchanged_by_later_appends_and_copy_on_write():
     table = BlockTable.of([ids(1, 2, 3)])
     view = table.array()

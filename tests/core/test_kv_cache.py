@@ -281,6 +281,12 @@ def test_pin_is_bounded_by_its_share_of_the_pool():
         (lambda c: c.append_batch([1], [2], [5]), InvalidArgument, "token_ids"),
         (lambda c: c.append_batch([1], [0], []), InvalidArgument, "num_token_ids"),
         (lambda c: c.append_batch([1, 2], [1], [5]), InvalidArgument, "num_token_ids"),
+        (lambda c: c.append_batch([1], [1.5], [5]), InvalidArgument, "num_token_ids"),  # not truncated to 1
+        (lambda c: c.append_batch([1], ["1"], [5]), InvalidArgument, "num_token_ids"),
+        (lambda c: c.append_batch([1], [None], [5]), InvalidArgument, "num_token_ids"),
+        (lambda c: c.append_batch([1], [np.array([1, 1])], [5, 6]), InvalidArgument, "num_token_ids"),
+        (lambda c: c.append_batch([1, 1], [1, 1], [5, 6]), InvalidArgument, "seq_ids"),  # a decode step's twice
+        (lambda c: c.append_batch([1], [1], [-5]), InvalidArgument, "token_ids"),
         (lambda c: c.open_many([([1], "default"), ([], "default")]), InvalidArgument, "requests[1].token_ids"),
         (lambda c: c.cache("1"), InvalidArgument, "seq_id"),
         (lambda c: c.match([1], namespace="bad name"), InvalidArgument, "namespace"),
