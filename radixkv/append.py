@@ -16,6 +16,7 @@ from radixkv.allocation import Allocator
 from radixkv.block_pool import BlockPool
 from radixkv.budget import num_drawn
 from radixkv.errors import InvalidArgument, LimitExceeded
+from radixkv.packed import all_ones
 from radixkv.results import AppendBatch, SlotPlan
 from radixkv.sequence import LiveSequence, Sequences
 from radixkv.token_ids import TOKEN_BYTES, TokenIds, TokenKey
@@ -28,16 +29,16 @@ def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: s
     if len(num_token_ids) != len(seq_ids):
         raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
     counts = list(num_token_ids)
-    try:
-        if counts.count(1) == len(counts):
-            return [1] * len(counts)  # a decode step: one C loop, and an entry equal to 1 is one token
-        if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints; 1.5 or "2" is refused
+    if all_ones(counts):
+        return [1] * len(counts)  # a decode step: no pass per entry beyond that check
+    if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints; 1.5 or "2" is refused
+        try:
             as_ints = [int(n) for n in counts]
             if as_ints != counts:
                 raise ValueError
-            counts = as_ints
-    except (TypeError, ValueError):
-        raise InvalidArgument(field, f"must be integers, got {counts!r:.80}") from None
+        except (TypeError, ValueError):
+            raise InvalidArgument(field, f"must be integers, got {counts!r:.80}") from None
+        counts = as_ints
     if counts and min(counts) < 1:
         raise InvalidArgument(field, "every sequence appends at least one token")
     return counts
@@ -227,16 +228,13 @@ def append(
     """
     live = sequences.batch(seq_ids)
     one_each = len(live) >= DECODE_STEP_MIN and counts.count(1) == len(counts)
-    decoded = decode_step(blocks, live, seq_ids, key, max_tokens) if one_each else None
-    if decoded is not None:
-        if blocks.tree.host is not None:
-            decoded.offloads = blocks.tree.host.take_offloads()
-        return decoded
-    plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
-    drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: nothing to draw on
-    new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)
-    batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
-    blocks.stats.num_cow_copies += len(batch.copies)
+    batch = decode_step(blocks, live, seq_ids, key, max_tokens) if one_each else None
+    if batch is None:
+        plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
+        drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: none to draw on
+        new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)
+        batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
+        blocks.stats.num_cow_copies += len(batch.copies)
     if blocks.tree.host is not None:
         batch.offloads = blocks.tree.host.take_offloads()
     return batch

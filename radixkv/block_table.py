@@ -62,9 +62,7 @@ class BlockTable:
         n = len(block_ids)
         end = self.length + n
         if end > len(self._buffer):
-            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int32)
-            grown[: self.length] = self._buffer[: self.length]
-            self._buffer, self._shared = grown, False
+            self._grow(end)
         self._buffer[self.length : end] = block_ids
         self.length = end
         if n:
@@ -73,12 +71,16 @@ class BlockTable:
     def append(self, block_id: int) -> None:
         """One more block (a decode step's new one): `extend` without an array."""
         if self.length == len(self._buffer):
-            grown = np.empty(max(16, 2 * len(self._buffer)), dtype=np.int32)
-            grown[: self.length] = self._buffer
-            self._buffer, self._shared = grown, False
+            self._grow(self.length + 1)
         self._buffer[self.length] = block_id
         self.length += 1
         self.last = block_id
+
+    def _grow(self, end: int) -> None:
+        """Move to a buffer with room for `end` entries, doubling (at least 16): amortised O(1) per block."""
+        grown = np.empty(max(end, 16, 2 * len(self._buffer)), dtype=np.int32)
+        grown[: self.length] = self._buffer[: self.length]
+        self._buffer, self._shared = grown, False
 
     def set_last(self, block_id: int) -> None:
         """Replace the last block (copy-on-write); moves the buffer first if a view of it is out."""

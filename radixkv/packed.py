@@ -43,5 +43,9 @@ def unpack(data: bytes, width: int, field: str) -> list[int]:
 
 
 def all_ones(counts: Sequence[int]) -> bool:
-    """Whether a list of ints is all 1 (a decode step's counts, which a packed append leaves implied)."""
-    return isinstance(counts, list) and counts.count(1) == len(counts) and type(sum(counts)) is int
+    """Whether `counts` is a list of int ones (a decode step's counts, which a packed append leaves implied),
+    in two C loops; False for any other entry (`1.0`, an array), which the caller then checks one by one."""
+    try:
+        return isinstance(counts, list) and counts.count(1) == len(counts) and type(sum(counts)) is int
+    except (TypeError, ValueError):  # an entry that does not compare with 1 plainly (a numpy array)
+        return False

@@ -31,3 +31,5 @@ def test_bytes_that_are_not_whole_values_name_their_field() -> None:
 def test_all_ones_is_a_list_of_int_ones() -> None:
     assert all_ones([1, 1, 1]) and all_ones([])
     assert not all_ones([1, 2]) and not all_ones([1.0, 1.0]) and not all_ones(np.ones(3, dtype=np.int64))  # type: ignore[arg-type]
+    assert not all_ones([np.ones(2, dtype=np.int64)])  # type: ignore[list-item]  # no truth value: not ones
+    assert not all_ones([1, None])  # type: ignore[list-item]

@@ -163,4 +163,7 @@ def test_the_clients_send_a_step_packed_and_a_bad_entry_as_before(server, monkey
         with pytest.raises(InvalidArgument) as refused:
             client.step(Step(append=Append([ids[0], 1.5], [1, 1], [1, 2])))  # type: ignore[list-item]
         assert refused.value.field.startswith("seq_ids")
+        with pytest.raises(InvalidArgument) as refused:  # an array as a count: not "all ones", no crash
+            client.step(Step(append=Append(ids, [np.ones(2, dtype=np.int64), 1], [1, 2, 3])))  # type: ignore[list-item]
+        assert refused.value.field.startswith("num_token_ids")
         assert client.num_tokens(ids[0]) == 6, "nothing was sent"
