@@ -44,7 +44,8 @@ SESSION_METHOD = b"/radixkv.v1.KVCache/Session"
 # cycles in flight each, measured in turns: 7.9 steps per message and 2.7-3.4x the unary rate, as gRPC's
 # public stream gave in the same runs; writing each step as it was submitted left 2.7 per message, 2.1-2.6x.)
 MAX_UNANSWERED = 2
-_START, _STATUS, _WRITE, _READ = "start", "status", "write", "read"  # completion tags, one batch each in flight
+# Completion tags, one batch each in flight; EXCHANGE writes and reads in one batch (then neither runs alone).
+_START, _STATUS, _WRITE, _READ, _EXCHANGE = "start", "status", "write", "read", "exchange"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -134,10 +135,20 @@ class DirectStepStream:
             self._write_queued()
 
     def _write_queued(self) -> None:
-        """Write the queued steps as one message, and read its response (holding `_lock`)."""
+        """Write the queued steps as one message, and read its response (holding `_lock`).
+
+        A lone step, the only one unanswered (a scheduler stepping back to back), is written and read in
+        one batch: one completion to take, one wake-up of the waiting caller less. Otherwise the write
+        is a batch of its own, so that the next message may leave while this one is answered (steps
+        pipelined by `submit`)."""
         requests = take_frame(self._outbox)
         self._frame_sizes.append(len(requests))
-        self._start((cygrpc.SendMessageOperation(frame(requests).SerializeToString(), 0),), _WRITE)
+        send = cygrpc.SendMessageOperation(frame(requests).SerializeToString(), 0)
+        if not self._reading and len(self._in_flight) == 1:
+            self._start((send, cygrpc.ReceiveMessageOperation(0)), _EXCHANGE)
+            self._writing = self._reading = True
+            return
+        self._start((send,), _WRITE)
         self._writing = True
         if not self._reading:
             self._start((cygrpc.ReceiveMessageOperation(0),), _READ)
@@ -171,10 +182,14 @@ class DirectStepStream:
             if tag == _WRITE:
                 self._writing = False
                 self._write_if_due()
-            elif tag == _READ:
+            elif tag in (_READ, _EXCHANGE):
                 self._reading = False
-                message = event.batch_operations[0].message() if event.success else None
-                if message is not None:  # None: the server ended the stream, its status follows
+                if tag == _EXCHANGE:  # its write is done too
+                    self._writing = False
+                # The receive is the batch's last operation. None: the server ended the stream (or a write
+                # failed as it did), its status follows.
+                message = event.batch_operations[-1].message() if event.success else None
+                if message is not None:
                     settled = self._answered(message)
                     self._write_if_due()
                     if self._frame_sizes and not self._reading and not self.closed:

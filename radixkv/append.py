@@ -188,35 +188,39 @@ def decode_step(
     must serve (a sequence at `max_tokens`, or one writing into a partial block another sequence shares).
 
     A decode step is the server's hottest call: hundreds of sequences, each writing one slot of its
-    last block or taking one new block. So each sequence costs a handful of attribute writes, the
-    result columns are list comprehensions, and the slots are computed here from the same ints
-    (a `SlotPlan` would spend ~10 numpy calls on them).
+    last block or taking one new block. So each sequence costs a few attribute reads and writes;
+    the arithmetic (places in blocks, slots, lengths) runs on arrays of the whole batch, and only
+    the sequences that open a block visit their tables (a `SlotPlan` would spend ~10 numpy calls).
     """
     bs = blocks.tree.block_size
     nums = [seq.num_tokens for seq in live]
     if not nums or max(nums) >= max_tokens:
         return None
     tables = [seq.block_table for seq in live]
-    within = [n % bs for n in nums]  # the token's place in its block: 0 opens a new one
-    partial_lasts = [table.last for table, w in zip(tables, within, strict=True) if w]
-    if partial_lasts and int(blocks.pool.ref_counts[partial_lasts].max()) > 1:  # a fork's shared block: copy first
-        return None
-    grows = [0 if w else 1 for w in within]
-    counts = [1] * len(live)
-    drawn = num_drawn(live, counts, bs) if blocks.num_reserved else 0
-    new_blocks: list[int] = blocks.allocate(len(live) - len(partial_lasts), drawn).tolist()
-    taken = iter(new_blocks)
+    lengths = np.array(nums, dtype=np.int64)
+    within = lengths % bs  # the token's place in its block
+    lasts = np.array([table.last for table in tables], dtype=np.int64)
+    opens = within == 0  # the token opens a new block
+    num_new = int(np.count_nonzero(opens))
+    if num_new < len(live) and int(blocks.pool.ref_counts[lasts[~opens]].max()) > 1:
+        return None  # a fork's shared partial block: copy it first
+    offsets = [table.length for table in tables]  # where each table's new blocks go, if any
+    drawn = num_drawn(live, [1] * len(live), bs) if blocks.num_reserved else 0
+    new_blocks = blocks.allocate(num_new, drawn)
     tokens = np.frombuffer(key, _TOKEN_VOID).tolist()  # one 4-byte `bytes` per token, in one C loop
-    for seq, table, n, w, token in zip(live, tables, nums, within, tokens, strict=True):
+    after: list[int] = (lengths + 1).tolist()
+    for seq, n, n_after, token in zip(live, nums, after, tokens, strict=True):
         seq.tail_bytes += token
-        if seq.num_computed_tokens < n:
-            seq.num_computed_tokens = n
-        seq.num_tokens = n + 1
-        if not w:
-            table.append(next(taken))
-    slots = np.array([table.last * bs + w for table, w in zip(tables, within, strict=True)], dtype=np.int64)
-    offsets = [table.length - grow for table, grow in zip(tables, grows, strict=True)]
-    return AppendBatch(list(seq_ids), counts, [n + 1 for n in nums], offsets, grows, new_blocks, [], slots)
+        seq.num_computed_tokens = n  # never past the length, and the append marks every token before it
+        seq.num_tokens = n_after
+    opened = np.flatnonzero(opens)
+    block_ids: list[int] = new_blocks.tolist()
+    for i, block_id in zip(opened.tolist(), block_ids, strict=True):
+        tables[i].append(block_id)
+    lasts[opened] = new_blocks
+    slots = lasts * bs + within
+    num_block_ids: list[int] = opens.view(np.int8).tolist()
+    return AppendBatch(list(seq_ids), [1] * len(live), after, offsets, num_block_ids, block_ids, [], slots)
 
 
 def append(

@@ -81,6 +81,9 @@ class Sequences:
         self._live: dict[int, LiveSequence] = {}
         self.preempted: dict[int, PreemptedSequence] = {}
         self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
+        # The last batch found, (its ids, its sequences): a decode loop asks for the same batch step after step.
+        # Dropped whenever the live set changes.
+        self._last_batch: tuple[list[int], list[LiveSequence]] | None = None
 
     def next_id(self) -> int:
         seq_id = self.next_seq_id
@@ -89,9 +92,11 @@ class Sequences:
 
     def add(self, seq: LiveSequence) -> None:
         self._live[seq.seq_id] = seq
+        self._last_batch = None
 
     def remove(self, seq: LiveSequence) -> None:
         del self._live[seq.seq_id]
+        self._last_batch = None
 
     def __len__(self) -> int:
         return len(self._live)
@@ -115,6 +120,11 @@ class Sequences:
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
+        last = self._last_batch
+        # The ids of the last batch (ints: 2.0 and numpy's 2 compare equal to 2, yet are refused below), and no
+        # sequence came or went since.
+        if last is not None and type(seq_ids) is list and last[0] == seq_ids and type(sum(seq_ids)) is int:
+            return list(last[1])
         try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
             found: list[LiveSequence] | None = list(map(self._live.__getitem__, seq_ids))
         except (KeyError, TypeError):  # one is not live (or not hashable)
@@ -125,7 +135,8 @@ class Sequences:
         assert found is not None  # an entry not found raised above
         if len(set(seq_ids)) != len(seq_ids):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
-        return found
+        self._last_batch = (list(seq_ids), found)
+        return list(found)
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""

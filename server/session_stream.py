@@ -81,38 +81,42 @@ class SessionStreams:
                 except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
                     return
                 if isinstance(request, Undecodable) or not request.steps:
-                    yield _answer(stream, request, observe)
+                    response, answered = stream.answer(request)
+                    timings = [answered]
                 else:
-                    yield _answer_frame(stream, request, observe)
+                    response, timings = _answer_frame(stream, request)
+                try:
+                    yield response
+                finally:  # the metrics are kept after the response left: off the step's round trip
+                    for pool, code, seconds in timings:
+                        observe("Session", pool, code, seconds)
         finally:
             stream.close()
             with self._lock:
                 self._num_open -= 1
 
 
-def _answer(stream: _Stream, request: pb.SessionRequest | Undecodable, observe: Observe) -> pb.SessionResponse:
-    start = time.perf_counter()
-    response, pool = stream.answer(request)
-    code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
-    observe("Session", pool, code, time.perf_counter() - start)
-    return response
+Timing = tuple[str, grpc.StatusCode, float]  # a step's (pool, code, seconds), as the metrics take them
 
 
-def _answer_frame(stream: _Stream, frame: pb.SessionRequest, observe: Observe) -> pb.SessionResponse:
+def _answer_frame(stream: _Stream, frame: pb.SessionRequest) -> tuple[pb.SessionResponse, list[Timing]]:
     """A frame's steps, each answered as if it came alone, in order; their responses in one message."""
     response = pb.SessionResponse()
+    timings: list[Timing] = []
     if len(frame.ListFields()) > 1:  # `steps` and something else
         refusal = _step_error(InvalidArgument("steps", "a frame of steps sets no other field"))
         for _ in frame.steps:
             response.steps.add(error=refusal)
-        return response
+        return response, timings
     for i, step in enumerate(frame.steps):
         if step.steps:
             refused = _step_error(InvalidArgument(f"steps[{i}].steps", "a step inside a frame is not a frame"))
             response.steps.add(request_id=step.request_id, error=refused)
         else:
-            response.steps.append(_answer(stream, step, observe))
-    return response
+            answer, timing = stream.answer(step)
+            response.steps.append(answer)
+            timings.append(timing)
+    return response, timings
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -125,19 +129,27 @@ class _Stream:
     def __init__(self, service: KVService, caller: Tenant) -> None:
         self._service, self._caller = service, caller
         self._session: Session | None = None
+        self._last_ids: tuple[bytes, list[int]] = (b"", [])  # the last packed batch of ids, unpacked
 
     def close(self) -> None:
         if self._session is not None:
             self._service.sessions.unhold(self._session)
 
-    def answer(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, str]:
+    def answer(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, Timing]:
+        """The step's response (its results, or the refusal), and its timing."""
+        start = time.perf_counter()
+        response, pool = self._answer(request)
+        code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
+        return response, (pool, code, time.perf_counter() - start)
+
+    def _answer(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, str]:
         """The step's response (its results, or the refusal), and the pool it named."""
         if isinstance(request, Undecodable):
             error = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
             return pb.SessionResponse(error=_step_error(error)), ""
         try:
             session = self._bind(request.session_id)
-            step = _step(request)
+            step = _step(request, self._unpack_ids)
             result = run_step(self._service, self._caller, session, request.pool, step, request.request_id)
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
@@ -147,6 +159,12 @@ class _Stream:
             ), request.pool
         packed = bool(request.append.packed_seq_ids or request.append.packed_num_token_ids)
         return _response(request.request_id, session.session_id, result, packed), request.pool
+
+    def _unpack_ids(self, packed: bytes) -> list[int]:
+        """A packed append's ids: a decode loop sends the same batch step after step, unpacked once here."""
+        if packed != self._last_ids[0]:
+            self._last_ids = (packed, unpack(packed, 8, "packed_seq_ids"))
+        return self._last_ids[1]
 
     def _bind(self, session_id: str) -> Session:
         """The stream's session: the first request names it; later ones leave it empty or repeat it."""
@@ -163,8 +181,9 @@ class _Stream:
         return session
 
 
-def _step(request: pb.SessionRequest) -> Step:
-    """The request as a Step; empty item lists are left at their defaults (a decode step reads one field)."""
+def _step(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]) -> Step:
+    """The request as a Step; empty item lists are left at their defaults (a decode step reads one field).
+    `unpack_ids`: packed seq ids as a list, never changed by the step."""
     items: dict[str, object] = {}
     if request.HasField("commit"):
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))
@@ -176,7 +195,7 @@ def _step(request: pb.SessionRequest) -> Step:
         if any(o.explain for o in request.opens):
             items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
-        items["append"] = _append(request.append)
+        items["append"] = _append(request.append, unpack_ids)
     if request.forks:
         items["forks"] = [(f.seq_id, f.num_children) for f in request.forks]
     if request.cache_seq_ids:
@@ -186,14 +205,14 @@ def _step(request: pb.SessionRequest) -> Step:
     return Step(**items)  # type: ignore[arg-type]
 
 
-def _append(a: pb.StepAppend) -> Append:
+def _append(a: pb.StepAppend, unpack_ids: Callable[[bytes], list[int]]) -> Append:
     """The append item, from its repeated or its packed columns (see radixkv.packed)."""
     if not (a.packed_seq_ids or a.packed_num_token_ids):
         return Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
     try:
         if a.seq_ids or a.num_token_ids:
             raise InvalidArgument("packed_seq_ids", "set seq_ids and num_token_ids or their packed forms, not both")
-        seq_ids = unpack(a.packed_seq_ids, 8, "packed_seq_ids")
+        seq_ids = unpack_ids(a.packed_seq_ids)
         if not a.packed_num_token_ids:
             return Append(seq_ids, [1] * len(seq_ids), a.token_ids)  # a decode step: one token each
         counts = unpack(a.packed_num_token_ids, 4, "packed_num_token_ids")

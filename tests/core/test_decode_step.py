@@ -34,6 +34,9 @@ def state(cache: KVCache) -> list[tuple[int, list[int], int, int, bytes]]:
 def same_batches(a: AppendBatch, b: AppendBatch) -> None:
     for name in COLUMNS:
         assert getattr(a, name) == getattr(b, name), name
+        assert isinstance(getattr(a, name), list), name
+    for name in ("num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids"):  # plain ints, as JSON takes
+        assert {type(v) for v in getattr(a, name)} <= {int}, name
     assert a.slots.dtype == b.slots.dtype == np.int64
     assert a.slots.tolist() == b.slots.tolist()
 

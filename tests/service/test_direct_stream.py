@@ -66,6 +66,34 @@ def test_submitted_steps_leave_together_when_a_caller_waits(server: ServerProces
     debug.check()
 
 
+def test_a_lone_step_is_written_and_read_in_one_batch_and_pipelined_ones_are_not(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
+    """A step that is the only one unanswered leaves as one batch with its read (one completion to take); a
+    frame with others behind it, or steps still unanswered, writes alone so that the next frame can follow."""
+    with RadixKVClient(server.address) as client:
+        client.step(Step())
+        stream = client._steps
+        assert isinstance(stream, DirectStepStream)
+        batches: list[tuple[str, int]] = []  # (tag, operations in the batch)
+        original = stream._start
+
+        def recording(operations: tuple[Any, ...], tag: str) -> None:
+            batches.append((tag, len(operations)))
+            original(operations, tag)
+
+        stream._start = recording  # type: ignore[method-assign]
+        seq_id = client.step(Step(opens=[([400, 1, 2], "exchange")])).opened[0].seq_id
+        for token in range(3):
+            client.step(Step(append=Append([seq_id], [1], [token])))
+        assert batches == [("exchange", 2)] * 4
+        batches.clear()
+        futures = [client.submit(Step(append=Append([seq_id], [1], [token]))) for token in range(3)]
+        assert [f.result().appended.num_tokens for f in futures] == [[7], [8], [9]]  # type: ignore[union-attr]
+        assert batches[:2] == [("write", 1), ("read", 1)]
+        assert client.num_tokens(seq_id) == 9 and len(client.block_table(seq_id)) == 3  # blocks of 4
+        client.step(Step(releases=[([seq_id], False)]))
+    debug.check()
+
+
 def test_a_channel_without_the_core_call_api_keeps_the_public_stream(server: ServerProcess) -> None:
     class Passing(grpc.StreamStreamClientInterceptor):
         def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:

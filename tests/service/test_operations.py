@@ -7,15 +7,19 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
+import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from radixkv.client import RadixKVClient
+from radixkv.errors import UnknownSequence
 from radixkv.results import OpenResult
+from radixkv.step import Append, Step
 
 
 def test_health_reports_serving_for_the_server_and_the_service(server) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +88,35 @@ def test_metrics_expose_pool_gauges_counters_and_rpc_latency(server) -> None:  #
         assert _sample(text, "radixkv_rpc_duration_seconds_count", '{method="OpenSequences",pool="default"}') >= 3
         assert _sample(text, "radixkv_rpcs_total", '{code="OK",method="OpenSequences",pool="default"}') >= 3
         client.release(held.seq_id)
+
+
+def test_metrics_count_each_session_step_by_its_code(server) -> None:  # type: ignore[no-untyped-def]
+    """A stream's steps are timed and counted one by one, a refused step under its own code; they are kept just
+    after each response leaves, so the scrape may trail the last step by a moment."""
+    ok, missing = '{code="OK",method="Session",pool="default"}', '{code="NOT_FOUND",method="Session",pool="default"}'
+    timed = '{method="Session",pool="default"}'
+
+    def counts() -> tuple[float, float, float]:
+        text = _scrape(server)
+        return tuple(  # type: ignore[return-value]
+            _sample(text, name, labels) if f"{name}{labels} " in text else 0.0
+            for name, labels in (("radixkv_rpcs_total", ok), ("radixkv_rpcs_total", missing),
+                                 ("radixkv_rpc_duration_seconds_count", timed))
+        )  # fmt: skip
+
+    before = counts()
+    with RadixKVClient(server.address) as client:
+        seq_id = client.step(Step(opens=[([1, 2, 3, 4, 5], "metrics-steps")])).opened[0].seq_id
+        for token in range(3):
+            client.step(Step(append=Append([seq_id], [1], [token])))
+        with pytest.raises(UnknownSequence):
+            client.step(Step(append=Append([seq_id + 10_000], [1], [0])))
+        client.step(Step(releases=[([seq_id], False)]))
+        expected = (before[0] + 5, before[1] + 1, before[2] + 6)
+        deadline = time.monotonic() + 10
+        while counts() != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counts() == expected
 
 
 def test_sigterm_stops_gracefully_and_frees_the_pool_memory(start_server) -> None:  # type: ignore[no-untyped-def]

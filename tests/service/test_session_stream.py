@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from radixkv.client import RadixKVClient
-from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError
+from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, UnknownSequence
 from radixkv.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -253,6 +253,25 @@ def test_stream_slots_are_the_unary_slots_for_a_prompt_longer_than_a_block(serve
         assert by_stream.slots.dtype == np.int64 and len(by_stream.slots) == len(by_unary.slots) == 50
         table = stream.block_table(by_stream.seq_id)
         assert by_stream.slots.tolist() == [table[t // 4] * 4 + t % 4 for t in range(50)]
+
+
+def test_a_batch_sent_again_is_its_sequences_until_one_of_them_ends(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
+    """A decode loop sends the same packed ids step after step (the server unpacks them once): a sequence of
+    the batch released meanwhile is refused as the unary call refuses it, and another batch is read afresh."""
+    with RadixKVClient(server.address) as client:
+        opened = client.step(Step(opens=[([3000 + 10 * i + t for t in range(5)], "again") for i in range(3)]))
+        a, b, c = (r.seq_id for r in opened.opened)
+        for token in range(3):
+            appended = client.step(Step(append=Append([a, b], [1, 1], [token, token]))).appended
+            assert appended is not None and appended.num_tokens == [6 + token] * 2
+        client.step(Step(releases=[([b], False)]))
+        with pytest.raises(UnknownSequence) as refused:
+            client.step(Step(append=Append([a, b], [1, 1], [7, 7])))
+        assert refused.value.metadata["item"] == "append"
+        assert client.step(Step(append=Append([a, c], [1, 1], [7, 7]))).appended.num_tokens == [9, 6]  # type: ignore[union-attr]
+        assert client.num_tokens(a) == 9
+        client.step(Step(releases=[([a, c], False)]))
+    debug.check()
 
 
 def test_a_step_caches_only_what_its_commit_says_was_written(server: ServerProcess) -> None:
