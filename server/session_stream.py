@@ -14,6 +14,11 @@ empty. While the stream is open the session's lease does not run out (`SessionRe
 the server's keepalive pings end the streams of peers that vanished. A step with a `request_id`
 that this session already answered (re-sent after a reconnect) is answered again, not re-applied.
 
+Steps are answered where their requests complete, on gRPC's completion-queue thread, each response
+leaving with the read of the next request (server/completion_stream.py); where gRPC's internals
+are not as that module uses them, `serve` answers them from the stream's handler thread. Either
+way a step's metrics are kept once its response has left, off the step's round trip.
+
 A client with several steps queued sends them as one frame (`SessionRequest.steps`, see
 client/step_stream.py): each is answered exactly as if it came alone, in order, and the answers go
 back in one message, so gRPC's per-message cost is paid once for them. An append may carry its id
@@ -23,6 +28,7 @@ result columns in the form it sent them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,6 +40,7 @@ import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.packed import pack, unpack
+from radixkv.server.completion_stream import CompletionStream
 from radixkv.server.decoding import Undecodable
 from radixkv.server.miss_reasons import wire_reason
 from radixkv.server.service import KVService
@@ -72,24 +79,23 @@ class SessionStreams:
             if self._num_open >= self.max_streams:
                 raise LimitExceeded("max_session_streams", self._num_open + 1, self.max_streams)
             self._num_open += 1
-        stream = _Stream(service, caller)
-        incoming = iter(requests)
+        stream = _Stream(service, caller, observe)
         try:
+            on_completions = CompletionStream.attach(requests, stream.respond)
+            if on_completions is not None:  # gRPC's internals allow it (server/completion_stream.py)
+                on_completions.run()
+                return
+            incoming = iter(requests)
             while True:
                 try:
                     request = next(incoming)
                 except (StopIteration, grpc.RpcError):  # the client half-closed, cancelled or went away
                     return
-                if isinstance(request, Undecodable) or not request.steps:
-                    response, answered = stream.answer(request)
-                    timings = [answered]
-                else:
-                    response, timings = _answer_frame(stream, request)
+                response, keep_timings = stream.respond(request)
                 try:
                     yield response
-                finally:  # the metrics are kept after the response left: off the step's round trip
-                    for pool, code, seconds in timings:
-                        observe("Session", pool, code, seconds)
+                finally:
+                    keep_timings()
         finally:
             stream.close()
             with self._lock:
@@ -126,14 +132,28 @@ _INT64 = np.dtype("<i8")
 class _Stream:
     """One stream's state: the session it serves (held alive while the stream is open)."""
 
-    def __init__(self, service: KVService, caller: Tenant) -> None:
-        self._service, self._caller = service, caller
+    def __init__(self, service: KVService, caller: Tenant, observe: Observe) -> None:
+        self._service, self._caller, self._observe = service, caller, observe
         self._session: Session | None = None
         self._last_ids: tuple[bytes, list[int]] = (b"", [])  # the last packed batch of ids, unpacked
 
     def close(self) -> None:
         if self._session is not None:
             self._service.sessions.unhold(self._session)
+
+    def respond(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, Callable[[], None]]:
+        """The response to one message (a step or a frame of them), and what keeps its steps' metrics: to be
+        called once the response has left, off the step's round trip."""
+        if isinstance(request, Undecodable) or not request.steps:
+            response, timing = self.answer(request)
+            timings = [timing]
+        else:
+            response, timings = _answer_frame(self, request)
+        return response, functools.partial(self._keep_timings, timings)
+
+    def _keep_timings(self, timings: list[Timing]) -> None:
+        for pool, code, seconds in timings:
+            self._observe("Session", pool, code, seconds)
 
     def answer(self, request: pb.SessionRequest | Undecodable) -> tuple[pb.SessionResponse, Timing]:
         """The step's response (its results, or the refusal), and its timing."""

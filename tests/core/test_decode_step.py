@@ -35,7 +35,7 @@ def same_batches(a: AppendBatch, b: AppendBatch) -> None:
     for name in COLUMNS:
         assert getattr(a, name) == getattr(b, name), name
         assert isinstance(getattr(a, name), list), name
-    for name in ("num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids"):  # plain ints, as JSON takes
+    for name in ("num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids"):  # plain ints (JSON)
         assert {type(v) for v in getattr(a, name)} <= {int}, name
     assert a.slots.dtype == b.slots.dtype == np.int64
     assert a.slots.tolist() == b.slots.tolist()
