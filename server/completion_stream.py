@@ -41,6 +41,9 @@ except ImportError:
 Respond = Callable[[pb.SessionRequest | Undecodable], tuple[pb.SessionResponse, Callable[[], None]]]
 _NO_CALLBACKS: tuple[()] = ()
 INLINE_MAX_BYTES = 64 * 1024  # a request larger than this is answered on the handler thread
+# How often the waiting handler checks that its call is still live: a server stopping may stop reading its
+# completion queue before the cancelled batch's completion is read, which would leave the handler waiting.
+LIVENESS_CHECK_SECONDS = 1.0
 
 
 class CompletionStream:
@@ -59,7 +62,9 @@ class CompletionStream:
         parse = getattr(requests, "_request_deserializer", None)
         if cygrpc is None or call is None or state is None or parse is None:
             return None
-        if not hasattr(call, "start_server_batch") or not hasattr(grpc_server, "_get_initial_metadata_operation"):
+        if not hasattr(call, "start_server_batch") or not all(
+            hasattr(grpc_server, name) for name in ("_get_initial_metadata_operation", "_is_rpc_state_active")
+        ):
             return None
         if not all(hasattr(state, name) for name in ("condition", "initial_metadata_allowed")):
             return None
@@ -74,7 +79,12 @@ class CompletionStream:
         if not self._start((cygrpc.ReceiveMessageOperation(0),)):
             return
         while True:
-            item = self._inbox.get()
+            try:
+                item = self._inbox.get(timeout=LIVENESS_CHECK_SECONDS)
+            except queue.Empty:
+                if grpc_server._is_rpc_state_active(self._state):
+                    continue
+                return  # cancelled or ended meanwhile: the completion of the batch in flight may never be read
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -89,17 +99,19 @@ class CompletionStream:
         return True
 
     def _completed(self, event: Any) -> tuple[None, tuple[()]]:
-        """A batch's completion, on the completion-queue thread: the next request, answered at once if small."""
-        message = event.batch_operations[-1].message() if event.success else None  # the receive is last
-        if message is None:  # half-closed, cancelled or gone: the handler ends the call
-            self._inbox.put(None)
-        elif len(message) > INLINE_MAX_BYTES:
-            self._inbox.put(message)
-        else:
-            try:
+        """A batch's completion, on the completion-queue thread: the next request, answered at once if small.
+
+        Never raises: gRPC calls it from the loop that serves every call, which an exception would end."""
+        try:
+            message = event.batch_operations[-1].message() if event.success else None  # the receive is last
+            if message is None:  # half-closed, cancelled or gone: the handler ends the call
+                self._inbox.put(None)
+            elif len(message) > INLINE_MAX_BYTES:
+                self._inbox.put(message)
+            else:
                 self._context.run(self._answer, message)
-            except BaseException as e:  # noqa: BLE001 -- raised on the handler thread, which ends the call with it
-                self._inbox.put(e)
+        except BaseException as e:  # noqa: BLE001 -- raised on the handler thread, which ends the call with it
+            self._inbox.put(e)
         return None, _NO_CALLBACKS
 
     def _answer(self, message: bytes) -> None:

@@ -7,6 +7,7 @@ handler when the client half-closes or cancels; and end the call with a bug's er
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
+from radixkv.client import RadixKVClient
+from radixkv.errors import RadixKVError
 from radixkv.server.app import build_pool
 from radixkv.server.completion_stream import INLINE_MAX_BYTES, CompletionStream
 from radixkv.server.config import ServerConfig, parse_pool_flag
@@ -22,6 +25,7 @@ from radixkv.server.decoding import Undecodable
 from radixkv.server.service import KVService
 from radixkv.server.session_stream import SessionStreams
 from radixkv.server.tenants import ANONYMOUS
+from radixkv.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
 
 METHOD = "/test.Echo/Session"
@@ -152,3 +156,16 @@ def test_a_stream_not_from_grpc_is_answered_from_its_own_thread_with_metrics_aft
     finally:
         for pool in service.pools.values():
             pool.close()
+
+
+def test_a_server_stopping_with_a_session_stream_open_exits_and_the_step_after_fails(start_server) -> None:  # type: ignore[no-untyped-def]
+    """The stream's handler waits for completions; a server stopping cancels its call and must not wait on it."""
+    proc = start_server("--grace", "1")
+    client = RadixKVClient(proc.address)
+    seq_id = client.step(Step(opens=[([1, 2, 3, 4, 5], "stopping")])).opened[0].seq_id
+    client.step(Step(append=Append([seq_id], [1], [6])))  # the stream is open, its next read in flight
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(timeout=30) == 0
+    with pytest.raises((RadixKVError, grpc.RpcError)):
+        client.step(Step(append=Append([seq_id], [1], [7])))
+    client.close()
