@@ -37,7 +37,7 @@ try:
 except ImportError:
     cygrpc = grpc_server = None
 
-# One request's response (and the steps' timings, kept once it left): session_stream's answer.
+# A request's (response, keep): `keep()` records its steps' metrics once the response has left (session_stream).
 Respond = Callable[[pb.SessionRequest | Undecodable], tuple[pb.SessionResponse, Callable[[], None]]]
 _NO_CALLBACKS: tuple[()] = ()
 INLINE_MAX_BYTES = 64 * 1024  # a request larger than this is answered on the handler thread

@@ -70,7 +70,8 @@ class SessionStreams:
     def serve(
         self, service: KVService, caller: Tenant, requests: Iterable[pb.SessionRequest | Undecodable], observe: Observe
     ) -> Iterator[pb.SessionResponse]:
-        """A response per request until the client half-closes. A generator: the slot is taken when it starts.
+        """A response per request until the client half-closes: sent by a `CompletionStream` where one
+        attaches (nothing is yielded then), else yielded. A generator: the slot is taken when it starts.
 
         Raises:
             LimitExceeded: `max_session_streams` streams are open already.
