@@ -248,12 +248,14 @@ class AsyncRadixKVClient:
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
         pending = AsyncPending(step, request)
-        self._send(pending)
+        self._send(pending, writes_itself=True)
+        assert pending.stream is not None
+        await pending.stream.write_queued()  # this coroutine writes it, unless a write is under way
         return await pending.future
 
-    def _send(self, pending: AsyncPending) -> None:
+    def _send(self, pending: AsyncPending, *, writes_itself: bool = False) -> None:
         pending.attempts += 1
-        while self._steps is None or not self._steps.send(pending):
+        while self._steps is None or not self._steps.send(pending, writes_itself=writes_itself):
             self._steps = AsyncStepStream(self._stub, self._metadata, self._settle, self._stream_broke)
 
     def _settle(self, pending: AsyncPending, response: pb.SessionResponse) -> None:

@@ -246,8 +246,9 @@ class StepStream:
 
 
 class AsyncStepStream:
-    """A Session stream on `grpc.aio`: a writer task sends what is queued (one message per write), a reader
-    task settles steps as their responses arrive."""
+    """A Session stream on `grpc.aio`: what is queued is written one message per write, by the coroutine of
+    the step that found no write under way (a task per step would cost the loop a turn) or, for steps
+    re-sent after a broken stream, by a task; a reader task settles steps as their responses arrive."""
 
     def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
@@ -255,27 +256,41 @@ class AsyncStepStream:
         self._outbox: collections.deque[AsyncPending] = collections.deque()
         self._in_flight: collections.deque[AsyncPending] = collections.deque()
         self._frame_sizes: collections.deque[int] = collections.deque()
-        self._writer: asyncio.Task[None] | None = None
+        self._writer: asyncio.Task[Any] | None = None  # the task writing, if one is
+        self._write_cancelled = False  # a writing step's caller was cancelled mid-write: gRPC cancelled the call
         self.closed = False
         self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 
-    def send(self, pending: AsyncPending) -> bool:
-        """Queue `pending`; False if the stream has failed already (send it on another)."""
+    def send(self, pending: AsyncPending, *, writes_itself: bool = False) -> bool:
+        """Queue `pending`; False if the stream has failed already (send it on another). `writes_itself`: the
+        caller awaits `write_queued()` at once; otherwise a task writes it unless a write is under way."""
         if self.closed:
             return False
         pending.stream = self
         self._in_flight.append(pending)
         self._outbox.append(pending)
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+        if self._writer is None and not writes_itself:
+            self._writer = asyncio.get_running_loop().create_task(self.write_queued())
         return True
 
-    async def _write_queued(self) -> None:
+    async def write_queued(self) -> None:
+        """Write what is queued, a frame per write, unless another task is writing (it takes what is queued).
+
+        A caller cancelled mid-write takes the call down with it (gRPC cancels a call whose write is
+        cancelled): the steps in flight are then re-sent on a new stream, as after a lost connection,
+        and their request ids keep any already applied from applying twice."""
+        current = asyncio.current_task()
+        if self._writer is not None and self._writer is not current:
+            return
+        self._writer = current
         try:
             while self._outbox and not self.closed:
                 requests = take_frame(self._outbox)
                 self._frame_sizes.append(len(requests))
                 await self._call.write(frame(requests))
+        except asyncio.CancelledError:
+            self._write_cancelled = True
+            raise
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the call failed: the reader sees it and answers for every unanswered step
         finally:
@@ -295,10 +310,13 @@ class AsyncStepStream:
                     self._settle(step, answer)
         except grpc.RpcError as e:
             error = e
-        except asyncio.CancelledError:  # close(): the call was cancelled
-            error = grpc.aio.AioRpcError(
-                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream was closed"
-            )
+        except asyncio.CancelledError:  # close(), or a write cancelled with its caller: the call was cancelled
+            if self._write_cancelled:
+                error = StreamEnded()  # not the steps' doing: re-sent on a new stream
+            else:
+                error = grpc.aio.AioRpcError(
+                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream was closed"
+                )
         self.closed = True
         unanswered = list(self._in_flight)
         self._in_flight.clear()

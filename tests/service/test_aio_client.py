@@ -88,3 +88,27 @@ def test_the_async_client_under_plain_asyncio_run(server) -> None:  # type: igno
     [seq_id] = asyncio.run(main())
     with RadixKVClient(server.address) as check:  # the session ended with the client
         assert check.match([1, 2, 3, 4, 5], "plain") == 4
+
+
+@pytest.mark.asyncio
+async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(server, debug) -> None:  # type: ignore[no-untyped-def]
+    """A step's own coroutine writes it; cancelled mid-write, gRPC cancels the stream's call. The steps queued
+    behind it are re-sent on a new stream (their request ids keep them from applying twice), not failed."""
+    async with AsyncRadixKVClient(server.address) as client:
+        await client.step(Step())  # the stream is open
+        first_stream = client._steps
+        writer = asyncio.create_task(client.step(Step(opens=[([900, 1, 2], "cancel-write")])))
+        await asyncio.sleep(0)  # the writer is inside gRPC's write now
+        queued = asyncio.create_task(client.step(Step(opens=[([901, 1, 2], "cancel-write")])))
+        await asyncio.sleep(0)
+        writer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writer
+        result = await asyncio.wait_for(queued, 10)
+        assert client._steps is not first_stream, "the cancelled call's stream was replaced"
+        seq_id = result.opened[0].seq_id
+        assert (
+            await client.num_tokens(seq_id) == 3 and client.block_table(seq_id) == result.opened[0].block_table.tolist()
+        )
+        await client.step(Step(releases=[([seq_id], False)]))  # the cancelled open, if applied, ends with the session
+    debug.check()
