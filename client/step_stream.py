@@ -246,9 +246,9 @@ class StepStream:
 
 
 class AsyncStepStream:
-    """A Session stream on `grpc.aio`: what is queued is written one message per write, by the coroutine of
-    the step that found no write under way (a task per step would cost the loop a turn) or, for steps
-    re-sent after a broken stream, by a task; a reader task settles steps as their responses arrive."""
+    """A Session stream on `grpc.aio`: what is queued is written one message per write, by a lone step's own
+    coroutine (a task would cost the loop a turn per step) or by a writer task; a reader task settles
+    steps as their responses arrive."""
 
     def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
@@ -261,15 +261,19 @@ class AsyncStepStream:
         self.closed = False
         self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 
-    def send(self, pending: AsyncPending, *, writes_itself: bool = False) -> bool:
-        """Queue `pending`; False if the stream has failed already (send it on another). `writes_itself`: the
-        caller awaits `write_queued()` at once; otherwise a task writes it unless a write is under way."""
+    def send(self, pending: AsyncPending, *, may_write_itself: bool = False) -> bool:
+        """Queue `pending`; False if the stream has failed already (send it on another).
+
+        A step that is the only one unanswered (a scheduler stepping back to back), sent with
+        `may_write_itself`, is written by its caller's `write_queued()`. Otherwise a task writes what
+        is queued unless a write is under way: it runs once the loop turns, when the steps submitted
+        together are all queued, and writes them as one frame."""
         if self.closed:
             return False
         pending.stream = self
         self._in_flight.append(pending)
         self._outbox.append(pending)
-        if self._writer is None and not writes_itself:
+        if self._writer is None and not (may_write_itself and len(self._in_flight) == 1):
             self._writer = asyncio.get_running_loop().create_task(self.write_queued())
         return True
 
