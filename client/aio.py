@@ -248,14 +248,13 @@ class AsyncRadixKVClient:
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
         pending = AsyncPending(step, request)
-        self._send(pending, may_write_itself=True)
+        self._send(pending, lone=True)
         assert pending.stream is not None
-        await pending.stream.write_queued()  # a lone step is written by this coroutine (AsyncStepStream.send)
-        return await pending.future
+        return await pending.stream.result(pending)  # a lone step is written and read by this coroutine
 
-    def _send(self, pending: AsyncPending, *, may_write_itself: bool = False) -> None:
+    def _send(self, pending: AsyncPending, *, lone: bool = False) -> None:
         pending.attempts += 1
-        while self._steps is None or not self._steps.send(pending, may_write_itself=may_write_itself):
+        while self._steps is None or not self._steps.send(pending, lone=lone):
             self._steps = AsyncStepStream(self._stub, self._metadata, self._settle, self._stream_broke)
 
     def _settle(self, pending: AsyncPending, response: pb.SessionResponse) -> None:

@@ -246,9 +246,11 @@ class StepStream:
 
 
 class AsyncStepStream:
-    """A Session stream on `grpc.aio`: what is queued is written one message per write, by a lone step's own
-    coroutine (a task would cost the loop a turn per step) or by a writer task; a reader task settles
-    steps as their responses arrive."""
+    """A Session stream on `grpc.aio`. A lone step (the only one unanswered: a scheduler stepping back to
+    back) is written and read by its own coroutine, so it costs the loop no turn for a task or a future.
+    Steps in flight together are written, a frame per write, by a writer task that runs once the loop
+    turns (when the steps submitted together are all queued), and read by a reader task while any is
+    unanswered."""
 
     def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
@@ -257,70 +259,103 @@ class AsyncStepStream:
         self._in_flight: collections.deque[AsyncPending] = collections.deque()
         self._frame_sizes: collections.deque[int] = collections.deque()
         self._writer: asyncio.Task[Any] | None = None  # the task writing, if one is
-        self._write_cancelled = False  # a writing step's caller was cancelled mid-write: gRPC cancelled the call
+        self._reader: asyncio.Task[None] | None = None  # the reader task, while steps in flight together
+        self._reading = False  # a read is awaited (by a lone step's coroutine or the reader task)
+        self._cut_midway = False  # a lone step's caller was cancelled mid-write or mid-read: gRPC cancelled the call
         self.closed = False
-        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 
-    def send(self, pending: AsyncPending, *, may_write_itself: bool = False) -> bool:
-        """Queue `pending`; False if the stream has failed already (send it on another).
-
-        A step that is the only one unanswered (a scheduler stepping back to back), sent with
-        `may_write_itself`, is written by its caller's `write_queued()`. Otherwise a task writes what
-        is queued unless a write is under way: it runs once the loop turns, when the steps submitted
-        together are all queued, and writes them as one frame."""
-        if self.closed:
+    def send(self, pending: AsyncPending, *, lone: bool = False) -> bool:
+        """Queue `pending`; False if the stream has ended (send it on another). With `lone`, the caller then
+        awaits `result(pending)`, which writes and reads it itself when it is the only step unanswered."""
+        if self.closed or (self._call.done() and not self._in_flight):  # ended while idle (a server stopping)
+            self.closed = True
             return False
         pending.stream = self
         self._in_flight.append(pending)
         self._outbox.append(pending)
-        if self._writer is None and not (may_write_itself and len(self._in_flight) == 1):
-            self._writer = asyncio.get_running_loop().create_task(self.write_queued())
+        if lone and len(self._in_flight) == 1:
+            return True
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+        if self._reader is None and not self._reading:
+            self._reader = asyncio.get_running_loop().create_task(self._read_while_unanswered())
         return True
 
-    async def write_queued(self) -> None:
-        """Write what is queued, a frame per write, unless another task is writing (it takes what is queued).
+    async def result(self, pending: AsyncPending) -> StepResult:
+        """`pending`'s result. A lone step's caller writes and reads it here; a caller cancelled meanwhile
+        takes the call down with it (gRPC cancels a call whose write or read is cancelled), and the steps
+        in flight are then re-sent on a new stream, their request ids keeping them from applying twice."""
+        if self._writer is None and self._outbox:
+            await self._write_queued()
+        if not self._reading and self._reader is None and not self.closed and not pending.future.done():
+            await self._read_once()
+            if self._in_flight and self._reader is None and not self.closed:  # steps queued meanwhile
+                self._reader = asyncio.get_running_loop().create_task(self._read_while_unanswered())
+        return await pending.future
 
-        A caller cancelled mid-write takes the call down with it (gRPC cancels a call whose write is
-        cancelled): the steps in flight are then re-sent on a new stream, as after a lost connection,
-        and their request ids keep any already applied from applying twice."""
-        current = asyncio.current_task()
-        if self._writer is not None and self._writer is not current:
-            return
-        self._writer = current
+    async def _write_queued(self) -> None:
+        self._writer = asyncio.current_task()
         try:
             while self._outbox and not self.closed:
                 requests = take_frame(self._outbox)
                 self._frame_sizes.append(len(requests))
                 await self._call.write(frame(requests))
         except asyncio.CancelledError:
-            self._write_cancelled = True
+            self._cut_midway = True
+            if self._reader is None and not self._reading:  # no one will read the cancelled call: fail it now
+                self._fail(StreamEnded())
             raise
         except (grpc.RpcError, asyncio.InvalidStateError):
-            pass  # the call failed: the reader sees it and answers for every unanswered step
+            pass  # the call failed: reading it answers for every unanswered step
         finally:
             self._writer = None
 
-    async def _read_forever(self) -> None:
-        error: grpc.RpcError
+    async def _read_while_unanswered(self) -> None:
         try:
-            while True:
-                response = await self._call.read()
-                if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: ended without a status
-                    error = StreamEnded()
-                    break
-                num_steps = self._frame_sizes.popleft()
-                settled = [self._in_flight.popleft() for _ in range(num_steps)]
-                for step, answer in zip(settled, answers(response, num_steps), strict=True):
-                    self._settle(step, answer)
+            while self._in_flight and not self.closed:
+                await self._read_once()
+        finally:
+            self._reader = None
+
+    async def _read_once(self) -> None:
+        """Read one message and settle the steps it answers; a stream that ended fails its unanswered steps."""
+        self._reading = True
+        try:
+            response = await self._call.read()
         except grpc.RpcError as e:
-            error = e
-        except asyncio.CancelledError:  # close(), or a write cancelled with its caller: the call was cancelled
-            if self._write_cancelled:
-                error = StreamEnded()  # not the steps' doing: re-sent on a new stream
+            self._fail(e)
+            return
+        except asyncio.CancelledError:  # the call was cancelled: by close(), or with a cancelled caller
+            task = asyncio.current_task()
+            own = task is not None and task.cancelling() > 0
+            if own or self._cut_midway:
+                self._cut_midway = True
+                self._fail(StreamEnded())  # not the steps' doing: re-sent on a new stream
             else:
-                error = grpc.aio.AioRpcError(
-                    grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Session stream was closed"
+                self._fail(
+                    grpc.aio.AioRpcError(
+                        grpc.StatusCode.CANCELLED,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "the Session stream was closed",
+                    )
                 )
+            if own:
+                raise
+            return
+        finally:
+            self._reading = False
+        if not isinstance(response, pb.SessionResponse):  # grpc.aio.EOF: ended without a status
+            self._fail(StreamEnded())
+            return
+        num_steps = self._frame_sizes.popleft()
+        settled = [self._in_flight.popleft() for _ in range(num_steps)]
+        for step, answer in zip(settled, answers(response, num_steps), strict=True):
+            self._settle(step, answer)
+
+    def _fail(self, error: grpc.RpcError) -> None:
+        if self.closed and not self._in_flight:
+            return
         self.closed = True
         unanswered = list(self._in_flight)
         self._in_flight.clear()

@@ -112,3 +112,20 @@ async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(s
         )
         await client.step(Step(releases=[([seq_id], False)]))  # the cancelled open, if applied, ends with the session
     debug.check()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_that_ended_while_idle_is_replaced_by_the_next_step(server, debug) -> None:  # type: ignore[no-untyped-def]
+    """No read waits on an idle stream (a lone step reads its own response): the next step finds the call
+    over, as after a server stopping, and goes on a new stream instead of failing with the old one."""
+    async with AsyncRadixKVClient(server.address) as client:
+        seq_id = (await client.step(Step(opens=[([910, 1, 2], "idle-end")]))).opened[0].seq_id
+        ended = client._steps
+        assert ended is not None
+        ended._call.cancel()  # the call is over while nothing is in flight
+        await asyncio.sleep(0.05)
+        appended = (await client.step(Step(append=Append([seq_id], [1], [3])))).appended
+        assert appended is not None and appended.num_tokens == [4]
+        assert client._steps is not ended
+        await client.step(Step(releases=[([seq_id], False)]))
+    debug.check()
