@@ -2,7 +2,7 @@
 
 Planning changes nothing, so a dry run (`check_append`, `can_append`) and the append itself count
 new blocks and copies the same way. A decode step (many sequences, one token each, no shared last
-block) takes `decode_step`, which plans and applies the same way in a few passes over plain ints.
+block) takes `decode_step`: the batch's decode run plans and applies it the same way on arrays.
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ def apply_append(
     return offset
 
 
-_TOKEN_VOID = np.dtype(f"V{TOKEN_BYTES}")  # a token's bytes as one opaque item (`tolist()` gives `bytes`)
 _NO_BLOCKS = np.empty(0, dtype=np.int32)
 _NO_BLOCKS.flags.writeable = False
 
@@ -182,45 +181,12 @@ DECODE_STEP_MIN = 16
 
 
 def decode_step(
-    blocks: Allocator, live: list[LiveSequence], seq_ids: Sequence[int], key: bytes, max_tokens: int
+    blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], key: bytes, max_tokens: int
 ) -> AppendBatch | None:
-    """One token to each of `live`, planned and applied in a few passes; None where `append`'s general path
-    must serve (a sequence at `max_tokens`, or one writing into a partial block another sequence shares).
-
-    A decode step is the server's hottest call: hundreds of sequences, each writing one slot of its
-    last block or taking one new block. So each sequence costs a few attribute reads and writes;
-    the arithmetic (places in blocks, slots, lengths) runs on arrays of the whole batch, and only
-    the sequences that open a block visit their tables (a `SlotPlan` would spend ~10 numpy calls).
-    """
-    bs = blocks.tree.block_size
-    nums = [seq.num_tokens for seq in live]
-    if not nums or max(nums) >= max_tokens:
-        return None
-    tables = [seq.block_table for seq in live]
-    lengths = np.array(nums, dtype=np.int64)
-    within = lengths % bs  # the token's place in its block
-    lasts = np.array([table.last for table in tables], dtype=np.int64)
-    opens = within == 0  # the token opens a new block
-    num_new = int(np.count_nonzero(opens))
-    if num_new < len(live) and int(blocks.pool.ref_counts[lasts[~opens]].max()) > 1:
-        return None  # a fork's shared partial block: copy it first
-    offsets = [table.length for table in tables]  # where each table's new blocks go, if any
-    drawn = num_drawn(live, [1] * len(live), bs) if blocks.num_reserved else 0
-    new_blocks = blocks.allocate(num_new, drawn)
-    tokens = np.frombuffer(key, _TOKEN_VOID).tolist()  # one 4-byte `bytes` per token, in one C loop
-    after: list[int] = (lengths + 1).tolist()
-    for seq, n, n_after, token in zip(live, nums, after, tokens, strict=True):
-        seq.tail_bytes += token
-        seq.num_computed_tokens = n  # never past the length, and the append marks every token before it
-        seq.num_tokens = n_after
-    opened = np.flatnonzero(opens)
-    block_ids: list[int] = new_blocks.tolist()
-    for i, block_id in zip(opened.tolist(), block_ids, strict=True):
-        tables[i].append(block_id)
-    lasts[opened] = new_blocks
-    slots = lasts * bs + within
-    num_block_ids: list[int] = opens.view(np.int8).tolist()
-    return AppendBatch(list(seq_ids), [1] * len(live), after, offsets, num_block_ids, block_ids, [], slots)
+    """One token to each sequence of `seq_ids`, on the batch's decode run (radixkv.decode_run); None, changing
+    nothing, where `append`'s general path must serve (a sequence at `max_tokens`, or one writing into a
+    partial block another sequence shares)."""
+    return sequences.decode_run(seq_ids).step(blocks, key, max_tokens)
 
 
 def append(
@@ -230,10 +196,10 @@ def append(
 
     New table entries draw on each sequence's own reservation first (see `radixkv.budget`).
     """
-    live = sequences.batch(seq_ids)
-    one_each = len(live) >= DECODE_STEP_MIN and counts.count(1) == len(counts)
-    batch = decode_step(blocks, live, seq_ids, key, max_tokens) if one_each else None
+    one_each = len(seq_ids) >= DECODE_STEP_MIN and counts.count(1) == len(counts)
+    batch = decode_step(blocks, sequences, seq_ids, key, max_tokens) if one_each else None
     if batch is None:
+        live = sequences.batch(seq_ids)  # ends any decode run first
         plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
         drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: none to draw on
         new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)

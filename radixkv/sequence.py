@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.block_table import BlockTable
+from radixkv.decode_run import DecodeRun
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.radix_node import Node
 
@@ -75,7 +76,11 @@ class PreemptedSequence:
 
 
 class Sequences:
-    """The live sequences by id, and the preempted ones apart; ids are never reused within one run."""
+    """The live sequences by id, and the preempted ones apart; ids are never reused within one run.
+
+    A decode loop's batch may run ahead of its sequences' fields (`decode_run`): every way to a live
+    sequence here settles that run first.
+    """
 
     def __init__(self, first_seq_id: int) -> None:
         self._live: dict[int, LiveSequence] = {}
@@ -84,6 +89,7 @@ class Sequences:
         # The last batch found, (its ids, its sequences): a decode loop asks for the same batch step after step.
         # Dropped whenever the live set changes.
         self._last_batch: tuple[list[int], list[LiveSequence]] | None = None
+        self._run: DecodeRun | None = None  # the decode loop's batch, in columns
 
     def next_id(self) -> int:
         seq_id = self.next_seq_id
@@ -95,6 +101,7 @@ class Sequences:
         self._last_batch = None
 
     def remove(self, seq: LiveSequence) -> None:
+        self._settle()
         del self._live[seq.seq_id]
         self._last_batch = None
 
@@ -102,6 +109,7 @@ class Sequences:
         return len(self._live)
 
     def __iter__(self) -> Iterator[LiveSequence]:
+        self._settle()
         return iter(self._live.values())
 
     def ids(self) -> list[int]:
@@ -109,6 +117,8 @@ class Sequences:
 
     def get(self, seq_id: int, field: str = "seq_id") -> LiveSequence:
         """The live sequence `seq_id`, or the error naming `field`."""
+        if self._run is not None:
+            self._settle()
         seq = self._live.get(seq_id) if isinstance(seq_id, int) else None
         if seq is None:
             if not isinstance(seq_id, int) or isinstance(seq_id, bool):
@@ -120,6 +130,7 @@ class Sequences:
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
+        self._settle()
         last = self._last_batch
         # The ids of the last batch (ints: 2.0 and numpy's 2 compare equal to 2, yet are refused below), and no
         # sequence came or went since.
@@ -137,6 +148,22 @@ class Sequences:
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         self._last_batch = (list(seq_ids), found)
         return list(found)
+
+    def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
+        """The run of the batch `seq_ids` (the one the last decode step left, or a new one), or the error
+        naming its first bad entry."""
+        run = self._run
+        if run is not None and run.matches(seq_ids):
+            return run
+        live = self.batch(seq_ids)  # settles the run of another batch
+        self._run = run = DecodeRun(list(seq_ids), live)
+        return run
+
+    def _settle(self) -> None:
+        """Write the decode run back into its sequences and end it (its columns go stale once they are out)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.settle()
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""

@@ -55,6 +55,8 @@ ops = st.lists(
         st.tuples(st.just("decode"), st.lists(st.integers(0, 50), min_size=1, max_size=8, unique=True)),
         st.tuples(st.just("decode"), st.lists(st.integers(0, 50), min_size=1, max_size=8, unique=True)),
         st.tuples(st.just("release"), st.integers(0, 50), st.booleans()),
+        st.tuples(st.just("again"), st.integers(1, 6)),  # the last decode batch, a few steps more
+        st.just(("check",)),
     ),
     max_size=40,
 )
@@ -67,11 +69,32 @@ def test_decode_steps_match_the_general_path(history, reserve, monkeypatch):
 
     Twin caches run the same history; one serves decode steps by the general path. Every result
     column, every slot, every table and the block pool must come out the same, forks' shared last
-    blocks and reservations included (the fast path hands those to the general path or draws alike)."""
+    blocks and reservations included (the fast path hands those to the general path or draws alike).
+    The state is compared at `check` and at the end only: reading it settles the decode run, which
+    otherwise carries a batch repeated (`again`) from step to step in its columns."""
     monkeypatch.setattr(append_module, "DECODE_STEP_MIN", 1)
     fast, slow = (KVCache(40, BLOCK_SIZE, Limits(max_tokens_per_request=24)) for _ in range(2))
     live: list[int] = []
-    for op in history:
+    last_batch: list[int] = []
+
+    def decode(batch: list[int], step: int) -> None:
+        tokens = [(7 * s + step) % 50 for s in batch]
+        outcomes = []
+        for cache, route in ((fast, None), (slow, general_only)):
+            with monkeypatch.context() as m:
+                if route is not None:
+                    route(m)
+                try:
+                    outcomes.append(cache.append_batch(list(batch), [1] * len(batch), tokens))
+                except (OutOfBlocks, LimitExceeded) as e:
+                    outcomes.append(type(e))
+        if isinstance(outcomes[0], AppendBatch):
+            assert isinstance(outcomes[1], AppendBatch)
+            same_batches(*outcomes)
+        else:
+            assert outcomes[0] == outcomes[1]
+
+    for op in history + [("check",)]:
         if op[0] == "open":
             prompt = [op[2] * 100 + t for t in range(op[1])]
             budget = [6] if reserve else None
@@ -95,32 +118,21 @@ def test_decode_steps_match_the_general_path(history, reserve, monkeypatch):
             assert children[0] == children[1]
             live += children[0] or []
         elif op[0] == "decode" and live:
-            batch = sorted({live[i % len(live)] for i in op[1]})
-            tokens = [(7 * s) % 50 for s in batch]
-            outcomes = []
-            for cache, route in ((fast, None), (slow, general_only)):
-                with monkeypatch.context() as m:
-                    if route is not None:
-                        route(m)
-                    try:
-                        outcomes.append(cache.append_batch(batch, [1] * len(batch), tokens))
-                    except (OutOfBlocks, LimitExceeded) as e:
-                        outcomes.append(type(e))
-            if isinstance(outcomes[0], AppendBatch):
-                assert isinstance(outcomes[1], AppendBatch)
-                same_batches(*outcomes)
-                slots_follow_tables(fast, outcomes[0])
-            else:
-                assert outcomes[0] == outcomes[1]
+            last_batch = sorted({live[i % len(live)] for i in op[1]})
+            decode(last_batch, 0)
+        elif op[0] == "again" and last_batch and set(last_batch) <= set(live):
+            for step in range(op[1]):
+                decode(last_batch, step + 1)
         elif op[0] == "release" and live:
             seq_id = live.pop(op[1] % len(live))
             for cache in (fast, slow):
                 cache.release(seq_id, cache=op[2])
-        assert state(fast) == state(slow)
+        elif op[0] == "check":
+            assert state(fast) == state(slow)
+            fast.check_invariants()
+            slow.check_invariants()
         assert fast.pool.ref_counts.tolist() == slow.pool.ref_counts.tolist()
         assert fast.stats().num_blocks_reserved == slow.stats().num_blocks_reserved
-        fast.check_invariants()
-        slow.check_invariants()
 
 
 def test_a_decode_step_writes_each_token_after_its_sequence(monkeypatch):

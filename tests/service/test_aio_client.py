@@ -115,6 +115,37 @@ async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(s
 
 
 @pytest.mark.asyncio
+async def test_a_lone_step_cancelled_at_any_point_leaves_the_next_step_its_own_answer(server, debug) -> None:  # type: ignore[no-untyped-def]
+    """A lone step posts its read, then writes, then reads (`_exchange`). Cancelled after 0, 1, 2, ... loop
+    turns or a while (before it starts, mid-write, mid-read, or answered), it raises CancelledError or
+    returns; the next step gets its own answer, never the cancelled one's, and the block table mirror
+    followed the cancelled step wherever the server applied it."""
+    async with AsyncRadixKVClient(server.address) as client:
+        seq_id = (await client.step(Step(opens=[([930, 1, 2], "cancel-lone")]))).opened[0].seq_id
+        outcomes = set()
+        for turns, then in [*((n, 0.0) for n in range(10)), *((1, d) for d in (1e-4, 3e-4, 1e-3, 3e-3, 0.05))]:
+            stream = client._steps
+            task = asyncio.create_task(client.step(Step(append=Append([seq_id], [1], [turns]))))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await asyncio.sleep(then)
+            task.cancel()
+            try:
+                await task
+                outcomes.add("answered")
+            except asyncio.CancelledError:
+                outcomes.add("cancelled" if client._steps is stream else "cancelled, stream replaced")
+            length = await client.num_tokens(seq_id)  # the cancelled append applied or not: the server knows
+            appended = await asyncio.wait_for(client.step(Step(append=Append([seq_id], [1], [99]))), 10)
+            assert appended.appended is not None and appended.appended.num_tokens == [length + 1]
+            table = client.block_table(seq_id)  # the mirror followed the cancelled step's answer, if it applied
+            assert appended.appended.slots.tolist() == [table[length // 4] * 4 + length % 4]  # block size 4
+        assert "answered" in outcomes and len(outcomes) > 1, outcomes
+        await client.step(Step(releases=[([seq_id], False)]))
+    debug.check()
+
+
+@pytest.mark.asyncio
 async def test_a_stream_that_ended_while_idle_is_replaced_by_the_next_step(server, debug) -> None:  # type: ignore[no-untyped-def]
     """No read waits on an idle stream (a lone step reads its own response): the next step finds the call
     over, as after a server stopping, and goes on a new stream instead of failing with the old one."""

@@ -1,0 +1,111 @@
+"""A decode loop's batch kept in columns from one step to the next, written back when anything else asks.
+
+A decode loop appends one token to the same hundreds of sequences, step after step. Reading and
+writing each sequence's length, last block and tokens costs a few cache misses per sequence (its
+object, its table, its tail and its ints live apart), and a server's step runs after gRPC has
+evicted every one of them: about 110 µs of a 256-sequence step over the Session stream went
+there (bench_service). A run keeps the batch's lengths, last blocks and table lengths in arrays
+and the steps' tokens in one journal, so a step is a few numpy calls over a few KiB, and only a
+sequence that opens a block touches its table.
+
+`Sequences` owns the run: it settles it (writes lengths, watermarks and tokens back) before it
+hands out any sequence, so nothing outside this module ever reads a sequence the run is ahead of.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radixkv.results import AppendBatch
+from radixkv.token_ids import TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from radixkv.allocation import Allocator
+    from radixkv.sequence import LiveSequence
+
+# Tokens journaled for this many steps move into the sequences' tails while the run goes on: a settle
+# after a long run then moves at most this many steps' tokens.
+FOLD_STEPS = 64
+_TOKEN = np.dtype(f"V{TOKEN_BYTES}")  # one token's bytes as an opaque item
+
+
+class DecodeRun:
+    """The columns of one batch (`seq_ids`, in order) while only decode steps touch it."""
+
+    __slots__ = ("seq_ids", "_live", "_tables", "_lengths", "_lasts", "_table_lengths", "_reserve_until", "_keys",
+                 "_stepped")  # fmt: skip
+
+    def __init__(self, seq_ids: list[int], live: list[LiveSequence]) -> None:
+        self.seq_ids = seq_ids
+        self._live = live
+        self._tables = [seq.block_table for seq in live]
+        self._lengths = np.array([seq.num_tokens for seq in live], dtype=np.int64)
+        self._lasts = np.array([table.last for table in self._tables], dtype=np.int64)
+        self._table_lengths = np.array([table.length for table in self._tables], dtype=np.int64)
+        self._reserve_until = np.array([seq.reserve_until for seq in live], dtype=np.int64)  # fixed at admission
+        self._keys: list[bytes] = []  # each step's tokens (one per sequence), not yet in the tails
+        self._stepped = False
+
+    def matches(self, seq_ids: object) -> bool:
+        """Whether `seq_ids` is this run's batch, as plain ints (2.0 or numpy's 2 compare equal, yet `batch`
+        refuses them by name)."""
+        return type(seq_ids) is list and seq_ids == self.seq_ids and type(sum(seq_ids)) is int
+
+    def step(self, blocks: Allocator, key: bytes, max_tokens: int) -> AppendBatch | None:
+        """One token (`key`: one per sequence, validated) to each sequence; None, changing nothing, where the
+        general path must serve: a sequence at `max_tokens`, or one writing into a partial block another shares.
+
+        Raises:
+            OutOfBlocks: the new blocks are not there; nothing changed.
+        """
+        bs = blocks.tree.block_size
+        lengths, lasts, table_lengths = self._lengths, self._lasts, self._table_lengths
+        n = len(lengths)
+        if not n or int(lengths.max()) >= max_tokens:
+            return None
+        within = lengths % bs  # the token's place in its block
+        opens = within == 0  # the token opens a new block
+        num_new = int(np.count_nonzero(opens))
+        if num_new < n and int(blocks.pool.ref_counts[lasts[~opens]].max()) > 1:
+            return None  # a fork's shared partial block: copy it first
+        # A new table entry below a sequence's reservation draws on it (radixkv.budget).
+        drawn = int(np.count_nonzero(opens & (self._reserve_until > table_lengths))) if blocks.num_reserved else 0
+        new_blocks = blocks.allocate(num_new, drawn)
+        offsets: list[int] = table_lengths.tolist()  # where each table's new block goes, if any
+        opened = np.flatnonzero(opens)
+        block_ids: list[int] = new_blocks.tolist()
+        for i, block_id in zip(opened.tolist(), block_ids, strict=True):
+            self._tables[i].append(block_id)
+        table_lengths[opened] += 1
+        lasts[opened] = new_blocks
+        self._lengths = after = lengths + 1
+        self._keys.append(key)
+        self._stepped = True
+        if len(self._keys) == FOLD_STEPS:
+            self._fold_tokens()
+        num_block_ids: list[int] = opens.view(np.int8).tolist()
+        return AppendBatch(
+            list(self.seq_ids), [1] * n, after.tolist(), offsets, num_block_ids, block_ids, [], lasts * bs + within
+        )
+
+    def settle(self) -> None:
+        """Write the run into its sequences: lengths, tokens, and the watermark each append raised."""
+        if not self._stepped:
+            return
+        self._fold_tokens()
+        for seq, length in zip(self._live, self._lengths.tolist(), strict=True):
+            seq.num_computed_tokens = length - 1  # the last append marked every token before its own
+            seq.num_tokens = length
+
+    def _fold_tokens(self) -> None:
+        """Move the journaled tokens into the tails: sequence i's are column i of the steps' keys."""
+        keys = self._keys
+        if not keys:
+            return
+        steps = np.frombuffer(b"".join(keys), dtype=_TOKEN).reshape(len(keys), len(self._live))
+        rows = np.ascontiguousarray(steps.T).view(np.dtype(f"V{TOKEN_BYTES * len(keys)}")).ravel().tolist()
+        for seq, tokens in zip(self._live, rows, strict=True):
+            seq.tail_bytes += tokens
+        keys.clear()
