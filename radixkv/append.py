@@ -28,9 +28,9 @@ def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: s
     """`num_token_ids` checked against `seq_ids`, as ints."""
     if len(num_token_ids) != len(seq_ids):
         raise InvalidArgument(field, f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_token_ids)}")
+    if all_ones(num_token_ids):
+        return [1] * len(num_token_ids)  # a decode step: no pass per entry beyond that check
     counts = list(num_token_ids)
-    if all_ones(counts):
-        return [1] * len(counts)  # a decode step: no pass per entry beyond that check
     if set(map(type, counts)) - {int}:  # numpy ints, say: as Python ints; 1.5 or "2" is refused
         try:
             as_ints = [int(n) for n in counts]

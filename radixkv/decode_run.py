@@ -34,14 +34,15 @@ _TOKEN = np.dtype(f"V{TOKEN_BYTES}")  # one token's bytes as an opaque item
 class DecodeRun:
     """The columns of one batch (`seq_ids`, in order) while only decode steps touch it."""
 
-    __slots__ = ("seq_ids", "_live", "_tables", "_lengths", "_lasts", "_table_lengths", "_reserve_until", "_keys",
-                 "_stepped")  # fmt: skip
+    __slots__ = ("seq_ids", "_live", "_tables", "_lengths", "_max_length", "_lasts", "_table_lengths",
+                 "_reserve_until", "_keys", "_stepped")  # fmt: skip
 
     def __init__(self, seq_ids: list[int], live: list[LiveSequence]) -> None:
         self.seq_ids = seq_ids
         self._live = live
         self._tables = [seq.block_table for seq in live]
         self._lengths = np.array([seq.num_tokens for seq in live], dtype=np.int64)
+        self._max_length = int(self._lengths.max()) if live else 0  # every step adds one to each length
         self._lasts = np.array([table.last for table in self._tables], dtype=np.int64)
         self._table_lengths = np.array([table.length for table in self._tables], dtype=np.int64)
         self._reserve_until = np.array([seq.reserve_until for seq in live], dtype=np.int64)  # fixed at admission
@@ -63,24 +64,28 @@ class DecodeRun:
         bs = blocks.tree.block_size
         lengths, lasts, table_lengths = self._lengths, self._lasts, self._table_lengths
         n = len(lengths)
-        if not n or int(lengths.max()) >= max_tokens:
+        if not n or self._max_length >= max_tokens:
             return None
         within = lengths % bs  # the token's place in its block
         opens = within == 0  # the token opens a new block
-        num_new = int(np.count_nonzero(opens))
-        if num_new < n and int(blocks.pool.ref_counts[lasts[~opens]].max()) > 1:
-            return None  # a fork's shared partial block: copy it first
+        opened = opens.nonzero()[0]
+        num_new = len(opened)
+        # A partial last block shared with another sequence (a fork's) must be copied first. Only a fork of a
+        # sequence of the batch shares one, and that ends the run (it asks `Sequences` for it), while the blocks
+        # a run takes are its own: so the first step checks for the whole run.
+        if not self._stepped and num_new < n and int(blocks.pool.ref_counts[lasts[~opens]].max()) > 1:
+            return None
         # A new table entry below a sequence's reservation draws on it (radixkv.budget).
         drawn = int(np.count_nonzero(opens & (self._reserve_until > table_lengths))) if blocks.num_reserved else 0
         new_blocks = blocks.allocate(num_new, drawn)
         offsets: list[int] = table_lengths.tolist()  # where each table's new block goes, if any
-        opened = np.flatnonzero(opens)
         block_ids: list[int] = new_blocks.tolist()
         for i, block_id in zip(opened.tolist(), block_ids, strict=True):
             self._tables[i].append(block_id)
         table_lengths[opened] += 1
         lasts[opened] = new_blocks
         self._lengths = after = lengths + 1
+        self._max_length += 1
         self._keys.append(key)
         self._stepped = True
         if len(self._keys) == FOLD_STEPS:

@@ -9,8 +9,8 @@ write would land in a shared block, the caller gets a `(src_block, dst_block)` c
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 
 from radixkv.admission import count_opens, lock_prefix, open_planned
 from radixkv.allocation import Allocator
@@ -80,6 +80,7 @@ class KVCache(CacheQueries):
         if self.host is not None:
             self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
         self._num_open_results = 0  # depth of `one_result` scopes
+        self._result_scope = _ResultScope(self)
 
     def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
@@ -118,18 +119,12 @@ class KVCache(CacheQueries):
         count_opens(self.stats_counters, planned, opened)
         return opened
 
-    @contextlib.contextmanager
-    def one_result(self) -> Iterator[None]:
-        """Calls inside hand the worker one result: it applies all their offloads, then all their copies, then
-        all their loads (a server step is one). Until the outermost scope ends, no host block a load reads is
-        reused by an offload (see `radixkv.host_tier`); each call outside any scope is one result by itself."""
-        self._num_open_results += 1
-        try:
-            yield
-        finally:
-            self._num_open_results -= 1
-            if not self._num_open_results and self.host is not None:
-                self.host.settle()
+    def one_result(self) -> _ResultScope:
+        """`with cache.one_result():` calls inside hand the worker one result: it applies all their offloads, then
+        all their copies, then all their loads (a server step is one). Until the outermost scope ends, no host
+        block a load reads is reused by an offload (see `radixkv.host_tier`); each call outside any scope is one
+        result by itself."""
+        return self._result_scope
 
     # -- append ----------------------------------------------------------------------------------
 
@@ -252,3 +247,21 @@ class KVCache(CacheQueries):
         """Drop one pin taken by `pin` with the same tokens (in whole blocks)."""
         key = self._key(token_ids, "token_ids")
         self._pins.unpin(key, namespace)
+
+
+class _ResultScope:
+    """`KVCache.one_result()`'s scope: a class, not a generator, as a server step enters one each time."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: KVCache) -> None:
+        self._cache = cache
+
+    def __enter__(self) -> None:
+        self._cache._num_open_results += 1
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        cache = self._cache
+        cache._num_open_results -= 1
+        if not cache._num_open_results and cache.host is not None:
+            cache.host.settle()

@@ -125,20 +125,22 @@ class PoolLedger:
         self._charge(tenant, num_blocks - self._num_table_blocks[seq_id])  # a preempt shrinks it to 0
         self._num_table_blocks[seq_id] = num_blocks
 
-    def follow_append(self, seq_ids: Sequence[int], table_offsets: Sequence[int], num_block_ids: Sequence[int]) -> None:
-        """After an append: sequence i's table is now `table_offsets[i] + num_block_ids[i]` blocks long.
+    def follow_append(
+        self, session: Session, seq_ids: Sequence[int], table_offsets: Sequence[int], num_block_ids: Sequence[int]
+    ) -> None:
+        """After an append of `session`'s sequences: sequence i's table is now `table_offsets[i] + num_block_ids[i]`
+        blocks long.
 
         Only a sequence that got blocks changed length (one in `block_size` per decode step), so only those are visited.
         """
-        tables, owners = self._num_table_blocks, self._owners
-        growth: dict[str, int] = {}  # per tenant: charged once, not once per sequence
+        tables = self._num_table_blocks
+        growth = 0  # charged once, not once per sequence
         for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
             seq_id, length = seq_ids[i], table_offsets[i] + num_block_ids[i]
-            tenant = owners[seq_id].tenant.name
-            growth[tenant] = growth.get(tenant, 0) + length - tables[seq_id]
+            growth += length - tables[seq_id]
             tables[seq_id] = length
-        for tenant, num_blocks in growth.items():
-            self._charge(tenant, num_blocks)
+        if growth:
+            self._charge(session.tenant.name, growth)
 
     def forget(self, seq_id: int) -> None:
         session = self._owners.pop(seq_id)

@@ -249,7 +249,7 @@ class KVService:
                     )
                     ledger.check_quota(caller, growth)
                 batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-                ledger.follow_append(batch.seq_ids, batch.table_offsets, batch.num_block_ids)
+                ledger.follow_append(session, batch.seq_ids, batch.table_offsets, batch.num_block_ids)
                 return batch
 
             return session.requests.once(

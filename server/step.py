@@ -248,7 +248,7 @@ def _apply(
         with applying.item("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            ledger.follow_append(appended.seq_ids, appended.table_offsets, appended.num_block_ids)
+            ledger.follow_append(session, appended.seq_ids, appended.table_offsets, appended.num_block_ids)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):

@@ -169,12 +169,14 @@ def test_a_batch_checked_once_is_checked_again_when_ownership_changes() -> None:
         ledger.check_owners(mine, [1, 3])
 
 
-def test_growth_is_charged_to_each_sequence_and_its_tenant() -> None:
+def test_growth_is_charged_to_each_sequence_and_its_sessions_tenant() -> None:
     ledger, a, b = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
-    ledger.adopt(a, 1, 2), ledger.adopt(a, 2, 1), ledger.adopt(b, 3, 1)
-    ledger.follow_append([1, 2, 3], [2, 1, 0], [1, 0, 2])  # 1 grows to 3 blocks, 2 stays, 3 is rewritten to 2
-    assert [ledger.num_table_blocks(s) for s in (1, 2, 3)] == [3, 1, 2]
-    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (4, 2)
+    ledger.adopt(a, 1, 2), ledger.adopt(a, 2, 1), ledger.adopt(a, 3, 1), ledger.adopt(b, 4, 1)
+    ledger.follow_append(a, [1, 2, 3], [2, 1, 0], [1, 0, 2])  # 1 grows to 3 blocks, 2 stays, 3 is rewritten to 2
+    assert [ledger.num_table_blocks(s) for s in (1, 2, 3, 4)] == [3, 1, 2, 1]
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (6, 1)
+    ledger.follow_append(a, [3], [0], [1])  # shrinks to 1 block (a copy-on-write's rewrite of a shorter table)
+    assert ledger.tenant_blocks(TENANTS[0]) == 5
 
 
 def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
