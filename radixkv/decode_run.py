@@ -4,9 +4,9 @@ A decode loop appends one token to the same hundreds of sequences, step after st
 writing each sequence's length, last block and tokens costs a few cache misses per sequence (its
 object, its table, its tail and its ints live apart), and a server's step runs after gRPC has
 evicted every one of them: about 110 µs of a 256-sequence step over the Session stream went
-there (bench_service). A run keeps the batch's lengths, last blocks and table lengths in arrays
-and the steps' tokens in one journal, so a step is a few numpy calls over a few KiB, and only a
-sequence that opens a block touches its table.
+there (bench_service). A run keeps the batch's lengths, last blocks and table lengths in arrays,
+and journals the steps' tokens and new blocks, so a step is a few numpy calls over a few KiB and
+touches no sequence and no table.
 
 `Sequences` owns the run: it settles it (writes lengths, watermarks and tokens back) before it
 hands out any sequence, so nothing outside this module ever reads a sequence the run is ahead of.
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.results import AppendBatch
 from radixkv.token_ids import TOKEN_BYTES
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
     from radixkv.allocation import Allocator
     from radixkv.sequence import LiveSequence
 
-# Tokens journaled for this many steps move into the sequences' tails while the run goes on: a settle
-# after a long run then moves at most this many steps' tokens.
-FOLD_STEPS = 64
+# What this many steps journaled moves into the sequences (tokens into tails, blocks into tables) while
+# the run goes on: a settle after a long run then moves at most this many steps' worth, and a step in
+# FOLD_STEPS pays a few hundred microseconds for them all.
+FOLD_STEPS = 256
 _TOKEN = np.dtype(f"V{TOKEN_BYTES}")  # one token's bytes as an opaque item
 
 
@@ -35,7 +37,7 @@ class DecodeRun:
     """The columns of one batch (`seq_ids`, in order) while only decode steps touch it."""
 
     __slots__ = ("seq_ids", "_live", "_tables", "_lengths", "_max_length", "_lasts", "_table_lengths",
-                 "_reserve_until", "_keys", "_stepped")  # fmt: skip
+                 "_reserve_until", "_keys", "_new_blocks", "_stepped")  # fmt: skip
 
     def __init__(self, seq_ids: list[int], live: list[LiveSequence]) -> None:
         self.seq_ids = seq_ids
@@ -47,6 +49,9 @@ class DecodeRun:
         self._table_lengths = np.array([table.length for table in self._tables], dtype=np.int64)
         self._reserve_until = np.array([seq.reserve_until for seq in live], dtype=np.int64)  # fixed at admission
         self._keys: list[bytes] = []  # each step's tokens (one per sequence), not yet in the tails
+        self._new_blocks: list[
+            tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]
+        ] = []  # (which, blocks), not yet in the tables
         self._stepped = False
 
     def matches(self, seq_ids: object) -> bool:
@@ -79,9 +84,8 @@ class DecodeRun:
         drawn = int(np.count_nonzero(opens & (self._reserve_until > table_lengths))) if blocks.num_reserved else 0
         new_blocks = blocks.allocate(num_new, drawn)
         offsets: list[int] = table_lengths.tolist()  # where each table's new block goes, if any
-        block_ids: list[int] = new_blocks.tolist()
-        for i, block_id in zip(opened.tolist(), block_ids, strict=True):
-            self._tables[i].append(block_id)
+        if num_new:
+            self._new_blocks.append((opened, new_blocks))
         table_lengths[opened] += 1
         lasts[opened] = new_blocks
         self._lengths = after = lengths + 1
@@ -89,28 +93,39 @@ class DecodeRun:
         self._keys.append(key)
         self._stepped = True
         if len(self._keys) == FOLD_STEPS:
-            self._fold_tokens()
+            self._fold()
         num_block_ids: list[int] = opens.view(np.int8).tolist()
+        block_ids: list[int] = new_blocks.tolist()
         return AppendBatch(
             list(self.seq_ids), [1] * n, after.tolist(), offsets, num_block_ids, block_ids, [], lasts * bs + within
         )
 
     def settle(self) -> None:
-        """Write the run into its sequences: lengths, tokens, and the watermark each append raised."""
+        """Write the run into its sequences: lengths, tokens, blocks, and the watermark each append raised."""
         if not self._stepped:
             return
-        self._fold_tokens()
+        self._fold()
         for seq, length in zip(self._live, self._lengths.tolist(), strict=True):
             seq.num_computed_tokens = length - 1  # the last append marked every token before its own
             seq.num_tokens = length
 
-    def _fold_tokens(self) -> None:
-        """Move the journaled tokens into the tails: sequence i's are column i of the steps' keys."""
+    def _fold(self) -> None:
+        """Move the journaled tokens into the tails (sequence i's are column i of the steps' keys) and the new
+        blocks into the tables (sequence i's in step order: a stable sort by sequence keeps it)."""
         keys = self._keys
-        if not keys:
-            return
-        steps = np.frombuffer(b"".join(keys), dtype=_TOKEN).reshape(len(keys), len(self._live))
-        rows = np.ascontiguousarray(steps.T).view(np.dtype(f"V{TOKEN_BYTES * len(keys)}")).ravel().tolist()
-        for seq, tokens in zip(self._live, rows, strict=True):
-            seq.tail_bytes += tokens
-        keys.clear()
+        if keys:
+            steps = np.frombuffer(b"".join(keys), dtype=_TOKEN).reshape(len(keys), len(self._live))
+            rows = np.ascontiguousarray(steps.T).view(np.dtype(f"V{TOKEN_BYTES * len(keys)}")).ravel().tolist()
+            for seq, tokens in zip(self._live, rows, strict=True):
+                seq.tail_bytes += tokens
+            keys.clear()
+        if self._new_blocks:
+            which = np.concatenate([w for w, _ in self._new_blocks])
+            order = np.argsort(which, kind="stable")
+            blocks = np.concatenate([b for _, b in self._new_blocks])[order]
+            which = which[order]
+            starts = np.flatnonzero(np.diff(which, prepend=-1))  # where each sequence's run of blocks begins
+            ends = [*starts[1:].tolist(), len(which)]
+            for i, start, end in zip(which[starts].tolist(), starts.tolist(), ends, strict=True):
+                self._tables[i].extend(blocks[start:end])
+            self._new_blocks.clear()

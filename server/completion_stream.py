@@ -54,6 +54,7 @@ class CompletionStream:
         self._context = contextvars.copy_context()  # the handler's: the steps answered inline see what it sees
         # For the handler thread: large requests to answer, then None (the stream ended) or the error that ended it.
         self._inbox: queue.SimpleQueue[bytes | BaseException | None] = queue.SimpleQueue()
+        self._metadata_sent = False  # by a response of this stream (steps answer one at a time: no lock)
 
     @classmethod
     def attach(cls, requests: object, respond: Respond) -> CompletionStream | None:
@@ -120,10 +121,12 @@ class CompletionStream:
             cygrpc.SendMessageOperation(response.SerializeToString(), 0),
             cygrpc.ReceiveMessageOperation(0),
         ]
-        with self._state.condition:  # the first response carries the initial metadata, which gRPC then never sends
-            if self._state.initial_metadata_allowed:
-                operations.insert(0, grpc_server._get_initial_metadata_operation(self._state, None))
-                self._state.initial_metadata_allowed = False
+        if not self._metadata_sent:  # the first response carries the initial metadata, which gRPC then never sends
+            with self._state.condition:
+                if self._state.initial_metadata_allowed:
+                    operations.insert(0, grpc_server._get_initial_metadata_operation(self._state, None))
+                    self._state.initial_metadata_allowed = False
+            self._metadata_sent = True
         if not self._start(tuple(operations)):
             self._inbox.put(None)
         keep_timings()

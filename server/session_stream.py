@@ -260,11 +260,12 @@ def _response(request_id: int, session_id: str, result: StepResult, packed: bool
             slots=r.slots.astype(_INT64, copy=False).tobytes(),
             num_host_hit_tokens=r.num_host_hit_tokens,
         )
-    for item, why in zip(response.opened, result.explanations, strict=False):  # explained opens: as OpenSequences
-        if why is not None:
-            item.miss_reason = wire_reason(why)
-            item.miss_block_index, item.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
-            item.other_namespace = why.other_namespace
+    if result.explanations:  # explained opens: as OpenSequences
+        for item, why in zip(response.opened, result.explanations, strict=False):
+            if why is not None:
+                item.miss_reason = wire_reason(why)
+                item.miss_block_index, item.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
+                item.other_namespace = why.other_namespace
     b = result.appended
     if b is not None:
         appended = response.appended

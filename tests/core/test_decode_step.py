@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from radixkv import KVCache
+from radixkv import KVCache, decode_run
 from radixkv import append as append_module
 from radixkv.append import decode_step
 from radixkv.errors import LimitExceeded, OutOfBlocks, RadixKVError
@@ -73,6 +73,7 @@ def test_decode_steps_match_the_general_path(history, reserve, monkeypatch):
     The state is compared at `check` and at the end only: reading it settles the decode run, which
     otherwise carries a batch repeated (`again`) from step to step in its columns."""
     monkeypatch.setattr(append_module, "DECODE_STEP_MIN", 1)
+    monkeypatch.setattr(decode_run, "FOLD_STEPS", 5)  # runs of a few steps fold their journals too
     fast, slow = (KVCache(40, BLOCK_SIZE, Limits(max_tokens_per_request=24)) for _ in range(2))
     live: list[int] = []
     last_batch: list[int] = []
