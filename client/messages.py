@@ -339,6 +339,7 @@ def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.
 
 
 _APPENDED_COLUMNS = ("num_tokens", "table_offsets", "num_block_ids", "block_ids")  # StepAppended's, in order
+_PACKED_APPENDED_COLUMNS = tuple(f"packed_{name}" for name in _APPENDED_COLUMNS)
 
 
 def _packed_columns(append: Append) -> tuple[bytes, bytes]:
@@ -367,7 +368,7 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         a, r = step.append, response.appended
         if r.packed_num_tokens:  # the server answers packed columns to a packed append
             num_tokens, offsets, num_blocks, blocks = (
-                unpack(getattr(r, f"packed_{name}"), 4, f"packed_{name}") for name in _APPENDED_COLUMNS
+                unpack(getattr(r, name), 4, name) for name in _PACKED_APPENDED_COLUMNS
             )
         else:
             num_tokens, offsets, num_blocks, blocks = (list(getattr(r, name)) for name in _APPENDED_COLUMNS)

@@ -205,6 +205,8 @@ class _Stream:
 def _step(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]) -> Step:
     """The request as a Step; empty item lists are left at their defaults (a decode step reads one field).
     `unpack_ids`: packed seq ids as a list, never changed by the step."""
+    if not (request.opens or request.forks or request.cache_seq_ids or request.releases or request.HasField("commit")):
+        return Step(append=_append(request.append, unpack_ids)) if request.HasField("append") else Step()  # decode
     items: dict[str, object] = {}
     if request.HasField("commit"):
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))

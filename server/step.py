@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.block_pairs import concat_pairs
+from radixkv.block_pairs import NO_PAIRS, concat_pairs
 from radixkv.errors import (
     InvalidArgument,
     QuotaExceeded,
@@ -104,8 +104,9 @@ def run_step(
                 else []
             )
             cost = num_prompt_tokens + sum(step.max_new_tokens) if requests else 0
-            with _item("opens"):
-                service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
+            if cost:
+                with _item("opens"):
+                    service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
                 with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
                     result = _apply(service, pool, session, step, requests)
@@ -140,8 +141,8 @@ def _explained_keys(step: Step, batch: bool) -> list[bytes | None]:
 
 def _result_cost(result: StepResult) -> int:
     """What a kept result holds alive, in ids (the request window's unit, as the unary calls count it)."""
-    cost = 1 + len(result.num_cached_tokens) + sum(len(children) for children in result.forked)
-    cost += sum(len(r.block_table) + 1 for r in result.opened)
+    cost = 1 + len(result.num_cached_tokens) + sum(map(len, result.forked))
+    cost += sum(len(r.block_table) + 1 for r in result.opened) if result.opened else 0
     if result.appended is not None:
         a = result.appended
         cost += len(a.block_ids) + len(a.seq_ids) + sum(a.num_appended)
@@ -270,6 +271,9 @@ def _apply(
             num_released += len(seq_ids)
     if step.forks or step.caches or any(keep for _, keep in step.releases):
         service.keep_cache_share(pool, session.tenant)
+    if not opened:  # a decode step: only its append's transfers
+        offloads = appended.offloads if appended is not None else NO_PAIRS
+        return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads)
     offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
     loads = concat_pairs(r.loads for r in opened)
     return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads, loads=loads)
