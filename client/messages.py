@@ -73,6 +73,8 @@ class BlockTables:
 
     def appended(self, batch: AppendBatch) -> None:
         # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
+        if not batch.block_ids:
+            return
         changed = itertools.compress(range(len(batch.num_block_ids)), batch.num_block_ids)
         with self._lock:
             start = 0

@@ -133,6 +133,8 @@ class PoolLedger:
 
         Only a sequence that got blocks changed length (one in `block_size` per decode step), so only those are visited.
         """
+        if not any(num_block_ids):  # no table grew (most decode steps of a batch that started aligned)
+            return
         tables = self._num_table_blocks
         growth = 0  # charged once, not once per sequence
         for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
