@@ -8,8 +8,8 @@ there (bench_service). A run keeps the batch's lengths, last blocks and table le
 and journals the steps' tokens and new blocks, so a step is a few numpy calls over a few KiB and
 touches no sequence and no table.
 
-`Sequences` owns the run: it settles it (writes lengths, watermarks and tokens back) before it
-hands out any sequence, so nothing outside this module ever reads a sequence the run is ahead of.
+`Sequences` owns the run: it settles it (writes lengths, watermarks, tokens and blocks back) before
+it hands out any sequence, so nothing outside this module ever reads a sequence the run is ahead of.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from radixkv.sequence import LiveSequence
 
 # What this many steps journaled moves into the sequences (tokens into tails, blocks into tables) while
-# the run goes on: a settle after a long run then moves at most this many steps' worth, and a step in
-# FOLD_STEPS pays a few hundred microseconds for them all.
+# the run goes on, so a settle after a long run moves at most this many steps' worth. For 256 sequences
+# that one step in 256 pays about a millisecond (3-4 µs a step, against 15-20 µs a step to write them
+# as they come), and leaves the p99 of a decode loop alone.
 FOLD_STEPS = 256
 _TOKEN = np.dtype(f"V{TOKEN_BYTES}")  # one token's bytes as an opaque item
 
@@ -49,9 +50,8 @@ class DecodeRun:
         self._table_lengths = np.array([table.length for table in self._tables], dtype=np.int64)
         self._reserve_until = np.array([seq.reserve_until for seq in live], dtype=np.int64)  # fixed at admission
         self._keys: list[bytes] = []  # each step's tokens (one per sequence), not yet in the tails
-        self._new_blocks: list[
-            tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]
-        ] = []  # (which, blocks), not yet in the tables
+        # Each step's new blocks, not yet in the tables: (the sequences that opened one, their blocks).
+        self._new_blocks: list[tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]] = []
         self._stepped = False
 
     def matches(self, seq_ids: object) -> bool:
