@@ -34,6 +34,12 @@ FOLD_STEPS = 256
 _TOKEN = np.dtype(f"V{TOKEN_BYTES}")  # one token's bytes as an opaque item
 
 
+def same_ids(seq_ids: object, known: list[int]) -> bool:
+    """Whether `seq_ids` is the batch `known`, as plain ints: 2.0 or numpy's 2 compare equal to 2, yet
+    `Sequences.batch` refuses them by name, so such a list is never taken for a batch found before."""
+    return type(seq_ids) is list and seq_ids == known and type(sum(seq_ids)) is int
+
+
 class DecodeRun:
     """The columns of one batch (`seq_ids`, in order) while only decode steps touch it."""
 
@@ -55,9 +61,7 @@ class DecodeRun:
         self._stepped = False
 
     def matches(self, seq_ids: object) -> bool:
-        """Whether `seq_ids` is this run's batch, as plain ints (2.0 or numpy's 2 compare equal, yet `batch`
-        refuses them by name)."""
-        return type(seq_ids) is list and seq_ids == self.seq_ids and type(sum(seq_ids)) is int
+        return same_ids(seq_ids, self.seq_ids)
 
     def step(self, blocks: Allocator, key: bytes, max_tokens: int) -> AppendBatch | None:
         """One token (`key`: one per sequence, validated) to each sequence; None, changing nothing, where the

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.block_table import BlockTable
-from radixkv.decode_run import DecodeRun
+from radixkv.decode_run import DecodeRun, same_ids
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.radix_node import Node
 
@@ -132,9 +132,7 @@ class Sequences:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
         self._settle()
         last = self._last_batch
-        # The ids of the last batch (ints: 2.0 and numpy's 2 compare equal to 2, yet are refused below), and no
-        # sequence came or went since.
-        if last is not None and type(seq_ids) is list and last[0] == seq_ids and type(sum(seq_ids)) is int:
+        if last is not None and same_ids(seq_ids, last[0]):  # and no sequence came or went since
             return list(last[1])
         try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
             found: list[LiveSequence] | None = list(map(self._live.__getitem__, seq_ids))
