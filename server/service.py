@@ -36,6 +36,7 @@ import numpy as np
 
 from radixkv.errors import (
     FailedPrecondition,
+    InvalidArgument,
     LimitExceeded,
     PermissionDenied,
     ServerRestarting,
@@ -45,6 +46,7 @@ from radixkv.errors import (
 )
 from radixkv.preemption import PreemptResult, ResumeResult
 from radixkv.results import AppendBatch, OpenResult
+from radixkv.server.block_checksums import table_range
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.events import BlockEvent
@@ -321,6 +323,27 @@ class KVService:
         with self._in_session(caller, session_id, pool_name) as (pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
+
+    def record_block_checksums(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, checksums: Sequence[int]
+    ) -> int:
+        """Attach writers' K/V checksums to the session's sequence's blocks the tree holds (`server/block_checksums.py`)."""
+        if any(c == 0 for c in checksums):
+            raise InvalidArgument("checksums", "a checksum is nonzero (0 reads as none)")
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owner(session, seq_id)
+            blocks = table_range(pool.cache.block_table(seq_id), first_block, len(checksums), "first_block")
+            held = [i for i, b in enumerate(blocks) if pool.events.hashes.get(b) is not None]  # in the tree
+            return pool.events.checksums.record([blocks[i] for i in held], [checksums[i] for i in held])
+
+    def get_block_checksums(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, num_blocks: int
+    ) -> list[int]:
+        """The checksums recorded for the session's sequence's blocks (0: none)."""
+        with self._in_session(caller, session_id, pool_name) as (pool, session):
+            pool.ledger.check_owner(session, seq_id)
+            blocks = table_range(pool.cache.block_table(seq_id), first_block, num_blocks, "num_blocks")
+            return pool.events.checksums.get(blocks)
 
     def can_append(
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]
