@@ -327,7 +327,7 @@ class KVService:
     def record_block_checksums(
         self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, checksums: Sequence[int]
     ) -> int:
-        """Attach writers' K/V checksums to the session's sequence's blocks the tree holds (`server/block_checksums.py`)."""
+        """Attach writers' K/V checksums to the sequence's blocks the tree holds (server/block_checksums.py)."""
         if any(c == 0 for c in checksums):
             raise InvalidArgument("checksums", "a checksum is nonzero (0 reads as none)")
         with self._in_session(caller, session_id, pool_name) as (pool, session):
