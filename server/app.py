@@ -32,6 +32,7 @@ from radixkv.server.config import (
     CPU_DEFAULT_POOL_BYTES,
     DEFAULT_MEMORY_FRACTION,
     DEFAULT_RESERVED_BYTES,
+    PoolConfig,
     ServerConfig,
     config_from_mapping,
     default_pool,
