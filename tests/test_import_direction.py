@@ -7,6 +7,7 @@ The layers, bottom up:
   the pool's memory, torch. Below the kernels, the server and the client.
 - kernels, client, server: kernels import nothing from server, client or demo; client and server not each other.
 - demo: the top, with the CLI (`radixkv/cli.py`), which reaches the others only by name (`radixkv serve`).
+- integrations (`integrations/vllm` -> `radixkv.vllm`): beside the demo at the top; nothing below imports them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo"}  # folder -> layer
+FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo", "integrations": "integrations"}
+INTEGRATIONS = {"vllm"}  # radixkv.<name> packages mapped from integrations/<name>
 # radixkv/<name>.py outside the core -> layer
 UPPER_MODULES = {
     "storage": "storage",
@@ -29,13 +31,14 @@ WIRE = "wire"  # radixkv.v1, the generated protobuf code
 
 # What each layer must not import (a layer name, or a top-level third-party package).
 FORBIDDEN: dict[str, set[str]] = {
-    "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli"},
-    "storage": {"grpc", "kernels", "server", "client", "demo", "cli"},
-    "kernels": {"server", "client", "demo", "cli"},
-    "client": {"server", "kernels", "demo", "cli"},
-    "server": {"client", "demo", "cli"},
-    "demo": {"cli"},
-    "cli": set(),
+    "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli", "integrations"},
+    "storage": {"grpc", "kernels", "server", "client", "demo", "cli", "integrations"},
+    "kernels": {"server", "client", "demo", "cli", "integrations"},
+    "client": {"server", "kernels", "demo", "cli", "integrations"},
+    "server": {"client", "demo", "cli", "integrations"},
+    "demo": {"cli", "integrations"},
+    "cli": {"integrations"},
+    "integrations": {"demo", "cli"},
 }
 
 
@@ -56,6 +59,8 @@ def layer_of_module(name: str) -> str:
         return parts[0]
     if parts[1] in FOLDERS:
         return FOLDERS[parts[1]]
+    if parts[1] in INTEGRATIONS:
+        return "integrations"
     if parts[1] == "v1":
         return WIRE
     return UPPER_MODULES.get(parts[1], "core")
@@ -120,6 +125,8 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
             "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
             "server/s.py": "import grpc\nfrom radixkv.storage import KVStorage\nfrom radixkv.client import PoolView\n",
             "demo/d.py": "from radixkv.server.app import serve\nfrom radixkv.client import RadixKVClient\n",  # fine
+            "integrations/vllm/v.py": "import vllm\nfrom radixkv.client import PoolView\n",  # fine
+            "server/t.py": "from radixkv.vllm.plan import StepPlan\n",
             "tests/test_x.py": "import torch\nimport radixkv.server\n",  # not the package
         },
     )
@@ -131,6 +138,7 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
         "radixkv/typed_core.py:3: core imports grpc",
         "radixkv/wire_core.py:1: core imports radixkv.v1",
         "server/s.py:3: server imports radixkv.client",
+        "server/t.py:1: server imports radixkv.vllm.plan",
     ]
 
 

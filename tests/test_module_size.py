@@ -33,3 +33,13 @@ def test_the_check_reports_a_long_module_and_skips_generated_code(tmp_path: Path
     (tmp_path / "radixkv" / "long.py").write_text("x = 1\n" * MAX_LINES)
     (tmp_path / "radixkv" / "v1" / "kvcache_pb2.py").write_text("x = 1\n" * 1000)
     assert oversized_modules(tmp_path) == ["radixkv/long.py: 300 lines"]
+
+
+def test_every_integration_module_is_at_most_400_lines() -> None:
+    """`integrations/` (radixkv.vllm) holds product modules: at most 400 lines each (STYLE.md, habit 1)."""
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted((ROOT / "integrations").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 400
+    ]
+    assert long == []
