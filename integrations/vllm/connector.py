@@ -18,6 +18,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from radixkv.client import PoolView, RadixKVClient
+from radixkv.layout import PoolLayout
+from radixkv.vllm.layouts import layout_for
+from radixkv.vllm.plan import StepPlan
+from radixkv.vllm.scheduler_side import SchedulerSide
+from radixkv.vllm.worker_side import WorkerSide
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -27,13 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from radixkv.client import PoolView, RadixKVClient
-from radixkv.layout import PoolLayout
-from radixkv.vllm.layouts import layout_for
-from radixkv.vllm.plan import StepPlan
-from radixkv.vllm.scheduler_side import SchedulerSide
-from radixkv.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="fewer prompts")
     parser.add_argument("--ttft", action="store_true", help="serve the prompts one at a time, timing each")
+    parser.add_argument(
+        "--kill-pid", type=int, help="SIGKILL this process (radixkv's server) after --kill-after prompts"
+    )
+    parser.add_argument("--kill-after", type=int, default=0)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -74,6 +79,10 @@ def main() -> None:
             t = time.perf_counter()
             outputs += llm.generate([prompt], one, use_tqdm=False)
             ttft.append(time.perf_counter() - t)
+    elif args.kill_pid:
+        outputs = llm.generate(prompts[: args.kill_after], params, use_tqdm=False)
+        os.kill(args.kill_pid, signal.SIGKILL)
+        outputs += llm.generate(prompts[args.kill_after :], params, use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     by_source = {
