@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from radixkv.handoff import StepArrays
+from radixkv.sequences.handoff import StepArrays
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

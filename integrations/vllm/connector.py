@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.vllm.layouts import layout_for
 from radixkv.vllm.plan import StepPlan
 from radixkv.vllm.scheduler_side import SchedulerSide

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from radixkv.client import RadixKVClient
-from radixkv.step import Commit, Step
+from radixkv.sequences.step import Commit, Step
 from radixkv.vllm.plan import StepPlan, Tracked
 
 log = logging.getLogger("radixkv.vllm")
