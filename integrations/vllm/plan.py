@@ -54,8 +54,7 @@ class Tracked:
     seq_id: int | None
     table: list[int]  # the sequence's radixkv block table
     num_prompt_tokens: int
-    num_held_blocks: int  # leading blocks the open locked (radixkv's cached prefix)
-    num_committed_blocks: int  # leading blocks below the sequence's watermark
+    num_committed_blocks: int  # leading blocks below the sequence's watermark: the prefix the open locked, then ours
     next_save: int  # the first prompt block not planned for saving yet
     block_size: int
     saved: dict[int, int] = dataclasses.field(default_factory=dict)  # reported saved, not committed: index -> checksum
@@ -68,11 +67,11 @@ class Tracked:
         return self.num_prompt_tokens // self.block_size
 
     def plan_loads(self, plan: StepPlan, first: int, last: int, vllm_blocks: list[int], checksums: list[int]) -> None:
-        """Blocks [first, last) promised: loads of those held with a checksum (`checksums` from `first`), failures
-        of the rest."""
+        """Blocks [first, last) promised: loads of those the sequence holds (its locked prefix and what it committed
+        since) with a checksum (`checksums` from `first`), failures of the rest."""
         for i in range(first, last):
             checksum = checksums[i - first] if i - first < len(checksums) else 0
-            if i < self.num_held_blocks and checksum and self.seq_id is not None:
+            if i < self.num_committed_blocks and checksum and self.seq_id is not None:
                 plan.loads.add(self.req_id, i, self.table[i], vllm_blocks[i], checksum)
             else:
                 plan.failed.append(vllm_blocks[i])

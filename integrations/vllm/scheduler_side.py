@@ -71,7 +71,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         first, last = local // self.block_size, (local + num_external_tokens) // self.block_size
-        num_loadable = max(0, min(last, tracked.num_held_blocks) - first)
+        num_loadable = max(0, min(last, tracked.num_committed_blocks) - first)  # held: locked or committed
         checksums: list[int] = []
         if num_loadable and tracked.seq_id is not None:
             try:
@@ -88,10 +88,10 @@ class SchedulerSide:
                 opened = self.client.open(prompt, namespace)
                 held = opened.num_cached_tokens // self.block_size
                 table = [int(b) for b in opened.block_table]
-                return Tracked(request.request_id, opened.seq_id, table, len(prompt), held, held, held, self.block_size)
+                return Tracked(request.request_id, opened.seq_id, table, len(prompt), held, held, self.block_size)
             except Exception as e:
                 log.warning("radixkv open failed, request %s runs without it: %s", request.request_id, e)
-        return Tracked(request.request_id, None, [], len(prompt), 0, 0, 0, self.block_size)
+        return Tracked(request.request_id, None, [], len(prompt), 0, 0, self.block_size)
 
     def build_plan(self, scheduled: Iterable[tuple[str, int]], block_ids_of: Any) -> StepPlan:
         """The worker's plan for this step. `scheduled`: (request id, tokens computed after this step)."""

@@ -1,11 +1,18 @@
-"""radixkv behind an unmodified vLLM, end to end: real radixkv servers, real vLLM engines, each in its own process.
+"""radixkv behind an unmodified vLLM, end to end: a real radixkv server (on a keeper), real vLLM engines, each
+engine in a process of its own, one after the other, on the prompts of `prompts.py`.
 
-Engine A serves the prompts with the connector; engine B, a fresh process, serves them again and must find at
-least 95% of the prompts' full blocks in radixkv (the blocks it may load: vLLM always computes a prompt's last
-token), with vLLM's own prefix cache off (every cached token came from radixkv) and on, its
-`vllm:prompt_tokens_by_source{source="external_kv_transfer"}` agreeing; and every greedy output token-identical
-to a run without the connector. The same after an upgrade of the server (SIGTERM, restart on its keeper), and
-when loads fail: a block whose bytes no longer match their checksum, and the server killed under the engine.
+One chain, since each engine costs ~30-60 s to start on CPU:
+- a reference engine without the connector: the greedy outputs every other engine must reproduce token for token;
+- engine A with the connector and chunked prefill (256-token chunks): it fills radixkv, chunk by chunk;
+- engine B, a fresh process, vLLM's prefix cache off: at least 95% of the prompts' full blocks come from radixkv
+  (exactly every block it may load: vLLM always computes a prompt's last token), and vLLM's
+  `vllm:prompt_tokens_by_source{source="external_kv_transfer"}` counts exactly those tokens;
+- the server upgraded (SIGTERM: snapshot; a new server adopts it from the keeper's memory), and one block of the
+  longest prompt corrupted in the pool: engine C, vLLM's prefix cache on, gets every block again, less the
+  corrupted one: its checksum fails, the connector reports it as a load error and vLLM recomputes it (vLLM still
+  counts it in `num_cached_tokens` and the metric: they count what the connector promised; its log says what
+  was recomputed);
+- the server SIGKILLed after engine D served half the prompts: the rest are computed, nothing fails.
 """
 
 from __future__ import annotations
@@ -19,98 +26,72 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make test
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engines import run_engine  # noqa: E402
+from prompts import test_prompts  # noqa: E402
 
 from radixkv.client import PoolView, RadixKVClient  # noqa: E402
-from radixkv.server.process import ServerProcess  # noqa: E402
+from radixkv.server.process import KeeperProcess, ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 BLOCK = 32
 
 
-def serve_flags(model: Path) -> list[str]:
-    return ["--model", str(model), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "600"]
-
-
-def loadable_tokens(run: dict) -> list[int]:
+def loadable(run: dict) -> list[int]:
     """The prompt tokens radixkv can serve: full blocks, less the block of a prompt's last token."""
     return [(n - 1) // BLOCK * BLOCK for n in run["num_prompt_tokens"]]
 
 
-def full_block_tokens(run: dict) -> list[int]:
-    return [n // BLOCK * BLOCK for n in run["num_prompt_tokens"]]
-
-
 def coverage(run: dict) -> float:
-    return sum(run["num_cached_tokens"]) / sum(full_block_tokens(run))
+    """Cached tokens over the prompts' full-block tokens."""
+    return sum(run["num_cached_tokens"]) / sum(n // BLOCK * BLOCK for n in run["num_prompt_tokens"])
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The prompts without the connector: the outputs every run must reproduce token for token."""
-    return run_engine(tmp_path_factory.mktemp("ref") / "ref.json", model_dir)
+def corrupt_last_loadable_block(address: str, prompt: list[int]) -> None:
+    """A stray write into the pool: the block's bytes no longer match the checksum its saver recorded."""
+    with RadixKVClient(address) as client, PoolView.from_client(client) as pool:
+        opened = client.open(prompt)
+        victim = int(opened.block_table[opened.num_cached_tokens // BLOCK - 1])
+        client.release(opened.seq_id, cache=False)
+        pool.data[:, :, victim] += 1.0
 
 
-def test_a_fresh_engine_gets_the_prompts_from_radixkv(model_dir: Path, reference: dict, tmp_path: Path) -> None:
-    with ServerProcess(serve_flags(model_dir), tmp_path / "server.log") as server:
-        a = run_engine(tmp_path / "a.json", model_dir, "--connector", server.address, "--max-batched", "256")
-        assert a["token_ids"] == reference["token_ids"]  # chunked prefill (256-token chunks), every chunk saved
-        b = run_engine(tmp_path / "b.json", model_dir, "--connector", server.address)
-        b_on = run_engine(tmp_path / "b_on.json", model_dir, "--connector", server.address, "--prefix-caching")
-    for run in (b, b_on):
-        assert run["token_ids"] == reference["token_ids"]
-        assert coverage(run) >= 0.95, (run["num_cached_tokens"], full_block_tokens(run))
-        assert run["num_cached_tokens"] == loadable_tokens(run)
-    # Prefix cache off: every cached token came from radixkv, and vLLM's own metric says so.
-    assert b["prompt_tokens_by_source"]["external_kv_transfer"] == sum(b["num_cached_tokens"])
-    assert b["prompt_tokens_by_source"]["local_cache_hit"] == 0
-    on = b_on["prompt_tokens_by_source"]
-    assert on["external_kv_transfer"] + on["local_cache_hit"] == sum(b_on["num_cached_tokens"])
-    assert on["external_kv_transfer"] > 0
-
-
-def test_the_cache_survives_a_radixkv_upgrade(model_dir: Path, reference: dict, tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    with ServerProcess(serve_flags(model_dir), tmp_path / "old.log", state_dir=state) as server:
-        port = server.port
-        a = run_engine(tmp_path / "a.json", model_dir, "--connector", server.address)
-    # Left: SIGTERM, snapshot written beside the keeper's memory. The new server adopts it, checksums included.
-    with ServerProcess([*serve_flags(model_dir), "--port", str(port)], tmp_path / "new.log", state_dir=state) as new:
-        b = run_engine(tmp_path / "b.json", model_dir, "--connector", new.address)
-    assert a["token_ids"] == b["token_ids"] == reference["token_ids"]
-    assert coverage(b) >= 0.95, b["num_cached_tokens"]
-    assert b["prompt_tokens_by_source"]["external_kv_transfer"] == sum(b["num_cached_tokens"])
-
-
-def test_a_block_failing_its_checksum_is_recomputed(model_dir: Path, reference: dict, tmp_path: Path) -> None:
-    from prompts import test_prompts
+def test_engines_share_radixkv_across_processes_an_upgrade_and_failures(model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    with ServerProcess(serve_flags(model_dir), tmp_path / "server.log") as server:
-        run_engine(tmp_path / "a.json", model_dir, "--connector", server.address)
-        prompt = test_prompts(AutoTokenizer.from_pretrained(model_dir))[0]
-        with RadixKVClient(server.address) as client, PoolView.from_client(client) as pool:
-            opened = client.open(prompt)
-            assert opened.num_cached_tokens >= 3 * BLOCK
-            victim = int(opened.block_table[2])  # in the system prompt every prompt shares
-            client.release(opened.seq_id, cache=False)
-            pool.data[:, :, victim] += 1.0  # a stray write: the bytes no longer match their checksum
-        b = run_engine(tmp_path / "b.json", model_dir, "--connector", server.address)
-    assert b["token_ids"] == reference["token_ids"]
-    assert sum(b["num_cached_tokens"]) < sum(loadable_tokens(b))  # from the victim on, recomputed
-    assert b["prompt_tokens_by_source"]["external_kv_transfer"] > 0
-
-
-def test_the_server_killed_under_the_engine(model_dir: Path, reference: dict, tmp_path: Path) -> None:
-    """SIGKILL between two batches of B's prompts: the rest are computed, vLLM goes on, outputs unchanged."""
-    server = ServerProcess(serve_flags(model_dir), tmp_path / "server.log")
+    prompts = test_prompts(AutoTokenizer.from_pretrained(model_dir))
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "600"]
+    reference = run_engine(tmp_path / "reference.json", model_dir)["token_ids"]
+    keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
     try:
-        run_engine(tmp_path / "a.json", model_dir, "--connector", server.address)
-        b = run_engine(
-            tmp_path / "b.json", model_dir, "--connector", server.address, "--kill-after", "10",
-            "--kill-pid", str(server.proc.pid),
-        )  # fmt: skip
+        with ServerProcess(flags, tmp_path / "server.log", keeper=keeper.socket) as server:
+            port = server.port
+            a = run_engine(tmp_path / "a.json", model_dir, "--connector", server.address, "--max-batched", "256")
+            b = run_engine(tmp_path / "b.json", model_dir, "--connector", server.address)
+        assert a["token_ids"] == reference
+        assert b["token_ids"] == reference
+        assert coverage(b) >= 0.95 and b["num_cached_tokens"] == loadable(b)  # every chunk of A was saved
+        assert b["prompt_tokens_by_source"]["external_kv_transfer"] == sum(b["num_cached_tokens"])
+        assert b["prompt_tokens_by_source"]["local_cache_hit"] == 0  # prefix cache off: all from radixkv
+
+        # SIGTERM above wrote the snapshot; the new server adopts it (and the checksums) from the keeper's memory.
+        new_flags = [*flags, "--port", str(port)]
+        with ServerProcess(new_flags, tmp_path / "upgraded.log", keeper=keeper.socket) as upgraded:
+            corrupt_last_loadable_block(upgraded.address, prompts[longest])
+            c = run_engine(tmp_path / "c.json", model_dir, "--connector", upgraded.address, "--prefix-caching")
+            d = run_engine(
+                tmp_path / "d.json", model_dir, "--connector", upgraded.address, "--kill-after", "10",
+                "--kill-pid", str(upgraded.proc.pid),
+            )  # fmt: skip
+        assert c["token_ids"] == reference
+        assert c["num_cached_tokens"] == loadable(c) and coverage(c) >= 0.95  # vLLM counts what it was promised,
+        # and says what it recomputed: the corrupted block, reported by get_block_ids_with_load_errors.
+        log = (tmp_path / "c.log").read_text()
+        assert "1 of " in log and "blocks failed their checksum" in log
+        assert "Recovered from KV load failure: 1 request(s) rescheduled (32 tokens affected)" in log
+        by_source = c["prompt_tokens_by_source"]
+        assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sum(c["num_cached_tokens"])
+        assert by_source["external_kv_transfer"] > 0
+        assert d["token_ids"] == reference
+        assert d["num_cached_tokens"][:10] == loadable(d)[:10] and d["num_cached_tokens"][10:] == [0] * 10
     finally:
-        server.kill()
-    assert b["token_ids"] == reference["token_ids"]
-    cached = b["num_cached_tokens"]
-    assert cached[:10] == loadable_tokens(b)[:10] and cached[10:] == [0] * 10
+        keeper.stop()
