@@ -100,7 +100,7 @@ class Tracked:
         missing = [i for i in planned if i not in saved]
         if missing:
             self.next_save = min(self.next_save, min(missing))
-        first, checksums = self.num_committed_blocks, []
+        first, checksums = self.num_committed_blocks, list[int]()
         while first + len(checksums) in self.saved:
             checksums.append(self.saved.pop(first + len(checksums)))
         self.num_committed_blocks += len(checksums)

@@ -6,12 +6,15 @@ locks radixkv's prefix and gives blocks for the rest, and the saver's checksums 
 `build_plan` (the worker's loads and saves), `worker_reported` with what the worker saved (one Step commits and
 caches every request's new blocks, then their checksums are recorded), `finished` (release once no save of the
 request is in flight). A radixkv call that fails never fails vLLM: the request falls back to computing, and
-what it was promised and cannot get is reported as a failed load, which vLLM recomputes.
+what it was promised and cannot get is reported as a failed load, which vLLM recomputes. After a failed call
+the connector asks nothing new of radixkv for `RETRY_AFTER` seconds (a server that is down costs each request
+one failed call at most, not a retried one), but still releases what it holds.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +23,7 @@ from radixkv.sequences.step import Commit, Step
 from radixkv.vllm.plan import StepPlan, Tracked
 
 log = logging.getLogger("radixkv.vllm")
+RETRY_AFTER = 5.0  # seconds without new matches or opens after a call failed
 
 
 class SchedulerSide:
@@ -31,6 +35,14 @@ class SchedulerSide:
         self._asked: dict[str, int] = {}  # request -> the local hit it was last asked about (block-aligned)
         self._plan = StepPlan()  # what the next metadata carries (loads and failures planned at allocation)
         self._planned_saves: dict[str, set[int]] = {}  # saves handed to the worker, awaiting its report
+        self._quiet_until = 0.0  # monotonic time before which no match or open is tried (a call failed)
+
+    def _failed(self, what: str, error: Exception) -> None:
+        log.warning("radixkv %s failed, computing instead: %s", what, error)
+        self._quiet_until = time.monotonic() + RETRY_AFTER
+
+    def _quiet(self) -> bool:
+        return time.monotonic() < self._quiet_until
 
     def namespace_of(self, request: Any) -> str | None:
         """radixkv's namespace for a request: vLLM's cache salt and LoRA adapter separate prefixes as its own
@@ -51,12 +63,12 @@ class SchedulerSide:
         if not prompt or namespace is None:
             return 0
         usable = (len(prompt) - 1) // self.block_size * self.block_size
-        if num_computed_tokens >= usable:
-            return 0  # the local hit covers all radixkv could add: no call
+        if num_computed_tokens >= usable or self._quiet():
+            return 0  # the local hit covers all radixkv could add (or radixkv just failed): no call
         try:
             held = self.client.match(prompt, namespace)
         except Exception as e:  # the server down or refusing: compute instead
-            log.warning("radixkv match failed, computing instead: %s", e)
+            self._failed("match", e)
             return 0
         self._asked[request.request_id] = num_computed_tokens
         return max(0, min(held, usable) - num_computed_tokens)
@@ -77,20 +89,20 @@ class SchedulerSide:
             try:
                 checksums = self.client.block_checksums(tracked.seq_id, first, num_loadable)
             except Exception as e:
-                log.warning("radixkv checksums unavailable, recomputing %d blocks: %s", last - first, e)
+                self._failed(f"checksums of {last - first} promised blocks", e)
         tracked.plan_loads(self._plan, first, last, vllm_blocks, checksums)
 
     def _open(self, request: Any) -> Tracked:
         prompt = request.prompt_token_ids or []
         namespace = self.namespace_of(request)
-        if namespace is not None and len(prompt) >= self.block_size:
+        if namespace is not None and len(prompt) >= self.block_size and not self._quiet():
             try:
                 opened = self.client.open(prompt, namespace)
                 held = opened.num_cached_tokens // self.block_size
                 table = [int(b) for b in opened.block_table]
                 return Tracked(request.request_id, opened.seq_id, table, len(prompt), held, held, self.block_size)
             except Exception as e:
-                log.warning("radixkv open failed, request %s runs without it: %s", request.request_id, e)
+                self._failed(f"open of request {request.request_id}", e)
         return Tracked(request.request_id, None, [], len(prompt), 0, 0, self.block_size)
 
     def build_plan(self, scheduled: Iterable[tuple[str, int]], block_ids_of: Any) -> StepPlan:
@@ -128,7 +140,7 @@ class SchedulerSide:
             for tracked, first, checksums in ready:
                 self.client.record_block_checksums(tracked.seq_id, first, checksums)  # type: ignore[arg-type]
         except Exception as e:  # what was not cached is a miss later, never wrong bytes
-            log.warning("radixkv commit failed; those blocks stay uncached: %s", e)
+            self._failed("commit (those blocks stay uncached)", e)
 
     def finished(self, req_id: str) -> None:
         """vLLM finished the request: release its sequence now, or after the saves in flight are reported."""

@@ -48,7 +48,7 @@ class WorkerSide:
                 self.failed_reqs.add(req_id)
         if not all(good):
             log.warning(
-                "radixkv: %d of %d blocks failed their checksum; vLLM recomputes them", good.count(0), len(good)
+                "radixkv: %d of %d blocks failed their checksum; vLLM recomputes them", good.count(False), len(good)
             )
         keep = torch.tensor([i for i, ok in enumerate(good) if ok], dtype=torch.int64, device=staged.device)
         if not len(keep):

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # unset, vLLM on CPU takes ~20 GiB for its KV cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import BLOCK_SIZE, test_prompts  # noqa: E402
+from prompts import BLOCK_SIZE, prompt_token_ids  # noqa: E402
 
 
 def main() -> None:
@@ -36,9 +36,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer prompts")
     parser.add_argument("--ttft", action="store_true", help="serve the prompts one at a time, timing each")
     parser.add_argument(
-        "--kill-pid", type=int, help="SIGKILL this process (radixkv's server) after --kill-after prompts"
+        "--then-kill", type=int, metavar="PID", help="then SIGKILL PID (radixkv's server) and serve the prompts again"
     )
-    parser.add_argument("--kill-after", type=int, default=0)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -69,7 +68,7 @@ def main() -> None:
         seed=0,
     )
     start_seconds = time.perf_counter() - started
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in test_prompts(llm.get_tokenizer(), quick=args.quick)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_token_ids(llm.get_tokenizer(), quick=args.quick)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     ttft: list[float] = []
     if args.ttft:
@@ -79,12 +78,12 @@ def main() -> None:
             t = time.perf_counter()
             outputs += llm.generate([prompt], one, use_tqdm=False)
             ttft.append(time.perf_counter() - t)
-    elif args.kill_pid:
-        outputs = llm.generate(prompts[: args.kill_after], params, use_tqdm=False)
-        os.kill(args.kill_pid, signal.SIGKILL)
-        outputs += llm.generate(prompts[args.kill_after :], params, use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+    again = []
+    if args.then_kill:
+        os.kill(args.then_kill, signal.SIGKILL)
+        again = llm.generate(prompts, params, use_tqdm=False)
     by_source = {
         m.labels["source"]: m.value  # type: ignore[attr-defined]
         for m in llm.get_metrics()
@@ -97,6 +96,7 @@ def main() -> None:
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         "prompt_tokens_by_source": by_source,
         "ttft_seconds": ttft,
+        "token_ids_after_kill": [list(o.outputs[0].token_ids) for o in again],
     }
     Path(args.out).write_text(json.dumps(result))
 

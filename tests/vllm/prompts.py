@@ -39,7 +39,7 @@ DOCUMENT = " ".join(
 )
 
 
-def test_prompts(tokenizer: Any, *, quick: bool = False) -> list[list[int]]:
+def prompt_token_ids(tokenizer: Any, *, quick: bool = False) -> list[list[int]]:
     """Token ids of the prompts: 16 short ones (system prompt + question), 4 long ones (+ part of a document)."""
     system = tokenizer.encode(SYSTEM)
     questions = QUESTIONS[:6] if quick else QUESTIONS
