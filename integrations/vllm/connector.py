@@ -22,6 +22,7 @@ import torch
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.memory.layout import PoolLayout
+from radixkv.vllm.events import EventRelay
 from radixkv.vllm.layouts import layout_for
 from radixkv.vllm.plan import StepPlan
 from radixkv.vllm.scheduler_side import SchedulerSide
@@ -37,7 +38,10 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,7 +112,11 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._saved: dict[str, dict[int, int]] = {}  # this step's saves, for build_connector_worker_meta
         self._pool_info = info
+        self._events: EventRelay | None = None
         if role == KVConnectorRole.SCHEDULER:
+            events_config = vllm_config.kv_events_config
+            if events_config is not None and events_config.enable_kv_cache_events:
+                self._events = EventRelay(self._client, self._block_size, info.device)
             self._scheduler = SchedulerSide(
                 self._client, self._block_size, str(extra.get("radixkv_namespace", "default"))
             )
@@ -154,6 +162,10 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._scheduler.finished(request.request_id)
         return False, None  # the worker copies synchronously: vLLM may free its blocks now
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """radixkv's stored and removed blocks since the last call, as vLLM's events (with --kv-events-config)."""
+        return self._events.take() if self._events is not None else ()
+
     # -- worker side -----------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -194,6 +206,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         return RadixKVWorkerMetadata(saved)
 
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
         if self._scheduler is not None:
             self._client.close()
         if self._worker is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,38 @@ def _blocks(ids: list[int]) -> Any:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def test_take_events_relays_radixkv_blocks_with_vllms_own_hashes(config: VllmConfig, server: ServerProcess) -> None:
+    """With vLLM's KV events on, `take_events` hands vLLM radixkv's stored blocks, hashed as vLLM hashes them with
+    `--prefix-caching-hash-algo sha256_cbor` (so a router reading vLLM's stream finds what this engine can load)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    events_on = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    connector = RadixKVConnector(
+        dataclasses.replace(config, kv_events_config=events_on), _role("SCHEDULER"), _kv_config()
+    )
+    try:
+        prompt = prompt_of(8, 100)
+        cache_in_radixkv(server, prompt, [81, 82, 83])
+        stored: list[BlockStored] = []
+        deadline = time.monotonic() + 60
+        while not stored and time.monotonic() < deadline:  # the relay's thread delivers them: wait for it
+            stored = [e for e in connector.take_events() if isinstance(e, BlockStored)]
+            time.sleep(0.05)
+    finally:
+        connector.shutdown()
+    sha256_cbor = get_hash_fn_by_name("sha256_cbor")
+    try:
+        init_none_hash(sha256_cbor)
+        expected, parent = [], None
+        for i in range(3):
+            parent = hash_block_tokens(sha256_cbor, parent, prompt[i * BLOCK : (i + 1) * BLOCK])
+            expected.append(int.from_bytes(parent, "big") & (2**64 - 1))  # vLLM's int form of its block hashes
+    finally:
+        init_none_hash(get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo))
+    assert [h for e in stored for h in e.block_hashes] == expected
+    assert [t for e in stored for t in e.token_ids] == prompt[:96]
+    assert {e.medium for e in stored} == {"CPU"} and stored[0].parent_block_hash is None
