@@ -78,3 +78,18 @@ def test_a_checksum_sees_every_change() -> None:
     swapped = pool.clone()
     swapped[:, :, 2, 0], swapped[:, :, 2, 1] = pool[:, :, 2, 1], pool[:, :, 2, 0]  # two tokens exchanged
     assert block_checksums(swapped)[2] != sums[2]
+
+
+def test_importing_radixkv_never_imports_vllm() -> None:
+    """Only asking for the connector class loads vLLM: the package, its plan and layouts stay free of it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, radixkv, radixkv.client, radixkv.server.app, radixkv.vllm\n"
+        "import radixkv.vllm.plan, radixkv.vllm.layouts\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))\n"
+        "radixkv.vllm.RadixKVConnector\n"
+        "assert 'vllm' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
