@@ -3,7 +3,7 @@
     python tests/vllm/engine_run.py OUT.json [--connector HOST:PORT] [--prefix-caching] [--max-batched N]
 
 The engine core is a spawned process, hence the `__main__` guard. Written: per prompt the generated token ids and
-`num_cached_tokens`, the engine's `vllm:prompt_tokens_by_source` counters, and the time to first token of each
+`num_cached_tokens`, the engine's `vllm:prompt_tokens_by_source` counters (before --then-kill's second pass), and the time to first token of each
 prompt when `--ttft` serves them one at a time (for benchmarks/bench_vllm.py).
 """
 
@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # unset, vLLM on CPU takes ~20 GiB for its KV cache
@@ -80,15 +81,11 @@ def main() -> None:
             ttft.append(time.perf_counter() - t)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+    by_source = prompt_tokens_by_source(llm)
     again = []
     if args.then_kill:
         os.kill(args.then_kill, signal.SIGKILL)
         again = llm.generate(prompts, params, use_tqdm=False)
-    by_source = {
-        m.labels["source"]: m.value  # type: ignore[attr-defined]
-        for m in llm.get_metrics()
-        if m.name == "vllm:prompt_tokens_by_source"
-    }
     result = {
         "start_seconds": start_seconds,
         "num_prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
@@ -99,6 +96,15 @@ def main() -> None:
         "token_ids_after_kill": [list(o.outputs[0].token_ids) for o in again],
     }
     Path(args.out).write_text(json.dumps(result))
+
+
+def prompt_tokens_by_source(llm: Any) -> dict[str, int]:
+    """The engine's `vllm:prompt_tokens_by_source` counters so far, by source."""
+    return {
+        m.labels["source"]: m.value  # type: ignore[attr-defined]
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_by_source"
+    }
 
 
 if __name__ == "__main__":
