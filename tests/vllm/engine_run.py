@@ -3,8 +3,9 @@
     python tests/vllm/engine_run.py OUT.json [--connector HOST:PORT] [--prefix-caching] [--max-batched N]
 
 The engine core is a spawned process, hence the `__main__` guard. Written: per prompt the generated token ids and
-`num_cached_tokens`, the engine's `vllm:prompt_tokens_by_source` counters (before --then-kill's second pass), and the time to first token of each
-prompt when `--ttft` serves them one at a time (for benchmarks/bench_vllm.py).
+`num_cached_tokens`, the engine's `vllm:prompt_tokens_by_source` counters (before --then-kill's second pass), the
+time to first token of each prompt when `--ttft` serves them one at a time (for benchmarks/bench_vllm.py), and
+the outputs of the second pass after `--then-kill PID`.
 """
 
 from __future__ import annotations
