@@ -8,7 +8,8 @@ caches every request's new blocks, then their checksums are recorded), `finished
 request is in flight). A radixkv call that fails never fails vLLM: the request falls back to computing, and
 what it was promised and cannot get is reported as a failed load, which vLLM recomputes. After a failed call
 the connector asks nothing new of radixkv for `RETRY_AFTER` seconds (a server that is down costs each request
-one failed call at most, not a retried one), but still releases what it holds.
+one failed call at most, not a retried one), but still releases what it holds; a refusal (OutOfBlocks for an
+open on a full pool) only costs that request its loads and saves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from radixkv.client import RadixKVClient
+from radixkv.errors import RadixKVError
 from radixkv.sequences.step import Commit, Step
 from radixkv.vllm.plan import StepPlan, Tracked
 
@@ -38,8 +40,10 @@ class SchedulerSide:
         self._quiet_until = 0.0  # monotonic time before which no match or open is tried (a call failed)
 
     def _failed(self, what: str, error: Exception) -> None:
+        """Log a failed call; one that did not reach radixkv (down, unreachable) quiets new calls for a while."""
         log.warning("radixkv %s failed, computing instead: %s", what, error)
-        self._quiet_until = time.monotonic() + RETRY_AFTER
+        if not isinstance(error, RadixKVError):  # a refusal (OutOfBlocks, ...) says the server is up
+            self._quiet_until = time.monotonic() + RETRY_AFTER
 
     def _quiet(self) -> bool:
         return time.monotonic() < self._quiet_until
