@@ -226,6 +226,29 @@ def test_the_server_gone_between_the_promise_and_the_lock(model_dir: Path, confi
         proc.kill()
 
 
+def test_a_full_pool_costs_that_request_alone(model_dir: Path, config: VllmConfig, tmp_path: Path) -> None:
+    """An open radixkv refuses (OutOfBlocks: the pool cannot hold the prompt) leaves that request without loads or
+    saves; the next request still asks radixkv, which answers (a refusal is not a server that is down)."""
+    flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "4"]
+    with ServerProcess(flags, tmp_path / "server.log") as proc:
+        own = dataclasses.replace(
+            config.kv_transfer_config, kv_connector_extra_config={"radixkv_address": proc.address}
+        )
+        connector = RadixKVConnector(
+            dataclasses.replace(config, kv_transfer_config=own), _role("SCHEDULER"), _kv_config()
+        )
+        try:
+            big = request("big", prompt_of(9, 200), config)  # 7 blocks: more than the pool's 4
+            assert connector.get_num_new_matched_tokens(big, 0) == (0, False)
+            connector.update_state_after_alloc(big, _blocks(list(range(7))), 0)
+            small_prompt = prompt_of(10, 70)
+            cache_in_radixkv(proc, small_prompt, [91, 92])
+            small = request("small", small_prompt, config)
+            assert connector.get_num_new_matched_tokens(small, 0) == (64, False)  # asked at once, and answered
+        finally:
+            connector.shutdown()
+
+
 def _role(name: str) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
