@@ -72,21 +72,36 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str) -> int:
-    """Hand the remaining arguments to a subsystem's own `main` (imported only when asked for)."""
+# The commands that live in a subsystem: the modules each runs (imported only when asked for, in this
+# order) and the extras that install what they import. The demo's server runs in a child process, so the
+# demo imports the server's modules here too: a missing server extra is this one line, not the child's log.
+DELEGATED = {
+    "serve": (("radixkv.server.app",), "server"),
+    "keeper": (("radixkv.server.keeper",), "server"),
+    "demo": (("radixkv.server.app", "radixkv.demo.main"), "demo,server"),
+}
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    """Hand `argv` to the command's own `main`. A third-party module that is not installed, at import or
+    while it runs, is an extra left out: one line naming it, exit status 2."""
     import importlib
 
-    return int(importlib.import_module(module).main(sys.argv[2:]) or 0)
+    modules, extras = DELEGATED[command]
+    try:
+        main = [importlib.import_module(m) for m in modules][-1].main
+        return int(main(argv) or 0)
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.partition(".")[0] == "radixkv":
+            raise  # one of ours: a bug, not a missing extra
+        print(f"radixkv {command}: needs the {e.name} package: pip install 'radixkv[{extras}]'", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        return _delegate("radixkv.server.app")
-    if argv[:1] == ["demo"]:
-        return _delegate("radixkv.demo.main")
-    if argv[:1] == ["keeper"]:
-        return _delegate("radixkv.server.keeper")
+    if argv[:1] and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
     parser = argparse.ArgumentParser(
         prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing."
     )
