@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import PIL.Image
@@ -135,3 +137,9 @@ def test_a_pool_too_small_says_which_request_and_why(
     if pool[1] == "2":
         needed, num_tokens = int(found[1]), int(found[2])
         assert needed == -(-num_tokens // 16) > 2
+
+
+def test_the_first_line_comes_before_torch_is_imported() -> None:
+    """`radixkv demo` says what it loads before the seconds of importing torch and the model's code."""
+    code = "import sys, radixkv.demo.main; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
