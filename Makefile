@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	@echo "== radixkv demo: a server process, SmolLM2-135M-Instruct, four chat requests (about N s on 2 cores)"
+	@echo "== radixkv demo: a server process, SmolLM2-135M-Instruct, four chat requests (about 40 s on 2 cores)"
 	$(BIN)/radixkv demo
 
 test: $(STAMP)

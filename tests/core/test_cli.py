@@ -133,7 +133,6 @@ def run_without(tmp_path, hidden, *argv):
         (["keeper", "--state-dir", "{tmp}"], ["torch"], "torch", "server"),
         (["demo", "--model", "tiny"], ["torch"], "torch", "demo,server"),
         (["demo", "--model", "tiny"], ["grpc_health"], "grpc_health", "demo,server"),  # its server's extra
-        (["demo", "--model", "tiny", "--model-dir", "{tmp}"], ["safetensors"], "safetensors", "demo,server"),
     ],
 )
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, argv, hidden, missing, extras):
