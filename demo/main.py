@@ -7,6 +7,7 @@ torch, the model's code and the client, which takes seconds on a small machine.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,9 +33,12 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 def _number(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
 
 
 def temperature(text: str) -> float:

@@ -94,8 +94,9 @@ def _delegate(command: str, argv: list[str]) -> int:
 
     modules, extras = DELEGATED[command]
     try:
-        main = [importlib.import_module(m) for m in modules][-1].main
-        return int(main(argv) or 0)
+        for name in modules:
+            module = importlib.import_module(name)
+        return int(module.main(argv) or 0)  # the last module's
     except ModuleNotFoundError as e:
         if not e.name or e.name.partition(".")[0] == "radixkv":
             raise  # one of ours: a bug, not a missing extra

@@ -94,6 +94,7 @@ def test_demo_runs_with_an_fp8_pool(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("--host-blocks", "many", "expected an integer, got 'many'"),
         ("--temperature", "-1", "expected a number >= 0 (0 is greedy), got -1.0"),
         ("--top-p", "0", "expected a number in (0, 1], got 0.0"),
+        ("--temperature", "nan", "expected a number, got 'nan'"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_before_anything_loads(
