@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, started: float) -> int:
     if args.host_blocks:
         print(f"host tier: {args.host_blocks} blocks, {args.host_blocks * layout.bytes_per_block / 2**20:.1f} MiB")
     try:
-        run = generate(chat, layout, args, specs, args.host_blocks, lambda r: print(format_step(r)))
+        outcome = generate(chat, layout, args, specs, args.host_blocks, lambda r: print(format_step(r)))
     except PoolTooSmall as e:
         hint = (
             " (or try --host-blocks, a host tier to swap it out to)"
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, started: float) -> int:
             f"radixkv demo: --num-blocks {args.num_blocks} is too small: {e}; give more blocks{hint}", file=sys.stderr
         )
         return 2
-    results, orchestrator, stats, seconds = run
+    results, orchestrator, stats, seconds = outcome
     print()
     print(format_requests(specs, results))
     print()
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, started: float) -> int:
         if compare(label, results, again):
             return 1  # preemption must not change a single token
     if lossy:  # the same requests on a pool of the model's dtype: what the rounding changed
-        exact = dataclasses.replace(layout, dtype=canonical_dtype(args.dtype), num_blocks=args.num_blocks)
+        exact = dataclasses.replace(layout, dtype=canonical_dtype(args.dtype))
         again = generate(chat, exact, args, specs, args.host_blocks, None)[0]
         compare(f"a {exact.dtype} pool (the {kv_dtype} pool rounds K/V, so answers may differ)", results, again)
     print(
