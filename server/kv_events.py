@@ -135,6 +135,11 @@ class ZmqEventPublisher:
             "digest_endpoint": self.digest_endpoint,
         }
 
+    @property
+    def num_batches(self) -> int:
+        """Batches sent so far (the next batch's seq)."""
+        return self._next_seq
+
     def start(self) -> None:
         self._thread.start()
         if self.replay is not None:

@@ -14,8 +14,9 @@ slow live publishing or grow memory without bound:
 - at most `max_replays` peers are served at once; requests beyond are dropped (the consumer's own
   timeout retries them: llm-d waits 2 s per attempt);
 - a reply is sent without blocking (`ROUTER_MANDATORY`, `NOBLOCK`) up to the peer's send high-water
-  mark, a few batches per peer per pass, round robin; a peer that takes nothing for `STALL_SECONDS`
-  is dropped. So a peer costs at most its high-water mark of queued batches, whatever it asks.
+  mark (`SEND_HWM` batches), a few batches per peer per pass, round robin; a peer that takes nothing
+  for `STALL_SECONDS` is dropped. So a peer costs at most `SEND_HWM` queued batches, whatever it asks,
+  and the publisher thread never waits for any of it.
 
 A replay covers the batches buffered when it was asked for (those after come live); if the ring
 overwrites one before it is sent, the reply ends early with the end marker and the consumer's gap
@@ -34,7 +35,8 @@ import zmq
 log = logging.getLogger("radixkv.server.kv_replay")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's ZmqEventPublisher.END_SEQ
-STALL_SECONDS = 30.0  # a peer whose high-water mark stays full this long loses its replay
+STALL_SECONDS = 5.0  # a peer whose high-water mark stays full this long loses its replay (llm-d gives up after 2 s)
+SEND_HWM = 100  # batches queued to one peer at most: its memory bound (100 batches of up to 1024 events)
 _BATCHES_PER_PASS = 16  # per peer, before the next peer's turn (and the next read of requests)
 _REQUESTS_PER_PASS = 256  # read per pass, so a flood of requests cannot starve the replies
 _IDLE_POLL_MS = 50  # how soon a request is seen (and a stop) when nothing is being replayed
@@ -81,7 +83,7 @@ class ReplayServer:
 
     def __init__(self, socket: zmq.Socket[bytes], buffer: ReplayBuffer, topic: bytes, max_replays: int) -> None:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises instead of silently dropping
-        socket.setsockopt(zmq.SNDHWM, 1000)  # batches queued per peer at most
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         socket.setsockopt(zmq.RCVHWM, 1000)  # requests queued per peer at most
         self._socket = socket
         self._buffer = buffer
