@@ -29,7 +29,7 @@ class StreamSockets:
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._authenticator: ThreadAuthenticator | None = None
         self._keys: tuple[bytes, bytes] | None = None
-        if config.curve_secret_key is None:
+        if config.curve_secret_key is None or config.curve_allowed_keys is None:  # both or neither (the config)
             return
         try:
             if not zmq.has("curve"):

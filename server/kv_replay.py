@@ -13,6 +13,9 @@ slow live publishing or grow memory without bound:
 - a peer (ZMQ routing identity) has at most one replay in flight; its other requests are dropped;
 - at most `max_replays` peers are served at once; requests beyond are dropped (the consumer's own
   timeout retries them: llm-d waits 2 s per attempt);
+- requests are read at most `_REQUESTS_PER_PASS` a pass, with a pause after a full one, so a flood
+  costs this thread a bounded share of the CPU (and the GIL): the rest waits in each peer's bounded
+  receive queue (`RCVHWM`) and then in TCP, which stops the sender at no cost to the server;
 - a reply is sent without blocking (`ROUTER_MANDATORY`, `NOBLOCK`) up to the peer's send high-water
   mark (`SEND_HWM` batches), a few batches per peer per pass, round robin; a peer that takes nothing
   for `STALL_SECONDS` is dropped. So a peer costs at most `SEND_HWM` queued batches, whatever it asks,
@@ -38,7 +41,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's ZmqEventPublisher.END_S
 STALL_SECONDS = 5.0  # a peer whose high-water mark stays full this long loses its replay (llm-d gives up after 2 s)
 SEND_HWM = 100  # batches queued to one peer at most: its memory bound (100 batches of up to 1024 events)
 _BATCHES_PER_PASS = 16  # per peer, before the next peer's turn (and the next read of requests)
-_REQUESTS_PER_PASS = 256  # read per pass, so a flood of requests cannot starve the replies
+_REQUESTS_PER_PASS = 16  # read per pass, so a flood of requests cannot starve the replies
+_FLOOD_PAUSE_SECONDS = 0.01  # after a pass that read its fill: requests beyond ~1,600/s wait in ZMQ's queues
 _IDLE_POLL_MS = 50  # how soon a request is seen (and a stop) when nothing is being replayed
 _BLOCKED_POLL_MS = 5  # the wait before retrying peers whose high-water mark is full
 
@@ -108,17 +112,22 @@ class ReplayServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            num_read = 0
             if self._socket.poll(0 if self._active else _IDLE_POLL_MS, zmq.POLLIN):
-                self._read_requests()
-            if self._active and not self._send_pass():
+                num_read = self._read_requests()
+            progressed = bool(self._active) and self._send_pass()
+            if num_read == _REQUESTS_PER_PASS:
+                self._stop.wait(_FLOOD_PAUSE_SECONDS)  # flooded: leave the rest queued for a while
+            elif self._active and not progressed:
                 self._socket.poll(_BLOCKED_POLL_MS, zmq.POLLIN)  # every peer is full: wait a little, or a request
 
-    def _read_requests(self) -> None:
-        for _ in range(_REQUESTS_PER_PASS):
+    def _read_requests(self) -> int:
+        """Up to a pass's requests; returns how many were read."""
+        for num_read in range(_REQUESTS_PER_PASS):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return num_read
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 self.num_dropped_requests += 1
                 log.debug("dropping a malformed replay request", extra={"num_frames": len(frames)})
@@ -130,6 +139,7 @@ class ReplayServer:
             first, end = self._buffer.window()
             start = int.from_bytes(frames[2], "big")
             self._active[identity] = _Replay(identity, max(start, first), end)
+        return _REQUESTS_PER_PASS
 
     def _send_pass(self) -> bool:
         """One round over the active replays; True if any peer took anything."""
