@@ -47,7 +47,6 @@ from radixkv.server.kv_events_wire import (
 from radixkv.server.kv_replay import ReplayBuffer, ReplayServer
 from radixkv.tree.block_hash import WIRE_MASK, mix64
 
-_POLL_SECONDS = 0.02  # how long the publisher thread waits for an event before looking again
 DIGEST_TOPIC_PREFIX = "radixkv-digest"
 
 
@@ -172,10 +171,7 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         while True:
-            try:
-                events, after, stop = self._drain(self._queue.get(timeout=_POLL_SECONDS))
-            except queue.Empty:
-                continue
+            events, after, stop = self._drain(self._queue.get())  # `close` queues the stop: never waits forever
             if events:
                 self._send(events, *after)
             if stop:
