@@ -149,7 +149,9 @@ def _phase(server: ServerProcess, seconds: float, flood_peers: int, target: str 
             num_requests += 1
         elapsed = time.perf_counter() - start
         server_cpu = _cpu_seconds(server.pid) - cpu_before
-    time.sleep(1.0)  # what is still on its way arrives (a lag beyond this counts as missed)
+    deadline = time.perf_counter() + 10.0  # what is still on its way arrives (later than this: missed)
+    while time.perf_counter() < deadline and not all(h in live.arrived for h in released):
+        time.sleep(0.05)
     rss_after = _rss_mib(server.pid)
     if flood_peers:
         stop.set()
