@@ -73,7 +73,7 @@ class Pool:
     def publish_kv_events(self, config: KVEventsConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on; the
         namespaces of `config.withheld_tenants` never."""
-        # Imported here: pyzmq and msgpack are needed only by a server that publishes.
+        # Imported here: pyzmq and msgspec are needed only by a server that publishes.
         from radixkv.server.kv_events import ZmqEventPublisher
 
         withheld = tuple(f"{name}{SCOPE_SEPARATOR}" for name in config.withheld_tenants)
