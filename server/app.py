@@ -11,7 +11,6 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import signal
@@ -26,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
+from radixkv.server import kv_events_config
 from radixkv.server.audit import PoolAuditor
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (
@@ -256,7 +256,7 @@ def serve(config: ServerConfig) -> int:
         },
     )
     kv_events = {
-        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        name: pool.kv_publisher.endpoints
         for name, pool in server.service.pools.items()
         if pool.kv_publisher is not None
     }
@@ -361,17 +361,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
     parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
-    parser.add_argument(
-        "--kv-events-endpoint",
-        metavar="ENDPOINT",
-        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
-    )
-    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
-    parser.add_argument(
-        "--kv-events-replay-endpoint",
-        metavar="ENDPOINT",
-        help="ROUTER socket answering replay requests, e.g. tcp://*:5558",
-    )
+    kv_events_config.add_arguments(parser)
     parser.add_argument(
         "--audit-interval",
         type=float,
@@ -419,14 +409,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
             "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them "
             "there"
         )
-    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
-    if kv_events:
-        if len(pools) != 1:
-            raise ValueError(
-                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
-                "set kv_events_endpoint in each [pools.NAME] table instead"
-            )
-        pools = (dataclasses.replace(pools[0], **kv_events),)
+    pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
 
