@@ -30,11 +30,11 @@ from collections.abc import Callable
 import numpy as np
 
 from radixkv import KVCache
-from radixkv.radix_tree import RadixTree
+from radixkv.planning.workload import Request, WorkingSet, make_trace, replay, working_set
 from radixkv.server.events import EventHub
 from radixkv.server.miss_reasons import explain_miss
 from radixkv.server.tenants import ANONYMOUS
-from radixkv.workload import Request, WorkingSet, make_trace, replay, working_set
+from radixkv.tree.radix_tree import RadixTree
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import sglang_peer  # noqa: E402 - a sibling script, not a package

@@ -278,11 +278,11 @@ def run_policy(
 def bench_hash_cost(total_tokens: int, num_blocks: int = 4096) -> dict[str, Any]:
     """The core's trace replayed in-process with and without the server's event hub (which hashes
     every block entering the tree and builds its events), best of three each; and one block_hash."""
-    from radixkv.block_hash import block_hash
     from radixkv.kv_cache import KVCache
+    from radixkv.planning.workload import make_trace as make_core_trace
+    from radixkv.planning.workload import replay
     from radixkv.server.events import EventHub
-    from radixkv.workload import make_trace as make_core_trace
-    from radixkv.workload import replay
+    from radixkv.tree.block_hash import block_hash
 
     trace = make_core_trace(total_tokens, seed=0)
     seconds = {}

@@ -24,12 +24,12 @@ from tempfile import TemporaryDirectory
 
 import torch
 
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.storage import KVStorage
 from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.keeper_protocol import socket_path
 from radixkv.server.keeper_registry import Keeper
-from radixkv.storage import KVStorage
 
 
 def _layout(num_bytes: int) -> PoolLayout:

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from radixkv.model_shape import MODEL_SHAPES
-from radixkv.plan import GIB, plan_capacity
+from radixkv.planning.model_shape import MODEL_SHAPES
+from radixkv.planning.plan import GIB, plan_capacity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pressure_trace  # noqa: E402 - sibling scripts, not a package

@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.sequences.step import Step
 from radixkv.server.process import ServerProcess
-from radixkv.step import Step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_decode import CADENCES, cpu_seconds  # noqa: E402 - a sibling script, not a package
@@ -233,8 +233,8 @@ def wire_encodings(repeat: int) -> dict[str, dict[str, float]]:
 def append_columns(repeat: int) -> dict[str, float]:
     """Microseconds for a decode step's append columns both ways (256 ids and counts in the request, four result
     columns in the response), built from lists, serialized, parsed and read back as lists: repeated fields
-    against the packed ones (radixkv.packed)."""
-    from radixkv.packed import pack, unpack
+    against the packed ones (radixkv.sequences.packed)."""
+    from radixkv.sequences.packed import pack, unpack
     from radixkv.v1 import kvcache_pb2 as pb
 
     ids, counts = list(range(10_000, 10_256)), [1] * 256

@@ -40,7 +40,7 @@ from radixkv.demo.model_source import ChatModel, load_chat_model
 from radixkv.demo.orchestrator import Orchestrator, RequestResult, RequestSpec, StepRecord
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 
 SYSTEM = (
     "You are the assistant of a company that runs language model servers. Answer in plain words, "

@@ -211,7 +211,7 @@ def sync(rows: Rows, device, smoke: bool) -> None:
     import numpy as np
     import torch
 
-    class Step:  # radixkv.handoff.StepArrays' fields; the core is not on a bare image
+    class Step:  # radixkv.sequences.handoff.StepArrays' fields; the core is not on a bare image
         def __init__(self, lens: list[int], block_size: int) -> None:
             width = max(-(-n // block_size) for n in lens)
             self.block_tables = np.arange(len(lens) * width, dtype=np.int32).reshape(len(lens), width)

@@ -23,7 +23,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.kv_cache import KVCache
-from radixkv.step import Append, Step
+from radixkv.sequences.step import Append, Step
 
 BATCH = 256
 CADENCES = {"back_to_back": 0.0, "every_10ms": 0.010}

@@ -31,11 +31,11 @@ from radixkv.client.pool_view import PoolInfo
 from radixkv.client.step_stream import AsyncPending, AsyncStepStream, resend_or_fail
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.preemption import PreemptResult, ResumeResult
-from radixkv.results import AppendBatch, AppendResult, OpenResult
+from radixkv.pressure.preemption import PreemptResult, ResumeResult
+from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
+from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
-from radixkv.step import Step, StepResult
-from radixkv.token_ids import TokenIds
+from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

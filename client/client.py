@@ -36,7 +36,6 @@ from typing import Any, Literal, TypeVar, overload
 
 import grpc
 
-from radixkv.block_hash import HashContract
 from radixkv.client import messages as m
 from radixkv.client.channels import channel_settings
 from radixkv.client.direct_stream import DirectStepStream
@@ -49,11 +48,12 @@ from radixkv.client.step_stream import StepFuture, StepStream, resend_or_fail
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.preemption import PreemptResult, ResumeResult
-from radixkv.results import AppendBatch, AppendResult, OpenResult
+from radixkv.pressure.preemption import PreemptResult, ResumeResult
+from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
+from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
-from radixkv.step import Step, StepResult
-from radixkv.token_ids import TokenIds
+from radixkv.tree.block_hash import HashContract
+from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -38,7 +38,7 @@ class KVEvent:
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before these; None at the root
     epoch: int = 0  # the server's incarnation: a new value means it restarted (rebuild, do not patch)
     seq: int = 0  # pool-wide event count up to the end of the response this event came in
-    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.block_hash.digest_of`)
+    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,13 +21,13 @@ from google.protobuf.descriptor import FieldDescriptor
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
 from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
-from radixkv.layout import PoolLayout
-from radixkv.packed import all_ones, pack, unpack
-from radixkv.preemption import PreemptResult, ResumeResult
-from radixkv.results import AppendBatch, OpenResult
+from radixkv.memory.layout import PoolLayout
+from radixkv.pressure.preemption import PreemptResult, ResumeResult
+from radixkv.sequences.packed import all_ones, pack, unpack
+from radixkv.sequences.results import AppendBatch, OpenResult
+from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.stats import Stats
-from radixkv.step import Append, Step, StepResult
-from radixkv.token_ids import TokenIds
+from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
 _STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name if f in {g.name for g in dataclasses.fields(Stats)}]
@@ -345,7 +345,7 @@ _PACKED_APPENDED_COLUMNS = tuple(f"packed_{name}" for name in _APPENDED_COLUMNS)
 
 
 def _packed_columns(append: Append) -> tuple[bytes, bytes]:
-    """An append's ids and counts as the stream packs them (radixkv.packed): a decode step's ones are left
+    """An append's ids and counts as the stream packs them (radixkv.sequences.packed): a decode step's ones are left
     implied. Raises TypeError or OverflowError for an entry that is not an unsigned integer."""
     counts = b"" if all_ones(append.num_token_ids) else pack(append.num_token_ids, 4)
     return pack(append.seq_ids, 8), counts

@@ -13,14 +13,14 @@ import dataclasses
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
 
     from radixkv.client.client import RadixKVClient
-    from radixkv.storage import KVStorage
+    from radixkv.memory.storage import KVStorage
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,8 +47,8 @@ class PoolView:
 
     def __init__(self, info: PoolInfo) -> None:
         """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
-        from radixkv.pool_handle import PoolHandle
-        from radixkv.storage import KVStorage
+        from radixkv.memory.pool_handle import PoolHandle
+        from radixkv.memory.storage import KVStorage
 
         self.info = info
         self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))

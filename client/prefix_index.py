@@ -1,6 +1,6 @@
 """One instance's cached blocks as a router sees them: content hashes, fed by WatchEvents.
 
-The index is a set of 64-bit block hashes (`radixkv.block_hash`). A hash names a block together
+The index is a set of 64-bit block hashes (`radixkv.tree.block_hash`). A hash names a block together
 with its whole prefix and namespace, so a request's cached prefix on this instance is the longest
 run of its own chain hashes found in the set: no tree, no tokens kept, no RPC per lookup.
 
@@ -9,7 +9,7 @@ sequence number (the server dropped events for a slow watcher) means "resync", a
 (the server restarted) means "rebuild", never "patch".
 
 And it proves itself without a dump: it keeps the same order-independent digest per namespace as the
-server (`radixkv.block_hash.digest_of`), moved by each event it applies, and compares it with the digest
+server (`radixkv.tree.block_hash.digest_of`), moved by each event it applies, and compares it with the digest
 each event and each batch carries. Any difference (a lost or misapplied event that the numbers did not
 show) is a divergence: counted, and repaired by a resync from a snapshot.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from radixkv.block_hash import WIRE_MASK, mix64
 from radixkv.client.events import EventBatch, KVEvent, KVEventKind
+from radixkv.tree.block_hash import WIRE_MASK, mix64
 
 
 class Verdict(enum.Enum):

@@ -31,14 +31,14 @@ from types import TracebackType
 
 import grpc
 
-from radixkv.block_hash import HashContract, chain_hashes, wire_hash
 from radixkv.client.errors import HashContractMismatch
 from radixkv.client.events import EventStream
 from radixkv.client.prefix_index import PrefixIndex, Verdict
 from radixkv.client.verify import check_contract, verify_result
 from radixkv.errors import RadixKVError
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.token_ids import TokenIds
+from radixkv.tree.block_hash import HashContract, chain_hashes, wire_hash
+from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -26,7 +26,7 @@ import grpc
 import grpc.aio
 
 from radixkv.client.errors import error_from_rpc
-from radixkv.step import Step, StepResult
+from radixkv.sequences.step import Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

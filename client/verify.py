@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from radixkv.block_hash import HashContract
 from radixkv.client.errors import HashContractMismatch
+from radixkv.tree.block_hash import HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 
 

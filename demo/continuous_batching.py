@@ -20,8 +20,8 @@ import numpy as np
 
 from radixkv.client import PoolInfo, PoolView, RadixKVClient
 from radixkv.errors import OutOfBlocks
-from radixkv.handoff import StepArrays
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
+from radixkv.sequences.handoff import StepArrays
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=32, dtype="float32")
 NUM_Q_HEADS, VOCAB = 4, 1000

@@ -26,7 +26,7 @@ from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.errors import OutOfBlocks
-from radixkv.layout import PoolLayout, canonical_dtype
+from radixkv.memory.layout import PoolLayout, canonical_dtype
 from radixkv.stats import Stats
 
 SYSTEM_PROMPT = (

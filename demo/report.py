@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 
 MIB = 2**20
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.server import process
 
 POOL_NAME = "default"

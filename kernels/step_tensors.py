@@ -23,7 +23,7 @@ _ALIGN = 16  # bytes: each array starts 16-byte aligned, as Triton's fast (divis
 
 
 class HostStep(Protocol):
-    """What `step_tensors` reads: the core's `radixkv.handoff.StepArrays`, or anything with its six arrays."""
+    """What `step_tensors` reads: the core's `radixkv.sequences.handoff.StepArrays`, or anything with its six arrays."""
 
     seq_ids: np.ndarray  # int64 [num_seqs]
     query_starts: np.ndarray  # int32 [num_seqs + 1]

@@ -14,9 +14,9 @@ from radixkv.errors import (
     UnknownSequence,
 )
 from radixkv.kv_cache import KVCache, Limits
-from radixkv.layout import PoolLayout
-from radixkv.preemption import PreemptResult, ResumeResult
-from radixkv.results import AppendBatch, AppendResult, OpenResult
+from radixkv.memory.layout import PoolLayout
+from radixkv.pressure.preemption import PreemptResult, ResumeResult
+from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.stats import Stats
 
 __all__ = [

@@ -10,24 +10,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from radixkv.admission import PlannedOpen, plan_open
-from radixkv.allocation import Allocator
-from radixkv.append import append_args, append_counts, plan_batch
-from radixkv.block_pool import BlockPool, cdiv
-from radixkv.budget import Budget, budget_args, num_drawn
 from radixkv.errors import LimitExceeded
-from radixkv.fork import check_fork
-from radixkv.host_tier import HostTier
-from radixkv.invariants import check_holders, check_reservations
-from radixkv.limits import Limits
-from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
-from radixkv.pins import Pins
-from radixkv.radix_tree import Node, RadixTree
-from radixkv.scheduling import freeable_blocks, victims
-from radixkv.sequence import LiveSequence, Sequences
+from radixkv.memory.block_pool import BlockPool, cdiv
+from radixkv.pressure.budget import Budget, budget_args, num_drawn
+from radixkv.pressure.limits import Limits
+from radixkv.pressure.scheduling import freeable_blocks, victims
+from radixkv.pressure.swap import swapped_host_blocks
+from radixkv.sequences.admission import PlannedOpen, plan_open
+from radixkv.sequences.allocation import Allocator
+from radixkv.sequences.append import append_args, append_counts, plan_batch
+from radixkv.sequences.fork import check_fork
+from radixkv.sequences.sequence import LiveSequence, Sequences
+from radixkv.state.invariants import check_holders, check_reservations
 from radixkv.stats import Stats
-from radixkv.swap import swapped_host_blocks
-from radixkv.token_ids import TokenIds, TokenKey
+from radixkv.tree.host_tier import HostTier
+from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
+from radixkv.tree.pins import Pins
+from radixkv.tree.radix_tree import Node, RadixTree
+from radixkv.tree.token_ids import TokenIds, TokenKey
 
 
 class CacheQueries:
@@ -93,7 +93,7 @@ class CacheQueries:
         return needed - drawn <= self._blocks.num_unreserved() and needed <= self.num_available_blocks()
 
     def _num_blocks_to_append(self, sequences: list[LiveSequence], counts: list[int]) -> tuple[int, int]:
-        """New blocks plus copies (see `radixkv.append.plan_append`), and how many of them the sequences'
+        """New blocks plus copies (see `radixkv.sequences.append.plan_append`), and how many of them the sequences'
         reservations cover; changes nothing."""
         plans = plan_batch(sequences, counts, self.block_size, self.limits.max_tokens_per_request, self.pool.ref_counts)
         return sum(n for n, _ in plans), num_drawn(sequences, counts, self.block_size)
@@ -104,12 +104,12 @@ class CacheQueries:
 
     def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
         """How much `num_available_blocks()` would grow if `seq_ids` were released together, with or
-        without `cache` (see `radixkv.scheduling`). Changes nothing."""
+        without `cache` (see `radixkv.pressure.scheduling`). Changes nothing."""
         return freeable_blocks(self.pool.ref_counts, self._sequences.batch(list(seq_ids)))
 
     def victims(self, num_blocks: int, among: Sequence[int] | None = None) -> list[int]:
         """Live sequences to preempt to give `num_blocks` back: lowest priority, then latest arrival, first
-        (see `radixkv.scheduling.victims`); only from `among` when given (a session's own). Changes nothing."""
+        (see `radixkv.pressure.scheduling.victims`); only from `among` when given (a session's own). Changes nothing."""
         candidates = list(self._sequences) if among is None else self._sequences.batch(list(among))
         return victims(self.pool.ref_counts, candidates, num_blocks)
 

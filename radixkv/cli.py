@@ -7,10 +7,10 @@ import sys
 import time
 
 from radixkv.kv_cache import KVCache
-from radixkv.layout import DTYPE_ALIASES, DTYPE_BYTES
-from radixkv.model_shape import MODEL_SHAPES, ModelShape, resolve_model
-from radixkv.plan import format_plan, parse_bytes, plan_capacity
-from radixkv.workload import make_trace, replay, working_set
+from radixkv.memory.layout import DTYPE_ALIASES, DTYPE_BYTES
+from radixkv.planning.model_shape import MODEL_SHAPES, ModelShape, resolve_model
+from radixkv.planning.plan import format_plan, parse_bytes, plan_capacity
+from radixkv.planning.workload import make_trace, replay, working_set
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -12,26 +12,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
-from radixkv.admission import count_opens, lock_prefix, open_planned
-from radixkv.allocation import Allocator
-from radixkv.append import append, append_args, append_many_args
-from radixkv.block_pool import BlockPool
-from radixkv.budget import Budget, reservation
 from radixkv.cache_queries import CacheQueries
 from radixkv.errors import RadixKVError
-from radixkv.fork import check_fork, fork
-from radixkv.host_tier import HostTier
-from radixkv.limits import Limits
-from radixkv.namespaces import DEFAULT_NAMESPACE, existing_root
-from radixkv.pins import Pins
-from radixkv.preemption import Preemption, PreemptResult, ResumeResult
-from radixkv.publish import publish, release
-from radixkv.radix_tree import RadixTree
-from radixkv.results import AppendBatch, AppendResult, OpenResult
-from radixkv.sequence import Sequences
+from radixkv.memory.block_pool import BlockPool
+from radixkv.pressure.budget import Budget, reservation
+from radixkv.pressure.limits import Limits
+from radixkv.pressure.preemption import Preemption, PreemptResult, ResumeResult
+from radixkv.pressure.swap import HostSwap
+from radixkv.sequences.admission import count_opens, lock_prefix, open_planned
+from radixkv.sequences.allocation import Allocator
+from radixkv.sequences.append import append, append_args, append_many_args
+from radixkv.sequences.fork import check_fork, fork
+from radixkv.sequences.publish import publish, release
+from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
+from radixkv.sequences.sequence import Sequences
 from radixkv.stats import Stats
-from radixkv.swap import HostSwap
-from radixkv.token_ids import TokenIds, TokenKey
+from radixkv.tree.host_tier import HostTier
+from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root
+from radixkv.tree.pins import Pins
+from radixkv.tree.radix_tree import RadixTree
+from radixkv.tree.token_ids import TokenIds, TokenKey
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
 
@@ -44,7 +44,7 @@ class KVCache(CacheQueries):
     through the lock (one walk of the path's nodes, whatever its length) and every other block of
     its table by ref_count. So a 128k-token hit costs a lock walk, not 8k increments, and an
     unlocked cached block is always reclaimable. Every error leaves every count as it was.
-    Admission's reserved growth is a count no one else may allocate from (`radixkv.budget`).
+    Admission's reserved growth is a count no one else may allocate from (`radixkv.pressure.budget`).
     """
 
     def __init__(
@@ -60,10 +60,10 @@ class KVCache(CacheQueries):
         host_num_blocks: int = 0,
     ) -> None:
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
-        of the pool kept from budgeted admissions (see `radixkv.budget`). `first_seq_id`: where sequence ids
+        of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence ids
         start; a server picks a fresh one per run so that an id from before a restart never names a sequence
         after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
-        (`radixkv.host_tier`); 0: none, and evicted prefixes are dropped."""
+        (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
@@ -97,7 +97,7 @@ class KVCache(CacheQueries):
 
         A fully cached prompt still recomputes its last token (the model needs its logits), so the
         match stops one token short, in whole blocks. With `max_new_tokens`, admission by token budget
-        (`radixkv.budget`): its growth is reserved, or NotAdmitted. Raises InvalidArgument,
+        (`radixkv.pressure.budget`): its growth is reserved, or NotAdmitted. Raises InvalidArgument,
         LimitExceeded, OutOfBlocks, NotAdmitted, and then nothing changes.
         """
         budgets, ranks = [max_new_tokens] if max_new_tokens else None, [priority] if priority else None  # None: all 0
@@ -122,7 +122,7 @@ class KVCache(CacheQueries):
     def one_result(self) -> _ResultScope:
         """`with cache.one_result():` calls inside hand the worker one result: it applies all their offloads, then
         all their copies, then all their loads (a server step is one). Until the outermost scope ends, no host
-        block a load reads is reused by an offload (see `radixkv.host_tier`); each call outside any scope is one
+        block a load reads is reused by an offload (see `radixkv.tree.host_tier`); each call outside any scope is one
         result by itself."""
         return self._result_scope
 
@@ -157,7 +157,7 @@ class KVCache(CacheQueries):
     def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Mark the K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` as written, all or none.
 
-        Only full blocks below this computed watermark are ever cached (see `radixkv.sequence`).
+        Only full blocks below this computed watermark are ever cached (see `radixkv.sequences.sequence`).
         Raises InvalidArgument (`num_tokens[i]` below the watermark or past the sequence's length)
         or UnknownSequence, and then nothing changes.
         """
@@ -167,7 +167,8 @@ class KVCache(CacheQueries):
     def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
         """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
 
-        Publishes the parent's computed full blocks first; children inherit its watermark (see `radixkv.fork`).
+        Publishes the parent's computed full blocks first; children inherit its watermark
+        (see `radixkv.sequences.fork`).
         """
         seq = check_fork(self._sequences, seq_id, num_children, self.limits.max_fork_children)
         children = fork(self.tree, self.pool, self._sequences, seq, num_children)
@@ -197,7 +198,7 @@ class KVCache(CacheQueries):
         self.preemption.discard(parked)
         self.stats_counters.num_released_sequences += len(live) + len(parked)
 
-    # -- preemption (see `radixkv.preemption`) ---------------------------------------------------
+    # -- preemption (see `radixkv.pressure.preemption`) ---------------------------------------------------
 
     def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
         """Take the device blocks of live sequences back, all or none; each keeps its id and tokens.

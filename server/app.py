@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from radixkv.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
+from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
 from radixkv.server.audit import PoolAuditor
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from radixkv.block_hash import wire_hash
 from radixkv.server.audit_image import PoolImage, compare_digests
 from radixkv.server.pools import Pool
+from radixkv.tree.block_hash import wire_hash
 
 log = logging.getLogger("radixkv.server.audit")
 

@@ -19,12 +19,12 @@ import time
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.block_hash import digest_of, wire_hash
-from radixkv.block_pool import BlockPool
-from radixkv.invariants import check_holders
-from radixkv.radix_tree import Node, RadixTree, lru_key
-from radixkv.sequence import LiveSequence
+from radixkv.memory.block_pool import BlockPool
+from radixkv.sequences.sequence import LiveSequence
 from radixkv.server.pools import Pool
+from radixkv.state.invariants import check_holders
+from radixkv.tree.block_hash import digest_of, wire_hash
+from radixkv.tree.radix_tree import Node, RadixTree, lru_key
 
 
 def compare_digests(wires: dict[str, list[int]], num_blocks: dict[str, int], digests: dict[str, int]) -> None:

@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from radixkv.kv_cache import Limits
-from radixkv.layout import DTYPE_BYTES, PoolLayout
-from radixkv.model_shape import ModelShape
+from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
+from radixkv.planning.model_shape import ModelShape
 from radixkv.server.sizes import message_bytes_needed
 
 DEFAULT_POOL = "default"
@@ -66,7 +66,7 @@ class PoolConfig:
     # The host tier (same layout in host memory; pinned when CUDA is present), by at most one of these; none: no tier.
     host_num_blocks: int | None = None
     host_memory_bytes: int | None = None
-    reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.budget)
+    reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Blocks stored into and removed from one pool's prefix tree, numbered per namespace, fanned out to watchers.
 
 Every event names its blocks twice: by block id (this process's memory) and by content hash
-(`radixkv.block_hash`, vLLM's scheme, stable across processes). The hub keeps the block_id -> hash
+(`radixkv.tree.block_hash`, vLLM's scheme, stable across processes). The hub keeps the block_id -> hash
 table, so each hash is computed once, when its block enters the tree. `epoch` names this hub's
 incarnation (random per server start), so a consumer tells a restart from a gap; `num_events`
 counts every event of the pool. Sinks (the ZMQ publisher) get each event as it happens.
@@ -28,9 +28,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.kv_cache import KVCache
-from radixkv.radix_tree import Node
+from radixkv.tree.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
+from radixkv.tree.radix_tree import Node
 
 
 class EventKind(enum.Enum):
@@ -50,7 +50,7 @@ class BlockEvent:
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
     extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block, the namespace salt on a first block
     pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
-    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.block_hash.digest_of`)
+    namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
     digest_delta: int = 0  # what this event added to it, mod 2^64
 
 

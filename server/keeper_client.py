@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from radixkv.layout import PoolLayout
-from radixkv.pool_handle import PoolHandle
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.pool_handle import PoolHandle
 from radixkv.server.keeper_protocol import LOCK_NAME, KeeperError, decode_object, recv_frame, send_frame, socket_path
 
 log = logging.getLogger("radixkv.server")

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.shm_segment import SHM_DIR
+from radixkv.memory.storage import KVStorage
 from radixkv.server.keeper_protocol import LAYOUT_KEYS, VERSION, KeeperError
-from radixkv.shm_segment import SHM_DIR
-from radixkv.storage import KVStorage
 
 log = logging.getLogger("radixkv.keeper")
 

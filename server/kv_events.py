@@ -16,7 +16,7 @@ adopted block open it instead: a consumer keeps what it indexed, and one replayi
 The hub calls `publish` under the pool's lock, so it only queues; one thread owns both sockets
 (ZMQ sockets are not thread-safe) and sends whatever has queued as one batch.
 
-The digest (a verifiable index, `radixkv.block_hash.digest_of`) travels on its own topic, never in
+The digest (a verifiable index, `radixkv.tree.block_hash.digest_of`) travels on its own topic, never in
 the batch. A fourth element after `data_parallel_rank` is ignored by vLLM's msgspec decoder
 (`array_like` structs skip extra trailing elements unless `forbid_unknown_fields`), but llm-d's
 kv-cache-manager decodes the batch into a Go struct tagged `msgpack:",array"` with vmihailenco/msgpack
@@ -43,8 +43,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from radixkv.block_hash import WIRE_MASK, mix64
 from radixkv.server.events import BlockEvent, EventKind
+from radixkv.tree.block_hash import WIRE_MASK, mix64
 
 log = logging.getLogger("radixkv.server.kv_events")
 

@@ -1,7 +1,7 @@
 """Why a Match's cached prefix ends where it does (`MatchRequest.explain`).
 
 Only computed on request: the plain Match path hashes nothing. The first uncached block is hashed
-with the vLLM chain (`radixkv.block_hash`, salted by namespace) and looked up in the event hub's
+with the vLLM chain (`radixkv.tree.block_hash`, salted by namespace) and looked up in the event hub's
 tombstones; failing that, the same tokens are matched in the caller's other namespaces. A tenant
 only ever sees its own namespaces and its own tombstones: another tenant's identical prefix is, for
 it, NEVER_CACHED.
@@ -15,12 +15,12 @@ from typing import cast
 
 import numpy as np
 
-from radixkv.block_hash import chain_hashes, wire_hash
 from radixkv.kv_cache import KVCache
-from radixkv.namespaces import existing_root
 from radixkv.server.config import ANY_NAMESPACE
 from radixkv.server.events import EventHub
 from radixkv.server.tenants import Tenant
+from radixkv.tree.block_hash import chain_hashes, wire_hash
+from radixkv.tree.namespaces import existing_root
 from radixkv.v1 import kvcache_pb2 as pb
 
 MAX_OTHER_NAMESPACES = 16  # namespaces fully matched for OTHER_NAMESPACE, so an explain stays cheap

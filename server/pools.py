@@ -13,15 +13,15 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from radixkv.kv_cache import KVCache, Limits
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.server.config import PoolConfig
 from radixkv.server.events import EventHub
 from radixkv.server.ledger import PoolLedger
 
 if TYPE_CHECKING:
+    from radixkv.memory.storage import KVStorage
     from radixkv.server.keeper_client import KeeperAttachment, KeeperClient
     from radixkv.server.kv_events import ZmqEventPublisher
-    from radixkv.storage import KVStorage
 
 
 class Pool:
@@ -120,7 +120,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
         KeeperError: the keeper refused (e.g. LAYOUT_MISMATCH, naming the fields that differ).
     """
     # Imported here: torch comes with storage, and only a server that builds pools needs it.
-    from radixkv.storage import KVStorage
+    from radixkv.memory.storage import KVStorage
 
     layout = _layout(config, keeper)
     if keeper is None:
@@ -157,7 +157,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
 def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
     """The pool's layout. Sized by memory, a pool the keeper already keeps keeps its block count: its own memory
     is no longer free, so sizing again would come out smaller and never match."""
-    from radixkv.memory_sizing import layout_for_memory
+    from radixkv.memory.memory_sizing import layout_for_memory
 
     c = config
     if c.num_blocks is not None:
@@ -191,7 +191,7 @@ def _host_storage(config: PoolConfig, layout: PoolLayout, pin: bool, keeper: Kee
     holds; None without either. Shared memory of its own, or the keeper's (its "host" tier of the pool: kept across
     restarts, its index in the pool's snapshot and its bytes checksummed, see `radixkv.server.restart`).
     Page-locked (`pin`) beside a CUDA pool, so swaps read and write it directly."""
-    from radixkv.storage import KVStorage
+    from radixkv.memory.storage import KVStorage
 
     if config.host_num_blocks:
         host_layout = dataclasses.replace(layout, num_blocks=config.host_num_blocks)

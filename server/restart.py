@@ -5,7 +5,7 @@ whether the memory this server attached to is `fresh` (allocated now: zeros) or 
 the previous server left), with an incarnation and a generation that count attaches. A graceful
 stop (SIGTERM, or the admin `Upgrade` call) freezes each pool under its lock, so no later call
 changes it, and writes `<snapshot_dir>/<pool>.snapshot` atomically: the core's bookkeeping
-(`radixkv.snapshot`, the host tier's included), the live sessions and what each owns, and a sha256 of
+(`radixkv.state.snapshot`, the host tier's included), the live sessions and what each owns, and a sha256 of
 the K/V bytes of every cached block on the device and of every held block of the host tier (the keeper
 keeps that memory too). The next server adopts it only if everything matches: the pool, its layout, the memory
 (same keeper incarnation, the generation just before its own), the checksum of the file and the
@@ -32,13 +32,13 @@ import numpy as np
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache, Limits
 from radixkv.server.ledger import Pin
-from radixkv.snapshot import Adopted, PoolIdentity, dump, load, write_atomically
+from radixkv.state.snapshot import Adopted, PoolIdentity, dump, load, write_atomically
 
 if TYPE_CHECKING:
+    from radixkv.memory.storage import KVStorage
     from radixkv.server.pools import Pool
     from radixkv.server.sessions import Session, SessionRegistry
     from radixkv.server.tenants import Tenant
-    from radixkv.storage import KVStorage
 
 log = logging.getLogger("radixkv.server.restart")
 

@@ -43,8 +43,8 @@ from radixkv.errors import (
     UnknownPool,
     UnknownSession,
 )
-from radixkv.preemption import PreemptResult, ResumeResult
-from radixkv.results import AppendBatch, OpenResult
+from radixkv.pressure.preemption import PreemptResult, ResumeResult
+from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.events import BlockEvent
@@ -59,7 +59,7 @@ from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
 from radixkv.server.token_budget import TokenBuckets
 from radixkv.stats import Stats
-from radixkv.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
+from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
 
 
 class KVService:
@@ -336,7 +336,7 @@ class KVService:
             pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.freeable_blocks(seq_ids)
 
-    # -- preemption (see `radixkv.preemption`) ------------------------------------------------------
+    # -- preemption (see `radixkv.pressure.preemption`) ------------------------------------------------------
 
     def preempt(
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], mode: str, request_id: int = 0

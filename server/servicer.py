@@ -19,8 +19,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from radixkv.block_hash import WIRE_MASK, HashContract
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
@@ -29,6 +28,7 @@ from radixkv.server.service import KVService
 from radixkv.server.session_stream import Observe, SessionStreams, transfers
 from radixkv.server.status import translating_errors, translating_stream
 from radixkv.server.tenants import Tenant
+from radixkv.tree.block_hash import WIRE_MASK, HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -22,7 +22,7 @@ way a step's metrics are kept once its response has left, off the step's round t
 A client with several steps queued sends them as one frame (`SessionRequest.steps`, see
 client/step_stream.py): each is answered exactly as if it came alone, in order, and the answers go
 back in one message, so gRPC's per-message cost is paid once for them. An append may carry its id
-and count columns packed (`StepAppend.packed_seq_ids`, radixkv.packed); it is answered with its
+and count columns packed (`StepAppend.packed_seq_ids`, radixkv.sequences.packed); it is answered with its
 result columns in the form it sent them.
 """
 
@@ -39,7 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
-from radixkv.packed import pack, unpack
+from radixkv.sequences.packed import pack, unpack
+from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.completion_stream import CompletionStream
 from radixkv.server.decoding import Undecodable
 from radixkv.server.miss_reasons import wire_reason
@@ -48,7 +49,6 @@ from radixkv.server.sessions import Session
 from radixkv.server.status import STATUS_BY_REASON
 from radixkv.server.step import run_step
 from radixkv.server.tenants import Tenant
-from radixkv.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def _step(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]) 
 
 
 def _append(a: pb.StepAppend, unpack_ids: Callable[[bytes], list[int]]) -> Append:
-    """The append item, from its repeated or its packed columns (see radixkv.packed)."""
+    """The append item, from its repeated or its packed columns (see radixkv.sequences.packed)."""
     if not (a.packed_seq_ids or a.packed_num_token_ids):
         return Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
     try:

@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.block_pairs import NO_PAIRS, concat_pairs
 from radixkv.errors import (
     InvalidArgument,
     QuotaExceeded,
@@ -31,7 +30,9 @@ from radixkv.errors import (
     UnknownSequence,
     UnknownSession,
 )
-from radixkv.results import OpenResult
+from radixkv.sequences.block_pairs import NO_PAIRS, concat_pairs
+from radixkv.sequences.results import OpenResult
+from radixkv.sequences.step import Step, StepResult
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
 from radixkv.server.pools import Pool
@@ -39,8 +40,7 @@ from radixkv.server.service import KVService, _num_tokens
 from radixkv.server.sessions import Session
 from radixkv.server.sizes import check_request_size, open_response_bytes
 from radixkv.server.tenants import Tenant
-from radixkv.step import Step, StepResult
-from radixkv.token_ids import TokenIds, to_token_bytes
+from radixkv.tree.token_ids import TokenIds, to_token_bytes
 
 
 class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper than a generator per item
@@ -108,7 +108,9 @@ def run_step(
                 with _item("opens"):
                     service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
-                with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.host_tier)
+                with (
+                    pool.cache.one_result()
+                ):  # the worker applies the step's transfers together (radixkv.tree.host_tier)
                     result = _apply(service, pool, session, step, requests)
             except BaseException:
                 service.token_buckets.refund(caller, cost)

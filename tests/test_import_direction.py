@@ -3,7 +3,7 @@
 Every `import` counts, in a function or under `if TYPE_CHECKING:` alike: a lazy import is still a dependency.
 The layers, bottom up:
 - core: `radixkv/*.py` except the upper modules below. No torch, triton or grpc, no wire code, nothing above.
-- storage (`radixkv/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `memory_sizing`):
+- storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `memory_sizing`):
   the pool's memory, torch. Below the kernels, the server and the client.
 - kernels: torch, triton, numpy and themselves, nothing else of radixkv (not even the core), so a bare GPU image
   runs them from a checkout (`benchmarks/gpu_check.sh`; tests/kernels/test_import_closure.py checks the rest).
@@ -19,12 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo"}  # folder -> layer
-# radixkv/<name>.py outside the core -> layer
+# Modules of the radixkv/ folder outside the core -> layer (dotted names under radixkv)
 UPPER_MODULES = {
-    "storage": "storage",
-    "pool_handle": "storage",
-    "shm_segment": "storage",
-    "memory_sizing": "storage",
+    "memory.storage": "storage",
+    "memory.pool_handle": "storage",
+    "memory.shm_segment": "storage",
+    "memory.memory_sizing": "storage",
     "cli": "cli",
 }
 WIRE = "wire"  # radixkv.v1, the generated protobuf code
@@ -41,13 +41,22 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 
 
+def _inner_name(parts: tuple[str, ...]) -> str:
+    """`memory.storage` for radixkv/memory/storage.py, `tree` for radixkv/tree/__init__.py."""
+    names = list(parts)
+    names[-1] = names[-1].removesuffix(".py")
+    if names[-1] == "__init__":
+        names.pop()
+    return ".".join(names)
+
+
 def layer_of_file(root: Path, path: Path) -> str | None:
     """The layer a source file belongs to, or None for what is not the package (tests, benchmarks, generated code)."""
     parts = path.relative_to(root).parts
     if parts[0] in FOLDERS:
         return FOLDERS[parts[0]]
-    if parts[0] == "radixkv" and len(parts) == 2:
-        return UPPER_MODULES.get(path.stem, "core")
+    if parts[0] == "radixkv" and len(parts) >= 2 and parts[1] != "v1":
+        return UPPER_MODULES.get(_inner_name(parts[1:]), "core")
     return None
 
 
@@ -60,7 +69,11 @@ def layer_of_module(name: str) -> str:
         return FOLDERS[parts[1]]
     if parts[1] == "v1":
         return WIRE
-    return UPPER_MODULES.get(parts[1], "core")
+    inner = ".".join(parts[1:])
+    for module, layer in UPPER_MODULES.items():
+        if inner == module or inner.startswith(module + "."):
+            return layer
+    return "core"
 
 
 def imported_modules(source: str) -> list[tuple[int, str]]:
@@ -117,11 +130,14 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
             "radixkv/bad_core.py": "import torch\n\ndef f():\n    from radixkv import server\n",
             "radixkv/typed_core.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import grpc\n",
             "radixkv/wire_core.py": "from radixkv.v1 import kvcache_pb2\n",
-            "radixkv/storage.py": "import torch\nfrom radixkv.layout import PoolLayout\n",  # fine: storage may
+            # fine: storage may
+            "radixkv/memory/storage.py": "import torch\nfrom radixkv.memory.layout import PoolLayout\n",
             "kernels/k.py": "import triton\nfrom radixkv.demo.model import Llama\n",
-            "kernels/k2.py": "import numpy as np\nfrom radixkv.handoff import StepArrays\n",  # the core: not below them
+            "kernels/k2.py": "import numpy as np\nfrom radixkv.sequences.handoff import StepArrays\n",  # the core
             "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
-            "server/s.py": "import grpc\nfrom radixkv.storage import KVStorage\nfrom radixkv.client import PoolView\n",
+            "server/s.py": (
+                "import grpc\nfrom radixkv.memory.storage import KVStorage\nfrom radixkv.client import PoolView\n"
+            ),
             "demo/d.py": "from radixkv.server.app import serve\nfrom radixkv.client import RadixKVClient\n",  # fine
             "tests/test_x.py": "import torch\nimport radixkv.server\n",  # not the package
         },
@@ -129,7 +145,7 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
     assert violations(tmp_path) == [
         "client/c.py:2: client imports radixkv.server.app",
         "kernels/k.py:2: kernels imports radixkv.demo.model",
-        "kernels/k2.py:2: kernels imports radixkv.handoff",
+        "kernels/k2.py:2: kernels imports radixkv.sequences.handoff",
         "radixkv/bad_core.py:1: core imports torch",
         "radixkv/bad_core.py:4: core imports radixkv.server",
         "radixkv/typed_core.py:3: core imports grpc",
@@ -139,11 +155,15 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
 
 
 def test_mypy_strict_flags_cover_every_core_module() -> None:
-    """pyproject.toml spells out the strict section (radixkv/*.py but the torch-bound storage layer).
+    """pyproject.toml spells out the strict section (radixkv/**.py but the torch-bound storage layer).
 
     A new module must join it."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     strict = [o for o in config["overrides"] if o.get("disallow_untyped_defs")]
     assert len(strict) == 1, "one strict section, for the core"
-    names = {p.stem for p in (ROOT / "radixkv").glob("*.py") if UPPER_MODULES.get(p.stem) != "storage"}
-    assert set(strict[0]["module"]) == {"radixkv" if n == "__init__" else f"radixkv.{n}" for n in names}
+    names = {
+        _inner_name(p.relative_to(ROOT / "radixkv").parts)
+        for p in (ROOT / "radixkv").rglob("*.py")
+        if layer_of_file(ROOT, p) in ("core", "cli")
+    }
+    assert set(strict[0]["module"]) == {f"radixkv.{n}" if n else "radixkv" for n in names}

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from radixkv.append import apply_append, plan_append
-from radixkv.block_pool import NO_BLOCKS, BlockPool
-from radixkv.block_table import BlockTable
 from radixkv.errors import InvalidArgument, UnknownSequence
 from radixkv.kv_cache import KVCache
-from radixkv.radix_node import Node
-from radixkv.sequence import LiveSequence
-from radixkv.token_ids import TokenKey
+from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
+from radixkv.memory.block_table import BlockTable
+from radixkv.sequences.append import apply_append, plan_append
+from radixkv.sequences.sequence import LiveSequence
+from radixkv.tree.radix_node import Node
+from radixkv.tree.token_ids import TokenKey
 
 BLOCK_SIZE = 4
 

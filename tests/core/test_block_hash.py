@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from radixkv.block_hash import NONE_HASH, BlockHashes, block_hash, chain_hashes, namespace_salt, wire_hash
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import DEFAULT_NAMESPACE, KVCache
-from radixkv.radix_tree import Node
+from radixkv.tree.block_hash import NONE_HASH, BlockHashes, block_hash, chain_hashes, namespace_salt, wire_hash
+from radixkv.tree.radix_tree import Node
 
 # CBOR by hand (RFC 8949): 0x6e = text of 14 bytes; 0x83 = array of 3; 0x58 0x20 = 32-byte string;
 # 0x84 = array of 4; 0x00-0x17 = small unsigned ints; 0xf6 = null; 0x81 0x64 = array of 1, text of 4.

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.block_pool import BlockPool
 from radixkv.errors import OutOfBlocks
+from radixkv.memory.block_pool import BlockPool
 
 
 def test_allocate_hands_out_distinct_blocks_lowest_first():

@@ -1,17 +1,18 @@
-"""The decode step's own path (`radixkv.append.decode_step`) against the general plan-and-apply path."""
+"""The decode step's own path (`radixkv.sequences.append.decode_step`) against the general plan-and-apply path."""
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from radixkv import KVCache, decode_run
-from radixkv import append as append_module
-from radixkv.append import decode_step
+from radixkv import KVCache
 from radixkv.errors import LimitExceeded, OutOfBlocks, RadixKVError
 from radixkv.kv_cache import Limits
-from radixkv.preemption import all_token_bytes
-from radixkv.results import AppendBatch
+from radixkv.pressure.preemption import all_token_bytes
+from radixkv.sequences import append as append_module
+from radixkv.sequences import decode_run
+from radixkv.sequences.append import decode_step
+from radixkv.sequences.results import AppendBatch
 
 BLOCK_SIZE = 4
 COLUMNS = ("seq_ids", "num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids", "copies")

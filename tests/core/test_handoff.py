@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 
 from radixkv import KVCache
-from radixkv.handoff import StepArrays, copy_pairs, padded_block_tables
+from radixkv.sequences.handoff import StepArrays, copy_pairs, padded_block_tables
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
 

@@ -11,9 +11,9 @@ from hypothesis.stateful import rule
 
 from radixkv import KVCache, PoolLayout
 from radixkv.errors import SnapshotRefused
-from radixkv.host_state import host_only_nodes
-from radixkv.snapshot import PoolIdentity, dump, load
-from radixkv.swap import SwappedBlocks
+from radixkv.pressure.swap import SwappedBlocks
+from radixkv.state.host_state import host_only_nodes
+from radixkv.state.snapshot import PoolIdentity, dump, load
 from tests.core.test_host_tier_machine import BASES, BLOCK_SIZE, NUM_BLOCKS, NUM_HOST_BLOCKS, HostTierMachine
 from tests.core.test_snapshot import _resealed, fingerprint
 

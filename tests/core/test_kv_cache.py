@@ -8,7 +8,7 @@ import pytest
 from radixkv import KVCache
 from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, NotPinned, OutOfBlocks, UnknownSequence
 from radixkv.kv_cache import Limits
-from radixkv.radix_tree import RadixTree
+from radixkv.tree.radix_tree import RadixTree
 
 
 def counts(cache):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.layout import PoolLayout, canonical_dtype
+from radixkv.memory.layout import PoolLayout, canonical_dtype
 
 # Llama-3-8B-like: 32 layers, 8 KV heads of 128, fp16 -> 2 * 32 * 8 * 128 * 2 = 131,072 bytes per token.
 LLAMA = PoolLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=1000, dtype="float16")

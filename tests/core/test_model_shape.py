@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from radixkv.model_shape import ModelShape, known_model, read_model_shape, resolve_model
+from radixkv.planning.model_shape import ModelShape, known_model, read_model_shape, resolve_model
 
 LLAMA_32_1B = {  # the fields of meta-llama/Llama-3.2-1B's config.json that matter
     "architectures": ["LlamaForCausalLM"],

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.packed import all_ones, pack, unpack
+from radixkv.sequences.packed import all_ones, pack, unpack
 
 
 def test_columns_round_trip_little_endian() -> None:

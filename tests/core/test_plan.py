@@ -1,7 +1,7 @@
 import pytest
 
-from radixkv.layout import PoolLayout
-from radixkv.plan import GIB, MIB, MODEL_SHAPES, parse_bytes, plan_capacity
+from radixkv.memory.layout import PoolLayout
+from radixkv.planning.plan import GIB, MIB, MODEL_SHAPES, parse_bytes, plan_capacity
 
 
 @pytest.mark.parametrize(

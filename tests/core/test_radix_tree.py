@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from radixkv.kv_cache import KVCache
-from radixkv.radix_tree import RadixTree
-from radixkv.token_ids import to_token_bytes
+from radixkv.tree.radix_tree import RadixTree
+from radixkv.tree.token_ids import to_token_bytes
 
 BS = 4
 

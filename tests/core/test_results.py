@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixkv import KVCache
-from radixkv.results import SlotPlan, as_slots
+from radixkv.sequences.results import SlotPlan, as_slots
 
 
 def test_slot_plan_is_block_times_block_size_plus_offset() -> None:

@@ -185,7 +185,7 @@ def test_lock_prefix_pins_a_hit_without_allocating(cache):
 def test_single_append_slots_are_lazy_and_right(cache):
     r = cache.open([1, 2, 3])
     a = cache.append(r.seq_id, [4, 5])
-    from radixkv.results import SlotPlan
+    from radixkv.sequences.results import SlotPlan
 
     plan = a.batch.slot_source
     assert isinstance(plan, SlotPlan) and plan.computed is None, "nothing computed before the slots are read"

@@ -14,7 +14,7 @@ from hypothesis.stateful import initialize, rule
 from radixkv import KVCache, PoolLayout
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import Limits
-from radixkv.snapshot import MAGIC, PoolIdentity, dump, load, read_header, write_atomically
+from radixkv.state.snapshot import MAGIC, PoolIdentity, dump, load, read_header, write_atomically
 from tests.core.test_state_machine import BASES, BLOCK_SIZE, NAMESPACES, NUM_BLOCKS, CacheMachine
 
 LIMITS = Limits(max_pinned_fraction=0.25)

@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from radixkv import KVCache
-from radixkv.block_pool import cdiv
 from radixkv.errors import FailedPrecondition, InvalidArgument, NotAdmitted, OutOfBlocks, SequencePreempted
 from radixkv.kv_cache import Limits
-from radixkv.preemption import all_token_bytes
+from radixkv.memory.block_pool import cdiv
+from radixkv.pressure.preemption import all_token_bytes
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 24

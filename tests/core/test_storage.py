@@ -11,11 +11,11 @@ import uuid
 import pytest
 import torch
 
-import radixkv.memory_sizing
-from radixkv.layout import DTYPE_BYTES, PoolLayout
-from radixkv.memory_sizing import free_memory_bytes, layout_for_memory
-from radixkv.pool_handle import PoolHandle
-from radixkv.storage import TORCH_DTYPES, KVStorage
+import radixkv.memory.memory_sizing
+from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
+from radixkv.memory.memory_sizing import free_memory_bytes, layout_for_memory
+from radixkv.memory.pool_handle import PoolHandle
+from radixkv.memory.storage import TORCH_DTYPES, KVStorage
 from radixkv.v1 import kvcache_pb2 as pb
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
@@ -180,8 +180,8 @@ def test_handle_from_dict_rejects(storage, change):
 # The worker side: map the pool from the handle's JSON, check the parent's pattern in layer 0, write layer 1.
 WORKER = """
 import json, sys, torch
-from radixkv.pool_handle import PoolHandle
-from radixkv.storage import KVStorage
+from radixkv.memory.pool_handle import PoolHandle
+from radixkv.memory.storage import KVStorage
 handle = PoolHandle.from_dict(json.loads(sys.argv[1]))
 salt_in, salt_out = int(sys.argv[2]), int(sys.argv[3])
 device = "cuda" if handle.kind == "cuda_ipc" else "cpu"
@@ -294,7 +294,7 @@ def test_layout_for_a_byte_budget():
 
 
 def test_layout_for_a_memory_fraction(monkeypatch):
-    monkeypatch.setattr(radixkv.memory_sizing, "free_memory_bytes", lambda device: 80 * 2**30)
+    monkeypatch.setattr(radixkv.memory.memory_sizing, "free_memory_bytes", lambda device: 80 * 2**30)
     layout = layout_for_memory(**MODEL, device="cuda", memory_fraction=0.9, reserved_bytes=16 * 2**30)
     assert layout.num_blocks == (int(80 * 2**30 * 0.9) - 16 * 2**30) // 2**21
 

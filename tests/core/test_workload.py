@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixkv import KVCache
-from radixkv.workload import make_trace, replay, working_set
+from radixkv.planning.workload import make_trace, replay, working_set
 
 
 def test_a_seed_gives_the_same_trace_and_the_trace_mixes_every_kind() -> None:

@@ -11,7 +11,7 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.server_process import ServerProcess
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 
 BLOCK_SIZE = 4  # small blocks: short prompts still span several, and beams share partial ones
 

@@ -12,7 +12,7 @@ from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.orchestrator import Orchestrator, RequestSpec
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 
 SMOLLM_STYLE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from radixkv import KVCache
-from radixkv.handoff import StepArrays
 from radixkv.kernels import copy_blocks, paged_decode_attention, step_tensors, store_kv
+from radixkv.sequences.handoff import StepArrays
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 32, 4, 2, 16
 

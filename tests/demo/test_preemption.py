@@ -16,7 +16,7 @@ from radixkv.demo.sampling import SamplingParams
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.kernels.backend import INTERPRETED
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.stats import Stats
 
 pytestmark = pytest.mark.skipif(

@@ -20,7 +20,7 @@ from radixkv.demo.orchestrator import Orchestrator, RequestSpec
 from radixkv.demo.reference import DenseAttention, DenseKV
 from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 
 transformers = pytest.importorskip("transformers")
 SYSTEM = (

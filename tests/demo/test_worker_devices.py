@@ -14,8 +14,8 @@ import radixkv.demo.paged_attention as paged_attention
 import radixkv.demo.worker as worker_module
 from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.worker import DecodeInput, PrefillInput, Worker, WorkerStep
-from radixkv.layout import PoolLayout
-from radixkv.storage import KVStorage
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.storage import KVStorage
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 

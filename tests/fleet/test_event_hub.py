@@ -6,10 +6,10 @@ import random
 
 import numpy as np
 
-from radixkv.block_hash import chain_hashes, digest_of, mix64, wire_hash
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import KVCache
 from radixkv.server.events import EventHub, EventKind, Tombstones
+from radixkv.tree.block_hash import chain_hashes, digest_of, mix64, wire_hash
 
 
 def _written_workload(cache: KVCache, seed: int) -> None:

@@ -17,10 +17,10 @@ import msgpack
 import pytest
 import zmq
 
-from radixkv.block_hash import digest_of
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
 from radixkv.server.kv_events import digest_topic
+from radixkv.tree.block_hash import digest_of
 
 msgspec = pytest.importorskip("msgspec")  # the `test` extra installs it
 

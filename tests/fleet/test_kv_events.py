@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import zmq
 
-from radixkv.block_hash import block_hash, wire_hash
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
+from radixkv.tree.block_hash import block_hash, wire_hash
 
 _spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
 assert _spec is not None and _spec.loader is not None

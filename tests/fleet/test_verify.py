@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from radixkv.block_hash import HashContract
 from radixkv.client import HashContractMismatch, RadixKVClient, Router
 from radixkv.errors import OutOfBlocks
+from radixkv.tree.block_hash import HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -113,7 +113,7 @@ def test_kernels_tests_and_gpu_check_import_nothing_else(tmp_path):
 
 def test_a_stray_import_fails_the_check(tmp_path):
     """The check can fail: a module importing cbor2, or the core, is caught."""
-    for body in ("import cbor2\n", "from radixkv.handoff import StepArrays\n"):
+    for body in ("import cbor2\n", "from radixkv.sequences.handoff import StepArrays\n"):
         planted = tmp_path / "planted.py"
         planted.write_text(body)
         result = run_child(tmp_path, planted)

@@ -26,7 +26,7 @@ BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 64, 24
 
 @dataclasses.dataclass
 class HostArrays:
-    """A step as the hand-off delivers it (`radixkv.handoff.StepArrays`'s fields): numpy, on the host."""
+    """A step as the hand-off delivers it (`radixkv.sequences.handoff.StepArrays`'s fields): numpy, on the host."""
 
     seq_ids: np.ndarray
     query_starts: np.ndarray

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded
-from radixkv.step import Commit, Step
+from radixkv.sequences.step import Commit, Step
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 

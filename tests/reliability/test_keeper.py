@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.shm_segment import SHM_DIR
 from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.process import KeeperProcess, ServerProcess
-from radixkv.shm_segment import SHM_DIR
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=64,dtype=float32"

@@ -24,14 +24,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.shm_segment import SHM_DIR
+from radixkv.memory.storage import KVStorage
 from radixkv.server import keeper as keeper_module
 from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
-from radixkv.shm_segment import SHM_DIR
-from radixkv.storage import KVStorage
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
 GOOD_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 16, "dtype": "float32"}

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, UnknownSequence
-from radixkv.results import OpenResult
+from radixkv.sequences.results import OpenResult
 from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 

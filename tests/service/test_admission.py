@@ -30,8 +30,8 @@ from radixkv.errors import (
     TokenBudget,
     UnknownSequence,
 )
+from radixkv.sequences.step import Append, Step
 from radixkv.server.process import ServerProcess
-from radixkv.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import Debug

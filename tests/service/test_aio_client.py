@@ -11,7 +11,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks, UnknownSequence
-from radixkv.step import Append, Commit, Step
+from radixkv.sequences.step import Append, Commit, Step
 
 
 @pytest.mark.asyncio

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from radixkv.block_hash import WIRE_MASK, chain_hashes, mix64, wire_hash
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, Unauthenticated
-from radixkv.results import OpenResult
+from radixkv.sequences.results import OpenResult
+from radixkv.tree.block_hash import WIRE_MASK, chain_hashes, mix64, wire_hash
 
 Connect = Callable[..., RadixKVClient]
 

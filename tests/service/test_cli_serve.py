@@ -12,7 +12,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownPool
 from radixkv.kv_cache import Limits
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.server import app
 from radixkv.server.app import main, parse_args
 from radixkv.server.config import PoolConfig

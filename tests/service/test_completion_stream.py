@@ -18,6 +18,7 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import RadixKVError
+from radixkv.sequences.step import Append, Step
 from radixkv.server.app import build_pool
 from radixkv.server.completion_stream import INLINE_MAX_BYTES, CompletionStream
 from radixkv.server.config import ServerConfig, parse_pool_flag
@@ -25,7 +26,6 @@ from radixkv.server.decoding import Undecodable
 from radixkv.server.service import KVService
 from radixkv.server.session_stream import SessionStreams
 from radixkv.server.tenants import ANONYMOUS
-from radixkv.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
 
 METHOD = "/test.Echo/Session"

@@ -12,7 +12,7 @@ import numpy as np
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
-from radixkv.results import OpenResult
+from radixkv.sequences.results import OpenResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

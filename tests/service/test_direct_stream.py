@@ -20,8 +20,8 @@ from radixkv.client import RadixKVClient
 from radixkv.client.direct_stream import DirectStepStream
 from radixkv.client.step_stream import StepStream
 from radixkv.errors import LimitExceeded
+from radixkv.sequences.step import Append, Step
 from radixkv.server.process import ServerProcess
-from radixkv.step import Append, Step
 
 
 def test_the_blocking_client_drives_its_stream_with_no_thread_of_its_own(server: ServerProcess) -> None:

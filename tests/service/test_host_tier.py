@@ -13,7 +13,7 @@ import torch
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.kernels import swap_blocks
-from radixkv.step import Step
+from radixkv.sequences.step import Step
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 4
@@ -140,7 +140,7 @@ def test_pool_keys_size_the_host_tier() -> None:
 
 
 def test_host_memory_bytes_sizes_by_the_layout() -> None:
-    from radixkv.layout import PoolLayout
+    from radixkv.memory.layout import PoolLayout
     from radixkv.server.config import parse_pool_flag
     from radixkv.server.pools import build_pool
 

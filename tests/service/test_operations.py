@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownSequence
-from radixkv.results import OpenResult
-from radixkv.step import Append, Step
+from radixkv.sequences.results import OpenResult
+from radixkv.sequences.step import Append, Step
 
 
 def test_health_reports_serving_for_the_server_and_the_service(server) -> None:  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ import pytest
 
 from radixkv.client import RadixKVClient, messages
 from radixkv.errors import InvalidArgument
-from radixkv.step import Append, Step
+from radixkv.sequences.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -14,12 +14,12 @@ import torch
 
 from radixkv.errors import ServerRestarting
 from radixkv.kv_cache import Limits
+from radixkv.memory.storage import KVStorage
 from radixkv.server.config import PoolConfig, ServerConfig
 from radixkv.server.pools import Pool
 from radixkv.server.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
 from radixkv.server.service import KVService
 from radixkv.server.tenants import ANONYMOUS
-from radixkv.storage import KVStorage
 
 CONFIG = PoolConfig("default", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=64)
 SERVER = ServerConfig(pools=(CONFIG,))
@@ -49,7 +49,7 @@ def memory(tmp_path):
 
 
 def _layout():
-    from radixkv.layout import PoolLayout
+    from radixkv.memory.layout import PoolLayout
 
     return PoolLayout(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.block_size, CONFIG.num_blocks)
 

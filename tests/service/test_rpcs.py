@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from radixkv.client import KVEventKind, RadixKVClient
-from radixkv.layout import PoolLayout
+from radixkv.memory.layout import PoolLayout
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

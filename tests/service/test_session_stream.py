@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, UnknownSequence
-from radixkv.step import Append, Commit, Step, StepResult
+from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded
-from radixkv.step import Step
+from radixkv.sequences.step import Step
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -14,7 +14,7 @@ import pytest
 from radixkv.client import MatchExplanation, RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument
-from radixkv.step import Step
+from radixkv.sequences.step import Step
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 _namespaces = itertools.count()

@@ -20,7 +20,7 @@ from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.client.direct_stream import DirectStepStream, cygrpc
 from radixkv.client.step_stream import StepStream, StreamEnded, answers
 from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
-from radixkv.step import Append, Step, StepResult
+from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -1,0 +1,1 @@
+"""Before serving: model shapes, capacity plans, and a synthetic workload replayed through the core."""

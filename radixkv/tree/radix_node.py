@@ -1,0 +1,62 @@
+"""The radix tree's records: a node (a run of whole blocks and who holds it), a match, the observer hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from radixkv.memory.block_pool import NO_BLOCKS
+
+_node_ids = itertools.count()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Node:
+    token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
+    # The blocks holding them, one per block_size tokens; the tree's hold on each. Owned by the node
+    # (or a view shared with the other half of a split): never written in place, only re-sliced.
+    block_ids: npt.NDArray[np.int32]
+    parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
+    namespace: str  # the root's namespace: hits never cross namespaces
+    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
+    lock_ref: int = 0  # live sequences and pins whose locked path runs through here (root: of the namespace)
+    pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
+    last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
+    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
+    # The host tier (`radixkv.tree.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
+    # and its host-only children (no device blocks), which device walks never see.
+    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
+    host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+class TreeObserver(Protocol):
+    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
+
+    def blocks_stored(self, node: Node) -> None:
+        """`node` is a new leaf: all its blocks are newly cached."""
+
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
+        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
+
+
+def lru_key(node: Node) -> tuple[int, int]:
+    """The evictable list's order: least recently accessed first, node id breaking ties."""
+    return (node.last_access, node.node_id)
+
+
+@dataclasses.dataclass(slots=True)
+class Match:
+    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
+
+    node: Node
+    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
+    num_blocks: int  # blocks matched from the root
+    path: list[Node]  # root excluded, top-down, `node` last
