@@ -73,33 +73,33 @@ def copy_blocks(
     if host is not None:
         if validate is not False:
             _check_block_ids(kv_data, torch.from_numpy(host))
-        (pairs,) = host_to_device([host], kv_data.device)
+        (on_device,) = host_to_device([host], kv_data.device)  # int64 [num_pairs, 2]
     else:
-        check_tensor("pairs", pairs, ndim=2, dtypes=(torch.int64,), device=kv_data.device)
-        if pairs.shape[1] != 2:
+        on_device = check_tensor("pairs", pairs, ndim=2, dtypes=(torch.int64,), device=kv_data.device)
+        if on_device.shape[1] != 2:
             raise ValueError(
-                f"pairs: expected shape [num_pairs, 2] of (src_block, dst_block), got {tuple(pairs.shape)}"
+                f"pairs: expected shape [num_pairs, 2] of (src_block, dst_block), got {tuple(on_device.shape)}"
             )
         if should_validate(validate, kv_data.device):
-            _check_block_ids(kv_data, pairs)
+            _check_block_ids(kv_data, on_device)
     chosen = pick_backend(kv_data.device, backend)
-    if pairs.shape[0] == 0:
+    if on_device.shape[0] == 0:
         return
     if chosen == "torch":
-        copy_blocks_reference(kv_data, pairs)
+        copy_blocks_reference(kv_data, on_device)
         return
     kv_data = kv_data.view(_BITS[kv_data.element_size()])
     num_layers = kv_data.shape[0]
     block_numel = kv_data[0, 0, 0].numel()
     chunk = min(triton.next_power_of_2(block_numel), _CHUNK)
-    grid = (pairs.shape[0], num_layers * 2, triton.cdiv(block_numel, chunk))
+    grid = (on_device.shape[0], num_layers * 2, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](
         kv_data,
-        pairs,
+        on_device,
         kv_data.stride(0),
         kv_data.stride(1),
         kv_data.stride(2),
-        *pairs.stride(),
+        *on_device.stride(),
         BLOCK_NUMEL=block_numel,
         CHUNK=chunk,
     )

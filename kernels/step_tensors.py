@@ -25,12 +25,23 @@ _ALIGN = 16  # bytes: each array starts 16-byte aligned, as Triton's fast (divis
 class HostStep(Protocol):
     """What `step_tensors` reads: the core's `radixkv.sequences.handoff.StepArrays`, or anything with its six arrays."""
 
-    seq_ids: np.ndarray  # int64 [num_seqs]
-    query_starts: np.ndarray  # int32 [num_seqs + 1]
-    slots: np.ndarray  # int64 [num_new_tokens]
-    copies: np.ndarray  # int64 [num_copies, 2]
-    block_tables: np.ndarray  # int32 [num_seqs, max_blocks_per_seq]
-    seq_lens: np.ndarray  # int32 [num_seqs]
+    @property
+    def seq_ids(self) -> np.ndarray: ...  # int64 [num_seqs]
+
+    @property
+    def query_starts(self) -> np.ndarray: ...  # int32 [num_seqs + 1]
+
+    @property
+    def slots(self) -> np.ndarray: ...  # int64 [num_new_tokens]
+
+    @property
+    def copies(self) -> np.ndarray: ...  # int64 [num_copies, 2]
+
+    @property
+    def block_tables(self) -> np.ndarray: ...  # int32 [num_seqs, max_blocks_per_seq]
+
+    @property
+    def seq_lens(self) -> np.ndarray: ...  # int32 [num_seqs]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
