@@ -405,7 +405,12 @@ def tests(rows: Rows, device, smoke: bool, seconds_left: float) -> None:
         cmd += [str(ROOT / "tests" / "kernels")]
         # From a scratch directory: `-m` puts the working directory on sys.path, and the checkout's root would
         # shadow the stand-in radixkv package with the real one (the core, which a bare image cannot import).
-        result = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=max(10, seconds_left))
+        try:
+            result = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=max(10, seconds_left))
+        except subprocess.TimeoutExpired:  # out of the check's time, which is not a failure of the kernels
+            figure = f"stopped after {max(10, seconds_left):.0f} s, the check's time left: run it alone"
+            rows.add("pytest -m gpu tests/kernels", figure, "skip")
+            return
         counts = dict.fromkeys(("passed", "failure", "error", "skipped"), 0)
         failed = []
         if junit.exists():
