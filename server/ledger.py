@@ -257,7 +257,8 @@ class PoolLedger:
         Only a sequence that got blocks changed length (one in `block_size` per decode step), so only those are visited.
         """
         seq_ids, num_block_ids = batch.seq_ids, batch.num_block_ids
-        self.prepaid.draw(seq_ids, batch.num_appended)
+        if session.tenant.max_tokens_per_second is not None:  # only a budgeted tenant's sequences prepaid anything
+            self.prepaid.draw(seq_ids, batch.num_appended)
         if not any(num_block_ids):  # no table grew (most decode steps of a batch that started aligned)
             return
         tables, reserved, offsets = self._num_table_blocks, self._reserve_until, batch.table_offsets
