@@ -3,7 +3,8 @@
 Eight tenants share one pool with a host tier: `quota` has a 64-block quota; `meter`, `stepper` and `resumer`
 a budget of 1,000 tokens a second (unary calls, Session steps, resumes); `streamer` opens Session streams;
 `victim` and `watcher` are the others whose shares the attacks took. `--max-session-streams 2`: a share of 1
-each (of 20 streams, 2 each).
+each, while each tenant's share of all streams (20, from `--max-workers 40`) is 2, so that limit alone would
+not stop the attack.
 """
 
 from __future__ import annotations
@@ -147,16 +148,16 @@ def test_fork_and_append_are_charged_to_the_token_budget_in_session_steps(
 
 
 def test_a_resume_after_a_recompute_preemption_is_charged(connect: Callable[[str], RadixKVClient]) -> None:
-    meter = connect("resumer")
+    resumer = connect("resumer")
     # 5,000 tokens: the open leaves 4 s of debt, and so does the resume
-    seq = retry_budget(lambda: meter.open(list(range(1, 1 + 5 * RATE)))).seq_id  # type: ignore[attr-defined]
-    meter.preempt([seq], "recompute")
+    seq = retry_budget(lambda: resumer.open(list(range(1, 1 + 5 * RATE)))).seq_id  # type: ignore[attr-defined]
+    resumer.preempt([seq], "recompute")
     with pytest.raises(TokenBudget):  # 5,000 tokens handed back to compute: the attack got 100k of them free
-        meter.resume(seq)
-    resumed = retry_budget(lambda: meter.resume(seq))
+        resumer.resume(seq)
+    resumed = retry_budget(lambda: resumer.resume(seq))
     assert resumed.num_cached_tokens == 0  # type: ignore[attr-defined]  # nothing was committed: all recomputed
     with pytest.raises(TokenBudget):  # the resume left the bucket in debt
-        meter.open([1])
+        resumer.open([1])
 
 
 # -- item 5: the host tier is shared per tenant ---------------------------------------------------------------------
