@@ -11,7 +11,6 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import signal
@@ -26,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
+from radixkv.server import kv_events_config
 from radixkv.server.audit import PoolAuditor
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (
@@ -51,7 +51,7 @@ from radixkv.server.restart import restore_sessions, snapshot_all
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
-from radixkv.server.stream_gate import StreamGate
+from radixkv.server.stream_gate import StreamBound, StreamGate
 from radixkv.server.tenants import ANONYMOUS, Tenant
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
@@ -147,11 +147,16 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
         assert config.max_public_streams is not None
+        assert config.max_session_streams is not None
+        session_bound = StreamBound(
+            "max_session_streams", config.max_session_streams, service.shares.of(config.max_session_streams)
+        )
         gate = StreamGate(
             config.max_streams,
             config.max_streams_per_peer,
             service.shares.of(config.max_streams),
             config.max_public_streams,
+            {f"/{KVCACHE_SERVICE}/Session": session_bound},
         )
         metrics.watch_streams(gate)
         interceptors = [  # outermost first; why this order: server/interceptors.py
@@ -173,7 +178,7 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             interceptors=interceptors,
             options=options,
         )
-        session_streams = SessionStreams(config.max_session_streams or 0)
+        session_streams = SessionStreams()
         servicer = KVCacheServicer(service, session_streams, metrics.observe)
         kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server)
         if config.debug_rpc:
@@ -257,7 +262,7 @@ def serve(config: ServerConfig) -> int:
         },
     )
     kv_events = {
-        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        name: pool.kv_publisher.endpoints
         for name, pool in server.service.pools.items()
         if pool.kv_publisher is not None
     }
@@ -369,17 +374,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
     parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
-    parser.add_argument(
-        "--kv-events-endpoint",
-        metavar="ENDPOINT",
-        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
-    )
-    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
-    parser.add_argument(
-        "--kv-events-replay-endpoint",
-        metavar="ENDPOINT",
-        help="ROUTER socket answering replay requests, e.g. tcp://*:5558",
-    )
+    kv_events_config.add_arguments(parser)
     parser.add_argument(
         "--audit-interval",
         type=float,
@@ -429,14 +424,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
             "--model, --device, --memory-fraction, --block-size, --kv-dtype and --num-blocks shape the default pool; "
             "with --pool or [pools] tables, give them there"
         )
-    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
-    if kv_events:
-        if len(pools) != 1:
-            raise ValueError(
-                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
-                "set kv_events_endpoint in each [pools.NAME] table instead"
-            )
-        pools = (dataclasses.replace(pools[0], **kv_events),)
+    pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
 

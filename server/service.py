@@ -192,7 +192,7 @@ class KVService:
                 ledger = pool.ledger
                 self.check_num_sequences(pool, session, len(requests))
                 self.check_namespaces(pool, caller, {ns for _, ns in requests})
-                ledger.check_quota(caller, sum(ledger.blocks_for(len(t) // TOKEN_BYTES) for t, _ in requests))
+                ledger.check_quota(caller, ledger.blocks_to_open(pool.cache, counts, max_new_tokens))
                 before = None
                 if explanations is not None:
                     before = [explain_open(pool.cache, pool.events, caller, key, ns) for key, ns in requests]
@@ -203,8 +203,7 @@ class KVService:
                 except BaseException:
                     self.token_buckets.refund(caller, cost)
                     raise
-                for result in results:
-                    ledger.adopt(session, result.seq_id, len(result.block_table))
+                ledger.adopt_opened(session, pool.cache, results, max_new_tokens)
                 if before is not None and explanations is not None:
                     size = pool.layout.block_size
                     pairs = zip(before, results, strict=True)
@@ -245,13 +244,15 @@ class KVService:
                 ledger = pool.ledger
                 ledger.check_owners(session, list(seq_ids))
                 if caller.max_blocks is not None:
-                    growth = sum(
-                        max(0, ledger.blocks_for(pool.cache.num_tokens(s) + n) - ledger.num_table_blocks(s))
-                        for s, n in zip(seq_ids, num_token_ids, strict=False)
-                    )
-                    ledger.check_quota(caller, growth)
-                batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
-                ledger.follow_append(session, batch.seq_ids, batch.table_offsets, batch.num_block_ids)
+                    ledger.check_quota(caller, ledger.append_growth(pool.cache, seq_ids, num_token_ids))
+                cost = ledger.prepaid.cost(seq_ids, num_token_ids) if caller.max_tokens_per_second is not None else 0
+                self.take_tokens(pool, caller, cost)
+                try:
+                    batch = pool.cache.append_batch(seq_ids, num_token_ids, token_ids)
+                except BaseException:
+                    self.token_buckets.refund(caller, cost)
+                    raise
+                ledger.follow_append(session, batch)
                 return batch
 
             return session.requests.once(
@@ -368,10 +369,14 @@ class KVService:
         with self._in_session(caller, session_id, pool_name) as (pool, session):
 
             def apply() -> PreemptResult:
-                pool.ledger.check_owners(session, list(seq_ids))
-                result = pool.cache.preempt(seq_ids, mode)
+                ledger, cache = pool.ledger, pool.cache
+                ledger.check_owners(session, list(seq_ids))
+                if mode == "swap" and cache.host is not None:
+                    needed = sum(cache.swap_blocks(s) for s in seq_ids if not cache.is_preempted(s))
+                    ledger.check_host_blocks(caller, needed, self.host_share(pool))
+                result = cache.preempt(seq_ids, mode)
                 for seq_id in result.seq_ids:
-                    pool.ledger.resize(seq_id, 0)
+                    ledger.preempted(seq_id, cache.swap_blocks(seq_id))
                 self.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
                 return result
 
@@ -384,12 +389,20 @@ class KVService:
         with self._in_session(caller, session_id, pool_name) as (pool, session):
 
             def apply() -> ResumeResult:
-                ledger = pool.ledger
+                ledger, cache = pool.ledger, pool.cache
                 ledger.check_owner(session, seq_id)
-                if pool.cache.is_preempted(seq_id):
-                    ledger.check_quota(caller, ledger.blocks_for(pool.cache.num_tokens(seq_id)))
-                result = pool.cache.resume(seq_id)  # raises for a live sequence
-                ledger.resize(seq_id, len(result.block_table))
+                cost = 0
+                if cache.is_preempted(seq_id):
+                    ledger.check_quota(caller, ledger.blocks_to_resume(cache, seq_id))
+                    cost = cache.num_tokens(seq_id)  # needs what an open of them would; pays what it hands back
+                    self.take_tokens(pool, caller, cost)
+                try:
+                    result = cache.resume(seq_id)  # raises for a live sequence
+                except BaseException:
+                    self.token_buckets.refund(caller, cost)
+                    raise
+                self.token_buckets.refund(caller, result.num_cached_tokens)  # not computed again: not charged
+                ledger.resumed(seq_id, len(result.block_table))
                 return result
 
             return session.requests.once(
@@ -404,7 +417,8 @@ class KVService:
             return cache.victims(num_blocks, candidates)
 
     def take_tokens(self, pool: Pool, caller: Tenant, num_tokens: int) -> None:
-        """Charge an open's tokens to the caller's token bucket (under `pool.lock`, which counts refusals)."""
+        """Charge a call's tokens to the caller's token bucket (under `pool.lock`, which counts refusals); what
+        each call pays: `radixkv.server.token_budget`."""
         try:
             self.token_buckets.take(caller, num_tokens)
         except TokenBudget:
@@ -581,6 +595,13 @@ class KVService:
         held = ledger.num_sequences_total()
         if held + num_new > self._max_pool_sequences:
             raise LimitExceeded("max_sequences", held + num_new, self._max_pool_sequences)
+
+    def host_share(self, pool: Pool) -> int | None:
+        """How many of `pool`'s host-tier blocks one tenant's swapped-out sequences may hold; None: no bound (one
+        caller, or no host tier)."""
+        if self.shares.num_tenants <= 1 or pool.host_storage is None:
+            return None
+        return self.shares.of(pool.host_storage.layout.num_blocks)
 
     def cache_share(self, pool: Pool, caller: Tenant) -> int | None:
         """How many blocks of `pool` the tenant's namespaces may keep cached: its `max_cached_blocks`, else

@@ -104,8 +104,10 @@ def run_step(
                 else []
             )
             cost = num_prompt_tokens + sum(step.max_new_tokens) if requests else 0
+            if step.append is not None and caller.max_tokens_per_second is not None:  # as AppendTokens pays
+                cost += pool.ledger.prepaid.cost(step.append.seq_ids, step.append.num_token_ids)
             if cost:
-                with _item("opens"):
+                with _item("opens" if requests else "append"):
                     service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
             try:
                 with (
@@ -161,7 +163,7 @@ class _StepPlan:
         self.table_blocks: dict[int, int] = {}  # block-table lengths the append leaves (quota only)
 
     def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
-        pool, cache, bs = self.pool, self.pool.cache, self.pool.layout.block_size
+        pool, cache = self.pool, self.pool.cache
         num_taken = 0  # available blocks the opens take before the append runs
         if step.commit is not None:
             with _item("commit"):
@@ -176,7 +178,9 @@ class _StepPlan:
             with _item("opens"):
                 self._add_sequences(len(requests))
                 self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
-                self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
+                if self.caller.max_blocks is not None:  # as OpenSequences charges them
+                    counts = [_num_tokens(tokens) for tokens, _ in requests]
+                    self._charge(pool.ledger.blocks_to_open(cache, counts, step.max_new_tokens))
                 if committed or step.append is not None or after_append:
                     num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
@@ -184,12 +188,9 @@ class _StepPlan:
                 append = step.append
                 self._own_all(append.seq_ids, "seq_ids")
                 if self.caller.max_blocks is not None:  # as AppendTokens counts growth
-                    growth = 0
-                    for s, n in zip(append.seq_ids, append.num_token_ids, strict=False):
-                        after = -(-(cache.num_tokens(s) + n) // bs)
-                        growth += max(0, after - pool.ledger.num_table_blocks(s))
-                        self.table_blocks[s] = max(after, pool.ledger.num_table_blocks(s))
-                    self._charge(growth)
+                    self._charge(
+                        pool.ledger.append_growth(cache, append.seq_ids, append.num_token_ids, self.table_blocks)
+                    )
                 if committed or requests or after_append:
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
@@ -244,14 +245,13 @@ def _apply(
     if requests:
         with applying.item("opens"):
             opened = cache.open_many(requests, **_budgets(step))
-            for result in opened:
-                ledger.adopt(session, result.seq_id, len(result.block_table))
+            ledger.adopt_opened(session, cache, opened, step.max_new_tokens)
     appended = None
     if step.append is not None:
         with applying.item("append"):
             a = step.append
             appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            ledger.follow_append(session, appended.seq_ids, appended.table_offsets, appended.num_block_ids)
+            ledger.follow_append(session, appended)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):

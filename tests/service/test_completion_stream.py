@@ -144,7 +144,7 @@ def test_a_stream_not_from_grpc_is_answered_from_its_own_thread_with_metrics_aft
         session = service.open_session(ANONYMOUS, 60.0)
         opens = pb.SessionRequest(session_id=session.session_id, request_id=1, opens=[pb.StepOpen(token_ids=bytes(12))])
         observed: list[tuple[str, str, grpc.StatusCode]] = []
-        streams = SessionStreams(1)
+        streams = SessionStreams()
         responses = streams.serve(
             service, ANONYMOUS, iter([opens, Undecodable("junk")]), lambda m, p, c, s: observed.append((m, p, c))
         )
