@@ -11,6 +11,7 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
