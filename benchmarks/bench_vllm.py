@@ -59,10 +59,12 @@ def main() -> None:
                 "TTFT p50 ms": 1000 * statistics.median(run["ttft_seconds"]),
                 "TTFT mean ms": 1000 * statistics.fmean(run["ttft_seconds"]),
                 "outputs": run["token_ids"],
+                "ttft_ms": [round(1000 * t, 1) for t in run["ttft_seconds"]],
+                "cached_tokens": run["num_cached_tokens"],
             }
         )
     identical = rows[0].pop("outputs") == rows[1].pop("outputs")
-    keys = list(rows[0])
+    keys = [k for k in rows[0] if k not in ("ttft_ms", "cached_tokens")]  # per prompt: in --out only
     print(" | ".join(keys))
     for row in rows:
         print(" | ".join(f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
