@@ -9,9 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv.errors import InvalidArgument, NotPinned, QuotaExceeded, UnknownSequence
+from radixkv.errors import NotPinned, QuotaExceeded, UnknownSequence
 from radixkv.kv_cache import KVCache
-from radixkv.server.idempotency import RequestWindow
 from radixkv.server.ledger import Pin, PoolLedger
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant
@@ -177,45 +176,6 @@ def test_growth_is_charged_to_each_sequence_and_its_sessions_tenant() -> None:
     assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (6, 1)
     ledger.follow_append(a, [3], [0], [1])  # shrinks to 1 block (a copy-on-write's rewrite of a shorter table)
     assert ledger.tenant_blocks(TENANTS[0]) == 5
-
-
-def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
-    window, applied = RequestWindow(max_results=2), []
-
-    def apply() -> int:
-        applied.append(1)
-        return len(applied)
-
-    assert window.once(5, "Fork p", apply) == window.once(5, "Fork p", apply) == 1
-    assert window.once(0, "Fork p", apply) == 2 and window.once(0, "Fork p", apply) == 3  # no id: always applied
-    with pytest.raises(InvalidArgument) as reused:
-        window.once(5, "Pin p", apply)
-    assert reused.value.field == "request_id"
-    window.once(6, "Fork p", apply)
-    window.once(7, "Fork p", apply)  # the window keeps 2: id 5 is forgotten
-    assert window.once(5, "Fork p", apply) == 6
-    window.check_invariants()
-
-
-def test_the_window_is_bounded_by_what_its_results_cost() -> None:
-    window = RequestWindow(max_results=100, max_cost=10)
-    for request_id in range(1, 6):
-        window.once(request_id, "Open p", lambda: "r", cost=lambda _: 4)
-    assert len(window) == 2  # 2 * 4 <= 10 < 3 * 4
-    window.once(9, "Open p", lambda: "big", cost=lambda _: 11)  # costs more than the whole window: not kept
-    assert len(window) == 2
-    window.check_invariants()
-
-
-def test_a_failed_call_is_not_kept() -> None:
-    window = RequestWindow()
-
-    def refuse() -> int:
-        raise QuotaExceeded("a", 1, 0)
-
-    with pytest.raises(QuotaExceeded):
-        window.once(3, "Open p", refuse)
-    assert window.once(3, "Open p", lambda: 42) == 42  # the retry applies: the refusal changed nothing
 
 
 def test_the_machine_reaches_pins() -> None:

@@ -373,6 +373,6 @@ def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, deb
         assert (refused.error.reason, refused.error.metadata["field"]) == ("INVALID_ARGUMENT", "request_id")
         # The blocking client re-sends a step whose stream broke with the same id, once.
         result = client.step(Step(opens=[(list(range(500, 505)), "resend")]))
-        client._drop_stream()  # the connection is gone: the next step opens a new stream
+        client._steps.close()  # the connection is gone: the next step opens a new stream
         assert client.step(Step(releases=[([result.opened[0].seq_id], True)])).num_released_sequences == 1
     debug.check()
