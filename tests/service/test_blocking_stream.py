@@ -75,9 +75,7 @@ def test_closing_a_stream_with_a_step_in_flight_fails_it_and_the_next_step_reope
     debug.check()
 
 
-def test_threads_sharing_one_client_each_get_their_own_results(
-    server: ServerProcess, debug
-) -> None:  # type: ignore[no-untyped-def]
+def test_threads_sharing_one_client_each_get_their_own_results(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
     errors: list[BaseException] = []
     with RadixKVClient(server.address) as client:
 

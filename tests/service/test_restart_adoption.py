@@ -17,8 +17,8 @@ from radixkv.kv_cache import Limits
 from radixkv.memory.storage import KVStorage
 from radixkv.server.config import PoolConfig, ServerConfig
 from radixkv.server.pools import Pool
-from radixkv.server.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
 from radixkv.server.reads import KVReads
+from radixkv.server.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
 from radixkv.server.service import KVService
 from radixkv.server.tenants import ANONYMOUS
 
