@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -75,7 +76,7 @@ class AsyncRadixKVClient:
         self.pool = pool
         self._requested_ttl = session_ttl
         self._tables = BlockTables()
-        self._steps = AsyncSessionSteps(self._stub, self._metadata, lambda p, r: sm.settle(p, r, self._tables))
+        self._steps = AsyncSessionSteps(self._stub, self._metadata, functools.partial(sm.settle, tables=self._tables))
         self._request_ids = itertools.count(1)
         self._lease: asyncio.Task[None] | None = None
         self.session_id = ""

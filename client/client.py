@@ -18,6 +18,7 @@ and pins, and the same pool memory.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -88,7 +89,7 @@ class RadixKVClient:
         self._timeout = timeout
         self.pool = pool
         self._tables = BlockTables()
-        self._steps = SessionSteps(self._stub, self._metadata, lambda p, r: sm.settle(p, r, self._tables))
+        self._steps = SessionSteps(self._stub, self._metadata, functools.partial(sm.settle, tables=self._tables))
         self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
         self.address = address
