@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from radixkv.client.errors import error_from_rpc
-from radixkv.sequences.step import Step
+from radixkv.sequences.step import Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 
 MAX_FRAME_STEPS = 64  # steps per message at most: a frame's response stays small, and its steps' latency too
@@ -48,6 +48,10 @@ class Pending(Generic[S]):
         self.step, self.request = step, request
         self.stream: S | None = None
         self.attempts = 0
+
+    def settle(self, result: StepResult | None, error: BaseException | None) -> None:
+        """Its result, or the error it failed with: what its waiter gets."""
+        raise NotImplementedError
 
 
 # settle(pending, response): turn one step's response into its result and settle it;

@@ -118,7 +118,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
                 yield
 
         with pool.lock:
-            cache.one_result = stalled  # type: ignore[method-assign]  # this object only, until a step takes it
+            cache.one_result = stalled  # type: ignore[method-assign,assignment]  # this object only, until a step takes it
 
         def answers() -> Iterator[pb.StallStepsResponse]:
             try:

@@ -31,6 +31,7 @@ is cut to its code and reason. The wire form of a step and its answer is `step_w
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -138,7 +139,7 @@ class _Stream:
 
     def __init__(self, service: KVService, caller: Tenant, observe: Observe) -> None:
         self._service, self._caller, self._observe = service, caller, observe
-        self.max_message_bytes = service.max_message_bytes
+        self.max_message_bytes = service.max_message_bytes or sys.maxsize  # None: no limit
         self._session: Session | None = None
         self._last_ids: tuple[bytes, list[int]] = (b"", [])  # the last packed batch of ids, unpacked
 
