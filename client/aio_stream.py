@@ -17,6 +17,7 @@ from radixkv.client.pipeline import (
     StreamEnded,
     answers,
     frame,
+    resend_delay,
     resend_or_fail,
     take_frame,
 )
@@ -195,11 +196,16 @@ class AsyncSessionSteps:
             self._stream = AsyncStepStream(self._stub, self._metadata, self._settle, self._broke)
 
     def _broke(self, stream: AsyncStepStream, error: grpc.RpcError, unanswered: list[AsyncPending]) -> None:
-        """Re-send the broken stream's unanswered steps once, in order, on UNAVAILABLE; fail the rest."""
+        """Re-send the broken stream's unanswered steps, in order, on UNAVAILABLE (see `resend_or_fail`, after
+        `resend_delay`); fail the rest."""
         if self._stream is stream:
             self._stream = None
         stream.close()
-        resend_or_fail(error, unanswered, self._send)
+        delay = resend_delay(unanswered)
+        if delay and error.code() == grpc.StatusCode.UNAVAILABLE:
+            asyncio.get_running_loop().call_later(delay, resend_or_fail, error, unanswered, self._send)
+        else:
+            resend_or_fail(error, unanswered, self._send)
 
     def close(self) -> None:
         if self._stream is not None:

@@ -268,9 +268,9 @@ class RadixKVClient:
     def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
         """One scheduler step in one round trip on the session's stream: all of it, or none (see `Step`).
 
-        A step whose stream broke (UNAVAILABLE) is re-sent once on a new stream with the same
-        request id, which the server answers without applying it twice. `request_id`: by default
-        the next of this session's own.
+        A step whose stream broke (UNAVAILABLE) is re-sent on a new stream with the same request id
+        (sent at most 3 times, as a unary call), which the server answers without applying it twice.
+        `request_id`: by default the next of this session's own.
 
         Raises:
             RadixKVError: the exception the unary call of the refused item would raise; nothing was applied.

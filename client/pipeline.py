@@ -11,7 +11,7 @@ Both clients' streams keep one contract (the blocking one in `step_stream.py`, t
 `aio_stream.py`), on gRPC's public stream API: at most `MAX_IN_FLIGHT` steps unanswered (a client
 with more waits for the oldest), queued steps leave together as one frame, responses settle steps
 in order, and a stream that breaks takes its unanswered steps with it: the client re-sends them
-(UNAVAILABLE: once each, in order, with their request ids) on a new stream. The server keeps more
+(UNAVAILABLE: in order, with their request ids, each sent at most 3 times) on a new stream. The server keeps more
 results per session than `MAX_IN_FLIGHT` (server/idempotency.py), so a re-sent step the server did
 apply is answered with its first result, never applied again.
 """
@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from radixkv.client.errors import error_from_rpc
+from radixkv.client.retries import MAX_ATTEMPTS, retry_delay
 from radixkv.sequences.step import Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -80,13 +81,21 @@ def take_frame(outbox: collections.deque[Any]) -> list[pb.SessionRequest]:
 
 
 def resend_or_fail(error: grpc.RpcError, unanswered: list[Any], send: Callable[[Any], None]) -> None:
-    """A broken stream's unanswered steps, in order: re-sent once on UNAVAILABLE (the request ids keep a step
-    the server did apply from applying twice), failed with `error` otherwise."""
+    """A broken stream's unanswered steps, in order: re-sent on UNAVAILABLE, each sent at most MAX_ATTEMPTS times
+    as a unary call is (the request ids keep a step the server did apply from applying twice), failed with `error`
+    otherwise."""
     for pending in unanswered:
-        if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < 2:
+        if error.code() == grpc.StatusCode.UNAVAILABLE and pending.attempts < MAX_ATTEMPTS:
             send(pending)
         else:
             pending.settle(None, error_from_rpc(error))
+
+
+def resend_delay(unanswered: list[Any]) -> float:
+    """Seconds to wait before re-sending a broken stream's steps: none when a stream first breaks (re-sent at once,
+    on a new connection), `retry_delay` when the stream they were re-sent on broke too (the server may be down)."""
+    attempts = max((p.attempts for p in unanswered), default=1)
+    return 0.0 if attempts <= 1 else retry_delay(attempts - 2)
 
 
 def answers(response: pb.SessionResponse, num_steps: int) -> list[pb.SessionResponse]:

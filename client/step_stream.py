@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from radixkv.client.pipeline import (
     StreamEnded,
     answers,
     frame,
+    resend_delay,
     resend_or_fail,
 )
 from radixkv.sequences.step import Step, StepResult
@@ -176,7 +178,11 @@ class SessionSteps:
             self._stream = StepStream(self._stub, self._metadata, self._settle, self._broke)
 
     def _broke(self, stream: StepStream, error: grpc.RpcError, unanswered: list[StepFuture]) -> None:
-        """Re-send the broken stream's unanswered steps, in order, once each (UNAVAILABLE); fail the rest."""
+        """Re-send the broken stream's unanswered steps, in order (UNAVAILABLE, see `resend_or_fail`); fail the rest.
+        Called by the caller reading the stream when it broke: that caller waits out `resend_delay`."""
+        delay = resend_delay(unanswered)
+        if delay and error.code() == grpc.StatusCode.UNAVAILABLE:
+            time.sleep(delay)
         with self._lock:
             if self._stream is stream:
                 self._stream = None
