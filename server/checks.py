@@ -20,18 +20,20 @@ and says so).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import TracebackType
 from typing import TypeVar
 
 from radixkv.errors import LimitExceeded, ServerRestarting, TokenBudget, UnknownSession
+from radixkv.sequences.step import Step
 from radixkv.server.config import ServerConfig
 from radixkv.server.deadlines import check_deadline
 from radixkv.server.idempotency import RequestKey
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session
 from radixkv.server.shares import Shares
+from radixkv.server.sizes import step_sizes
 from radixkv.server.tenants import Tenant
 from radixkv.server.token_budget import TokenBuckets
 
@@ -70,18 +72,22 @@ class Checks:
         if reply is not None and reply.max_bytes is not None and response_bytes > reply.max_bytes:
             raise LimitExceeded("max_message_bytes", response_bytes, reply.max_bytes)
 
+    def check_step_size(self, pool: Pool, step: Step, reply: Reply) -> None:
+        """Each item's tokens, and the step's response up to and with each item, against the limits (see
+        `sizes.step_sizes`); a refusal names its item (`item`)."""
+        for item, count, response_bytes in step_sizes(pool, step, self.max_sequences_per_session, reply.packed):
+            try:
+                self.check_size(pool, count, response_bytes, reply)
+            except LimitExceeded as e:
+                e.metadata["item"] = item
+                raise
+
     # -- 2 and 3. the preamble and the request id ------------------------------------------------------
 
-    @contextlib.contextmanager
-    def locked(self, pool: Pool, session: Session) -> Iterator[None]:
-        """Hold the pool's lock, refusing a session ended meanwhile, a frozen pool, or a call past its deadline."""
-        with pool.lock:
-            if session.closed:
-                raise UnknownSession(session.session_id)
-            if pool.frozen:
-                raise ServerRestarting()
-            check_deadline()
-            yield
+    def locked(self, pool: Pool, session: Session) -> _Locked:
+        """`with checks.locked(pool, session):` holds the pool's lock, refusing a session ended meanwhile, a frozen
+        pool, or a call past its deadline."""
+        return _Locked(pool, session)
 
     def applied_once(
         self, pool: Pool, session: Session, request: RequestKey, apply: Callable[[], T], cost: Callable[[T], int]
@@ -180,3 +186,27 @@ class Charge:
             return
         self.ledger.check_quota(self.caller, self.num_blocks + num_blocks)
         self.num_blocks += num_blocks
+
+
+class _Locked:
+    """The preamble as a context manager (a class: a generator-based one costs a decode step 4 us more)."""
+
+    __slots__ = ("pool", "session")
+
+    def __init__(self, pool: Pool, session: Session) -> None:
+        self.pool, self.session = pool, session
+
+    def __enter__(self) -> None:
+        self.pool.lock.acquire()
+        try:
+            if self.session.closed:
+                raise UnknownSession(self.session.session_id)
+            if self.pool.frozen:
+                raise ServerRestarting()
+            check_deadline()
+        except BaseException:
+            self.pool.lock.release()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.pool.lock.release()

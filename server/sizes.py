@@ -11,14 +11,24 @@ each step is bounded against what the steps before it left (`session_stream`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from radixkv.memory.layout import PoolLayout
+from radixkv.sequences.step import Step
 from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds
 
-if TYPE_CHECKING:
-    from radixkv.sequences.step import Step
-    from radixkv.server.pools import Pool
+
+class Pool(Protocol):
+    """What a response's bound reads of a pool (`pools.Pool`): its layout, and whether it has a host tier."""
+
+    @property
+    def layout(self) -> PoolLayout: ...
+
+    @property
+    def host_storage(self) -> object | None: ...
+
 
 _PER_SEQUENCE_BYTES = 48  # a response's fixed fields per sequence (ids, counts, a copy), with their tags
 _ENVELOPE_BYTES = 64
@@ -38,12 +48,15 @@ def _varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def _token_bytes(pool: Pool, packed: bool) -> int:
-    """Response bytes per token at most: its slot, plus one block id (a token starts at most one block)."""
-    layout = pool.layout
+@functools.cache
+def _widths(num_blocks: int, block_size: int, packed: bool) -> tuple[int, int]:
+    """(response bytes per token, per appended sequence) at most, for a pool of this shape: a token's slot plus one
+    block id (a token starts at most one block); a sequence's fixed fields plus its table offset."""
     if packed:
-        return _PACKED_SLOT_BYTES + max(_PACKED_ID_BYTES, _varint_bytes(layout.num_blocks))
-    return _varint_bytes(layout.num_blocks * layout.block_size) + _varint_bytes(layout.num_blocks)
+        per_token = _PACKED_SLOT_BYTES + max(_PACKED_ID_BYTES, _varint_bytes(num_blocks))
+    else:
+        per_token = _varint_bytes(num_blocks * block_size) + _varint_bytes(num_blocks)
+    return per_token, _PER_SEQUENCE_BYTES + _varint_bytes(num_blocks)
 
 
 def _transfers_bytes(pool: Pool, num_blocks: int) -> int:
@@ -54,21 +67,23 @@ def _transfers_bytes(pool: Pool, num_blocks: int) -> int:
 def open_response_bytes(pool: Pool, counts: Sequence[int], packed: bool = False) -> int:
     """The most the opens of prompts of these token counts can answer (an OpenSequences response, or a step's
     `opened`); a Resume's answer is one such open."""
-    num_blocks = sum(-(-n // pool.layout.block_size) for n in counts)
+    layout = pool.layout
+    per_token, _ = _widths(layout.num_blocks, layout.block_size, packed)
+    num_blocks = sum(-(-n // layout.block_size) for n in counts)
     return (
-        _ENVELOPE_BYTES + sum(counts) * _token_bytes(pool, packed) + len(counts) * _PER_SEQUENCE_BYTES
+        _ENVELOPE_BYTES + sum(counts) * per_token + len(counts) * _PER_SEQUENCE_BYTES
         + _transfers_bytes(pool, num_blocks)
     )  # fmt: skip
 
 
 def append_response_bytes(pool: Pool, num_sequences: int, num_tokens: int, packed: bool = False) -> int:
     """The most an append of this batch can answer (each sequence may add a block and a copy)."""
-    per_sequence = _PER_SEQUENCE_BYTES + _varint_bytes(pool.layout.num_blocks)
-    num_blocks = num_tokens // pool.layout.block_size + 2 * num_sequences  # new blocks and copies
-    return (
-        _ENVELOPE_BYTES + num_tokens * _token_bytes(pool, packed) + num_sequences * per_sequence
-        + _transfers_bytes(pool, num_blocks)
-    )  # fmt: skip
+    layout = pool.layout
+    per_token, per_sequence = _widths(layout.num_blocks, layout.block_size, packed)
+    total = _ENVELOPE_BYTES + num_tokens * per_token + num_sequences * per_sequence
+    if pool.host_storage is None:
+        return total
+    return total + _transfers_bytes(pool, num_tokens // layout.block_size + 2 * num_sequences)  # new blocks, copies
 
 
 def preempt_response_bytes(pool: Pool, num_sequences: int, num_blocks: int) -> int:

@@ -36,7 +36,7 @@ from radixkv.server.idempotency import NO_REQUEST, RequestKey
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session
-from radixkv.server.sizes import num_tokens, step_sizes
+from radixkv.server.sizes import num_tokens
 from radixkv.tree.token_ids import TokenIds, to_token_bytes
 
 
@@ -79,9 +79,7 @@ def run_step(
 
 def _run(checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply, request: RequestKey) -> StepResult:
     caller = session.tenant
-    for item, count, response_bytes in step_sizes(pool, step, checks.max_sequences_per_session, reply.packed):
-        with _item(item):
-            checks.check_size(pool, count, response_bytes, reply)
+    checks.check_step_size(pool, step, reply)
     requests: list[tuple[bytes, str]] = []  # the opens' (tokens, namespace), checked and packed, as the core takes them
     keys: list[bytes | None] = []  # per open, its tokens where it asks to be explained
     num_prompt_tokens = 0  # the opens' tokens: charged to the token bucket, and their slots kept with the result

@@ -18,7 +18,7 @@ from radixkv.v1 import kvcache_pb2 as pb
 
 
 def _key(request_id: int, body: str = "fork 1") -> RequestKey:
-    return RequestKey(request_id, body.encode())
+    return RequestKey(request_id, hash(body))
 
 
 def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
