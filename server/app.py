@@ -39,7 +39,7 @@ from radixkv.server.restart import restore_sessions, snapshot_all
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
-from radixkv.server.stream_gate import StreamGate
+from radixkv.server.stream_gate import StreamBound, StreamGate
 from radixkv.server.tenants import ANONYMOUS, Tenant
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
@@ -135,11 +135,16 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
         assert config.max_public_streams is not None
+        assert config.max_session_streams is not None
+        session_bound = StreamBound(
+            "max_session_streams", config.max_session_streams, service.shares.of(config.max_session_streams)
+        )
         gate = StreamGate(
             config.max_streams,
             config.max_streams_per_peer,
             service.shares.of(config.max_streams),
             config.max_public_streams,
+            {f"/{KVCACHE_SERVICE}/Session": session_bound},
         )
         metrics.watch_streams(gate)
         interceptors = [  # outermost first; why this order: server/interceptors.py
@@ -161,7 +166,7 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             interceptors=interceptors,
             options=options,
         )
-        session_streams = SessionStreams(config.max_session_streams or 0)
+        session_streams = SessionStreams()
         servicer = KVCacheServicer(service, session_streams, metrics.observe)
         kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server)
         if config.debug_rpc:
@@ -245,7 +250,7 @@ def serve(config: ServerConfig) -> int:
         },
     )
     kv_events = {
-        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        name: pool.kv_publisher.endpoints
         for name, pool in server.service.pools.items()
         if pool.kv_publisher is not None
     }

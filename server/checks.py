@@ -21,7 +21,7 @@ and says so).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -33,7 +33,7 @@ from radixkv.server.idempotency import RequestKey
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session
 from radixkv.server.shares import Shares
-from radixkv.server.sizes import step_sizes
+from radixkv.server.sizes import open_response_bytes, preempt_response_bytes, step_sizes
 from radixkv.server.tenants import Tenant
 from radixkv.server.token_budget import TokenBuckets
 
@@ -157,6 +157,43 @@ class Checks:
             pool.cache.evict(cached - share, caller.owns)
 
     # -- 5. the token budget, last -------------------------------------------------------------------
+
+    @staticmethod
+    def step_tokens(pool: Pool, caller: Tenant, step: Step, num_prompt_tokens: int) -> int:
+        """Tokens a step pays (what pays: `token_budget.py`): its opens' prompts and `max_new_tokens`, its append's
+        tokens past those their sequences' opens prepaid. A unary open or append is such a step."""
+        cost = num_prompt_tokens + sum(step.max_new_tokens) if step.opens else 0
+        if step.append is not None and caller.max_tokens_per_second is not None:
+            cost += pool.ledger.prepaid.cost(step.append.seq_ids, step.append.num_token_ids)
+        return cost
+
+    def resume_tokens(self, pool: Pool, caller: Tenant, seq_id: int) -> int:
+        """Charge a resume of a preempted sequence: its blocks against the quota (its table or its reservation), its
+        answer against the message limit, and its tokens to the token budget (it needs what an open of all of them
+        would; the caller refunds what the resume found cached). Returns the tokens taken."""
+        length = pool.cache.num_tokens(seq_id)
+        self.check_size(pool, 0, open_response_bytes(pool, [length]), Reply(self.max_message_bytes, packed=False))
+        Charge(pool, caller).add(pool.ledger.blocks_to_resume(pool.cache, seq_id))
+        self.take_tokens(pool, caller, length)
+        return length
+
+    def check_swap(self, pool: Pool, caller: Tenant, seq_ids: Sequence[int], mode: str) -> None:
+        """A preemption by swap: the host blocks it moves against the tenant's share of the host tier; and its
+        answer (an offload per block) against the message limit."""
+        cache, ledger = pool.cache, pool.ledger
+        num_blocks = sum(map(ledger.num_table_blocks, seq_ids))
+        reply = Reply(self.max_message_bytes, packed=False)
+        self.check_size(pool, 0, preempt_response_bytes(pool, len(seq_ids), num_blocks), reply)
+        if mode == "swap" and cache.host is not None:
+            needed = sum(cache.swap_blocks(s) for s in seq_ids if not cache.is_preempted(s))
+            ledger.check_host_blocks(caller, needed, self.host_share(pool))
+
+    def host_share(self, pool: Pool) -> int | None:
+        """How many of `pool`'s host-tier blocks one tenant's swapped-out sequences may hold; None: no bound (one
+        caller, or no host tier)."""
+        if self.shares.num_tenants <= 1 or pool.host_storage is None:
+            return None
+        return self.shares.of(pool.host_storage.layout.num_blocks)
 
     def take_tokens(self, pool: Pool, caller: Tenant, num_tokens: int) -> None:
         """Charge tokens to the caller's bucket (under `pool.lock`, which counts the refusals)."""

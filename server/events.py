@@ -48,7 +48,7 @@ class BlockEvent:
     parent_block_id: int | None = None  # BLOCKS_STORED: the block before them; None at the root
     block_hashes: tuple[int, ...] = ()  # low 64 bits of each block's content hash, beside block_ids
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
-    extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block, the namespace salt on a first block
+    extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block as events carry them (the untagged salt)
     pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
     namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
     digest_delta: int = 0  # what this event added to it, mod 2^64
@@ -224,7 +224,7 @@ class EventHub:
             parent_block,
             tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
             None if parent_hash is None else wire_hash(parent_hash),
-            tuple(self.hashes.extra_keys(node)),
+            tuple(self.hashes.event_extra_keys(node)),
             self.num_events,
             self.digests.get(node.namespace, 0),
             delta,

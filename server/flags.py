@@ -7,10 +7,10 @@ flags parse, and `--help` prints, before anything heavy loads.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 
 from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
+from radixkv.server import kv_events_config
 from radixkv.server.config import (
     CPU_DEFAULT_POOL_BYTES,
     DEFAULT_MEMORY_FRACTION,
@@ -99,17 +99,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
     parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
-    parser.add_argument(
-        "--kv-events-endpoint",
-        metavar="ENDPOINT",
-        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
-    )
-    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
-    parser.add_argument(
-        "--kv-events-replay-endpoint",
-        metavar="ENDPOINT",
-        help="ROUTER socket answering replay requests, e.g. tcp://*:5558",
-    )
+    kv_events_config.add_arguments(parser)
     parser.add_argument(
         "--audit-interval",
         type=float,
@@ -157,14 +147,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
             "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them "
             "there"
         )
-    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
-    if kv_events:
-        if len(pools) != 1:
-            raise ValueError(
-                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
-                "set kv_events_endpoint in each [pools.NAME] table instead"
-            )
-        pools = (dataclasses.replace(pools[0], **kv_events),)
+    pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
 

@@ -236,7 +236,7 @@ def restore_sessions(pool: Pool, extras: dict[str, Any], registry: SessionRegist
             if session is None:
                 orphans.append(int(seq_id))
             else:
-                pool.ledger.adopt(session, int(seq_id), len(cache.block_table(int(seq_id))))
+                pool.ledger.adopt_kept(session, cache, int(seq_id))
         for session_id, namespace, token_bytes, num_blocks in extras.get("pins", []):
             session = sessions.get(session_id)
             if session is None:

@@ -32,7 +32,7 @@ from radixkv.errors import FailedPrecondition, PermissionDenied, UnknownPool
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Commit, Step, StepResult
-from radixkv.server.checks import Charge, Checks, Reply
+from radixkv.server.checks import Checks, Reply
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.idempotency import NO_REQUEST, RequestKey
 from radixkv.server.ledger import Pin
@@ -40,7 +40,7 @@ from radixkv.server.miss_reasons import MissExplanation
 from radixkv.server.pools import Pool
 from radixkv.server.restart import Written, snapshot_all
 from radixkv.server.sessions import Session, SessionRegistry
-from radixkv.server.sizes import num_tokens, open_response_bytes, preempt_response_bytes
+from radixkv.server.sizes import num_tokens
 from radixkv.server.step import run_step
 from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
@@ -213,13 +213,12 @@ class KVService:
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
 
         def apply() -> PreemptResult:
-            ledger = pool.ledger
+            ledger, cache = pool.ledger, pool.cache
             ledger.check_owners(session, list(seq_ids))
-            num_blocks = sum(map(ledger.num_table_blocks, seq_ids))
-            self.checks.check_size(pool, 0, preempt_response_bytes(pool, len(seq_ids), num_blocks), self.unary)
-            result = pool.cache.preempt(seq_ids, mode)
+            self.checks.check_swap(pool, caller, seq_ids, mode)
+            result = cache.preempt(seq_ids, mode)
             for seq_id in result.seq_ids:
-                ledger.resize(seq_id, 0)
+                ledger.preempted(seq_id, cache.swap_blocks(seq_id))
             self.checks.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
             return result
 
@@ -230,18 +229,20 @@ class KVService:
     def resume(
         self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, request: RequestKey = NO_REQUEST
     ) -> ResumeResult:
-        """Resume one of the session's preempted sequences; its blocks count against the tenant's quota again."""
+        """Resume one of the session's preempted sequences; its blocks count against the tenant's quota again, and
+        the tokens it hands back to compute against its token budget."""
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
 
         def apply() -> ResumeResult:
-            ledger = pool.ledger
-            ledger.check_owner(session, seq_id)
-            if pool.cache.is_preempted(seq_id):
-                length = pool.cache.num_tokens(seq_id)
-                self.checks.check_size(pool, 0, open_response_bytes(pool, [length]), self.unary)
-                Charge(pool, caller).add(ledger.blocks_for(length))
-            result = pool.cache.resume(seq_id)  # raises for a live sequence
-            ledger.resize(seq_id, len(result.block_table))
+            pool.ledger.check_owner(session, seq_id)
+            cost = self.checks.resume_tokens(pool, caller, seq_id) if pool.cache.is_preempted(seq_id) else 0
+            try:
+                result = pool.cache.resume(seq_id)  # raises for a live sequence
+            except BaseException:
+                self.checks.refund(caller, cost)
+                raise
+            self.checks.refund(caller, min(cost, result.num_cached_tokens))  # found cached: not computed, not paid
+            pool.ledger.resumed(seq_id, len(result.block_table))
             return result
 
         return self.checks.applied_once(

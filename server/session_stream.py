@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
+from radixkv.errors import InvalidArgument, RadixKVError
 from radixkv.sequences.packed import unpack
 from radixkv.server.checks import Reply
 from radixkv.server.decoding import Undecodable
@@ -60,10 +60,10 @@ Observe = Callable[[str, str, grpc.StatusCode, float], None]  # (method, pool, c
 
 
 class SessionStreams:
-    """Counts the open Session streams of a server: each holds an RPC thread while open."""
+    """Counts the open Session streams of a server: each holds an RPC thread while open. Their bounds
+    (`max_session_streams` and a tenant's share of it) are the stream gate's (server/stream_gate.py)."""
 
-    def __init__(self, max_streams: int) -> None:
-        self.max_streams = max_streams
+    def __init__(self) -> None:
         self._num_open = 0
         self._lock = threading.Lock()
 
@@ -74,14 +74,8 @@ class SessionStreams:
         self, service: KVService, caller: Tenant, requests: Iterable[pb.SessionRequest | Undecodable], observe: Observe
     ) -> Iterator[pb.SessionResponse]:
         """A response per request until the client half-closes, on the stream's handler thread. A generator:
-        the slot is taken when it starts.
-
-        Raises:
-            LimitExceeded: `max_session_streams` streams are open already.
-        """
+        it counts as open once it starts."""
         with self._lock:
-            if self._num_open >= self.max_streams:
-                raise LimitExceeded("max_session_streams", self._num_open + 1, self.max_streams)
             self._num_open += 1
         stream = _Stream(service, caller, observe)
         try:

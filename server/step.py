@@ -107,9 +107,9 @@ def _run(checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply,
             if keys
             else []
         )
-        cost = num_prompt_tokens + sum(step.max_new_tokens) if requests else 0
+        cost = checks.step_tokens(pool, caller, step, num_prompt_tokens if requests else 0)
         if cost:
-            with _item("opens"):
+            with _item("opens" if requests else "append"):
                 checks.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
         try:
             with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.tree.host_tier)
@@ -182,20 +182,19 @@ class _StepPlan:
             with _item("opens"):
                 self._add_sequences(len(requests))
                 self.checks.check_namespaces(pool, self.caller, {ns for _, ns in requests})
-                self.charge.add(sum(pool.ledger.blocks_for(num_tokens(tokens)) for tokens, _ in requests))
+                if self.caller.max_blocks is not None:  # each prompt's blocks, or its reserved table if longer
+                    counts = [num_tokens(tokens) for tokens, _ in requests]
+                    self.charge.add(pool.ledger.blocks_to_open(cache, counts, step.max_new_tokens))
                 if committed or step.append is not None or after_append:
                     num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
             with _item("append"):
                 append = step.append
                 self._own_all(append.seq_ids, "seq_ids")
-                if self.caller.max_blocks is not None:  # as AppendTokens counts growth
-                    growth = 0
-                    for s, n in zip(append.seq_ids, append.num_token_ids, strict=False):
-                        after = pool.ledger.blocks_for(cache.num_tokens(s) + n)
-                        growth += max(0, after - pool.ledger.num_table_blocks(s))
-                        self.table_blocks[s] = max(after, pool.ledger.num_table_blocks(s))
-                    self.charge.add(growth)
+                if self.caller.max_blocks is not None:  # the growth past what each sequence charges already
+                    self.charge.add(
+                        pool.ledger.append_growth(cache, append.seq_ids, append.num_token_ids, self.table_blocks)
+                    )
                 if (committed or requests or after_append) and not _is_empty(append):
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
@@ -240,8 +239,7 @@ def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: l
     if requests:
         with applying.item("opens"):
             opened = cache.open_many(requests, **_budgets(step))
-            for result in opened:
-                ledger.adopt(session, result.seq_id, len(result.block_table))
+            ledger.adopt_opened(session, cache, opened, step.max_new_tokens)
     appended = None
     if step.append is not None:
         with applying.item("append"):
@@ -250,7 +248,7 @@ def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: l
                 appended = AppendBatch([], [], [], [], [], [], [], np.empty(0, dtype=np.int64))
             else:
                 appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-                ledger.follow_append(session, appended.seq_ids, appended.table_offsets, appended.num_block_ids)
+                ledger.follow_append(session, appended)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):

@@ -5,7 +5,9 @@ The layers, bottom up:
 - core: `radixkv/*.py` except the upper modules below. No torch, triton or grpc, no wire code, nothing above.
 - storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `memory_sizing`):
   the pool's memory, torch. Below the kernels, the server and the client.
-- kernels, client, server: kernels import nothing from server, client or demo; client and server not each other.
+- kernels: torch, triton, numpy and themselves, nothing else of radixkv (not even the core), so a bare GPU image
+  runs them from a checkout (`benchmarks/gpu_check.sh`; tests/kernels/test_import_closure.py checks the rest).
+- client, server: not each other.
 - demo: the top, with the CLI (`radixkv/cli.py`), which reaches the others only by name (`radixkv serve`).
 """
 
@@ -31,7 +33,7 @@ WIRE = "wire"  # radixkv.v1, the generated protobuf code
 FORBIDDEN: dict[str, set[str]] = {
     "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli"},
     "storage": {"grpc", "kernels", "server", "client", "demo", "cli"},
-    "kernels": {"server", "client", "demo", "cli"},
+    "kernels": {"core", "storage", WIRE, "server", "client", "demo", "cli", "grpc"},
     "client": {"server", "kernels", "demo", "cli"},
     "server": {"client", "demo", "cli"},
     "demo": {"cli"},
@@ -131,6 +133,7 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
             # fine: storage may
             "radixkv/memory/storage.py": "import torch\nfrom radixkv.memory.layout import PoolLayout\n",
             "kernels/k.py": "import triton\nfrom radixkv.demo.model import Llama\n",
+            "kernels/k2.py": "import numpy as np\nfrom radixkv.sequences.handoff import StepArrays\n",  # the core
             "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
             "server/s.py": (
                 "import grpc\nfrom radixkv.memory.storage import KVStorage\nfrom radixkv.client import PoolView\n"
@@ -142,6 +145,7 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
     assert violations(tmp_path) == [
         "client/c.py:2: client imports radixkv.server.app",
         "kernels/k.py:2: kernels imports radixkv.demo.model",
+        "kernels/k2.py:2: kernels imports radixkv.sequences.handoff",
         "radixkv/bad_core.py:1: core imports torch",
         "radixkv/bad_core.py:4: core imports radixkv.server",
         "radixkv/typed_core.py:3: core imports grpc",

@@ -16,6 +16,7 @@ from radixkv.memory.layout import PoolLayout
 from radixkv.server import flags
 from radixkv.server.app import main, parse_args
 from radixkv.server.config import PoolConfig
+from radixkv.server.kv_events_config import KVEventsConfig
 
 SMOLLM2 = (30, 3, 64)
 
@@ -25,19 +26,17 @@ def test_help_lists_every_pool_key_with_its_default(capsys):
         parse_args(["serve", "--help"])
     out = capsys.readouterr().out
     keys = [
-        f for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name not in ("name", "limits")
+        (f.name, f.default)
+        for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))
+        if f.name not in ("name", "limits", "kv_events")
     ]
-    for field in keys:
-        default = (
-            "required"
-            if field.default is dataclasses.MISSING
-            else "unset"
-            if field.default is None
-            else str(field.default) or '""'
-        )
-        line = next((line for line in out.splitlines() if line.split()[:1] == [field.name]), None)
-        assert line is not None, f"--help does not list pool key {field.name}"
-        assert line.split()[1] == default and len(line.split()) > 2, f"{field.name}: default and meaning: {line!r}"
+    stream = [f for f in dataclasses.fields(KVEventsConfig) if f.name != "withheld_tenants"]  # kv_events_* keys
+    keys += [(f"kv_events_{f.name}", f.default) for f in stream]
+    for name, value in keys:
+        default = "required" if value is dataclasses.MISSING else "unset" if value is None else str(value) or '""'
+        line = next((line for line in out.splitlines() if line.split()[:1] == [name]), None)
+        assert line is not None, f"--help does not list pool key {name}"
+        assert line.split()[1] == default and len(line.split()) > 2, f"{name}: default and meaning: {line!r}"
     assert 'one pool named "default"' in out and "0.9" in out and "512 MiB" in out and "smollm2-135m" in out
 
 
