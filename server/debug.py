@@ -122,6 +122,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
 
         def answers() -> Iterator[pb.StallStepsResponse]:
             try:
+                yield pb.StallStepsResponse(stalled=False)  # armed: the next step will be held
                 if held.wait(request.max_seconds):
                     yield pb.StallStepsResponse(stalled=True)
                     released.wait(request.max_seconds)

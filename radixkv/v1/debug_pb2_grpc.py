@@ -86,8 +86,8 @@ class DebugServicer:
     def StallSteps(self, request, context):
         """StallSteps holds the next call that applies a step on a pool (a Session step, or a unary call
         that changes the pool) inside the pool's lock, so a test can prove what such a step delays and
-        what it does not. It answers once when a step is held, and lets the step go when the client ends
-        this call, or after max_seconds.
+        what it does not. It answers once armed (stalled false) and once a step is held (stalled true),
+        and lets the step go when the client ends this call, or after max_seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

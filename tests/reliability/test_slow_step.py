@@ -62,6 +62,7 @@ def test_a_step_held_in_its_pools_lock_delays_only_the_calls_that_need_that_lock
         stall = debug_pb2_grpc.DebugStub(channel).StallSteps(
             debug_pb2.StallStepsRequest(pool="default", max_seconds=60), metadata=_metadata("root"), timeout=TIMEOUT
         )
+        assert not next(stall).stalled, "armed"
         held = alpha.submit(Step(opens=[([1, 2, 3, 4, 5], "held")]))  # a Session step on `default`
         assert next(stall).stalled, "the step is held inside the lock of `default`"
 
