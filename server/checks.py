@@ -9,13 +9,17 @@ In the order a call meets them:
   3. the request id (`idempotency.py`): a call the session already made returns its first result
      or is refused, and is not checked or applied again;
   4. ownership and counts against the ledger: sequences per session, tenant and pool; namespaces,
-     pins and cached blocks per tenant; the tenant's block quota (`Charge`, one running count per call);
-  5. the token budget, last (`take_tokens`), so that a call refused for anything else charges nothing.
-Then the core applies (it changes nothing when it refuses) and the ledger follows its result.
+     pins and cached blocks per tenant; the tenant's block quota, reservations included (`Charge`,
+     one running count per call); its share of the host tier (`check_swap`);
+  5. the token budget, last (`step_tokens`, `resume_tokens`; what pays is `token_budget.py`), so
+     that a call refused for anything else charges nothing.
+Then the core applies (it changes nothing when it refuses) and the ledger follows its result. The
+rules' arithmetic lives with the state it reads (`ledger.py`, `token_budget.py`, `sizes.py`); this
+module is where every call meets them, in this order.
 
-Everything here runs under the pool's lock except `check_size`, and reads the ledger and the
-core without changing them (`keep_cache_share`, which evicts after a call cached, is the exception
-and says so).
+Everything here runs under the pool's lock except the size checks of step 1, and reads the ledger
+and the core without changing them (`keep_cache_share`, which evicts after a call cached, and
+`take_tokens`, which charges the bucket, are the exceptions and say so).
 """
 
 from __future__ import annotations
