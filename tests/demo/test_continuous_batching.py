@@ -32,5 +32,5 @@ def test_the_loop_shares_preempts_and_hits_a_second_turn():
 def test_the_readme_shows_the_code_the_test_runs():
     readme = (ROOT / "README.md").read_text()
     source = Path(continuous_batching.__file__).read_text()
-    blocks = re.findall(r"The loop's two central steps.*?```python\n(.*?)```", readme, re.DOTALL)
+    blocks = re.findall(r"The loop's two central steps.*?```python[^\n]*\n(.*?)```", readme, re.DOTALL)
     assert blocks and blocks[0].strip() and blocks[0] in source, "README excerpt differs from the example"
