@@ -13,7 +13,7 @@ from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownPool
 from radixkv.kv_cache import Limits
 from radixkv.memory.layout import PoolLayout
-from radixkv.server import app
+from radixkv.server import flags
 from radixkv.server.app import main, parse_args
 from radixkv.server.config import PoolConfig
 from radixkv.server.kv_events_config import KVEventsConfig
@@ -88,11 +88,11 @@ def test_a_bad_pool_never_reaches_a_traceback():
 
 
 def test_no_pool_flags_give_the_default_pool(monkeypatch):
-    monkeypatch.setattr(app, "_default_device", lambda: "cpu")
+    monkeypatch.setattr(flags, "_default_device", lambda: "cpu")
     (pool,) = parse_args(["serve"])[0].pools
     assert (pool.name, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size) == ("default", *SMOLLM2, 16)
     assert (pool.device, pool.memory_bytes, pool.memory_fraction) == ("cpu", 512 * 2**20, None)
-    monkeypatch.setattr(app, "_default_device", lambda: "cuda")
+    monkeypatch.setattr(flags, "_default_device", lambda: "cuda")
     (pool,) = parse_args(["serve"])[0].pools
     assert (pool.device, pool.memory_fraction, pool.reserved_bytes, pool.memory_bytes) == ("cuda", 0.9, 2**30, None)
     (pool,) = parse_args(["serve", "--memory-fraction", "0.5"])[0].pools

@@ -1,4 +1,7 @@
-"""The server's bookkeeping beside the core: `PoolLedger` against a real `KVCache`, and the request-id window."""
+"""The server's bookkeeping beside the core: `PoolLedger` against a real `KVCache`.
+
+The request-id window: test_request_window.py.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv.errors import InvalidArgument, LimitExceeded, NotPinned, QuotaExceeded, RadixKVError, UnknownSequence
+from radixkv.errors import LimitExceeded, NotPinned, QuotaExceeded, RadixKVError, UnknownSequence
 from radixkv.kv_cache import KVCache
 from radixkv.sequences.results import AppendBatch
-from radixkv.server.idempotency import RequestWindow
 from radixkv.server.ledger import Pin, PoolLedger
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant
@@ -256,45 +258,6 @@ def test_a_reservation_is_charged_until_the_table_outgrows_it_and_a_preempted_se
     ledger.resumed(opened.seq_id, len(cache.resume(opened.seq_id).block_table))
     assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_host_blocks(TENANTS[0])) == (6, 0)
     ledger.check_invariants(cache)
-
-
-def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
-    window, applied = RequestWindow(max_results=2), []
-
-    def apply() -> int:
-        applied.append(1)
-        return len(applied)
-
-    assert window.once(5, "Fork p", apply) == window.once(5, "Fork p", apply) == 1
-    assert window.once(0, "Fork p", apply) == 2 and window.once(0, "Fork p", apply) == 3  # no id: always applied
-    with pytest.raises(InvalidArgument) as reused:
-        window.once(5, "Pin p", apply)
-    assert reused.value.field == "request_id"
-    window.once(6, "Fork p", apply)
-    window.once(7, "Fork p", apply)  # the window keeps 2: id 5 is forgotten
-    assert window.once(5, "Fork p", apply) == 6
-    window.check_invariants()
-
-
-def test_the_window_is_bounded_by_what_its_results_cost() -> None:
-    window = RequestWindow(max_results=100, max_cost=10)
-    for request_id in range(1, 6):
-        window.once(request_id, "Open p", lambda: "r", cost=lambda _: 4)
-    assert len(window) == 2  # 2 * 4 <= 10 < 3 * 4
-    window.once(9, "Open p", lambda: "big", cost=lambda _: 11)  # costs more than the whole window: not kept
-    assert len(window) == 2
-    window.check_invariants()
-
-
-def test_a_failed_call_is_not_kept() -> None:
-    window = RequestWindow()
-
-    def refuse() -> int:
-        raise QuotaExceeded("a", 1, 0)
-
-    with pytest.raises(QuotaExceeded):
-        window.once(3, "Open p", refuse)
-    assert window.once(3, "Open p", lambda: 42) == 42  # the retry applies: the refusal changed nothing
 
 
 def test_the_machine_reaches_pins() -> None:
