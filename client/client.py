@@ -29,6 +29,7 @@ import grpc
 from radixkv.client import messages as m
 from radixkv.client import retries
 from radixkv.client import step_messages as sm
+from radixkv.client.block_checksums import BlockChecksums
 from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
 from radixkv.client.events import EventStream
@@ -332,20 +333,10 @@ class RadixKVClient:
         request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
         return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
 
-    def record_block_checksums(self, seq_id: int, first_block: int, checksums: Sequence[int]) -> int:
-        """Attach the writer's checksum of each block's K/V (nonzero) to blocks `first_block`... of the sequence
-        that the prefix tree holds; returns how many took it (a block keeps its first, until it is evicted)."""
-        request = pb.RecordBlockChecksumsRequest(
-            pool=self.pool, session_id=self.session_id, seq_id=seq_id, first_block=first_block, checksums=checksums
-        )
-        return self._call(self._stub.RecordBlockChecksums, request).num_recorded
-
-    def block_checksums(self, seq_id: int, first_block: int, num_blocks: int) -> list[int]:
-        """The checksums recorded for blocks [first_block, first_block + num_blocks) of the sequence (0: none)."""
-        request = pb.GetBlockChecksumsRequest(
-            pool=self.pool, session_id=self.session_id, seq_id=seq_id, first_block=first_block, num_blocks=num_blocks
-        )
-        return list(self._call(self._stub.GetBlockChecksums, request).checksums)
+    @property
+    def checksums(self) -> BlockChecksums:
+        """The writers' K/V checksums of this session's sequences' blocks (`radixkv.client.block_checksums`)."""
+        return BlockChecksums(self._call, self._stub, self.pool, self.session_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""

@@ -91,7 +91,7 @@ class SchedulerSide:
         checksums: list[int] = []
         if num_loadable and tracked.seq_id is not None:
             try:
-                checksums = self.client.block_checksums(tracked.seq_id, first, num_loadable)
+                checksums = self.client.checksums.get(tracked.seq_id, first, num_loadable)
             except Exception as e:
                 self._failed(f"checksums of {last - first} promised blocks", e)
         tracked.plan_loads(self._plan, first, last, vllm_blocks, checksums)
@@ -142,7 +142,7 @@ class SchedulerSide:
         try:
             self.client.step(Step(commit=Commit(ids, tokens), caches=ids))  # type: ignore[arg-type]
             for tracked, first, checksums in ready:
-                self.client.record_block_checksums(tracked.seq_id, first, checksums)  # type: ignore[arg-type]
+                self.client.checksums.record(tracked.seq_id, first, checksums)  # type: ignore[arg-type]
         except Exception as e:  # what was not cached is a miss later, never wrong bytes
             self._failed("commit (those blocks stay uncached)", e)
 

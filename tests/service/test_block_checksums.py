@@ -21,15 +21,15 @@ def test_checksums_stick_to_tree_blocks_only(server: ServerProcess) -> None:
         tokens = _prompt(1, 3)
         seq = client.open(tokens).seq_id
         # Not cached yet: nothing is recorded.
-        assert client.record_block_checksums(seq, 0, [11, 12, 13]) == 0
+        assert client.checksums.record(seq, 0, [11, 12, 13]) == 0
         client.commit([seq], [len(tokens)])
         client.cache(seq)
-        assert client.record_block_checksums(seq, 0, [11, 12, 13]) == 3
-        assert client.record_block_checksums(seq, 1, [99]) == 0  # the first claim stays
-        assert client.block_checksums(seq, 0, 3) == [11, 12, 13]
+        assert client.checksums.record(seq, 0, [11, 12, 13]) == 3
+        assert client.checksums.record(seq, 1, [99]) == 0  # the first claim stays
+        assert client.checksums.get(seq, 0, 3) == [11, 12, 13]
         # A second sequence with the same prompt hits the tree's blocks: it reads the same checksums.
         other = client.open(tokens).seq_id
-        assert client.block_checksums(other, 0, 3) == [11, 12, 13]
+        assert client.checksums.get(other, 0, 3) == [11, 12, 13]
         client.release_many([seq, other])
 
 
@@ -40,9 +40,9 @@ def test_a_duplicate_prefix_block_is_not_the_trees(server: ServerProcess) -> Non
         client.commit([first, second], [len(tokens)] * 2)
         client.cache(first)
         client.cache(second)  # the tree holds first's blocks; second keeps its own copies
-        assert client.record_block_checksums(second, 0, [5, 6]) == 0
-        assert client.record_block_checksums(first, 0, [7, 8]) == 2
-        assert client.block_checksums(second, 0, 2) == [0, 0]
+        assert client.checksums.record(second, 0, [5, 6]) == 0
+        assert client.checksums.record(first, 0, [7, 8]) == 2
+        assert client.checksums.get(second, 0, 2) == [0, 0]
         client.release_many([first, second])
 
 
@@ -53,27 +53,27 @@ def test_eviction_forgets_the_checksum() -> None:
         seq = client.open(tokens).seq_id
         client.commit([seq], [len(tokens)])
         client.cache(seq)
-        assert client.record_block_checksums(seq, 0, [1, 2]) == 2
+        assert client.checksums.record(seq, 0, [1, 2]) == 2
         client.release(seq)
         filler = client.open(_prompt(4, 5)).seq_id  # needs every block: the cached prefix is evicted
         client.release(filler, cache=False)
         again = client.open(tokens)
         assert again.num_cached_tokens == 0
-        assert client.block_checksums(again.seq_id, 0, 2) == [0, 0]
+        assert client.checksums.get(again.seq_id, 0, 2) == [0, 0]
 
 
 def test_refusals_name_the_field(server: ServerProcess) -> None:
     with RadixKVClient(server.address) as client, RadixKVClient(server.address) as stranger:
         seq = client.open(_prompt(5, 1)).seq_id
         with pytest.raises(InvalidArgument) as e:
-            client.record_block_checksums(seq, 0, [0])
+            client.checksums.record(seq, 0, [0])
         assert e.value.metadata["field"] == "checksums"
         with pytest.raises(InvalidArgument) as e:
-            client.record_block_checksums(seq, 1, [3, 4])
+            client.checksums.record(seq, 1, [3, 4])
         assert e.value.metadata["field"] == "first_block"
         with pytest.raises(InvalidArgument) as e:
-            client.block_checksums(seq, 0, 5)
+            client.checksums.get(seq, 0, 5)
         assert e.value.metadata["field"] == "num_blocks"
         with pytest.raises(UnknownSequence):
-            stranger.block_checksums(seq, 0, 1)
+            stranger.checksums.get(seq, 0, 1)
         client.release(seq)

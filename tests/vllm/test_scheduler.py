@@ -86,7 +86,7 @@ def cache_in_radixkv(server: ServerProcess, prompt: list[int], checksums: list[i
         opened = client.open(prompt)
         client.commit([opened.seq_id], [len(prompt)])
         client.cache(opened.seq_id)
-        assert client.record_block_checksums(opened.seq_id, 0, checksums) == len(checksums)
+        assert client.checksums.record(opened.seq_id, 0, checksums) == len(checksums)
         client.release(opened.seq_id)
 
 
@@ -169,7 +169,7 @@ def test_chunked_prefill_saves_every_chunk(scheduler: Scheduler, server: ServerP
     assert saved_by_step == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
     with RadixKVClient(server.address) as client:
         opened = client.open(prompt)
-        assert client.block_checksums(opened.seq_id, 0, 9) == [1000 + i for i in range(9)]
+        assert client.checksums.get(opened.seq_id, 0, 9) == [1000 + i for i in range(9)]
         client.release(opened.seq_id, cache=False)
 
 
