@@ -8,7 +8,8 @@ once with the connector and once without (vLLM's own prefix cache on in both, as
 own process, one at a time. On CPU this compares configurations, not hardware; the two B engines run one after
 the other, so on a shared machine their TTFTs differ by whatever else ran meanwhile (prefill tokens do not).
 `--quick`: 9 prompts (the engines still take 30-60 s each to start here, so even --quick runs for minutes: it
-cannot meet the 30 s the other benchmarks keep). The model: RADIXKV_VLLM_MODEL or --model (make test-vllm converts one to .cache-vllm/).
+cannot meet the 30 s the other benchmarks keep). The model: RADIXKV_VLLM_MODEL or --model (make test-vllm
+converts one to .cache-vllm/).
 """
 
 from __future__ import annotations
