@@ -249,6 +249,21 @@ def test_a_full_pool_costs_that_request_alone(model_dir: Path, config: VllmConfi
             connector.shutdown()
 
 
+def test_a_pool_shaped_otherwise_is_refused_at_start_naming_both_values(
+    model_dir: Path, config: VllmConfig, tmp_path: Path
+) -> None:
+    flags = ["--model", str(model_dir), "--block-size", "16", "--kv-dtype", "float16", "--num-blocks", "8"]
+    with ServerProcess(flags, tmp_path / "server.log") as proc:
+        own = dataclasses.replace(
+            config.kv_transfer_config, kv_connector_extra_config={"radixkv_address": proc.address}
+        )
+        with pytest.raises(ValueError) as refused:
+            RadixKVConnector(dataclasses.replace(config, kv_transfer_config=own), _role("WORKER"), _kv_config())
+    message = str(refused.value)
+    assert "block_size 16 (radixkv) != 32 (vLLM)" in message and "dtype float16 (radixkv) != float32 (vLLM)" in message
+    assert "num_layers" not in message and "head_dim" not in message  # only what differs
+
+
 def _role(name: str) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
