@@ -257,6 +257,19 @@ def test_close_keeps_live_views_mapped_until_freed():
         assert not mapped(name), "the last view freed unmaps the segment"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_an_openers_live_views_keep_its_mapping_until_freed(storage):
+    opened = KVStorage.open(storage.export_handle())
+    name = storage.export_handle().name
+    k, v = opened.layer(1)
+    k.fill_(3.0)
+    opened.close()
+    storage.close()
+    assert mapped(name) and float(k.sum()) == 3.0 * k.numel()
+    del k, v
+    assert not mapped(name), "the opener's last view freed unmaps its attachment"
+
+
 def test_named_create_and_refusals():
     name = f"radixkv-test-{uuid.uuid4().hex[:8]}"
     with KVStorage.create(LAYOUT, name=name) as s:
