@@ -177,7 +177,8 @@ PLANTED = {
     "from torch._utils import _rebuild_tensor\n": "from torch._utils import ...",
     "from numpy import _core\n": "from numpy import _core",
     "from multiprocessing.shared_memory import _USE_POSIX\n": "import _USE_POSIX",
-    "import importlib\nimport torch\nC = importlib.import_module('torch._C')\n": "the string 'torch._C'",
+    "import importlib\nC = importlib.import_module('torch._C')\n": "the string 'torch._C'",
+    "import threading\nclass T(threading.Thread):\n    def f(self):\n        return self._target\n": "self._target",
     "import torch\ntorch.cuda._sleep(10)\n": "torch.cuda._sleep",
     "import torch\ns = torch.UntypedStorage._new_shared_cuda(0, b'')\n": "torch.UntypedStorage._new_shared_cuda",
     "import torch\ndef f(t: torch.Tensor):\n    return t.untyped_storage()._share_cuda_()\n": (
