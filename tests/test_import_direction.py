@@ -3,8 +3,8 @@
 Every `import` counts, in a function or under `if TYPE_CHECKING:` alike: a lazy import is still a dependency.
 The layers, bottom up:
 - core: `radixkv/*.py` except the upper modules below. No torch, triton or grpc, no wire code, nothing above.
-- storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `memory_sizing`):
-  the pool's memory, torch. Below the kernels, the server and the client.
+- storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `cuda_ipc`,
+  `memory_sizing`): the pool's memory, torch. Below the kernels, the server and the client.
 - kernels: torch, triton, numpy and themselves, nothing else of radixkv (not even the core), so a bare GPU image
   runs them from a checkout (`benchmarks/gpu_check.sh`; tests/kernels/test_import_closure.py checks the rest).
 - client, server: not each other.
@@ -26,6 +26,7 @@ UPPER_MODULES = {
     "memory.storage": "storage",
     "memory.pool_handle": "storage",
     "memory.shm_segment": "storage",
+    "memory.cuda_ipc": "storage",
     "memory.memory_sizing": "storage",
     "cli": "cli",
 }
