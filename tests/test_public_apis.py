@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo")
+PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
 OWN_PACKAGES = {"radixkv"}  # server/, client/, kernels/ import as radixkv.server, radixkv.client, radixkv.kernels
 ATTRIBUTE_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
 MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)+")

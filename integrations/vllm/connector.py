@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -92,7 +92,12 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        # Our own references, kept from the public hooks: the base class's underscored fields are its own.
+        self._config = vllm_config
+        self._manager: KVCacheManager | None = None  # bind_kv_cache_manager
+        self._plan_meta: RadixKVMetadata | None = None  # bind_connector_metadata, per forward
+        transfer = vllm_config.kv_transfer_config
+        extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
         address = extra.get("radixkv_address")
         if not address:
             raise ValueError("RadixKVConnector: kv_connector_extra_config needs radixkv_address (HOST:PORT)")
@@ -141,7 +146,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None and self._kv_cache_manager is not None
+        assert self._scheduler is not None and self._manager is not None
         tokens = scheduler_output.num_scheduled_tokens
         scheduled = [(r.req_id, r.num_computed_tokens + tokens[r.req_id]) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
@@ -149,7 +154,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             (req_id, num + tokens[req_id])
             for req_id, num in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
         ]
-        manager = self._kv_cache_manager
+        manager = self._manager
         return RadixKVMetadata(self._scheduler.build_plan(scheduled, lambda r: list(manager.get_block_ids(r)[0])))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -169,7 +174,7 @@ class RadixKVConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = get_layers_from_vllm_config(self._vllm_config, Attention)
+        layers = get_layers_from_vllm_config(self._config, Attention)
         names = list(layers)  # model order
         if set(names) != set(kv_caches):
             raise ValueError("RadixKVConnector: every KV cache must belong to an attention layer of the model")
@@ -178,11 +183,22 @@ class RadixKVConnector(KVConnectorBase_V1):
         layout = layout_for(backend, getattr(first, "isa", None))
         self._worker = WorkerSide(PoolView(self._pool_info), [kv_caches[n] for n in names], layout)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._manager = kv_cache_manager
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, RadixKVMetadata), "metadata built by RadixKVConnector's scheduler side"
+        self._plan_meta = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._plan_meta = None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, RadixKVMetadata)
-        self._worker.load(meta.plan)
+        assert self._worker is not None and self._plan_meta is not None, "bind_connector_metadata comes first"
+        self._worker.load(self._plan_meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv copied every layer before the forward
@@ -193,10 +209,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         return  # saved in wait_for_save, all layers in one batch
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, RadixKVMetadata)
-        self._saved = self._worker.save(meta.plan)
+        assert self._worker is not None and self._plan_meta is not None, "bind_connector_metadata comes first"
+        self._saved = self._worker.save(self._plan_meta.plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
