@@ -1,10 +1,15 @@
 """The host tier over the wire, against a real server: GetPool hands out its memory, open/append/step responses
 carry the offloads and loads, Match and Stats count both tiers, and K/V written before an eviction comes back
-bit for bit after a worker applies the pairs with `kernels.swap_blocks`."""
+bit for bit after a worker applies the pairs with `kernels.swap_blocks`.
+
+One server process serves the module: each test has a tiered pool of its own (8 device blocks, 16 host blocks),
+so what one test cached or evicted is not in another's pool."""
 
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,19 +19,26 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.kernels import swap_blocks
 from radixkv.sequences.step import Step
+from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 4
 TIERED = "tiered:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32,host_num_blocks=16"
 PLAIN = "plain:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16"
+# The tiered pools of the module's server, one per test that fills or evicts one.
+TIERED_POOLS = ("get", "evict", "offloads", "metrics", "swap")
 
 
-@pytest.fixture
-def server(start_server):  # type: ignore[no-untyped-def]
-    return start_server("--pool", TIERED, "--pool", PLAIN, "--debug-rpc", "--metrics-port", "0", pool_flags=False)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("host_tier") / "server.log"
+    pools = [flag for name in TIERED_POOLS for flag in ("--pool", TIERED.replace("tiered:", f"{name}:", 1))]
+    proc = ServerProcess([*pools, "--pool", PLAIN, "--debug-rpc", "--metrics-port", "0"], log)
+    yield proc
+    assert proc.stop() == 0, Path(log).read_text()[-2000:]
 
 
-def check_invariants(address: str, pool: str = "tiered") -> None:
+def check_invariants(address: str, pool: str) -> None:
     with grpc.insecure_channel(address) as channel:
         response = debug_pb2_grpc.DebugStub(channel).CheckInvariants(debug_pb2.CheckInvariantsRequest(pool=pool))
     assert not response.violation, response.violation
@@ -53,7 +65,7 @@ def apply(view: PoolView, offloads: np.ndarray, loads: np.ndarray) -> None:
 
 
 def test_get_pool_hands_out_the_host_tier(server) -> None:  # type: ignore[no-untyped-def]
-    with RadixKVClient(server.address, pool="tiered") as client, PoolView.from_client(client) as view:
+    with RadixKVClient(server.address, pool="get") as client, PoolView.from_client(client) as view:
         info = view.info
         assert info.host is not None and info.host.layout.num_blocks == 16
         assert info.host.layout.block_size == info.layout.block_size == BS
@@ -67,7 +79,7 @@ def test_get_pool_hands_out_the_host_tier(server) -> None:  # type: ignore[no-un
 
 def test_kv_comes_back_identical_after_an_eviction_to_the_host_tier(server) -> None:  # type: ignore[no-untyped-def]
     prompt = list(range(1, 10))  # 2 full blocks and 1 token
-    with RadixKVClient(server.address, pool="tiered") as client, PoolView.from_client(client) as view:
+    with RadixKVClient(server.address, pool="evict") as client, PoolView.from_client(client) as view:
         first = client.open(prompt)
         written = write_kv(view, first.block_table, len(prompt), seed=7)
         client.commit([first.seq_id], [len(prompt)])
@@ -88,11 +100,11 @@ def test_kv_comes_back_identical_after_an_eviction_to_the_host_tier(server) -> N
         stats = client.stats()
         assert stats.num_host_hit_tokens == 8 and stats.num_loaded_blocks == 2 and stats.num_offloaded_blocks >= 2
         assert stats.num_host_blocks_total == 16
-    check_invariants(server.address)
+    check_invariants(server.address, "evict")
 
 
 def test_append_and_step_responses_carry_offloads(server) -> None:  # type: ignore[no-untyped-def]
-    with RadixKVClient(server.address, pool="tiered") as client:
+    with RadixKVClient(server.address, pool="offloads") as client:
         for t in (1, 2):
             opened = client.open([t] * 9)
             client.commit([opened.seq_id], [9])
@@ -106,11 +118,11 @@ def test_append_and_step_responses_carry_offloads(server) -> None:  # type: igno
         assert opened.num_host_hit_tokens == 4 and opened.num_cached_tokens == 8
         assert result.loads.shape == (1, 2) and result.loads[0, 1] == opened.block_table[1]
         assert len(result.offloads) >= 1, "the step's allocation evicted again"
-    check_invariants(server.address)
+    check_invariants(server.address, "offloads")
 
 
 def test_match_and_metrics_count_the_host_tier(server) -> None:  # type: ignore[no-untyped-def]
-    with RadixKVClient(server.address, pool="tiered") as client:
+    with RadixKVClient(server.address, pool="metrics") as client:
         opened = client.open([3] * 9)
         client.commit([opened.seq_id], [9])
         client.release(opened.seq_id)
@@ -120,11 +132,11 @@ def test_match_and_metrics_count_the_host_tier(server) -> None:  # type: ignore[
         client.release(hog.seq_id, cache=False)
         with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
-    assert 'radixkv_host_blocks{pool="tiered",state="cached"} 2.0' in text
-    assert 'radixkv_host_blocks{pool="tiered",state="free"} 14.0' in text
-    assert 'radixkv_offloaded_blocks_total{pool="tiered"} 2.0' in text
+    assert 'radixkv_host_blocks{pool="metrics",state="cached"} 2.0' in text
+    assert 'radixkv_host_blocks{pool="metrics",state="free"} 14.0' in text
+    assert 'radixkv_offloaded_blocks_total{pool="metrics"} 2.0' in text
     assert 'radixkv_host_blocks{pool="plain"' not in text, "no host tier, no host series"
-    assert 'radixkv_swapped_sequences{pool="tiered"} 0.0' in text
+    assert 'radixkv_swapped_sequences{pool="metrics"} 0.0' in text
 
 
 def test_pool_keys_size_the_host_tier() -> None:
@@ -158,7 +170,7 @@ def test_host_memory_bytes_sizes_by_the_layout() -> None:
 
 def test_preempt_by_swap_and_resume_bring_the_kv_back(server) -> None:  # type: ignore[no-untyped-def]
     tokens = list(range(20, 34))  # 3 full blocks and 2 tokens
-    with RadixKVClient(server.address, pool="tiered") as client, PoolView.from_client(client) as view:
+    with RadixKVClient(server.address, pool="swap") as client, PoolView.from_client(client) as view:
         seq = client.open(tokens)
         written = write_kv(view, seq.block_table, len(tokens), seed=3)
         client.commit([seq.seq_id], [len(tokens)])
@@ -175,7 +187,7 @@ def test_preempt_by_swap_and_resume_bring_the_kv_back(server) -> None:  # type: 
         assert torch.equal(read_kv(view, resumed.block_table, len(tokens)), written), "the swapped K/V, bit for bit"
         stats = client.stats()
         assert (stats.num_swapped_sequences, stats.num_host_blocks_swapped) == (0, 0)
-    check_invariants(server.address)
+    check_invariants(server.address, "swap")
 
 
 def test_swap_needs_a_host_tier(server) -> None:  # type: ignore[no-untyped-def]
