@@ -1,5 +1,8 @@
 """Generation under preemption, by recompute and by swap to the host tier, yields the tokens it yields without:
-the tiny model through a real server process, the worker's Triton kernels interpreted (TRITON_INTERPRET=1)."""
+the tiny model through a real server process, the worker's Triton kernels interpreted (TRITON_INTERPRET=1).
+
+Each constrained run gets a server of its own, sized to preempt; the unconstrained runs it is compared with share
+the demo suite's server (1024 blocks: nothing is preempted), each test in a namespace of its own."""
 
 from __future__ import annotations
 
@@ -34,22 +37,24 @@ class Run:
 
 
 def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int, host_blocks: int = 0) -> Run:
+    """On a server of its own with a pool of `num_blocks` (and a host tier of `host_blocks`)."""
     c = model.config
     layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
-    with (
-        ServerProcess(layout, host_num_blocks=host_blocks) as address,
-        RadixKVClient(address) as client,
-        PoolView.from_client(client) as view,
-    ):
-        host = view.host_data if host_blocks else None
-        orchestrator = Orchestrator(client, Worker(model, view, "triton", host), (), "preempt")  # no EOS
+    with ServerProcess(layout, host_num_blocks=host_blocks) as address:
+        return generate_on(address, model, specs, "preempt")
+
+
+def generate_on(address: str, model: LlamaForCausalLM, specs: list[RequestSpec], namespace: str) -> Run:
+    with RadixKVClient(address) as client, PoolView.from_client(client) as view:
+        host = view.host_data if view.info.host is not None else None
+        orchestrator = Orchestrator(client, Worker(model, view, "triton", host), (), namespace)  # no EOS
         results = orchestrator.run(specs)
         stats = client.stats()
     assert stats.num_live_sequences == 0 and stats.num_blocks_in_use == 0, "every sequence released, none leaked"
     return Run(results, orchestrator.steps, stats)
 
 
-def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausalLM) -> None:
+def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausalLM, server: str) -> None:
     specs = [
         RequestSpec("g1", SYSTEM + [60, 61, 62], 12),
         RequestSpec("g2", SYSTEM + [70, 71], 12),
@@ -64,7 +69,7 @@ def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausal
     stats = constrained.stats
     assert stats.num_preemptions_recompute == stats.num_resumed_sequences == num_preemptions
     assert stats.num_opened_sequences == len(specs)
-    free = generate(model, specs, 256)
+    free = generate_on(server, model, specs, "recompute-free")
     assert sum(r.num_preemptions for r in free.results) == 0
     # The resumes prefilled again what the cache no longer held (at least each one's last, partial block).
     assert sum(s.num_prefill_tokens for s in constrained.steps) > sum(s.num_prefill_tokens for s in free.steps)
@@ -73,7 +78,7 @@ def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausal
         assert result.outputs == [reference.greedy(model, spec.prompt, 12, eos_token_ids=())], spec.name
 
 
-def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM) -> None:
+def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM, server: str) -> None:
     specs = [
         RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
         RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
@@ -86,13 +91,13 @@ def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM) -
     # Every block the server moved, the worker moved: what the steps applied is what the server counted.
     assert sum(s.num_offloaded_blocks for s in constrained.steps) == constrained.stats.num_offloaded_blocks > 0
     assert sum(s.num_loaded_blocks for s in constrained.steps) == constrained.stats.num_loaded_blocks > 0
-    free = generate(model, specs, 256)
+    free = generate_on(server, model, specs, "swap-free")
     assert sum(r.num_preemptions for r in free.results) == 0
     assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
     torch.testing.assert_close(torch.tensor(constrained.results[2].scores), torch.tensor(free.results[2].scores))
 
 
-def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: LlamaForCausalLM) -> None:
+def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: LlamaForCausalLM, server: str) -> None:
     specs = [
         RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
         RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
@@ -100,5 +105,5 @@ def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: Lla
     constrained = generate(model, specs, 14)
     samples, greedy = constrained.results
     assert samples.num_preemptions == 0 and greedy.num_preemptions > 0
-    free = generate(model, specs, 256)
+    free = generate_on(server, model, specs, "several-free")
     assert [r.outputs for r in constrained.results] == [r.outputs for r in free.results]
