@@ -29,8 +29,10 @@ demo: $(STAMP)
 	@echo "== radixkv demo: a server process, SmolLM2-135M-Instruct, four chat requests (about 40 s on 2 cores)"
 	$(BIN)/radixkv demo
 
+# Three pytest-xdist workers, each taking whole files (a file's module-scoped server starts once), the slow files
+# first (tests/conftest.py): most tests wait on server processes, so three keep two cores busy.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
 # under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).

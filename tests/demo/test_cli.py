@@ -13,6 +13,8 @@ import pytest
 
 from radixkv.demo.main import main
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 
 def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir, plot = tmp_path / "tiny-llama", tmp_path / "blocks.png"

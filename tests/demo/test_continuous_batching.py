@@ -3,8 +3,12 @@ its own process, and every attention the worker computes checked against its seq
 
 from __future__ import annotations
 
+import pytest
+
 from radixkv.demo.continuous_batching import LAYOUT, SYSTEM_PROMPT, run_example
 from radixkv.demo.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
 
 def test_the_loop_shares_preempts_and_hits_a_second_turn():

@@ -22,9 +22,12 @@ from radixkv.kernels.backend import INTERPRETED
 from radixkv.memory.layout import PoolLayout
 from radixkv.stats import Stats
 
-pytestmark = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 or a GPU"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not INTERPRETED and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 or a GPU"
+    ),
+]
 BLOCK_SIZE = 4
 SYSTEM = [1] + list(range(40, 47))  # two full blocks every request shares
 

@@ -22,6 +22,8 @@ from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.memory.layout import PoolLayout
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers")
 SYSTEM = (
     "You are a concise assistant for people who run language model servers. You know about batching, caching, memory "

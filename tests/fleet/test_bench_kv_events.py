@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kv_events.py"
 
 

@@ -21,6 +21,8 @@ import zmq
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 
 def _sibling(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"fleet_{name}", Path(__file__).with_name(f"{name}.py"))

@@ -20,6 +20,8 @@ from radixkv.server.app import main, parse_args
 from radixkv.server.kv_events_config import BIND_ALL_FLAG, INSECURE_FLAG
 from radixkv.tree.block_hash import cache_salt
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 
 def _sibling(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"fleet_{name}", Path(__file__).with_name(f"{name}.py"))

@@ -9,6 +9,8 @@ import pytest
 
 from radixkv.client import RadixKVClient, Router
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 _spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
 assert _spec is not None and _spec.loader is not None
 fleet = importlib.util.module_from_spec(_spec)

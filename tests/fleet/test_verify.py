@@ -20,6 +20,8 @@ from radixkv.tree.block_hash import HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 _spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
 assert _spec is not None and _spec.loader is not None
 fleet = importlib.util.module_from_spec(_spec)

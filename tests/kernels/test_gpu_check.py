@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 KERNELS = ("store_kv", "copy_blocks", "swap_blocks", "paged_decode_attention")

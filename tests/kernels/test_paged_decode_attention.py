@@ -24,6 +24,8 @@ from radixkv.kernels import (
 )
 from radixkv.kernels.backend import INTERPRETED, pick_backend
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 # The module itself: `radixkv.kernels.paged_decode_attention` as an attribute is the function the package exports.
 decode_module = importlib.import_module("radixkv.kernels.paged_decode_attention")
 F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn

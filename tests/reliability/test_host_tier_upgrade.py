@@ -20,6 +20,8 @@ from tests.reliability.conftest import Debug
 from tests.reliability.test_upgrade import _once_reachable
 from tests.service.test_host_tier import apply, read_kv, write_kv
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 TIERED = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32,host_num_blocks=16"
 PROMPT = list(range(1, 10))  # 2 full blocks of 4 tokens and 1 token
 

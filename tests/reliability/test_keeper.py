@@ -31,6 +31,8 @@ from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.process import KeeperProcess, ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 POOL = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=64,dtype=float32"
 FLAGS = ["--pool", POOL, "--debug-rpc"]
 BYTES_PER_BLOCK = PoolLayout(2, 2, 8, 4, 64, "float32").bytes_per_block

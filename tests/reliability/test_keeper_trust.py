@@ -26,6 +26,8 @@ import pytest
 from radixkv.server.keeper_protocol import recv_frame, send_frame
 from radixkv.server.process import KeeperProcess, ServerProcess
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 NOBODY = 65534
 POOL = "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float16"
 

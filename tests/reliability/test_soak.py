@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 # What the mix may legitimately hear under load: a full pool, a pin of a prompt evicted meanwhile,
 # the deliberate fork past the limit, the deliberate append to a sequence that does not exist.

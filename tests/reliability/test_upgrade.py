@@ -31,6 +31,8 @@ from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import TOKENS, Debug
 
+pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+
 T = TypeVar("T")
 BLOCK_SIZE = 4
 POOL = ["--pool", f"default:num_layers=2,num_kv_heads=1,head_dim=8,block_size={BLOCK_SIZE},num_blocks=2048"]
