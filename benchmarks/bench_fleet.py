@@ -56,7 +56,8 @@ class TraceShape:
 
 # The fleet's capacity holds every conversation once (the single cache's hits are the ceiling); one
 # instance holds about a quarter of them: a policy that scatters a conversation loses its history.
-QUICK = TraceShape(4, 48, 8, 64, 16, 80, 24, 640)
+# QUICK keeps those proportions on a small trace (24 conversations of 52 blocks, 320 blocks an instance).
+QUICK = TraceShape(4, 24, 8, 64, 16, 80, 12, 320)
 FULL = TraceShape(8, 96, 10, 128, 32, 96, 48, 2048)
 SWEEP_WEIGHTS = (1.0, 2.0)  # the Router at other prefill weights too, to show the hit/balance trade
 
