@@ -88,10 +88,8 @@ def test_the_audit_catches_a_corrupted_ref_count_and_keeps_running(
     assert isinstance(divergences[0]["at"], float)
 
 
-def test_corrupt_ref_count_refuses_a_bad_block_id_and_a_zero_delta(
-    start_server: Callable[..., ServerProcess],
-) -> None:
-    server = start_server("--debug-rpc")
+def test_corrupt_ref_count_refuses_a_bad_block_id_and_a_zero_delta(server: ServerProcess) -> None:
+    """On the suite's shared server (its Debug service on, "default" of 256 blocks): a refusal changes nothing."""
     with grpc.insecure_channel(server.address) as channel:
         debug = debug_pb2_grpc.DebugStub(channel)
         for request, field in (
