@@ -60,7 +60,7 @@ def test_the_audit_runs_and_a_healthy_pool_passes(
         text = _metrics(server)
     assert _value(text, "radixkv_audit_failures_total", "default") == 0
     assert _value(text, "radixkv_audit_slice_seconds_count", "default") >= 3
-    assert 0 < _value(text, "radixkv_audit_max_slice_seconds", "default") < 1
+    assert _value(text, "radixkv_audit_max_slice_seconds", "default") > 0  # how short a hold is: bench_audit.py
     assert _divergences(server) == []
 
 
