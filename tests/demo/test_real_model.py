@@ -22,7 +22,9 @@ from radixkv.demo.server_process import ServerProcess
 from radixkv.demo.worker import Worker
 from radixkv.memory.layout import PoolLayout
 
-pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
+# Slow: runs first under `make test` (tests/conftest.py). Loading the model twice (ours, then transformers' own
+# reading of the GGUF file) takes ~25 s of CPU before the first test: on a loaded machine, minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 transformers = pytest.importorskip("transformers")
 SYSTEM = (
