@@ -33,7 +33,7 @@ def _sibling(name: str) -> ModuleType:
 
 
 fleet, vllm = _sibling("conftest"), _sibling("vllm_wire")
-BLOCK_SIZE, FleetServer, wait_until = fleet.BLOCK_SIZE, fleet.FleetServer, fleet.wait_until
+BLOCK_SIZE, FleetServer = fleet.BLOCK_SIZE, fleet.FleetServer
 POOL = f"default:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks=64"
 ACME = list(range(1000, 1000 + 2 * BLOCK_SIZE + 1))  # acme's prompt: its tokens must not leak where withheld
 GLOBEX = list(range(2000, 2000 + 2 * BLOCK_SIZE + 1))
@@ -64,6 +64,20 @@ def _sub(endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: byt
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     return sub
+
+
+def _until_subscribed(server: FleetServer, token: str, *subs: zmq.Socket) -> None:
+    """A PUB socket sends nothing to a subscriber it has not heard from yet (ZMQ's slow joiner): cache probe prompts
+    of `token`'s tenant, a new one each time, until every one of `subs` has received something; then drop that."""
+    for i in range(200):
+        _write(server, token, [5000 + 100 * i + t for t in range(2 * BLOCK_SIZE + 1)])
+        if all(sub.poll(100) for sub in subs):
+            break
+    else:
+        raise AssertionError("a subscription never reached the publisher")
+    for sub in subs:
+        while sub.poll(300):
+            sub.recv_multipart()
 
 
 def _stored(sub: zmq.Socket, wait_ms: int) -> list[object]:
@@ -102,7 +116,7 @@ def test_opted_in_any_subscriber_reads_every_tenants_prompts_as_the_flag_says(st
     server: FleetServer = start_fleet_server(extra=("--auth-tokens", _tokens(tmp_path), INSECURE_FLAG))
     sub = _sub(server.events_endpoint)
     try:
-        wait_until(lambda: False, timeout=0.3)  # the subscription reaches the publisher
+        _until_subscribed(server, "acme-token", sub)
         _write(server, "acme-token", ACME)
         stored = _stored(sub, 2000)
     finally:
@@ -130,7 +144,7 @@ def test_secured_with_curve_only_allowed_subscribers_receive_anything(start_flee
     plain_digest = _sub(server.digest_endpoint)
     reader_digest = _sub(server.digest_endpoint, zmq.auth.load_certificate(reader_secret), server_key)
     try:
-        wait_until(lambda: False, timeout=0.5)  # handshakes done (or refused) before anything is published
+        _until_subscribed(server, "globex-token", reader, reader_digest)  # the others' handshakes began with theirs
         _write(server, "acme-token", ACME)
         _write(server, "globex-token", GLOBEX)
         read = _stored(reader, 2000)
@@ -155,7 +169,7 @@ def test_a_tenant_withheld_from_the_stream_has_no_event_in_it(start_fleet_server
     )
     sub = _sub(server.events_endpoint)
     try:
-        wait_until(lambda: False, timeout=0.3)
+        _until_subscribed(server, "globex-token", sub)  # acme's blocks are withheld: globex's probes
         _write(server, "acme-token", ACME)
         _write(server, "globex-token", GLOBEX)
         live = _stored(sub, 2000)
