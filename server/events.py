@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.kv_cache import KVCache
+from radixkv.server.block_checksums import BlockChecksums
 from radixkv.tree.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.tree.radix_tree import Node
 
@@ -147,6 +148,7 @@ class EventHub:
         self.num_blocks: dict[str, int] = {}  # namespace -> cached blocks
         self.sinks: list[EventSink] = []
         self.tombstones = Tombstones(max_tombstones)
+        self.checksums = BlockChecksums(cache.pool.num_blocks)  # writers' K/V checksums of tree blocks
         self._tree.observer = self
 
     def adopt(self, cache: KVCache) -> None:
@@ -190,6 +192,7 @@ class EventHub:
 
     def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
+        self.checksums.forget(block_ids)
         self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
         self.num_events += 1

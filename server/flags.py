@@ -7,6 +7,7 @@ flags parse, and `--help` prints, before anything heavy loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 
 from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
@@ -15,6 +16,7 @@ from radixkv.server.config import (
     CPU_DEFAULT_POOL_BYTES,
     DEFAULT_MEMORY_FRACTION,
     DEFAULT_RESERVED_BYTES,
+    PoolConfig,
     ServerConfig,
     config_from_mapping,
     default_pool,
@@ -52,6 +54,13 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         f"or a known name (default: {DEFAULT_MODEL}); only when no pool is configured",
     )
     parser.add_argument("--device", help="the default pool's device (default: cuda when there is one, else cpu)")
+    parser.add_argument(
+        "--block-size", type=int, help="the default pool's tokens per block (default 16; vLLM's CPU backend needs 32)"
+    )
+    parser.add_argument(
+        "--kv-dtype", help="the default pool's KV dtype (default float16; equal to the engine's for vLLM's connector)"
+    )
+    parser.add_argument("--num-blocks", type=int, help="the default pool's size in blocks (default: by memory)")
     parser.add_argument(
         "--memory-fraction",
         type=float,
@@ -132,7 +141,8 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     data = load_toml(ns.config) if ns.config else {}
     if ns.auth_tokens:
         data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
-    own_flags = ("config", "pool", "auth_tokens", "log_level", "model", "device", "memory_fraction")
+    shaping = ("model", "device", "memory_fraction", "block_size", "kv_dtype", "num_blocks")
+    own_flags = ("config", "pool", "auth_tokens", "log_level", *shaping)
     overrides = {
         k: v for k, v in vars(ns).items() if v is not None and k not in own_flags and not k.startswith("kv_events")
     }
@@ -141,15 +151,28 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     pools = (*[p for p in from_file if p.name not in {f.name for f in flagged}], *flagged)
     if not pools:
         _, shape = resolve_model(ns.model or DEFAULT_MODEL)
-        pools = (default_pool(shape, device=ns.device or _default_device(), memory_fraction=ns.memory_fraction),)
-    elif ns.model or ns.device or ns.memory_fraction is not None:
+        pool = default_pool(shape, device=ns.device or _default_device(), memory_fraction=ns.memory_fraction)
+        pools = (_reshaped(pool, ns),)
+    elif any(getattr(ns, flag) is not None for flag in shaping):
         raise ValueError(
-            "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them "
-            "there"
+            "--model, --device, --memory-fraction, --block-size, --kv-dtype and --num-blocks shape the default pool; "
+            "with --pool or [pools] tables, give them there"
         )
     pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
     return config, ns.log_level
+
+
+def _reshaped(pool: PoolConfig, ns: argparse.Namespace) -> PoolConfig:
+    """The default pool with --block-size, --kv-dtype and --num-blocks applied (checked as a --pool key would be)."""
+    keys = {"block_size": ns.block_size, "dtype": ns.kv_dtype, "num_blocks": ns.num_blocks}
+    given = {k: v for k, v in keys.items() if v is not None}
+    if not given:
+        return pool
+    values = {k: v for k, v in dataclasses.asdict(pool).items() if k not in ("name", "limits") and v is not None}
+    if "num_blocks" in given:
+        values = {k: v for k, v in values.items() if k not in ("memory_bytes", "memory_fraction", "reserved_bytes")}
+    return pool_from_mapping(pool.name, {**values, **given})
 
 
 _DEFAULT_POOL_HELP = f"""\

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from radixkv.errors import PermissionDenied
+from radixkv.server.block_checksums import table_range
 from radixkv.server.events import BlockEvent
 from radixkv.server.miss_reasons import MissExplanation, explain_miss
 from radixkv.server.pools import Pool
@@ -44,6 +45,16 @@ class KVReads:
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
+
+    def block_checksums(
+        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, num_blocks: int
+    ) -> list[int]:
+        """The writers' checksums recorded for the session's sequence's blocks (0: none; server/block_checksums.py)."""
+        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+        with self._service.checks.locked(pool, session):
+            pool.ledger.check_owner(session, seq_id)
+            blocks = table_range(pool.cache.block_table(seq_id), first_block, num_blocks, "num_blocks")
+            return pool.events.checksums.get(blocks)
 
     def can_append(
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]

@@ -158,6 +158,25 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         return pb.CommitTokensResponse()
 
     @translating_errors
+    def RecordBlockChecksums(
+        self, request: pb.RecordBlockChecksumsRequest, context: grpc.ServicerContext
+    ) -> pb.RecordBlockChecksumsResponse:
+        num = self._service.record_block_checksums(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.first_block,
+            list(request.checksums),
+        )  # fmt: skip
+        return pb.RecordBlockChecksumsResponse(num_recorded=num)
+
+    @translating_errors
+    def GetBlockChecksums(
+        self, request: pb.GetBlockChecksumsRequest, context: grpc.ServicerContext
+    ) -> pb.GetBlockChecksumsResponse:
+        checksums = self._reads.block_checksums(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.first_block, request.num_blocks
+        )
+        return pb.GetBlockChecksumsResponse(checksums=checksums)
+
+    @translating_errors
     def DescribeSequences(
         self, request: pb.DescribeSequencesRequest, context: grpc.ServicerContext
     ) -> pb.DescribeSequencesResponse:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
-PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo")
+PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
 
 
 def oversized_modules(root: Path) -> list[str]:

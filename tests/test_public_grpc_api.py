@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo")
+PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
 GRPC_PACKAGES = ("grpc", "grpc_health", "grpc_reflection", "grpc_status")
 ATTRIBUTE_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
 

@@ -21,8 +21,9 @@ _CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same
 class PoolHandle:
     """What another process needs to map a pool: plain str/int/bool/bytes fields, so it travels without pickle.
 
-    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are what
-    `torch.UntypedStorage._share_cuda_()` returns; `device_index` must name the same GPU in the opener).
+    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are the storage's
+    part of what torch's public `torch.multiprocessing.reductions.reduce_tensor` returns, mapped in
+    `radixkv.memory.cuda_ipc`; `device_index` must name the same GPU in the opener).
     """
 
     kind: str

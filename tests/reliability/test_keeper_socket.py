@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -243,17 +243,17 @@ def test_release_frees_the_memory_and_the_next_attach_is_fresh(keeper: KeeperSer
 def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path: Path) -> None:
     state = tmp_path / "state"
     (state / "snapshots").mkdir(parents=True)
-    stale = shared_memory.SharedMemory(name="radixkv-keeper-0123456789ab-1", create=True, size=4096)
-    resource_tracker.unregister(stale._name, "shared_memory")  # type: ignore[attr-defined]  # as if its owner died
-    stale.close()
+    stale = "radixkv-keeper-0123456789ab-1"  # a segment no process tracks, as if its owner died
+    with open(os.path.join(SHM_DIR, stale), "wb") as segment:  # a file under /dev/shm is a POSIX segment on Linux
+        segment.truncate(4096)
     bystander = shared_memory.SharedMemory(name="not-radixkv-bystander", create=True, size=4096)
     (state / "snapshots" / "default.snapshot").write_bytes(b"old index")
-    pools = [{"pool": "default", "segment": stale.name}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
+    pools = [{"pool": "default", "segment": stale}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
     (state / STATE_FILE).write_text(json.dumps({"incarnation": "dead", "pid": 1, "pools": pools}))
     try:
         keeper = Keeper(state)
         assert keeper.num_stale_segments == 1
-        assert not os.path.exists(os.path.join(SHM_DIR, stale.name))
+        assert not os.path.exists(os.path.join(SHM_DIR, stale))
         assert os.path.exists(os.path.join(SHM_DIR, bystander.name))  # a state file names only keeper segments
         assert list((state / "snapshots").iterdir()) == []  # no snapshot outlives its memory
         assert json.loads((state / STATE_FILE).read_text())["incarnation"] == keeper.incarnation
@@ -262,6 +262,8 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     finally:
         bystander.close()
         bystander.unlink()
+        if os.path.exists(os.path.join(SHM_DIR, stale)):  # the keeper failed to remove it
+            os.unlink(os.path.join(SHM_DIR, stale))
 
 
 def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> None:

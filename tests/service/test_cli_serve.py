@@ -109,9 +109,34 @@ def test_model_shapes_the_default_pool(tmp_path, capsys):
         main(["serve", "--model", str(tmp_path), "--pool", "p:num_layers=1,num_kv_heads=1,head_dim=8,num_blocks=4"])
         == 2
     )
-    assert "--model, --device and --memory-fraction shape the default pool" in capsys.readouterr().err
+    assert "--model, --device, --memory-fraction, --block-size, --kv-dtype and --num-blocks shape the default pool" in (
+        capsys.readouterr().err
+    )
     assert main(["serve", "--model", str(tmp_path / "nothing.gguf")]) == 2
     assert "not a known model" in capsys.readouterr().err
+
+
+def test_block_size_dtype_and_blocks_shape_the_default_pool_for_an_engine(tmp_path, capsys):
+    """What vLLM's connector needs: the engine's block size (a multiple of 32 on its CPU backend) and KV dtype."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30})
+    )
+    flags = ["serve", "--model", str(tmp_path), "--device", "cpu", "--block-size", "32", "--kv-dtype", "float32"]
+    (pool,) = parse_args([*flags, "--num-blocks", "100"])[0].pools
+    assert (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype) == (
+        30,
+        3,
+        64,
+        32,
+        "float32",
+    )
+    assert (pool.num_blocks, pool.memory_bytes) == (100, None)
+    (pool,) = parse_args(flags)[0].pools
+    assert (pool.num_blocks, pool.memory_bytes) == (None, 512 * 2**20)  # sized by memory as before
+    assert main(["serve", "--block-size", "48"]) == 2
+    assert "block_size must be a power of two, got 48" in capsys.readouterr().err
+    assert main(["serve", "--kv-dtype", "int7"]) == 2
+    assert "dtype must be one of" in capsys.readouterr().err
 
 
 def test_serve_without_pool_flags_serves_default(start_server):
