@@ -158,8 +158,8 @@ class _Stream:
         """The step's response (its results, or the refusal) in at most `max_bytes`, and its timing."""
         start = time.perf_counter()
         if isinstance(request, Undecodable):
-            error = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
-            refused = pb.SessionResponse(error=step_error(error))
+            undecodable = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
+            refused = pb.SessionResponse(error=step_error(undecodable))
             return refused, ("", grpc.StatusCode.INVALID_ARGUMENT, time.perf_counter() - start)
         pool = request.pool
         try:
