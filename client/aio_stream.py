@@ -93,9 +93,13 @@ class AsyncStepStream:
             self._reader = asyncio.get_running_loop().create_task(self._read_while_unanswered())
         return await pending.future
 
+    def has_room(self) -> bool:
+        """Whether a step may be sent now: fewer than MAX_IN_FLIGHT unanswered, or the stream ended."""
+        return len(self._in_flight) < MAX_IN_FLIGHT or self.closed
+
     async def wait_for_room(self) -> None:
         """Until fewer than MAX_IN_FLIGHT steps are unanswered (the oldest settle first), or the stream ends."""
-        while len(self._in_flight) >= MAX_IN_FLIGHT and not self.closed:
+        while not self.has_room():
             await asyncio.wait([self._in_flight[0].future])
 
     def _read_is_free(self) -> bool:
@@ -184,8 +188,9 @@ class AsyncSessionSteps:
     async def step(self, pending: AsyncPending) -> StepResult:
         """Send `pending` once fewer than MAX_IN_FLIGHT steps are unanswered, and await its result (a lone step
         is written and read by this coroutine)."""
-        if self._stream is not None:
-            await self._stream.wait_for_room()
+        stream = self._stream
+        if stream is not None and not stream.has_room():
+            await stream.wait_for_room()
         self._send(pending, lone=True)
         assert pending.stream is not None
         return await pending.stream.result(pending)

@@ -72,7 +72,8 @@ class BlockTables:
 
     def stepped(self, step: Step, result: StepResult) -> None:
         """A step's changes, in the order the server applied them."""
-        self.opened(result.opened)
+        if result.opened:
+            self.opened(result.opened)
         if result.appended is not None:
             self.appended(result.appended)
         for (parent, _), children in zip(step.forks, result.forked, strict=True):

@@ -90,11 +90,15 @@ class StepStream:
             self._outbox.put(pending)
         return True
 
+    def has_room(self) -> bool:
+        """Whether a step may be sent now: fewer than MAX_IN_FLIGHT unanswered, or the stream ended."""
+        return len(self._in_flight) < MAX_IN_FLIGHT or self.closed
+
     def wait_for_room(self) -> None:
         """Until fewer than MAX_IN_FLIGHT steps are unanswered (reading the oldest's answers), or the stream ends."""
         while True:
             with self._lock:
-                if len(self._in_flight) < MAX_IN_FLIGHT or self.closed:
+                if self.has_room():
                     return
                 oldest = self._in_flight[0]
             self.read_until(oldest)
@@ -137,6 +141,9 @@ class StepStream:
             num_steps = self._frame_sizes.popleft()
             with self._lock:
                 settled = [self._in_flight.popleft() for _ in range(num_steps)]
+            if num_steps == 1 and not response.steps:  # a step that went alone, answered alone
+                self._settle(settled[0], response)
+                return
             for step, answer in zip(settled, answers(response, num_steps), strict=True):
                 self._settle(step, answer)
 
@@ -166,7 +173,7 @@ class SessionSteps:
         """Send `pending` once fewer than MAX_IN_FLIGHT steps are unanswered (this caller reads the oldest's
         answers until then)."""
         stream = self._stream
-        if stream is not None:
+        if stream is not None and not stream.has_room():
             stream.wait_for_room()
         with self._lock:
             self._send(pending)

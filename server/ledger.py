@@ -263,11 +263,18 @@ class PoolLedger:
             return
         tables, reserved, offsets = self._num_table_blocks, self._reserve_until, batch.table_offsets
         growth = 0  # charged once, not once per sequence
-        for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
-            seq_id, length = seq_ids[i], offsets[i] + num_block_ids[i]
-            until = reserved.get(seq_id, 0)
-            growth += max(length, until) - max(tables[seq_id], until)
-            tables[seq_id] = length
+        changed = itertools.compress(range(len(num_block_ids)), num_block_ids)
+        if reserved:
+            for i in changed:
+                seq_id, length = seq_ids[i], offsets[i] + num_block_ids[i]
+                until = reserved.get(seq_id, 0)
+                growth += max(length, until) - max(tables[seq_id], until)
+                tables[seq_id] = length
+        else:  # no sequence of the pool reserved growth (no max_new_tokens): each table charges its length
+            for i in changed:
+                seq_id, length = seq_ids[i], offsets[i] + num_block_ids[i]
+                growth += length - tables[seq_id]
+                tables[seq_id] = length
         if growth:
             self._charge(session.tenant.name, growth)
 

@@ -134,6 +134,7 @@ class _Stream:
     def __init__(self, service: KVService, caller: Tenant, observe: Observe) -> None:
         self._service, self._caller, self._observe = service, caller, observe
         self.max_message_bytes = service.max_message_bytes or sys.maxsize  # None: no limit
+        self._reply = Reply(self.max_message_bytes)  # a lone step's: the whole message is its room
         self._session: Session | None = None
         self._last_ids: tuple[bytes, list[int]] = (b"", [])  # the last packed batch of ids, unpacked
 
@@ -156,29 +157,26 @@ class _Stream:
     def answer(self, request: pb.SessionRequest | Undecodable, max_bytes: int) -> tuple[pb.SessionResponse, Timing]:
         """The step's response (its results, or the refusal) in at most `max_bytes`, and its timing."""
         start = time.perf_counter()
-        response, pool = self._answer(request, max_bytes)
-        code = grpc.StatusCode.OK if not response.HasField("error") else _CODES[response.error.code]
-        return response, (pool, code, time.perf_counter() - start)
-
-    def _answer(self, request: pb.SessionRequest | Undecodable, max_bytes: int) -> tuple[pb.SessionResponse, str]:
-        """The step's response (its results, or the refusal), and the pool it named."""
         if isinstance(request, Undecodable):
-            error = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
-            return pb.SessionResponse(error=step_error(error)), ""
+            undecodable = InvalidArgument("request", f"not a valid SessionRequest: {request.error}")
+            refused = pb.SessionResponse(error=step_error(undecodable))
+            return refused, ("", grpc.StatusCode.INVALID_ARGUMENT, time.perf_counter() - start)
+        pool = request.pool
         try:
             session = self._bind(request.session_id)
             step = step_of(request, self._unpack_ids)
             service = self._service
-            key = request_key("Session", request)
-            result = run_step(service.checks, service.pool(request.pool), session, step, Reply(max_bytes), key)
+            reply = self._reply if max_bytes == self.max_message_bytes else Reply(max_bytes)
+            result = run_step(service.checks, service.pool(pool), session, step, reply, request_key("Session", request))
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""
-            return pb.SessionResponse(
-                request_id=request.request_id, session_id=bound, error=step_error(e)
-            ), request.pool
-        packed = bool(request.append.packed_seq_ids or request.append.packed_num_token_ids)
-        return response_of(request.request_id, session.session_id, result, packed), request.pool
+            error = step_error(e)
+            refused = pb.SessionResponse(request_id=request.request_id, session_id=bound, error=error)
+            return refused, (pool, _CODES[error.code], time.perf_counter() - start)
+        packed = step.append is not None and bool(request.append.packed_seq_ids or request.append.packed_num_token_ids)
+        response = response_of(request.request_id, session.session_id, result, packed)
+        return response, (pool, grpc.StatusCode.OK, time.perf_counter() - start)
 
     def _unpack_ids(self, packed: bytes) -> list[int]:
         """A packed append's ids: a decode loop sends the same batch step after step, unpacked once here."""

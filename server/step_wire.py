@@ -22,13 +22,14 @@ from radixkv.server.status import MAX_ECHO_CHARS, STATUS_BY_REASON, truncated
 from radixkv.v1 import kvcache_pb2 as pb
 
 _INT64 = np.dtype("<i8")
+_NO_ITEMS = Step()  # a request with no items (a Step is immutable: one serves them all)
 
 
 def step_of(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]) -> Step:
     """The request as a Step; empty item lists are left at their defaults (a decode step reads one field).
     `unpack_ids`: packed seq ids as a list, never changed by the step."""
     if not (request.opens or request.forks or request.cache_seq_ids or request.releases or request.HasField("commit")):
-        return Step(append=_append(request.append, unpack_ids)) if request.HasField("append") else Step()  # decode
+        return Step(append=_append(request.append, unpack_ids)) if request.HasField("append") else _NO_ITEMS  # decode
     items: dict[str, object] = {}
     if request.HasField("commit"):
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))

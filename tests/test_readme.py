@@ -8,7 +8,7 @@ fenced block's info string says:
   earlier step would give (a prompt, the model's K/V) come from the check's inputs, and an address
   the block dials ("127.0.0.1:50051", the fleet's "10.0.0.x:50051") becomes a `radixkv serve`
   process this module starts (`ServerProcess`).
-- ```python excerpt=PATH: a verbatim excerpt of PATH, whose own tests run it; checked to be one.
+- ```python excerpt=PATH: a verbatim excerpt of PATH (at any one indent), whose own tests run it; checked to be one.
 - any other language (```bash, ```text, ```yaml, none): not run; shell commands, output, pictures.
 
 A Python block with neither, a check whose block is gone, or Python in an indented (unfenced) block
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,9 @@ CHECKS: dict[str, Callable[[Block, pytest.FixtureRequest], None]] = {
 def test_a_python_block_runs_as_written(block: Block, request: pytest.FixtureRequest) -> None:
     if "excerpt" in block.attrs:
         path = ROOT / block.attrs["excerpt"]
-        assert block.source in path.read_text(), f"{block} is no longer a verbatim excerpt of {path.name}"
+        text = path.read_text()  # the excerpt may be indented there (a function's body): any one indent
+        found = any(textwrap.indent(block.source, " " * n) in text for n in range(0, 17, 4))
+        assert found, f"{block} is no longer a verbatim excerpt of {path.name}"
         return
     assert block.attrs.get("check") in CHECKS, f"{block}: mark it check=NAME and add its check to {__name__}"
     CHECKS[block.attrs["check"]](block, request)
