@@ -30,9 +30,11 @@ demo: $(STAMP)
 	$(BIN)/radixkv demo
 
 # Three pytest-xdist workers, each taking whole files (a file's module-scoped server starts once), the slow files
-# first (tests/conftest.py): most tests wait on server processes, so three keep two cores busy.
+# first (tests/conftest.py): most tests wait on server processes, so three keep two cores busy. One torch thread in
+# every process of the run (the servers, keepers and benchmarks it starts inherit it): with three workers and their
+# servers on two cores, more threads only contend and spin (11-14% more CPU time).
 test: $(STAMP)
-	$(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
 # under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).

@@ -1,5 +1,5 @@
-"""Suite-wide set-up: one torch thread a process, Triton runs in its interpreter where there is no GPU, and `gpu`
-tests skip."""
+"""Suite-wide set-up: no Hypothesis deadline, Triton runs in its interpreter where there is no GPU, and `gpu` tests
+skip."""
 
 import os
 
@@ -14,10 +14,15 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# One intra-op thread for torch in this process and in every process a test starts (servers, keepers, workers,
-# benchmarks inherit the environment): `make test` runs three workers and their servers on two cores, where
-# more threads only contend and spin (~11% of the suite's CPU time). Set before torch is first imported.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No per-example time limit (Hypothesis' default deadline is 200 ms): a test asserts behaviour, not speed, and a
+# loaded machine slows an example down tenfold. On top of the profile in force (Hypothesis loads "ci" under CI).
+try:
+    from hypothesis import settings
+except ImportError:  # the vLLM environment of `make test-vllm` has no Hypothesis
+    pass
+else:
+    settings.register_profile("radixkv", parent=settings.default, deadline=None)
+    settings.load_profile("radixkv")
 
 # Must be set before triton is first imported anywhere in the run.
 if not os.environ.get("RADIXKV_NO_INTERPRET") and not _has_cuda():
