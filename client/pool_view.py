@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from radixkv.memory.layout import PoolLayout
+from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
@@ -47,15 +48,14 @@ class PoolView:
 
     def __init__(self, info: PoolInfo) -> None:
         """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
-        from radixkv.memory.pool_handle import PoolHandle
         from radixkv.memory.storage import KVStorage
 
         self.info = info
-        self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))
+        self._storage = KVStorage.open(handle_from_proto(info.handle, info.layout))
         self._host: KVStorage | None = None
         if info.host is not None:
             try:
-                self._host = KVStorage.open(PoolHandle.from_proto(info.host.handle, info.host.layout))
+                self._host = KVStorage.open(handle_from_proto(info.host.handle, info.host.layout))
                 if self._storage.device.type == "cuda":
                     self._host.pin()
             except BaseException:
@@ -108,3 +108,20 @@ class PoolView:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def handle_from_proto(handle: pb.PoolHandle, layout: PoolLayout) -> PoolHandle:
+    """The handle GetPool sent (`handle` or `host_handle`) with the layout it announced beside it.
+
+    Raises ValueError when neither kind of memory is set.
+    """
+    fields = {f: getattr(layout, f) for f in LAYOUT_FIELDS}
+    memory = handle.WhichOneof("memory")
+    if memory == "shared_memory":
+        return PoolHandle(kind="shm", name=handle.shared_memory.name, **fields)
+    if memory == "cuda_ipc":
+        return PoolHandle(kind="cuda_ipc", **{f: getattr(handle.cuda_ipc, f) for f in _CUDA_IPC_FIELDS}, **fields)
+    raise ValueError("handle: neither shared_memory nor cuda_ipc is set")
+
+
+_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields

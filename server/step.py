@@ -30,7 +30,7 @@ from radixkv.errors import (
     UnknownSequence,
     UnknownSession,
 )
-from radixkv.sequences.block_pairs import NO_PAIRS, concat_pairs
+from radixkv.memory.block_pairs import NO_PAIRS, concat_pairs
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.server.deadlines import check_deadline

@@ -24,7 +24,7 @@ from radixkv.memory.block_pool import cdiv
 from radixkv.pressure.budget import reservation
 from radixkv.sequences.admission import open_planned, plan_open
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, Sequences

@@ -24,7 +24,7 @@ from radixkv.memory.block_table import BlockTable
 from radixkv.pressure.preemption import ResumeResult
 from radixkv.sequences.admission import num_newly_locked
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs, concat_pairs
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import SlotPlan
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, path_runs

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from radixkv.memory.block_pool import NO_BLOCKS, cdiv
 from radixkv.memory.block_table import BlockTable
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS
+from radixkv.memory.block_pairs import NO_PAIRS
 from radixkv.sequences.results import OpenResult, SlotPlan
 from radixkv.sequences.sequence import LiveSequence, Sequences, path_runs
 from radixkv.stats import Stats

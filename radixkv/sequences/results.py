@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.handoff import BlockTableOf, StepArrays, copy_pairs
 
 

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from radixkv.memory.block_pool import NO_BLOCKS
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs, pairs_of
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs, pairs_of
 from radixkv.stats import Stats
 from radixkv.tree.radix_node import Match, Node
 from radixkv.tree.token_ids import common_blocks

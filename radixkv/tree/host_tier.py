@@ -30,7 +30,7 @@ import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs, pairs_of
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs, pairs_of
 from radixkv.state.invariants import check_host_tier
 from radixkv.stats import Stats
 from radixkv.tree.host_loading import BlockIds, HostLoading
