@@ -65,20 +65,30 @@ class BlockPool:
         return taken
 
     def incref(self, block_ids: BlockIds, by: int = 1) -> None:
-        """Add `by` holds to each of `block_ids` (distinct, all currently held)."""
-        ids = _as_ids(block_ids)
-        assert ids.size == 0 or self.ref_counts[ids].min() > 0, "incref of a free block: caller holds a stale id"
-        self.ref_counts[ids] += by
+        """Add `by` holds to each of `block_ids` (distinct, all currently held: a fork's, whose parent holds them;
+        `check_invariants` recounts every hold)."""
+        self.ref_counts[_as_ids(block_ids)] += by
 
     def decref(self, block_ids: BlockIds) -> None:
-        """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list."""
+        """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list.
+
+        A block released twice goes below 0 and is never freed: `check_invariants` names it.
+        """
         ids = _as_ids(block_ids)
         if ids.size == 0:
             return
         counts = self.ref_counts[ids] - 1
-        assert counts.min() >= 0, "decref of a free block: double release by the caller"
         self.ref_counts[ids] = counts
         self._push(ids[counts == 0])
+
+    def drop_copied(self, block_ids: list[int]) -> None:
+        """Drop the hold of each sequence that copied one of `block_ids` away before writing (copy-on-write; a
+        block repeats once per copy). Another holder keeps each, so none is freed."""
+        if len(block_ids) == 1:
+            self.ref_counts[block_ids[0]] -= 1
+        else:
+            np.subtract.at(self.ref_counts, block_ids, 1)
+        assert self.ref_counts[block_ids].min() > 0, "a copied block lost its last holder: the plan misread its holders"
 
     def free_exclusive(self, block_ids: BlockIds) -> None:
         """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""
@@ -103,16 +113,15 @@ class BlockPool:
         return block_ids
 
     def check_invariants(self) -> None:
+        assert self.ref_counts.min() >= 0, "negative ref_count: a block released more often than held"
         free = self._free[: self._num_free]
         assert np.unique(free).size == free.size, "free list holds a block twice"
         assert not self.ref_counts[free].any(), "a block on the free list has a holder"
-        assert self.ref_counts.min() >= 0, "negative ref_count"
         num_used = int(np.count_nonzero(self.ref_counts))
         assert num_used + free.size == self.num_blocks, f"free {free.size} + used {num_used} != {self.num_blocks}"
 
 
-def _as_ids(block_ids: BlockIds) -> npt.NDArray[np.integer]:
-    """Block ids as an integer array for fancy indexing (an array passes through uncopied)."""
-    if isinstance(block_ids, np.ndarray):
-        return block_ids
+def _as_ids(block_ids: BlockIds) -> npt.NDArray[np.intp]:
+    """Block ids as an intp array for fancy indexing: numpy indexes with intp without a cast, which on a few
+    dozen int32 ids costs more than the cast itself (bench_core's fork and release)."""
     return np.asarray(block_ids, dtype=np.intp)

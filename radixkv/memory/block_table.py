@@ -58,6 +58,11 @@ class BlockTable:
         start, stop, _ = index.indices(self.length)
         return self._buffer[start:stop]
 
+    def at(self, index: int) -> int:
+        """The block at `index` (below the length)."""
+        block_id: int = self._buffer.item(index)
+        return block_id
+
     def extend(self, block_ids: Int32Array) -> None:
         n = len(block_ids)
         end = self.length + n
