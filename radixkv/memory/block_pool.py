@@ -77,9 +77,11 @@ class BlockPool:
         ids = _as_ids(block_ids)
         if ids.size == 0:
             return
-        counts = self.ref_counts[ids] - 1
+        counts = self.ref_counts[ids]
+        counts -= 1
         self.ref_counts[ids] = counts
-        self._push(ids[counts == 0])
+        if not counts.all():  # some reached 0 (a fork sibling's release often frees none)
+            self._push(ids[counts == 0])
 
     def drop_copied(self, block_ids: list[int]) -> None:
         """Drop the hold of each sequence that copied one of `block_ids` away before writing (copy-on-write; a

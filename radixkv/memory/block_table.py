@@ -96,7 +96,9 @@ class BlockTable:
 
     def copy(self) -> BlockTable:
         """An independent table with the same blocks (a forked child's)."""
-        return BlockTable(self._buffer.copy(), self.length)
+        table = BlockTable.__new__(BlockTable)
+        table._buffer, table.length, table.last, table._shared = self._buffer.copy(), self.length, self.last, False
+        return table
 
     def tolist(self) -> list[int]:
         block_ids: list[int] = self._buffer[: self.length].tolist()

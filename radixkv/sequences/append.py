@@ -271,15 +271,17 @@ def _grow_tables(
         for row, block_id in zip(rows[grew].tolist(), new_blocks.tolist(), strict=True):
             sequences.at(row).block_table.append(block_id)
         return
-    for i in grew.tolist():
-        table, start, end = sequences.at(int(rows[i])).block_table, int(starts[i]), int(starts[i] + taken[i])
-        if copies is not None and copies[i]:
-            table.set_last(int(new_blocks[start]))
-            start += 1
-        if end - start == 1:
-            table.append(int(new_blocks[start]))
-        elif end > start:
-            table.extend(new_blocks[start:end])
+    block_ids: list[int] = new_blocks.tolist()
+    copying = copies[grew].tolist() if copies is not None else [0] * len(grew)
+    shares = zip(rows[grew].tolist(), starts[grew].tolist(), taken[grew].tolist(), copying, strict=True)
+    for row, start, num, copy in shares:
+        table = sequences.at(row).block_table
+        if copy:
+            table.set_last(block_ids[start])
+        if num - copy == 1:
+            table.append(block_ids[start + copy])
+        elif num > copy:
+            table.extend(new_blocks[start + copy : start + num])
 
 
 def _slot_plan(

@@ -35,7 +35,7 @@ _MIN_ROOM = 16  # tokens of room a new region gets past what it holds
 class Columns:
     """Rows of the fields above, and the token arena; rows are reused."""
 
-    __slots__ = ("col", "cell", "used", "tokens", "_end", "_free")
+    __slots__ = ("col", "cell", "used", "tokens", "_end", "_free", "_marks", "_order")
 
     def __init__(self, capacity: int = 64, arena_tokens: int = 4096) -> None:
         self.col = [np.zeros(capacity, dtype=np.int64) for _ in range(_FIELDS)]  # col[field]: [rows]
@@ -44,40 +44,61 @@ class Columns:
         self.tokens = np.zeros(arena_tokens, dtype=_INT32)  # the tails' regions, and garbage between them
         self._end = 0  # where the next region starts
         self._free = list(range(capacity - 1, -1, -1))
+        self._marks = np.zeros(capacity, dtype=np.intp)  # scratch for `distinct`
+        self._order = np.arange(capacity, dtype=np.intp)
 
     def take(self, tail: bytes) -> int:
         """A row for a new sequence whose tail is `tail` (int32 bytes); its other fields are the caller's to set."""
         n = len(tail) // TOKEN_BYTES
-        row = self._new_row(n)
-        start = self.cell[TAIL_START][row]
+        row = self._row()
+        start = self._region(row, n, n + max(_MIN_ROOM, n >> 2))
         self.tokens[start : start + n] = np.frombuffer(tail, dtype=_INT32)
-        self.cell[TAIL_END][row] = start + n
         return row
 
     def copy(self, row: int) -> int:
         """A new row with `row`'s length, watermark and last block, a copy of its tail, and no reservation (a
-        fork's child)."""
-        n = self.cell[TAIL_END][row] - self.cell[TAIL_START][row]
-        new = self._new_row(n)
-        cell = self.cell  # read after `_new_row`: it may grow the columns
-        for field in (TOKENS, COMPUTED, LAST):
-            cell[field][new] = cell[field][row]
-        cell[RESERVE][new] = 0
-        start, dst = cell[TAIL_START][row], cell[TAIL_START][new]  # read after `_new_row`: it may compact
-        self.tokens[dst : dst + n] = self.tokens[start : start + n]
-        cell[TAIL_END][new] = dst + n
+        fork's child: the per-field stores spelled out, as a beam search forks every step)."""
+        new = self._row()
+        cell = self.cell  # read after `_row`: it may grow the columns
+        starts, ends, limits = cell[TAIL_START], cell[TAIL_END], cell[TAIL_LIMIT]
+        n = ends[row] - starts[row]
+        capacity = n + _MIN_ROOM
+        if self._end + capacity > len(self.tokens):
+            self._compact(capacity)
+        src, dst = starts[row], self._end
+        self._end = dst + capacity
+        self.tokens[dst : dst + n] = self.tokens[src : src + n]
+        starts[new], ends[new], limits[new] = dst, dst + n, dst + capacity
+        tokens, computed, last, reserve = cell[TOKENS], cell[COMPUTED], cell[LAST], cell[RESERVE]
+        tokens[new], computed[new], last[new], reserve[new] = tokens[row], computed[row], last[row], 0
         return new
 
-    def _new_row(self, num_tokens: int) -> int:
-        """A row with an empty tail region of room for `num_tokens` tokens and more."""
+    def _row(self) -> int:
+        """A free row, its tail region empty."""
         if not self._free:
             self._grow_rows()
         row = self._free.pop()
         self.used[row] = True
         cell = self.cell
         cell[TAIL_START][row] = cell[TAIL_END][row] = cell[TAIL_LIMIT][row] = 0
-        self._move(row, num_tokens + max(_MIN_ROOM, num_tokens >> 2))
         return row
+
+    def _region(self, row: int, length: int, capacity: int) -> int:
+        """Point `row`'s tail at a fresh region of `capacity` tokens at the arena's end, holding `length` tokens
+        the caller writes there; returns where it starts."""
+        if self._end + capacity > len(self.tokens):
+            self._compact(capacity)
+        start = self._end
+        self._end = start + capacity
+        cell = self.cell
+        cell[TAIL_START][row], cell[TAIL_END][row], cell[TAIL_LIMIT][row] = start, start + length, start + capacity
+        return start
+
+    def distinct(self, rows: npt.NDArray[np.intp]) -> bool:
+        """Whether no row appears twice in `rows`: each writes its position, and a repeat overwrites one."""
+        order = self._order[: len(rows)]
+        self._marks[rows] = order
+        return bool((self._marks[rows] == order).all())
 
     def give_back(self, row: int) -> None:
         self.used[row] = False
@@ -114,13 +135,12 @@ class Columns:
 
     def _move(self, row: int, capacity: int) -> None:
         """Give the row's tail a region of `capacity` tokens at the arena's end, its tokens copied over."""
+        n = self.cell[TAIL_END][row] - self.cell[TAIL_START][row]
         if self._end + capacity > len(self.tokens):
             self._compact(capacity)
-        cell = self.cell
-        start, end, new = cell[TAIL_START][row], cell[TAIL_END][row], self._end
-        self.tokens[new : new + end - start] = self.tokens[start:end]
-        cell[TAIL_START][row], cell[TAIL_END][row], cell[TAIL_LIMIT][row] = new, new + end - start, new + capacity
-        self._end = new + capacity
+        src = self.cell[TAIL_START][row]  # read after the compaction
+        dst = self._region(row, n, capacity)
+        self.tokens[dst : dst + n] = self.tokens[src : src + n]
 
     def _compact(self, room: int) -> None:
         """Copy every live tail into a fresh arena, in row order, leaving at least `room` tokens after them and as
@@ -145,4 +165,5 @@ class Columns:
         self.col = [np.concatenate((c, np.zeros(n, dtype=np.int64))) for c in self.col]
         self.cell = [memoryview(c) for c in self.col]
         self.used = np.concatenate((self.used, np.zeros(n, dtype=bool)))
+        self._marks, self._order = np.zeros(2 * n, dtype=np.intp), np.arange(2 * n, dtype=np.intp)
         self._free = list(range(2 * n - 1, n - 1, -1))

@@ -21,7 +21,8 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     if num_full <= seq.num_tree_blocks:
         return
     bb = TokenKey.num_bytes(bs)
-    if pool.ref_counts[seq.block_table.at(seq.num_tree_blocks)] > 1 and seq.tail(bs) not in seq.lock_node.children:
+    children = seq.lock_node.children
+    if pool.ref_counts[seq.block_table.at(seq.num_tree_blocks)] > 1 and (not children or seq.tail(bs) not in children):
         return  # a fork sibling holds the first of them too, and the tree has no copy: nothing to publish yet
     new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
     counts = pool.ref_counts[new_blocks]

@@ -103,14 +103,14 @@ class LiveSequence:
         cell[LAST][row], cell[RESERVE][row] = self.block_table.last, self._reserve_until
         self.row, self._columns, self._tail = row, columns, b""
 
-    def detach(self) -> None:
-        """Take the hot fields back from the columns (the sequence leaves the registry)."""
+    def retire(self) -> None:
+        """Give the row back: the sequence has ended (released, or parked as a `PreemptedSequence`, which keeps
+        what resuming needs). What it held is gone; it reads as holding nothing."""
         columns = self._columns
-        assert columns is not None, "detach a registered sequence"
-        self._tail, self._num_tokens, self._num_computed = self.tail(), self.num_tokens, self.num_computed_tokens
-        self._reserve_until = self.reserve_until
+        assert columns is not None, "retire a registered sequence"
         columns.give_back(self.row)
         self.row, self._columns = -1, None
+        self._tail, self._num_tokens, self._num_computed, self._reserve_until = b"", 0, 0, 0
 
     def private_blocks(self) -> npt.NDArray[np.int32]:
         """The blocks this sequence holds by count (a view or a fresh array: use it at once)."""
@@ -187,7 +187,7 @@ class Sequences:
     def remove(self, seq: LiveSequence) -> None:
         del self._rows[seq.seq_id]
         self._at[seq.row] = None
-        seq.detach()
+        seq.retire()
 
     def at(self, row: int) -> LiveSequence:
         """The sequence registered in row `row`."""
@@ -227,7 +227,7 @@ class Sequences:
             for i, seq_id in enumerate(seq_ids):
                 self.get(seq_id, f"seq_ids[{i}]")  # raises at the first entry that is not a live sequence's id
         assert rows is not None  # an entry not found raised above
-        if len(set(seq_ids)) != n:
+        if n > 1 and not (len(set(seq_ids)) == n if n <= 16 else self.columns.distinct(rows)):
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return rows
 
@@ -237,6 +237,8 @@ class Sequences:
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""
+        if not self.preempted:  # the usual case: every one is live
+            return ([self.get(seq_ids[0], "seq_ids[0]")] if len(seq_ids) == 1 else self.batch(seq_ids)), []
         live, parked = [], []
         for i, seq_id in enumerate(seq_ids):
             record = self.preempted.get(seq_id) if isinstance(seq_id, int) else None
