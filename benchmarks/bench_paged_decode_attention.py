@@ -1,12 +1,13 @@
-"""Benchmark paged_decode_attention on the shapes of issue 18: a ragged batch (1x128k + 31x1k), long single
-contexts (1x32k, 1x8k) and a uniform batch (64x4k), GQA 32/8, head_dim 128, block 16, fp16/bf16/fp8 caches.
+"""Benchmark paged_decode_attention on the shapes of issues 18 and 34: ragged batches (1x128k + 31x1k; 256
+sequences of 100-8,000 tokens), long single contexts (1x32k, 1x8k) and a uniform batch (64x4k), GQA 32/8,
+head_dim 128, block 16, fp16/bf16/fp8 caches.
 
 CUDA: the Triton kernel with a plan made from host-side lengths (the hot path: no device read), timed with
-triton.testing.do_bench (median, L2 flushed). Reported as K/V bytes read over time, as a % of the device's
-peak bandwidth, with ratios measured in the same run: against the batch-size-only split heuristic this
-kernel had before (the ragged batch's regression test), fp8 against fp16 tokens/s, dense SDPA on
-pre-gathered K/V, and FlashInfer / vLLM when they import (optional, never a dependency:
-`pip install flashinfer-python` or `vllm` to add them). `--configs` also times neighbouring tile /
+CUDA events after a warm-up, the L2 cleared before each call, the median reported. Reported as K/V bytes
+read over time, as a % of the device's peak bandwidth, with ratios measured in the same run: against the
+batch-size-only split heuristic this kernel had before (the ragged batch's regression test), fp8 against
+fp16 tokens/s, dense SDPA on pre-gathered K/V, and FlashInfer / vLLM when they import (optional, never a
+dependency: `pip install flashinfer-python` or `vllm` to add them). `--configs` also times neighbouring tile /
 stages / warps choices against the `DECODE_CONFIGS` default.
 CPU: tiny shapes through the torch path (what CPU serving runs), timed with perf_counter. CPU figures
 are not bandwidth figures. Examples:
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import time
@@ -33,12 +36,13 @@ import torch.nn.functional as F
 import triton
 
 from radixkv.kernels import DecodeConfig, paged_decode_attention, plan_decode, quantize_fp8
-from radixkv.kernels.paged_decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, decode_config
+from radixkv.kernels.decode_plan import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, decode_config
 
 BLOCK_SIZE = 16
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B's attention
 SHAPES = {  # name -> seq_lens
     "ragged 1x128k+31x1k": [131072] + [1024] * 31,
+    "ragged 256x100-8k": random.Random(0).choices(range(100, 8001), k=256),
     "1x32k": [32768],
     "1x8k": [8192],
     "64x4k": [4096] * 64,
@@ -113,10 +117,21 @@ def build_inputs(lens: list[int], kv_dtype: torch.dtype, device: torch.device) -
     )
 
 
-def time_us(fn: Callable[[], object], device: torch.device) -> float:
-    """Median microseconds per call."""
+def time_us(fn: Callable[[], object], device: torch.device, warmup: int = 5, reps: int = 30) -> float:
+    """Median microseconds per call. CUDA: CUDA events around each call, after `warmup` calls, with the L2 cleared
+    before each (so a call reads its K/V from memory, as a model's next layer would)."""
     if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+        flush = _l2_flush_buffer(device)
+        for _ in range(warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
     fn()  # warm-up
     samples: list[float] = []
     start = time.perf_counter()
@@ -125,6 +140,13 @@ def time_us(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e6
+
+
+@functools.cache
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """Bytes whose zeroing evicts the whole L2: twice its size, and at least 256 MiB."""
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    return torch.empty(max(2 * l2_bytes, 256 * 2**20), dtype=torch.uint8, device=device)
 
 
 def batch_only_splits(num_seqs: int, max_len: int, num_sms: int) -> int:

@@ -1,8 +1,9 @@
 """The decode-step part of bench_service.py: one 256-sequence decode step every way, measured in turns.
 
 Each way (in-process, unary AppendTokens, the Session stream from the blocking and the asyncio
-client, and the bare health round trip of each client) runs a few steps, then the next way does,
-round after round, so a slow spell of this shared machine falls on every way alike. Two cadences:
+client, the bare health round trip of each client, and each client kind's round trip of the same
+bytes over bare gRPC, `bare_grpc.py`) runs a few steps, then the next way does, round after round,
+so a slow spell of this shared machine falls on every way alike. Two cadences:
   - back to back: the next step starts as soon as the last returned (what a hot loop shows);
   - every 10 ms: an idle gap before each step, as a serving loop calls it between forward passes.
 On these 2 vCPUs a step after an idle gap costs 2-4x its back-to-back time, in-process as much as
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from bare_grpc import AsyncFloor, BareServer, BlockingFloor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixkv.kv_cache import KVCache
@@ -56,37 +58,50 @@ def summary(samples: list[float], server_cpu: float | None) -> dict[str, float]:
 
 def measure(address: str, server_pid: int, num_blocks: int, block_size: int, quick: bool) -> dict[str, Any]:
     """{cadence: {way: p50/p99 ms, and the server's CPU per step where the way reaches the server}}."""
+    bare = BareServer()  # the transport's floor, in a process of its own
+    try:
+        return _measure(address, server_pid, num_blocks, block_size, quick, bare.address)
+    finally:
+        bare.stop()
+
+
+def _measure(
+    address: str, server_pid: int, num_blocks: int, block_size: int, quick: bool, bare_address: str
+) -> dict[str, Any]:
     from radixkv.client import RadixKVClient
     from radixkv.client.aio import AsyncRadixKVClient
 
     runner = asyncio.Runner()  # one loop for every asyncio turn; closing it settles the client's tasks
+    floor = BlockingFloor(bare_address)
     cache = KVCache(num_blocks, block_size)
     local_ids = [r.seq_id for r in cache.open_many(prompts())]
     health_request = health_pb2.HealthCheckRequest()
     channel = grpc.insecure_channel(address)
     health = health_pb2_grpc.HealthStub(channel)
 
-    async def open_async() -> tuple[Any, Any, list[int]]:
+    async def open_async() -> tuple[Any, Any, list[int], AsyncFloor]:
         client = AsyncRadixKVClient(address)
         await client.__aenter__()
         aio_channel = grpc.aio.insecure_channel(address)
         ids = [r.seq_id for r in (await client.step(Step(opens=prompts()))).opened]
-        return client, aio_channel, ids
+        return client, aio_channel, ids, AsyncFloor(bare_address)
 
     with RadixKVClient(address) as client:
         unary_ids = [r.seq_id for r in client.open_many(prompts())]
         stream_ids = [r.seq_id for r in client.step(Step(opens=prompts())).opened]
-        aio_client, aio_channel, aio_ids = runner.run(open_async())
+        aio_client, aio_channel, aio_ids, aio_floor = runner.run(open_async())
         aio_health = health_pb2_grpc.HealthStub(aio_channel)
         sync_ways: dict[str, SyncWay] = {
             "in_process": lambda i: cache.append_batch(local_ids, *inputs(i)).slots,  # the slots the RPCs send
             "unary": lambda i: client.append_batch(unary_ids, *inputs(i)),
             "stream": lambda i: client.step(Step(append=Append(stream_ids, *inputs(i)))),
             "health": lambda i: health.Check(health_request),
+            "floor": lambda i: floor.stream("decode"),
         }
         async_ways: dict[str, AsyncWay] = {
             "stream_asyncio": lambda i: aio_client.step(Step(append=Append(aio_ids, *inputs(i)))),
             "health_asyncio": lambda i: aio_health.Check(health_request),
+            "floor_asyncio": lambda i: aio_floor.stream("decode"),
         }
         reaches_server = {"unary", "stream", "stream_asyncio"}
         try:
@@ -100,17 +115,19 @@ def measure(address: str, server_pid: int, num_blocks: int, block_size: int, qui
                     way: summary(s, cpu[way] if way in reaches_server else None) for way, s in samples.items()
                 }
         finally:
-            runner.run(_close_async(aio_client, aio_channel, aio_ids))
+            runner.run(_close_async(aio_client, aio_channel, aio_ids, aio_floor))
             runner.close()
+            floor.close()
             client.release_many(unary_ids + stream_ids, cache=False)
             channel.close()
     return results
 
 
-async def _close_async(client: Any, channel: Any, ids: list[int]) -> None:
+async def _close_async(client: Any, channel: Any, ids: list[int], floor: AsyncFloor) -> None:
     await client.step(Step(releases=[(ids, False)]))
     await client.__aexit__(None, None, None)
     await channel.close()
+    await floor.close()
 
 
 def _interleaved(

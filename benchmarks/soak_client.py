@@ -1,6 +1,6 @@
 """One soak client process (started by bench_soak.py): every operation, mixed, until its deadline or a SIGKILL.
 
-    python benchmarks/soak_client.py ADDRESS OUT_FILE SEED DEADLINE TTL
+    python benchmarks/soak_client.py ADDRESS OUT_FILE SEED DEADLINE TTL [STOP_FILE]
 
 Drives one `RadixKVClient` (a session with a `TTL`-second lease) through a random mix of batched
 opens over shared prompts, decode steps, forks, caching, releases, matches, pins, stats, event
@@ -9,12 +9,14 @@ streams, session renewal and reopening, and two requests that must be refused (a
 (seconds since the epoch) it appends a JSON line to OUT_FILE about every half second, what happened
 since the last line: {"outcomes": {"op OUTCOME": count}, "latencies_ms": {op: [...]}} where OUTCOME is
 OK, a refusal's reason, or a transport status. A SIGKILL loses at most the lines not yet written;
-the reader skips a line the kill cut short. At the deadline it closes its session and exits 0.
+the reader skips a line the kill cut short. At the deadline, or once STOP_FILE exists (the harness
+ends a run that lasts until enough has happened), it closes its session and exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
@@ -138,13 +140,13 @@ def step(client: RadixKVClient, rng: random.Random, live: list[int], pins: list[
             del live[: len(oldest)]
 
 
-def main(address: str, out_path: str, seed: int, deadline: float, ttl: float) -> int:
+def main(address: str, out_path: str, seed: int, deadline: float, ttl: float, stop_path: str | None = None) -> int:
     rng = random.Random(seed)
     rec = Recorder(out_path)
     with RadixKVClient(address, session_ttl=ttl, timeout=30) as client:
         live: list[int] = []
         pins: list[list[int]] = []
-        while time.time() < deadline:
+        while time.time() < deadline and not (stop_path and os.path.exists(stop_path)):
             try:
                 step(client, rng, live, pins, rec)
             except UnknownSession:  # the lease ran out (the machine stalled past the ttl): start over
@@ -157,4 +159,4 @@ def main(address: str, out_path: str, seed: int, deadline: float, ttl: float) ->
 
 if __name__ == "__main__":
     address, out_path, seed, deadline, ttl = sys.argv[1:6]
-    sys.exit(main(address, out_path, int(seed), float(deadline), float(ttl)))
+    sys.exit(main(address, out_path, int(seed), float(deadline), float(ttl), *sys.argv[6:7]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -23,12 +24,15 @@ import grpc
 import grpc.aio
 
 from radixkv.client import messages as m
+from radixkv.client import retries
+from radixkv.client import step_messages as sm
+from radixkv.client.aio_stream import AsyncPending, AsyncSessionSteps
+from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import KVEvent, event_batch
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
-from radixkv.client.step_stream import AsyncPending, AsyncStepStream, resend_or_fail
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
@@ -71,8 +75,8 @@ class AsyncRadixKVClient:
         self._timeout = timeout
         self.pool = pool
         self._requested_ttl = session_ttl
-        self._tables = m.BlockTables()
-        self._steps: AsyncStepStream | None = None  # the session's stream, opened by the first step
+        self._tables = BlockTables()
+        self._steps = AsyncSessionSteps(self._stub, self._metadata, functools.partial(sm.settle, tables=self._tables))
         self._request_ids = itertools.count(1)
         self._lease: asyncio.Task[None] | None = None
         self.session_id = ""
@@ -94,22 +98,12 @@ class AsyncRadixKVClient:
         self._lease = asyncio.get_running_loop().create_task(self._renew_forever(self.session_ttl / 3))
 
     async def _call(self, method: Callable[..., Awaitable[Response]], request: Any) -> Response:
-        try:
-            return await method(request, metadata=self._metadata, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+        return await retries.call_async(method, request, self._metadata, self._timeout)
 
     async def _apply(self, method: Callable[..., Awaitable[Response]], request: Any) -> Response:
         """A mutating call with a request id, retried as `RadixKVClient._apply` retries it."""
         request.request_id = next(self._request_ids)
-        for attempt in itertools.count():
-            try:
-                return await method(request, metadata=self._metadata, timeout=self._timeout)
-            except grpc.RpcError as e:
-                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:
-                    raise error_from_rpc(e) from e
-            await asyncio.sleep(m.retry_delay(attempt))
-        raise AssertionError("unreachable")
+        return await retries.apply_async(method, request, self._metadata, self._timeout)
 
     # -- session ----------------------------------------------------------------------------------
 
@@ -143,7 +137,7 @@ class AsyncRadixKVClient:
         await self._stop_lease()
         with contextlib.suppress(UnknownSession):
             await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
-        self._drop_stream()
+        self._steps.close()
         self._tables.clear()
         await self._open_session()
 
@@ -158,7 +152,7 @@ class AsyncRadixKVClient:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
         finally:
-            self._drop_stream()
+            self._steps.close()
             self._tables.clear()
             await self._channel.close()
 
@@ -244,39 +238,10 @@ class AsyncRadixKVClient:
         Coroutines may await steps concurrently: they are pipelined on the one stream (as
         `RadixKVClient.submit`), applied and answered in the order `step` was called.
         """
-        request = m.step_request(
+        request = sm.step_request(
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
-        pending = AsyncPending(step, request)
-        self._send(pending, lone=True)
-        assert pending.stream is not None
-        return await pending.stream.result(pending)  # a lone step is written and read by this coroutine
-
-    def _send(self, pending: AsyncPending, *, lone: bool = False) -> None:
-        pending.attempts += 1
-        while self._steps is None or not self._steps.send(pending, lone=lone):
-            self._steps = AsyncStepStream(self._stub, self._metadata, self._settle, self._stream_broke)
-
-    def _settle(self, pending: AsyncPending, response: pb.SessionResponse) -> None:
-        try:
-            result = m.step_result(pending.step, response)
-        except RadixKVError as e:
-            pending.settle(None, e)
-            return
-        self._tables.stepped(pending.step, result)
-        pending.settle(result, None)
-
-    def _stream_broke(self, stream: AsyncStepStream, error: grpc.RpcError, unanswered: list[AsyncPending]) -> None:
-        """As `RadixKVClient._stream_broke`: re-send once, in order, on UNAVAILABLE; fail the rest."""
-        if self._steps is stream:
-            self._steps = None
-        stream.close()
-        resend_or_fail(error, unanswered, self._send)
-
-    def _drop_stream(self) -> None:
-        if self._steps is not None:
-            self._steps.close()
-            self._steps = None
+        return await self._steps.step(AsyncPending(step, request))
 
     # -- the computed watermark and scheduling queries (see `RadixKVClient`) -------------------------
 

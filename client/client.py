@@ -6,30 +6,20 @@ same exceptions. The client opens a session on construction, renews its lease in
 and keeps each sequence's block table from the deltas the server sends (`block_table(seq_id)`).
 Thread-safe: share one client between a scheduler's threads.
 
-Failures and restarts:
-  - The server unreachable (down, restarting, a network fault): calls raise `grpc.RpcError` with
-    UNAVAILABLE. Retry; the session and its sequences survive as long as the server does and the
-    lease (renewals keep retrying) has not run out.
-  - The server restarted without a keeper, or crashed: nothing survives (sessions, sequences, pins,
-    the prefix cache; without a keeper the pool memory itself). Session ids carry the id of the
-    server run that issued them, so every call on the old session raises `ServerRestarted`, one
-    exception whatever the call. Recover with `reopen()` (a new session; the old block tables are
-    forgotten) and open new sequences; workers map the pool again (`PoolView.from_client`), since
-    without a keeper the restarted server has new memory.
-  - An upgrade that keeps the cache (a keeper holds the pools; SIGTERM or the admin `Upgrade` call):
-    calls are refused `ServerRestarting` (UNAVAILABLE) once the server has written its snapshot, then
-    UNAVAILABLE while it is down. Retry: the next server adopts the snapshot, so the session, its
-    sequences (same ids, same block tables) and pins are there, and the pool memory is the same.
-    After a crash (SIGKILL) nothing is adopted: `ServerRestarted` as above.
-  - The lease ran out (the client stalled past its ttl): `UnknownSession`, the base class of
-    `ServerRestarted`, so `except UnknownSession` handles both; the same `reopen()` recovers.
+Failures and restarts (the README's "Restarts" and "The keeper" say more): while the server is
+unreachable, calls raise `grpc.RpcError` UNAVAILABLE (retry; a mutating call is retried with its
+request id, a step re-sent on a new stream). After a restart without a keeper, or a crash, every
+call on the old session raises `ServerRestarted`; after the lease ran out, `UnknownSession` (its
+base class): `reopen()` recovers from both (a new session, the old block tables forgotten). An
+upgrade that keeps the cache (a keeper holds the pools) refuses calls `ServerRestarting`
+(UNAVAILABLE) until the next server has adopted the snapshot, with the session, its sequences
+and pins, and the same pool memory.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
@@ -37,16 +27,18 @@ from typing import Any, Literal, TypeVar, overload
 import grpc
 
 from radixkv.client import messages as m
+from radixkv.client import retries
+from radixkv.client import step_messages as sm
+from radixkv.client.block_checksums import BlockChecksums
+from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
-from radixkv.client.direct_stream import DirectStepStream
-from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import PoolInfo
-from radixkv.client.step_stream import StepFuture, StepStream, resend_or_fail
+from radixkv.client.step_stream import SessionSteps, StepFuture
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
-from radixkv.errors import RadixKVError, UnknownSession
+from radixkv.errors import UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
@@ -97,9 +89,8 @@ class RadixKVClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
         self.pool = pool
-        self._tables = m.BlockTables()
-        self._stream_lock = threading.RLock()  # the stream steps are sent on (a broken one re-sends on the next)
-        self._steps: DirectStepStream | StepStream | None = None
+        self._tables = BlockTables()
+        self._steps = SessionSteps(self._stub, self._metadata, functools.partial(sm.settle, tables=self._tables))
         self._request_ids = itertools.count(1)
         self._requested_ttl = session_ttl
         self.address = address
@@ -124,23 +115,12 @@ class RadixKVClient:
         self._lease.start()
 
     def _call(self, method: Callable[..., Response], request: Any) -> Response:
-        try:
-            return method(request, metadata=self._metadata, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from e
+        return retries.call(method, request, self._metadata, self._timeout)
 
     def _apply(self, method: Callable[..., Response], request: Any) -> Response:
-        """A mutating call, sent with a fresh request id and re-sent with the same id after UNAVAILABLE
-        or DEADLINE_EXCEEDED: the server answers a repeat with its first result, so it applies once."""
+        """A mutating call, with a fresh request id: retried with it (`retries.apply`), so it applies once."""
         request.request_id = next(self._request_ids)
-        for attempt in itertools.count():
-            try:
-                return method(request, metadata=self._metadata, timeout=self._timeout)
-            except grpc.RpcError as e:
-                if e.code() not in m.RETRIED_CODES or attempt + 1 >= m.MAX_ATTEMPTS:
-                    raise error_from_rpc(e) from e
-            time.sleep(m.retry_delay(attempt))
-        raise AssertionError("unreachable")
+        return retries.apply(method, request, self._metadata, self._timeout)
 
     # -- session ----------------------------------------------------------------------------------
 
@@ -162,8 +142,7 @@ class RadixKVClient:
             self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=self.session_id))
         except UnknownSession:  # ServerRestarted included: nothing of it is left to close
             pass
-        with self._stream_lock:
-            self._drop_stream()
+        self._steps.close()
         self._tables.clear()
         self._open_session()
 
@@ -178,8 +157,7 @@ class RadixKVClient:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise  # the server is gone, and its sessions with it; anything else is news
         finally:
-            with self._stream_lock:
-                self._drop_stream()
+            self._steps.close()
             self._tables.clear()
             self._channel.close()
 
@@ -291,9 +269,9 @@ class RadixKVClient:
     def step(self, step: Step, *, request_id: int | None = None) -> StepResult:
         """One scheduler step in one round trip on the session's stream: all of it, or none (see `Step`).
 
-        A step whose stream broke (UNAVAILABLE) is re-sent once on a new stream with the same
-        request id, which the server answers without applying it twice. `request_id`: by default
-        the next of this session's own.
+        A step whose stream broke (UNAVAILABLE) is re-sent on a new stream with the same request id
+        (sent at most 3 times, as a unary call), which the server answers without applying it twice.
+        `request_id`: by default the next of this session's own.
 
         Raises:
             RadixKVError: the exception the unary call of the refused item would raise; nothing was applied.
@@ -302,55 +280,19 @@ class RadixKVClient:
 
     def submit(self, step: Step, *, request_id: int | None = None) -> StepFuture:
         """Queue a step without waiting for it: several may be in flight on the stream, applied and answered
-        in the order submitted. `result()` waits for one; queued steps leave together, in one message, when
-        a caller waits for a result (client/direct_stream.py), so submit a batch, then wait.
+        in the order submitted. `result()` waits for one; steps queued while the stream writes leave together,
+        in one message (client/step_stream.py). At most `MAX_IN_FLIGHT` steps are unanswered: a submit past
+        it first reads the oldest's answers.
 
         A step submitted before an earlier one's result arrived cannot name what that one opens or
         forks; it sees everything else the earlier steps did. Block tables follow each result in order.
         """
-        request = m.step_request(
+        request = sm.step_request(
             self.pool, self.session_id, next(self._request_ids) if request_id is None else request_id, step
         )
         pending = StepFuture(step, request)
-        with self._stream_lock:
-            self._send(pending)
+        self._steps.submit(pending)
         return pending
-
-    def _send(self, pending: StepFuture) -> None:
-        """On the current stream, or a new one if it failed (holding `_stream_lock`)."""
-        pending.attempts += 1
-        while self._steps is None or not self._steps.send(pending):
-            self._steps = self._open_steps()
-
-    def _settle(self, pending: StepFuture, response: pb.SessionResponse) -> None:
-        try:
-            result = m.step_result(pending.step, response)
-        except RadixKVError as e:
-            pending.settle(None, e)
-            return
-        self._tables.stepped(pending.step, result)  # in stream order: the reader settles steps in turn
-        pending.settle(result, None)
-
-    def _open_steps(self) -> DirectStepStream | StepStream:
-        """A Session stream driven by the waiting caller where gRPC's core call API allows it (direct_stream)."""
-        direct = DirectStepStream.open(self._channel, self._metadata, self._settle, self._stream_broke)
-        return direct or StepStream(self._stub, self._metadata, self._settle, self._stream_broke)
-
-    def _stream_broke(
-        self, stream: DirectStepStream | StepStream, error: grpc.RpcError, unanswered: list[StepFuture]
-    ) -> None:
-        """Re-send the broken stream's unanswered steps, in order, once each (UNAVAILABLE); fail the rest."""
-        with self._stream_lock:
-            if self._steps is stream:
-                self._steps = None
-            stream.close()
-            resend_or_fail(error, unanswered, self._send)
-
-    def _drop_stream(self) -> None:
-        """End the stream (the server then lets the lease run again); the next step opens a new one."""
-        if self._steps is not None:
-            self._steps.close()
-            self._steps = None
 
     # -- the computed watermark and scheduling queries ---------------------------------------------
 
@@ -390,6 +332,11 @@ class RadixKVClient:
         """How many blocks releasing `seq_ids` together would make available (for choosing whom to preempt)."""
         request = m.seq_ids_request(pb.FreeableBlocksRequest, self.pool, self.session_id, list(seq_ids))
         return self._call(self._stub.FreeableBlocks, request).num_freeable_blocks
+
+    @property
+    def checksums(self) -> BlockChecksums:
+        """The writers' K/V checksums of this session's sequences' blocks (`radixkv.client.block_checksums`)."""
+        return BlockChecksums(self._call, self._stub, self.pool, self.session_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""

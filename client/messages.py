@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
-from radixkv.client.match_explanation import MatchExplanation
 from radixkv.client.pool_view import HostTierInfo, PoolInfo
-from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError, UnknownSequence
+from radixkv.errors import InvalidArgument
 from radixkv.memory.layout import PoolLayout
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
-from radixkv.sequences.packed import all_ones, pack, unpack
 from radixkv.sequences.results import AppendBatch, OpenResult
-from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.stats import Stats
 from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
@@ -36,83 +31,6 @@ _INT32 = np.dtype("<i4")
 _INT64 = np.dtype("<i8")
 
 Request = TypeVar("Request")
-
-# Mutating calls carry a request id, so these failures, after which the client cannot know whether
-# the call was applied, are retried with the same id (the server answers a repeat with its first result).
-RETRIED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-MAX_ATTEMPTS = 3
-
-
-def retry_delay(attempt: int) -> float:
-    """Seconds before re-sending after failed attempt `attempt` (0-based): 0.1, 0.2, ..."""
-    return 0.1 * 2**attempt
-
-
-class BlockTables:
-    """Each open sequence's block table as the server's deltas built it here; thread-safe."""
-
-    def __init__(self) -> None:
-        self._tables: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, seq_id: int) -> list[int]:
-        with self._lock:
-            table = self._tables.get(seq_id)
-            if table is None:
-                raise UnknownSequence(seq_id)
-            return list(table)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._tables.clear()
-
-    def opened(self, results: Iterable[OpenResult]) -> None:
-        with self._lock:
-            for result in results:
-                self._tables[result.seq_id] = result.block_table.tolist()
-
-    def appended(self, batch: AppendBatch) -> None:
-        # Only sequences that got blocks changed (about 1 in block_size per decode step): visit just those.
-        if not batch.block_ids:
-            return
-        changed = itertools.compress(range(len(batch.num_block_ids)), batch.num_block_ids)
-        with self._lock:
-            start = 0
-            for i in changed:
-                num_blocks = batch.num_block_ids[i]
-                table = self._tables.get(batch.seq_ids[i])
-                if table is not None:
-                    table[batch.table_offsets[i] :] = batch.block_ids[start : start + num_blocks]
-                start += num_blocks
-
-    def forked(self, parent: int, children: Iterable[int]) -> None:
-        with self._lock:
-            table = self._tables.get(parent, [])
-            for child in children:
-                self._tables[child] = list(table)
-
-    def preempted(self, seq_ids: Iterable[int]) -> None:
-        """Preempted sequences hold no block until resumed (`opened` with the resume's result)."""
-        with self._lock:
-            for seq_id in seq_ids:
-                if seq_id in self._tables:
-                    self._tables[seq_id] = []
-
-    def released(self, seq_ids: Iterable[int]) -> None:
-        with self._lock:
-            for seq_id in seq_ids:
-                self._tables.pop(seq_id, None)
-
-    def stepped(self, step: Step, result: StepResult) -> None:
-        """A step's changes, in the order the server applied them."""
-        self.opened(result.opened)
-        if result.appended is not None:
-            self.appended(result.appended)
-        for (parent, _), children in zip(step.forks, result.forked, strict=True):
-            self.forked(parent, children)
-        for seq_ids, _ in step.releases:
-            self.released(seq_ids)
-
 
 # -- unary requests and their results ------------------------------------------------------------
 
@@ -125,8 +43,8 @@ def open_request(
     priorities: Sequence[int] | None = None,
 ) -> pb.OpenSequencesRequest:
     batch = len(prompts) > 1
-    budgets = _per_prompt("max_new_tokens", max_new_tokens, len(prompts))
-    ranks = _per_prompt("priorities", priorities, len(prompts))
+    budgets = per_prompt("max_new_tokens", max_new_tokens, len(prompts))
+    ranks = per_prompt("priorities", priorities, len(prompts))
     return build(
         pb.OpenSequencesRequest,
         pool=pool,
@@ -145,14 +63,14 @@ def open_request(
     )
 
 
-def _int32(block_ids: Iterable[int]) -> np.ndarray:
+def int32(block_ids: Iterable[int]) -> np.ndarray:
     """A block table from the wire as the core returns it: a read-only int32 array."""
     table = np.fromiter(block_ids, dtype=np.int32)
     table.flags.writeable = False
     return table
 
 
-def _per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
+def per_prompt(name: str, values: Sequence[int] | None, num_prompts: int) -> list[int]:
     """A per-prompt column (None: all 0); InvalidArgument naming it when its length is wrong."""
     if values is None:
         return [0] * num_prompts
@@ -167,7 +85,7 @@ def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
         OpenResult(
             s.seq_id,
             s.num_cached_tokens,
-            _int32(s.block_ids),
+            int32(s.block_ids),
             np.array(s.slots, dtype=np.int64),
             num_host_hit_tokens=s.num_host_hit_tokens,
         )
@@ -262,7 +180,7 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     return ResumeResult(
-        r.seq_id, r.num_cached_tokens, _int32(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
+        r.seq_id, r.num_cached_tokens, int32(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
         transfer_pairs(r.loads),
     )  # fmt: skip
 
@@ -299,115 +217,6 @@ def pool_layout(layout: pb.PoolLayout) -> PoolLayout:
     )
 
 
-# -- steps on the Session stream -----------------------------------------------------------------
-
-
-def step_request(pool: str, session_id: str, request_id: int, step: Step) -> pb.SessionRequest:
-    """The step as one SessionRequest: token ids packed as int32 bytes, ids checked as the unary builders do."""
-    request = pb.SessionRequest(session_id=session_id, pool=pool, request_id=request_id)
-    if step.commit is not None:
-        request.commit.CopyFrom(build(pb.StepCommit, seq_ids=step.commit.seq_ids, num_tokens=step.commit.num_tokens))
-    if step.opens or step.max_new_tokens or step.priorities or step.explain:  # a decode step skips the opens
-        budgets = _per_prompt("max_new_tokens", step.max_new_tokens or None, len(step.opens))
-        ranks = _per_prompt("priorities", step.priorities or None, len(step.opens))
-        explain = _per_prompt("explain", [int(bool(e)) for e in step.explain] or None, len(step.opens))
-        columns = zip(step.opens, budgets, ranks, explain, strict=True)
-        for i, ((token_ids, namespace), budget, rank, why) in enumerate(columns):
-            field = f"prompts[{i}]." if len(step.opens) > 1 else ""
-            opened = build(
-                pb.StepOpen, field, namespace=namespace, max_new_tokens=budget, priority=rank, explain=bool(why)
-            )
-            opened.token_ids = packed_tokens(token_ids, field + "token_ids")
-            request.opens.append(opened)
-    if step.append is not None:
-        a = step.append
-        appended = request.append
-        try:
-            packed = _packed_columns(a) if len(a.seq_ids) == len(a.num_token_ids) else None
-        except (TypeError, OverflowError):
-            packed = None
-        if packed is not None:
-            appended.packed_seq_ids, appended.packed_num_token_ids = packed
-        else:  # a bad entry (named here) or a short column (named by the server), as the unary call says it
-            appended.CopyFrom(build(pb.StepAppend, seq_ids=a.seq_ids, num_token_ids=a.num_token_ids))
-        appended.token_ids = packed_tokens(a.token_ids, "token_ids")
-    if step.forks:
-        request.forks.extend(build(pb.StepFork, seq_id=s, num_children=n) for s, n in step.forks)
-    if step.caches:
-        request.MergeFrom(build(pb.SessionRequest, cache_seq_ids=step.caches))
-    if step.releases:
-        request.releases.extend(build(pb.StepRelease, seq_ids=list(ids), cache=cache) for ids, cache in step.releases)
-    return request
-
-
-_APPENDED_COLUMNS = ("num_tokens", "table_offsets", "num_block_ids", "block_ids")  # StepAppended's, in order
-_PACKED_APPENDED_COLUMNS = tuple(f"packed_{name}" for name in _APPENDED_COLUMNS)
-
-
-def _packed_columns(append: Append) -> tuple[bytes, bytes]:
-    """An append's ids and counts as the stream packs them (radixkv.sequences.packed): a decode step's ones are left
-    implied. Raises TypeError or OverflowError for an entry that is not an unsigned integer."""
-    counts = b"" if all_ones(append.num_token_ids) else pack(append.num_token_ids, 4)
-    return pack(append.seq_ids, 8), counts
-
-
-def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
-    """The step's results, or its refusal raised as the exception the unary call would have raised."""
-    if response.HasField("error"):
-        raise step_error(response.error)
-    opened = [
-        OpenResult(
-            o.seq_id,
-            o.num_cached_tokens,
-            _int32(o.block_ids),
-            np.frombuffer(o.slots, dtype=_INT64),
-            num_host_hit_tokens=o.num_host_hit_tokens,
-        )
-        for o in response.opened
-    ]
-    appended = None
-    if step.append is not None:
-        a, r = step.append, response.appended
-        if r.packed_num_tokens:  # the server answers packed columns to a packed append
-            num_tokens, offsets, num_blocks, blocks = (
-                unpack(getattr(r, name), 4, name) for name in _PACKED_APPENDED_COLUMNS
-            )
-        else:
-            num_tokens, offsets, num_blocks, blocks = (list(getattr(r, name)) for name in _APPENDED_COLUMNS)
-        appended = AppendBatch(
-            list(a.seq_ids),
-            list(a.num_token_ids) if isinstance(a.num_token_ids, list) else list(map(int, a.num_token_ids)),
-            num_tokens,
-            offsets,
-            num_blocks,
-            blocks,
-            [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
-            np.frombuffer(r.slots, dtype=_INT64),
-        )
-    if not (response.forked or response.offloads or response.loads or response.num_cached_tokens or any(step.explain)):
-        return StepResult(opened, appended, [], [], response.num_released_sequences)  # a decode step: the common case
-    forked = [list(f.child_seq_ids) for f in response.forked]
-    explained: Sequence[MatchExplanation | None] = ()
-    if any(step.explain):  # a step retried from the window is answered with its first result, explanations too
-        pairs = zip(response.opened, step.explain, strict=True)
-        explained = [MatchExplanation.from_response(o) if e else None for o, e in pairs]
-    return StepResult(
-        opened,
-        appended,
-        forked,
-        list(response.num_cached_tokens),
-        response.num_released_sequences,
-        explained,
-        transfer_pairs(response.offloads),
-        transfer_pairs(response.loads),
-    )
-
-
-def step_error(error: pb.StepError) -> RadixKVError:
-    cls = ERRORS_BY_REASON.get(error.reason, RadixKVError)
-    return cls.from_wire(error.message, dict(error.metadata))
-
-
 # -- values ---------------------------------------------------------------------------------------
 
 
@@ -421,20 +230,6 @@ def token_list(token_ids: TokenIds) -> Sequence[int]:
             "token_ids", f"must be a list, a numpy array or packed int32 bytes, got {type(token_ids).__name__}"
         )
     return token_ids
-
-
-def packed_tokens(token_ids: TokenIds, field: str) -> bytes:
-    """Token ids as the stream carries them: little-endian int32 bytes (the server checks their range)."""
-    if isinstance(token_ids, bytes):
-        return token_ids
-    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT32:
-        return token_ids.tobytes()
-    array = np.asarray(token_list(token_ids))
-    if array.ndim != 1 or (
-        array.size and (array.dtype.kind not in "iu" or array.min() < 0 or array.max() >= _TOKEN_BOUND)
-    ):
-        raise InvalidArgument(field, f"must be integers in [0, {_TOKEN_BOUND})")
-    return array.astype(_INT32).tobytes()  # ids >= 2^31 wrap negative: the server refuses them, as uint32 on unary
 
 
 _INTEGER_BOUNDS = {

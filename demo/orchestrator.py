@@ -12,52 +12,24 @@ tier) and waits first in line to resume under the same sequence ids.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from radixkv.client import RadixKVClient
 from radixkv.demo import beam_search
 from radixkv.demo.admission import Admission
 from radixkv.demo.beam_search import Hypothesis
-from radixkv.demo.preemption import SWAP, Parked, Preemption, Refill
-from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
+from radixkv.demo.live_request import LiveRequest, LiveSeq
+from radixkv.demo.preemption import SWAP, Preemption, Refill
+from radixkv.demo.records import PoolTooSmall, RequestResult, RequestSpec, StepRecord
 from radixkv.demo.sampling import sample_token
 from radixkv.demo.worker import DecodeInput, Pairs, PrefillInput, Worker, WorkerStep, as_pairs
 from radixkv.errors import OutOfBlocks
 
-__all__ = ["Orchestrator", "RequestResult", "RequestSpec", "StepRecord"]
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Seq:
-    seq_id: int
-    index: int  # sample index (sampling) within its request
-    token_ids: list[int]  # prompt and generated tokens, the newest one (not yet computed) included
-    score: float = 0.0  # beam search: cumulative log-probability of the generated tokens
-    slot: int = -1  # where the newest token's K/V go
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Request:
-    spec: RequestSpec
-    result: RequestResult
-    generator: torch.Generator
-    seqs: list[_Seq]
-    hypotheses: list[Hypothesis]
-    arrived: float
-    context: list[int]  # what it opens: the prompt (a preempted request resumes instead)
-    num_cached_tokens: int = 0  # of `context`, at its latest open
-    prefill_slots: npt.NDArray[np.int64] = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    parked: Parked | None = None  # while preempted
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.result.prompt)
+__all__ = ["Orchestrator", "PoolTooSmall", "RequestResult", "RequestSpec", "StepRecord"]
 
 
 class Orchestrator:
@@ -73,21 +45,16 @@ class Orchestrator:
         max_batch_tokens: int = 512,
         prefix_caching: bool = True,
     ) -> None:
-        self.client, self.worker, self.eos, self.namespace, self.on_step = (
-            client,
-            worker,
-            eos_token_ids,
-            namespace,
-            on_step,
-        )
+        self.client, self.worker, self.eos = client, worker, eos_token_ids
+        self.namespace, self.on_step = namespace, on_step
         self.block_size = client.get_pool().layout.block_size
         # Without prefix caching nothing is published to the tree (forks still share within a request).
         self.prefix_caching = prefix_caching
         self.admission = Admission(max_batch_tokens, self.block_size, defer_shared=prefix_caching)
         self.preemption = Preemption(client, has_host_tier=worker.host_data is not None)
         self.steps: list[StepRecord] = []
-        self._waiting: list[_Request] = []
-        self._live: list[_Request] = []
+        self._waiting: list[LiveRequest] = []
+        self._live: list[LiveRequest] = []
         self._to_cache: list[int] = []  # sequences to publish once this step's appends commit their prompt
         self._num_preempted = 0  # in the current step
 
@@ -96,13 +63,13 @@ class Orchestrator:
 
         Raises:
             ValueError: a `follows` that names no earlier request (it could never be admitted).
-            OutOfBlocks: the pool cannot hold even one request's next step.
+            PoolTooSmall: the pool cannot hold one request's next step even with nothing else running.
         """
         for i, spec in enumerate(specs):
             if spec.follows is not None and spec.follows not in {s.name for s in specs[:i]}:
                 raise ValueError(f"request {spec.name!r} follows {spec.follows!r}, which is not an earlier request")
         later = [s for s in specs if s.follows is not None]
-        self._waiting = [self._arrive(s, []) for s in specs if s.follows is None]
+        self._waiting = [LiveRequest.arrive(s, []) for s in specs if s.follows is None]
         self._live = []
         done: dict[str, RequestResult] = {}
         copies: list[tuple[int, int]] = []
@@ -110,7 +77,11 @@ class Orchestrator:
         while self._waiting or self._live:
             started = time.perf_counter()
             self._num_preempted = 0
-            resumed, transfers, refills = self.preemption.resume_waiting(self._waiting, bool(self._live))
+            try:
+                resumed, transfers, refills = self.preemption.resume_waiting(self._waiting, bool(self._live))
+            except OutOfBlocks as e:
+                name = next(r.spec.name for r in self._waiting if r.parked)
+                raise PoolTooSmall(name, f"cannot come back from preemption with nothing else running ({e})") from e
             num_resumed_seqs = sum(len(r.seqs) for r in resumed)
             admitted = self._admit(num_resumed_seqs, transfers) if not any(r.parked for r in self._waiting) else []
             num_prefill_tokens = sum(len(r.context) - r.num_cached_tokens for r in admitted)
@@ -120,7 +91,7 @@ class Orchestrator:
             step = WorkerStep(copies, prefills, [self._decode_input(s) for _, s in decoding], offloads, transfers)
             out = self.worker.execute(step)
             num_moved = step.num_offloaded_blocks, step.num_loaded_blocks
-            appends: list[tuple[_Request, _Seq, int]] = []
+            appends: list[tuple[LiveRequest, LiveSeq, int]] = []
             for request, logprobs in zip(admitted, out.prefill_logprobs[: len(admitted)], strict=True):
                 if not request.result.outputs[0]:
                     request.result.ttft = time.perf_counter() - request.arrived
@@ -140,7 +111,7 @@ class Orchestrator:
                     request.result.seconds = time.perf_counter() - request.arrived
                     done[request.spec.name] = request.result
                     self._waiting += [
-                        self._arrive(s, request.result.prompt + self._answer(request))
+                        LiveRequest.arrive(s, request.result.prompt + self._answer(request))
                         for s in later
                         if s.follows == request.spec.name
                     ]
@@ -152,18 +123,12 @@ class Orchestrator:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _arrive(self, spec: RequestSpec, earlier_turn: list[int]) -> _Request:
-        prompt = earlier_turn + list(spec.prompt)
-        result = RequestResult(spec.name, prompt, 0, [[] for _ in range(spec.sampling.n)], [])
-        generator = torch.Generator().manual_seed(spec.sampling.seed)
-        return _Request(spec, result, generator, [], [], time.perf_counter(), list(prompt))
-
-    def _answer(self, request: _Request) -> list[int]:
+    def _answer(self, request: LiveRequest) -> list[int]:
         """The first output as the next turn's prompt carries it: an ending EOS is left to the continuation."""
         output = request.result.outputs[0]
         return output[:-1] if output and output[-1] in self.eos else list(output)
 
-    def _admit(self, num_resumed_seqs: int, transfers: list[tuple[Pairs, Pairs]]) -> list[_Request]:
+    def _admit(self, num_resumed_seqs: int, transfers: list[tuple[Pairs, Pairs]]) -> list[LiveRequest]:
         """Open the requests the admission policy chooses; a request the pool cannot open yet keeps waiting.
 
         `num_resumed_seqs`: sequences resumed this step, which append (and so need headroom) like decodes.
@@ -178,43 +143,46 @@ class Orchestrator:
             num_decodes,
             stats.num_blocks_free + stats.num_blocks_evictable,
         )
-        admitted: list[_Request] = []
+        admitted: list[LiveRequest] = []
         for request in [self._waiting[i] for i in chosen]:
             try:
                 opened = self.client.open(request.context, self.namespace)
-            except OutOfBlocks:
+            except OutOfBlocks as e:
                 if admitted or self._live or num_resumed_seqs:
                     break  # blocks come back as live requests finish
-                raise
+                why = (
+                    f"needs {e.needed} blocks for its prompt of {len(request.context)} tokens; the pool holds {e.free}"
+                )
+                raise PoolTooSmall(request.spec.name, f"{why} (a host tier holds no prompt being computed)") from e
             self._waiting.remove(request)
             transfers.append((as_pairs(opened.offloads), as_pairs(opened.loads)))
             if not request.result.outputs[0]:
                 request.result.num_cached_tokens = opened.num_cached_tokens
             request.num_cached_tokens = opened.num_cached_tokens
-            request.seqs = [_Seq(opened.seq_id, 0, list(request.context))]
+            request.seqs = [LiveSeq(opened.seq_id, 0, list(request.context))]
             request.prefill_slots = np.asarray(opened.slots, dtype=np.int64)
             request.result.peak_blocks = max(request.result.peak_blocks, len(opened.block_table))
             admitted.append(request)
         return admitted
 
-    def _refill_input(self, request: _Request, refill: Refill) -> PrefillInput:
+    def _refill_input(self, request: LiveRequest, refill: Refill) -> PrefillInput:
         """A resumed sequence's tokens the cache lost, computed again (the logits are not needed)."""
         seq = request.seqs[refill.index]
         cached = refill.num_cached_tokens
         assert len(refill.slots) == len(seq.token_ids) - cached, "resume hands out a slot per token to recompute"
         return PrefillInput(seq.token_ids[cached:], cached, refill.slots, self.client.block_table(seq.seq_id))
 
-    def _prefill_input(self, request: _Request) -> PrefillInput:
+    def _prefill_input(self, request: LiveRequest) -> PrefillInput:
         seq = request.seqs[0]
         cached = request.num_cached_tokens
         return PrefillInput(seq.token_ids[cached:], cached, request.prefill_slots, self.client.block_table(seq.seq_id))
 
-    def _decode_input(self, seq: _Seq) -> DecodeInput:
+    def _decode_input(self, seq: LiveSeq) -> DecodeInput:
         return DecodeInput(seq.token_ids[-1], len(seq.token_ids) - 1, seq.slot, self.client.block_table(seq.seq_id))
 
     # -- choosing next tokens --------------------------------------------------------------------
 
-    def _after_prefill(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+    def _after_prefill(self, request: LiveRequest, logprobs: torch.Tensor) -> list[tuple[LiveRequest, LiveSeq, int]]:
         # logprobs: [vocab_size], after the prompt's last token
         if request.spec.beam_width > 0:
             return self._beam_step(request, logprobs[None])
@@ -238,12 +206,12 @@ class Orchestrator:
             self._to_cache.append(parent.seq_id)  # so requests admitted while this one runs hit its prompt
         appends = []
         for (index, token), seq_id in zip(going, [parent.seq_id, *children], strict=True):
-            seq = _Seq(seq_id, index, list(parent.token_ids))
+            seq = LiveSeq(seq_id, index, list(parent.token_ids))
             request.seqs.append(seq)
             appends.append((request, seq, token))
         return appends
 
-    def _after_decode(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+    def _after_decode(self, request: LiveRequest, logprobs: torch.Tensor) -> list[tuple[LiveRequest, LiveSeq, int]]:
         # logprobs: [num_seqs, vocab_size], one row per live sequence of the request
         if request.spec.beam_width > 0:
             return self._beam_step(request, logprobs)
@@ -262,7 +230,7 @@ class Orchestrator:
         request.seqs = going
         return appends
 
-    def _beam_step(self, request: _Request, logprobs: torch.Tensor) -> list[tuple[_Request, _Seq, int]]:
+    def _beam_step(self, request: LiveRequest, logprobs: torch.Tensor) -> list[tuple[LiveRequest, LiveSeq, int]]:
         # logprobs: [num_beams, vocab_size]
         beams, width = request.seqs, request.spec.beam_width
         scores = torch.tensor([b.score for b in beams])  # [num_beams]
@@ -297,14 +265,16 @@ class Orchestrator:
             parent = beams[c.parent]
             seq_id = parent.seq_id if c.parent not in seen else next(forks[c.parent])
             seen.add(c.parent)
-            seq = _Seq(seq_id, 0, list(parent.token_ids), c.score)
+            seq = LiveSeq(seq_id, 0, list(parent.token_ids), c.score)
             request.seqs.append(seq)
             appends.append((request, seq, c.token_id))
         return appends
 
     # -- appends and accounting ------------------------------------------------------------------
 
-    def _append(self, appends: list[tuple[_Request, _Seq, int]], resumed: list[_Request]) -> tuple[Pairs, Pairs]:
+    def _append(
+        self, appends: list[tuple[LiveRequest, LiveSeq, int]], resumed: list[LiveRequest]
+    ) -> tuple[Pairs, Pairs]:
         """One batched append for the whole step; returns the copy-on-write pairs and the offloads (of the
         requests it preempted by swap, and of prefixes it evicted to the host tier) for the worker's next step.
 
@@ -318,10 +288,14 @@ class Orchestrator:
                     self.client.append_many([(seq.seq_id, [token]) for _, seq, token in appends]) if appends else []
                 )
                 break
-            except OutOfBlocks:
-                victim = self._preempt_one([a for a in appends if a[0] not in resumed], offloads)
-                if victim is None:
-                    raise  # only requests just resumed, or of several sequences without a host tier to swap them to
+            except OutOfBlocks as e:
+                candidates = [a for a in appends if a[0] not in resumed]
+                victim = self._preempt_one(candidates, offloads)
+                if victim is None:  # only requests just resumed, or of several sequences without a host tier
+                    why = "holds several sequences (samples, beams), which only a swap to a host tier preempts"
+                    why = f"{why}, and this step's tokens do not fit" if candidates else "came back and does not fit"
+                    name = (candidates or appends)[-1][0].spec.name
+                    raise PoolTooSmall(name, f"{why} ({e})", host_tier_helps=bool(candidates)) from e
                 appends = [a for a in appends if a[0] is not victim]
         if results:  # the batch's offloads come on its first row
             offloads += as_pairs(results[0].batch.offloads)
@@ -338,7 +312,7 @@ class Orchestrator:
         self._to_cache = []
         return copies, offloads
 
-    def _release_written(self, seqs: list[_Seq]) -> None:
+    def _release_written(self, seqs: list[LiveSeq]) -> None:
         """Release sequences whose every token the worker has written; with prefix caching, commit says so
         first, since only blocks below a sequence's computed watermark are ever cached."""
         seq_ids = [s.seq_id for s in seqs]
@@ -347,8 +321,8 @@ class Orchestrator:
         self.client.release_many(seq_ids, cache=self.prefix_caching)
 
     def _preempt_one(
-        self, appends: list[tuple[_Request, _Seq, int]], offloads: list[tuple[int, int]]
-    ) -> _Request | None:
+        self, appends: list[tuple[LiveRequest, LiveSeq, int]], offloads: list[tuple[int, int]]
+    ) -> LiveRequest | None:
         """Preempt the latest request of this step's appends that `preemption` allows; None when none is.
 
         Its sequences' K/V up to their newest appended token is written; the token each sampled this
@@ -374,7 +348,7 @@ class Orchestrator:
 
     def _record(
         self,
-        admitted: list[_Request],
+        admitted: list[LiveRequest],
         num_prefill_tokens: int,
         num_decodes: int,
         num_copies: int,

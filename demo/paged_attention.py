@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels import DecodePlan, paged_decode_attention, plan_decode, store_kv
+from radixkv.kernels import DecodePlan, host_to_device, paged_decode_attention, plan_decode, store_kv
 
 
 class PoolMemory(Protocol):
@@ -53,22 +54,24 @@ class PagedPrefill:
         sliding_window: int | None = None,
         backend: str | None = None,
     ) -> None:
-        # slots: int64 [num_tokens], the new tokens' slots in batch order
+        # slots: int64 [num_tokens], the new tokens' slots in batch order, on the pool's device
         self.pool, self.seqs, self.slots = pool, seqs, slots
         self.scale, self.sliding_window, self.backend = scale, sliding_window, backend
         block_size = pool.data.shape[3]
-        self.context_slots: list[torch.Tensor] = []  # per sequence: int64 [num_context], slots of positions 0..end
-        self.masks: list[torch.Tensor] = []  # per sequence: bool [num_new, num_context], True = may attend
+        host: list[np.ndarray] = []  # per sequence: its context's slots, then its mask; staged in one copy
         for seq in seqs:
             end = seq.num_cached_tokens + seq.num_new_tokens
-            positions = torch.arange(end)  # [num_context]
-            table = torch.tensor(seq.block_table, dtype=torch.int64)  # [num_blocks_in_table]
-            self.context_slots.append(table[positions // block_size] * block_size + positions % block_size)
+            positions = np.arange(end)  # [num_context]
+            table = np.asarray(seq.block_table, dtype=np.int64)  # [num_blocks_in_table]
+            host.append(table[positions // block_size] * block_size + positions % block_size)  # int64 [num_context]
             query_pos = positions[seq.num_cached_tokens :, None]  # [num_new, 1]
-            mask = positions[None, :] <= query_pos  # [num_new, num_context]
+            mask = positions[None, :] <= query_pos  # bool [num_new, num_context], True = may attend
             if sliding_window is not None:
                 mask &= positions[None, :] > query_pos - sliding_window
-            self.masks.append(mask)
+            host.append(mask)
+        staged = host_to_device(host, slots.device)
+        self.context_slots: list[torch.Tensor] = staged[0::2]
+        self.masks: list[torch.Tensor] = staged[1::2]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
@@ -103,7 +106,8 @@ class PagedDecode:
         pool: PoolMemory,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: list[int],
+        seq_lens: torch.Tensor,
+        host_seq_lens: list[int],
         scale: float,
         sliding_window: int | None = None,
         backend: str | None = None,
@@ -111,14 +115,14 @@ class PagedDecode:
         num_q_heads: int,
         model_dtype: torch.dtype,
     ) -> None:
-        # slots: int64 [num_seqs]; block_tables: int32 [num_seqs, max_blocks]; seq_lens: new token included
+        # on the pool's device: slots int64 [num_seqs]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32
+        # [num_seqs] (new token included), whose host copy `host_seq_lens` the plan is made from
         device = block_tables.device
-        self.pool, self.slots, self.block_tables = pool, slots, block_tables
-        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
+        self.pool, self.slots, self.block_tables, self.seq_lens = pool, slots, block_tables, seq_lens
         self.scale, self.sliding_window, self.backend = scale, sliding_window, backend
         _, _, _, _, num_kv_heads, head_dim = pool.data.shape
         self.plan: DecodePlan = plan_decode(
-            seq_lens,
+            host_seq_lens,
             num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,

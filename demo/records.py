@@ -1,4 +1,5 @@
-"""What the orchestrator takes and gives: a request's spec, its result, a record of each scheduler step."""
+"""What the orchestrator takes and gives: a request's spec, its result, a record of each scheduler step, and
+the error that says the pool is too small for a request."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ class StepRecord:
     blocks_radixkv: int  # the server's blocks in use: shared prefixes and forks count once
     blocks_unshared: int  # every live sequence its own blocks
     blocks_contiguous: float  # every live sequence a slab of prompt + max_new_tokens, in blocks
+
+
+class PoolTooSmall(Exception):
+    """No schedule helps: with nothing else running, the pool still cannot hold what `request` needs next.
+
+    `host_tier_helps`: a host tier would let it be preempted (a request of several sequences is preempted
+    only by swap); otherwise only a larger pool does.
+    """
+
+    def __init__(self, request: str, why: str, *, host_tier_helps: bool = False) -> None:
+        super().__init__(f"request {request!r} {why}")
+        self.request = request
+        self.host_tier_helps = host_tier_helps

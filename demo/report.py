@@ -8,6 +8,16 @@ from radixkv.demo.records import RequestResult, RequestSpec, StepRecord
 from radixkv.memory.layout import PoolLayout
 
 MIB = 2**20
+ROUNDING_NOTE = (
+    "  paged, no sharing can exceed the slabs: it rounds every sequence up to whole blocks, while a slab is\n"
+    "  charged exactly prompt + max_new_tokens slots, so a sequence near its token limit costs paging more"
+)
+PLOT_CAPTION = (
+    "Slabs: each live sequence charged prompt + max_new_tokens slots, reserved when it starts. Paged, no sharing: "
+    "each sequence its own blocks of {block_size} tokens,\nits last one partly empty, so near its token limit a "
+    "sequence costs paging more than its slab and the dashed line can cross above the dotted one.\n"
+    "radixkv: the same pages, with the shared system prompt, the first turn and the forks' prefixes held once."
+)
 
 
 def format_step(r: StepRecord) -> str:
@@ -102,6 +112,7 @@ def format_memory(m: MemorySummary) -> str:
                 f"against {name}"
             )
     lines.append("* each sequence reserves prompt + max_new_tokens slots up front, as a contiguous KV cache must")
+    lines.append(ROUNDING_NOTE)
     return "\n".join(lines)
 
 
@@ -117,15 +128,16 @@ def format_moves(steps: list[StepRecord], layout: PoolLayout) -> str:
     )
 
 
-def plot_blocks(steps: list[StepRecord], path: str) -> None:
-    """Blocks in use per step for radixkv, unshared paging and contiguous slabs, as a PNG."""
+def plot_blocks(steps: list[StepRecord], path: str, block_size: int) -> None:
+    """Blocks in use per step for radixkv, unshared paging and contiguous slabs, as a PNG whose caption says
+    why unshared paging can cross above the slabs."""
     import matplotlib  # imported here: only --plot needs it
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     x = [s.step for s in steps]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.2))
     ax.plot(x, [s.blocks_contiguous for s in steps], label="contiguous max-length slabs", linestyle=":")
     ax.plot(x, [s.blocks_unshared for s in steps], label="paged, no sharing", linestyle="--")
     ax.plot(x, [s.blocks_radixkv for s in steps], label="radixkv (prefix + fork sharing)", linewidth=2)
@@ -134,6 +146,8 @@ def plot_blocks(steps: list[StepRecord], path: str) -> None:
     ax.set_title("radixkv demo: KV blocks over the run")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    caption = PLOT_CAPTION.format(block_size=block_size)
+    fig.text(0.01, 0.01, caption, fontsize=7, va="bottom")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120, metadata={"Description": caption.replace("\n", " ")})
     plt.close(fig)

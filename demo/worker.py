@@ -17,7 +17,7 @@ import torch
 
 from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.paged_attention import PagedDecode, PagedPrefill, PoolMemory, PrefillSeq
-from radixkv.kernels import copy_blocks, swap_blocks
+from radixkv.kernels import copy_blocks, host_to_device, swap_blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +78,9 @@ class StepOutput:
 class Worker:
     """Runs `model` with every K/V read from and written to `pool` (a `PoolView` of the server's pool).
 
+    Every tensor a step needs is made on the pool's device: the step's host lists go there in one staged copy
+    (`host_to_device`), and block pairs go to the kernels as the lists they are (they stage them the same way).
+
     Args:
         backend: the kernels' backend ("torch" or "triton"); None lets them pick for the device.
         host_data: the pool's host tier (`PoolView.host_data`: the pool's layout, its own num_blocks), where
@@ -99,6 +102,10 @@ class Worker:
                 "model's "
                 f"{(c.num_layers, c.num_kv_heads, c.head_dim)}"
             )
+        self.device = pool.data.device
+        model_device = model.lm_head.weight.device
+        if model_device != self.device:
+            raise ValueError(f"model: on {model_device}, the pool on {self.device}: the worker runs both on one device")
         self.model, self.pool, self.backend, self.host_data = model, pool, backend, host_data
         self.scale = c.head_dim**-0.5
 
@@ -107,13 +114,13 @@ class Worker:
         block id is reused, and a copied or loaded block is whole before anyone reads or writes it."""
         self._offload(step.offloads)
         if step.copies:
-            copy_blocks(self.pool.data, torch.tensor(step.copies, dtype=torch.int64), backend=self.backend)
+            copy_blocks(self.pool.data, step.copies, backend=self.backend)
         for offloads, loads in step.transfers:
             self._offload(offloads)
             if loads:
                 self._swap(self._host(), self.pool.data, loads)
         vocab_size = self.model.config.vocab_size
-        empty = torch.empty(0, vocab_size)
+        empty = torch.empty(0, vocab_size, device=self.device)
         return StepOutput(
             self._prefill(step.prefills) if step.prefills else empty,
             self._decode(step.decodes) if step.decodes else empty,
@@ -135,12 +142,17 @@ class Worker:
             done.wait()
 
     def _prefill(self, prefills: list[PrefillInput]) -> torch.Tensor:
-        token_ids = torch.tensor([t for p in prefills for t in p.token_ids], dtype=torch.int64)  # [num_tokens]
-        positions = torch.cat(
-            [torch.arange(p.num_cached_tokens, p.num_cached_tokens + len(p.token_ids)) for p in prefills]
-        )  # [num_tokens]
-        slots = torch.from_numpy(np.concatenate([p.slots for p in prefills]).astype(np.int64))  # [num_tokens]
-        last_rows = torch.tensor([len(p.token_ids) for p in prefills]).cumsum(0) - 1  # [num_prefills]
+        token_ids, positions, slots, last_rows = host_to_device(
+            [
+                np.array([t for p in prefills for t in p.token_ids], dtype=np.int64),  # [num_tokens]
+                np.concatenate(
+                    [np.arange(p.num_cached_tokens, p.num_cached_tokens + len(p.token_ids)) for p in prefills]
+                ).astype(np.int64),  # [num_tokens] positions
+                np.concatenate([p.slots for p in prefills]).astype(np.int64),  # [num_tokens]
+                np.cumsum([len(p.token_ids) for p in prefills]).astype(np.int64) - 1,  # [num_prefills] last rows
+            ],
+            self.device,
+        )
         seqs = [PrefillSeq(p.block_table, p.num_cached_tokens, len(p.token_ids)) for p in prefills]
         attention = PagedPrefill(self.pool, seqs, slots, self.scale, self.model.config.sliding_window, self.backend)
         return self.model(token_ids, positions, attention, last_rows)  # [num_prefills, vocab_size]
@@ -148,23 +160,32 @@ class Worker:
     def _decode(self, decodes: list[DecodeInput]) -> torch.Tensor:
         num_seqs = len(decodes)
         max_blocks = max(len(d.block_table) for d in decodes)
-        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)  # [num_seqs, max_blocks]
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)  # [num_seqs, max_blocks]
         for i, d in enumerate(decodes):
-            block_tables[i, : len(d.block_table)] = torch.tensor(d.block_table, dtype=torch.int32)
-        token_ids = torch.tensor([d.token_id for d in decodes], dtype=torch.int64)  # [num_seqs]
-        positions = torch.tensor([d.position for d in decodes], dtype=torch.int64)  # [num_seqs]
-        slots = torch.tensor([d.slot for d in decodes], dtype=torch.int64)  # [num_seqs]
-        seq_lens = [d.position + 1 for d in decodes]  # host-side: the decode plan is made from them, no device read
+            tables[i, : len(d.block_table)] = d.block_table
+        host_lens = [d.position + 1 for d in decodes]  # the decode plan is made from them, no device read
+        block_tables, token_ids, positions, slots, seq_lens = host_to_device(
+            [
+                tables,
+                np.array([d.token_id for d in decodes], dtype=np.int64),  # [num_seqs]
+                np.array([d.position for d in decodes], dtype=np.int64),  # [num_seqs]
+                np.array([d.slot for d in decodes], dtype=np.int64),  # [num_seqs]
+                np.array(host_lens, dtype=np.int32),  # [num_seqs]
+            ],
+            self.device,
+        )
         c = self.model.config
         attention = PagedDecode(
             self.pool,
             slots,
             block_tables,
             seq_lens,
+            host_lens,
             self.scale,
             c.sliding_window,
             self.backend,
             num_q_heads=c.num_q_heads,
             model_dtype=self.model.dtype,
         )
-        return self.model(token_ids, positions, attention, torch.arange(num_seqs))  # [num_seqs, vocab_size]
+        rows = torch.arange(num_seqs, device=self.device)  # [num_seqs]
+        return self.model(token_ids, positions, attention, rows)  # [num_seqs, vocab_size]

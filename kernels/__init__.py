@@ -6,18 +6,15 @@ device and host tier, for `swap_blocks`). CUDA tensors run the Triton kernels; C
 references, unless TRITON_INTERPRET=1 was set before triton was imported, in which case Triton's
 interpreter runs the kernels (how the tests exercise them without a GPU). Every public function takes
 `backend="triton" | "torch"` to force one.
+
+The package needs torch, triton and numpy and nothing else, of radixkv or outside it (its tests check the
+closure), so a bare GPU image runs it from a checkout (`benchmarks/gpu_check.sh`).
 """
 
 from radixkv.kernels.copy_blocks import copy_blocks, copy_blocks_reference
-from radixkv.kernels.paged_decode_attention import (
-    DecodeConfig,
-    DecodePlan,
-    choose_split_len,
-    paged_decode_attention,
-    paged_decode_attention_reference,
-    plan_decode,
-)
-from radixkv.kernels.step_tensors import StepTensors, step_tensors
+from radixkv.kernels.decode_plan import DecodeConfig, DecodePlan, choose_split_len, plan_decode
+from radixkv.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
+from radixkv.kernels.step_tensors import HostStep, StepTensors, host_to_device, step_tensors
 from radixkv.kernels.store_kv import quantize_fp8, store_kv, store_kv_reference
 from radixkv.kernels.swap_blocks import swap_blocks, swap_blocks_reference
 
@@ -27,6 +24,8 @@ __all__ = [
     "choose_split_len",
     "copy_blocks",
     "copy_blocks_reference",
+    "host_to_device",
+    "HostStep",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "plan_decode",

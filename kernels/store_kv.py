@@ -1,7 +1,9 @@
 """store_kv: write new tokens' K and V into their slots of one layer's paged cache (vLLM's reshape_and_cache).
 
 A slot is `block_id * block_size + offset`; a negative slot marks a padding token and is skipped. An
-fp8 cache stores `value / scale` saturated to +-448 (e4m3's largest finite value), never NaN.
+fp8 cache stores `value / scale` saturated to +-448 (e4m3's largest finite value): a large or infinite
+value stores as +-448, never as NaN. A NaN stays NaN, on every path: it is the model's bug, and a cache
+that turned it into a number would hide it.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def _store_kv_kernel(
         value_ptr + token * stride_value_t + heads[:, None] * stride_value_h + dims[None, :] * stride_value_d, mask=mask
     )
     if QUANTIZE:  # divide, as the torch reference does, so both round the same fp32 quotient
-        key = tl.clamp(key.to(tl.float32) / tl.load(kv_scales_ptr), -QUANT_MAX, QUANT_MAX)
-        value = tl.clamp(value.to(tl.float32) / tl.load(kv_scales_ptr + 1), -QUANT_MAX, QUANT_MAX)
+        nan = tl.PropagateNan.ALL  # as torch.clamp: without it a GPU's min/max would turn NaN into a bound
+        key = tl.clamp(key.to(tl.float32) / tl.load(kv_scales_ptr), -QUANT_MAX, QUANT_MAX, propagate_nan=nan)
+        value = tl.clamp(value.to(tl.float32) / tl.load(kv_scales_ptr + 1), -QUANT_MAX, QUANT_MAX, propagate_nan=nan)
     dst = kv_ptr + block_id * stride_kv_b + offset * stride_kv_t + heads[:, None] * stride_kv_h + dims[None, :]
     tl.store(dst, key.to(kv_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
@@ -135,7 +138,8 @@ def store_kv(
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """`x / scale` in fp8 e4m3, saturated to +-448: fp32 division, then one rounding to the nearest fp8 value."""
+    """`x / scale` in fp8 e4m3, saturated to +-448 (NaN stays NaN): fp32 division, then one rounding to the nearest
+    fp8 value."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from radixkv.kernels.backend import pick_backend
+from radixkv.kernels.step_tensors import host_to_device
 from radixkv.kernels.validate import FLOAT_DTYPES, FP8_DTYPE, check_block_size, check_tensor, should_validate
 
 _CHUNK = 8192  # elements one program copies
@@ -70,7 +71,8 @@ def swap_blocks(
             block shape (their `num_blocks` may differ): a device pool and a host pool, or two CPU pools. A CPU
             pool swapped with a CUDA pool must be pinned (`KVStorage.create_host` pins it when CUDA is present).
         pairs: int64 `[num_pairs, 2]` of `(src_block, dst_block)`, or the core's lists of pairs as they are.
-            Destinations must be distinct, so the result does not depend on the order programs run in.
+            Host pairs reach a CUDA pool's device through `host_to_device` (pinned, non-blocking). Destinations
+            must be distinct, so the result does not depend on the order programs run in.
         backend: "triton" or "torch" to force one; None picks (Triton when either pool is on CUDA).
         validate: read `pairs` to reject bad block ids; by default (None) unless `pairs` is already on CUDA
             (reading it there would wait for the device).
@@ -86,8 +88,8 @@ def swap_blocks(
     cuda = next((t.device for t in (src, dst) if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
     pairs = _as_pairs(pairs)
     _check_swap_blocks(src, dst, pairs, cuda, validate)
-    if cuda is not None:
-        pairs = pairs.to(cuda, non_blocking=True)
+    if cuda is not None and pairs.device.type == "cpu":
+        (pairs,) = host_to_device([pairs.numpy()], cuda)  # pinned and non-blocking: the host never waits
     chosen = pick_backend(cuda or src.device, backend)
     if cuda is None:
         if pairs.shape[0]:

@@ -34,21 +34,26 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+LIVE_HEADROOM = 1.2  # simulate's default pool: at least this times the blocks the trace's live sequences peak at
+
+
 def _simulate(args: argparse.Namespace) -> int:
     trace = make_trace(args.tokens, seed=args.seed)
     kinds: dict[str, int] = {}
     for request in trace:
         kinds[request.kind] = kinds.get(request.kind, 0) + 1
     infinite = working_set(trace, args.block_size)
-    num_blocks = args.num_blocks or max(
-        int(infinite.num_blocks * args.pool_fraction), int(infinite.peak_in_use_blocks * 1.2)
-    )
+    live_floor = int(infinite.peak_in_use_blocks * LIVE_HEADROOM)  # the live sequences must fit
+    num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), live_floor)
     cache = KVCache(num_blocks, args.block_size)
     print(
         f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens "
         f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
     )
     print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
+    if num_blocks >= infinite.num_blocks:
+        why = "" if args.num_blocks else f"its live sequences need {live_floor:,} blocks at their peak, so "
+        print(f"(this trace is too short for eviction: {why}the pool holds its whole working set; try more --tokens)")
     started = time.perf_counter()
     result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
     stats = cache.stats()
@@ -72,21 +77,37 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str) -> int:
-    """Hand the remaining arguments to a subsystem's own `main` (imported only when asked for)."""
+# The commands that live in a subsystem: the modules each runs (imported only when asked for, in this
+# order) and the extras that install what they import. The demo's server runs in a child process, so the
+# demo imports the server's modules here too: a missing server extra is this one line, not the child's log.
+DELEGATED = {
+    "serve": (("radixkv.server.app",), "server"),
+    "keeper": (("radixkv.server.keeper",), "server"),
+    "demo": (("radixkv.server.app", "radixkv.demo.main"), "demo,server"),
+}
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    """Hand `argv` to the command's own `main`. A third-party module that is not installed, at import or
+    while it runs, is an extra left out: one line naming it, exit status 2."""
     import importlib
 
-    return int(importlib.import_module(module).main(sys.argv[2:]) or 0)
+    modules, extras = DELEGATED[command]
+    try:
+        for name in modules:
+            module = importlib.import_module(name)
+        return int(module.main(argv) or 0)  # the last module's
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.partition(".")[0] == "radixkv":
+            raise  # one of ours: a bug, not a missing extra
+        print(f"radixkv {command}: needs the {e.name} package: pip install 'radixkv[{extras}]'", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        return _delegate("radixkv.server.app")
-    if argv[:1] == ["demo"]:
-        return _delegate("radixkv.demo.main")
-    if argv[:1] == ["keeper"]:
-        return _delegate("radixkv.server.keeper")
+    if argv[:1] and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
     parser = argparse.ArgumentParser(
         prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing."
     )
@@ -134,9 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument("--seed", type=int, default=0)
     simulate.add_argument("--block-size", type=int, default=16)
     simulate.add_argument(
-        "--num-blocks", type=int, default=0, help="pool size; default: --pool-fraction of the working set"
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="pool size; default: --pool-fraction of the working set, or 1.2 x the blocks the trace's live sequences "
+        "hold at their peak if that is more (on a short trace, the whole working set: nothing is evicted, and the "
+        "output says so)",
     )
-    simulate.add_argument("--pool-fraction", type=float, default=0.15)
+    simulate.add_argument(
+        "--pool-fraction", type=float, default=0.15, help="of the working set, for the default pool (default 0.15)"
+    )
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)
 

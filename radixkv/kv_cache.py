@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
 
 from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.memory.block_pool import BlockPool
@@ -19,7 +18,7 @@ from radixkv.pressure.budget import Budget, plan_admission
 from radixkv.pressure.limits import Limits
 from radixkv.pressure.preemption import Preemption, PreemptResult, ResumeResult
 from radixkv.pressure.scheduling import freeable_blocks, victims
-from radixkv.pressure.swap import HostSwap, swapped_host_blocks
+from radixkv.pressure.swap import HostSwap, SwappedBlocks, num_swap_blocks, swapped_host_blocks
 from radixkv.sequences.admission import PlannedOpen, count_opens, lock_prefix, open_planned
 from radixkv.sequences.allocation import Allocator
 from radixkv.sequences.append import append, append_args, append_counts, append_many_args, plan_batch
@@ -30,7 +29,7 @@ from radixkv.sequences.publish import publish, release
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
-from radixkv.tree.host_tier import HostTier
+from radixkv.tree.host_tier import HostTier, ResultScope
 from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.tree.pins import Pins
 from radixkv.tree.radix_tree import Node, RadixTree
@@ -76,7 +75,7 @@ class KVCache:
         self.preemption = Preemption(self._blocks, self._sequences, self._root)
         if self.host is not None:
             self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
-        self._result_scope = _ResultScope(self.host)
+        self._result_scope = ResultScope(self.host)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
         return namespace_root(self.tree, namespace, self.limits.max_namespaces, field)
@@ -84,7 +83,7 @@ class KVCache:
     def _key(self, token_ids: TokenIds, field: str) -> TokenKey:
         return TokenKey.of(token_ids, field, max_tokens=self.limits.max_tokens_per_request)
 
-    def one_result(self) -> _ResultScope:
+    def one_result(self) -> ResultScope:
         """`with cache.one_result():` calls inside hand the worker one result: it applies all their offloads, then
         all their copies, then all their loads (a server step is one). Until the outermost scope ends, no host
         block a load reads is reused by an offload (see `radixkv.tree.host_tier`); each call outside any scope is
@@ -165,10 +164,8 @@ class KVCache:
     # -- append, commit --------------------------------------------------------------------------
 
     def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
-        """Reserve slots for new tokens; copy-on-write the last block if another sequence shares it.
-
-        Also marks every earlier token's K/V as written (see `commit`); slots are computed when read.
-        """
+        """Reserve slots for new tokens, copy-on-write of a shared last block; earlier tokens count as computed
+        from now on (see `commit`); slots are computed when read."""
         key = TokenKey.of(token_ids)
         return AppendResult(self._append([seq_id], [key.num_tokens], key.data), 0, 0, 0)
 
@@ -352,6 +349,18 @@ class KVCache:
         """The computed watermark: leading tokens whose K/V is written (see `commit`); 0 while preempted."""
         return 0 if self.is_preempted(seq_id) else self._sequences.get(seq_id).num_computed_tokens
 
+    def reserve_until(self, seq_id: int) -> int:
+        """The table length admission reserves growth up to (0: none), kept while preempted (see `Budget`)."""
+        record = self._sequences.preempted.get(seq_id)
+        return record.reserve_until if record is not None else self._sequences.get(seq_id).reserve_until
+
+    def swap_blocks(self, seq_id: int) -> int:
+        """Host-tier blocks the sequence holds swapped out, or that `preempt(..., "swap")` would move there now."""
+        record = self._sequences.preempted.get(seq_id)
+        if record is None:
+            return num_swap_blocks(self._sequences.get(seq_id))
+        return len(record.host.host_block_ids) if isinstance(record.host, SwappedBlocks) else 0
+
     def is_preempted(self, seq_id: int) -> bool:
         return isinstance(seq_id, int) and seq_id in self._sequences.preempted
 
@@ -389,20 +398,3 @@ class KVCache:
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
         if self.host is not None:
             check_host_tier(self.host, swapped_host_blocks(sequences.preempted.values()))
-
-
-class _ResultScope:
-    """`KVCache.one_result()`'s scope, reentrant: when the outermost one ends, the host tier settles the result."""
-
-    __slots__ = ("_host", "_depth")
-
-    def __init__(self, host: HostTier | None) -> None:
-        self._host, self._depth = host, 0
-
-    def __enter__(self) -> None:
-        self._depth += 1
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        self._depth -= 1
-        if not self._depth and self._host is not None:
-            self._host.settle()

@@ -10,8 +10,6 @@ so a parent that asked for port 0 learns the port; logs go to stderr as JSON lin
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import signal
@@ -25,23 +23,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
 from radixkv.server.audit import PoolAuditor
 from radixkv.server.auth import AuthInterceptor
 from radixkv.server.config import (
-    CPU_DEFAULT_POOL_BYTES,
-    DEFAULT_MEMORY_FRACTION,
-    DEFAULT_RESERVED_BYTES,
     ServerConfig,
-    config_from_mapping,
-    default_pool,
-    load_toml,
-    parse_pool_flag,
-    pool_from_mapping,
-    pool_keys_help,
 )
 from radixkv.server.debug import DebugServicer
 from radixkv.server.decoding import DecodingInterceptor
+from radixkv.server.flags import parse_args
 from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
@@ -50,7 +39,7 @@ from radixkv.server.restart import restore_sessions, snapshot_all
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
-from radixkv.server.stream_gate import StreamGate
+from radixkv.server.stream_gate import StreamBound, StreamGate
 from radixkv.server.tenants import ANONYMOUS, Tenant
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
@@ -146,11 +135,16 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
         assert config.max_public_streams is not None
+        assert config.max_session_streams is not None
+        session_bound = StreamBound(
+            "max_session_streams", config.max_session_streams, service.shares.of(config.max_session_streams)
+        )
         gate = StreamGate(
             config.max_streams,
             config.max_streams_per_peer,
             service.shares.of(config.max_streams),
             config.max_public_streams,
+            {f"/{KVCACHE_SERVICE}/Session": session_bound},
         )
         metrics.watch_streams(gate)
         interceptors = [  # outermost first; why this order: server/interceptors.py
@@ -172,7 +166,7 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             interceptors=interceptors,
             options=options,
         )
-        session_streams = SessionStreams(config.max_session_streams or 0)
+        session_streams = SessionStreams()
         servicer = KVCacheServicer(service, session_streams, metrics.observe)
         kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server)
         if config.debug_rpc:
@@ -256,7 +250,7 @@ def serve(config: ServerConfig) -> int:
         },
     )
     kv_events = {
-        name: {"endpoint": pool.kv_publisher.endpoint, "replay_endpoint": pool.kv_publisher.replay_endpoint}
+        name: pool.kv_publisher.endpoints
         for name, pool in server.service.pools.items()
         if pool.kv_publisher is not None
     }
@@ -285,166 +279,6 @@ def _keeper_summary(server: RadixKVServer) -> dict[str, object]:
         if pool.keeper is not None
     }
     return {"socket": str(server.keeper.path), "incarnation": server.keeper.incarnation, "pools": pools}
-
-
-def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
-    """`radixkv serve` flags (a leading "serve" is accepted) -> (config, log level). Flags win over --config."""
-    args = list(argv)
-    if args[:1] == ["serve"]:
-        args = args[1:]
-    parser = argparse.ArgumentParser(
-        prog="radixkv serve",
-        description="Serve radixkv pools over gRPC.",
-        epilog=_DEFAULT_POOL_HELP + "\n\n" + pool_keys_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", help="TOML file: server options, [pools.NAME] and [tenants.NAME] tables")
-    parser.add_argument(
-        "--pool",
-        action="append",
-        default=[],
-        metavar="NAME:key=val,...",
-        help="a pool, e.g. default:num_layers=32,num_kv_heads=8,head_dim=128,num_blocks=4096 "
-        "(repeatable; replaces a --config pool of that name)",
-    )
-    parser.add_argument(
-        "--model",
-        metavar="NAME|PATH",
-        help=f"shape the default pool for this model: a Hugging Face directory (config.json), a .gguf file, "
-        f"or a known name (default: {DEFAULT_MODEL}); only when no pool is configured",
-    )
-    parser.add_argument("--device", help="the default pool's device (default: cuda when there is one, else cpu)")
-    parser.add_argument(
-        "--memory-fraction",
-        type=float,
-        help=f"the default pool's share of free device memory (default on CUDA: {DEFAULT_MEMORY_FRACTION})",
-    )
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free port, printed on stdout)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port); off when absent")
-    parser.add_argument(
-        "--auth-tokens",
-        metavar="FILE",
-        help="TOML file of [tenants.NAME] tables (token, namespaces, max_blocks, map_pools): turns auth on",
-    )
-    parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TLS")
-    parser.add_argument("--tls-key", help="PEM private key")
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        help="largest request or response (default: enough for the largest request the pools allow)",
-    )
-    parser.add_argument("--session-ttl", type=float, dest="session_ttl_seconds", help="default session lease, seconds")
-    parser.add_argument(
-        "--max-session-ttl", type=float, dest="max_session_ttl_seconds", help="longest lease a client may ask for"
-    )
-    parser.add_argument("--max-workers", type=int, help="RPC threads (each open WatchEvents stream holds one)")
-    parser.add_argument("--max-sessions", type=int, help="live sessions, server-wide (default 10000)")
-    parser.add_argument(
-        "--max-sequences-per-session", type=int, help="live sequences one session may hold in one pool (default 4096)"
-    )
-    parser.add_argument("--max-pins-per-session", type=int, help="pins one session may hold in one pool (default 256)")
-    parser.add_argument(
-        "--max-streams",
-        type=int,
-        help="open long-lived streams (WatchEvents, health Watch, reflection), below --max-workers (default: half)",
-    )
-    parser.add_argument(
-        "--max-streams-per-peer", type=int, help="open streams per connection (default: half of --max-streams)"
-    )
-    parser.add_argument(
-        "--max-public-streams",
-        type=int,
-        help="open streams that need no token: health, reflection (default: a quarter)",
-    )
-    parser.add_argument("--max-sequences", type=int, help="live sequences per pool, all sessions (default 262144)")
-    parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
-    parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
-    parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
-    parser.add_argument(
-        "--kv-events-endpoint",
-        metavar="ENDPOINT",
-        help="publish the pool's KV events in vLLM's ZMQ format, e.g. tcp://*:5557 (one pool; else per [pools.NAME])",
-    )
-    parser.add_argument("--kv-events-topic", metavar="TOPIC", help="ZMQ topic, e.g. kv@<ip:port>@<model>")
-    parser.add_argument(
-        "--kv-events-replay-endpoint",
-        metavar="ENDPOINT",
-        help="ROUTER socket answering replay requests, e.g. tcp://*:5558",
-    )
-    parser.add_argument(
-        "--audit-interval",
-        type=float,
-        dest="audit_interval_seconds",
-        metavar="S",
-        help="every S seconds, recount one pool's bookkeeping (server/audit.py); 0: off (default)",
-    )
-    parser.add_argument(
-        "--audit-slice-ms",
-        type=float,
-        dest="audit_slice_ms",
-        metavar="MS",
-        help="the audit copies a pool in lock holds of about MS milliseconds each, whatever its size (default 2)",
-    )
-    keeper = parser.add_mutually_exclusive_group()
-    keeper.add_argument(
-        "--keeper",
-        dest="keeper_socket",
-        metavar="SOCKET",
-        help="take the pools' memory from the keeper on this socket (radixkv keeper), so it outlives this server",
-    )
-    keeper.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="as --keeper DIR/keeper.sock, starting `radixkv keeper --state-dir DIR` (detached) if none runs there",
-    )
-    parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    ns = parser.parse_args(args)
-    data = load_toml(ns.config) if ns.config else {}
-    if ns.auth_tokens:
-        data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
-    own_flags = ("config", "pool", "auth_tokens", "log_level", "model", "device", "memory_fraction")
-    overrides = {
-        k: v for k, v in vars(ns).items() if v is not None and k not in own_flags and not k.startswith("kv_events")
-    }
-    flagged = [parse_pool_flag(flag) for flag in ns.pool]
-    from_file = [pool_from_mapping(name, values) for name, values in data.get("pools", {}).items()]
-    pools = (*[p for p in from_file if p.name not in {f.name for f in flagged}], *flagged)
-    if not pools:
-        _, shape = resolve_model(ns.model or DEFAULT_MODEL)
-        pools = (default_pool(shape, device=ns.device or _default_device(), memory_fraction=ns.memory_fraction),)
-    elif ns.model or ns.device or ns.memory_fraction is not None:
-        raise ValueError(
-            "--model, --device and --memory-fraction shape the default pool; with --pool or [pools] tables, give them "
-            "there"
-        )
-    kv_events = {k: v for k, v in vars(ns).items() if k.startswith("kv_events") and v is not None}
-    if kv_events:
-        if len(pools) != 1:
-            raise ValueError(
-                f"--kv-events-* flags need exactly one pool (got {len(pools)}); "
-                "set kv_events_endpoint in each [pools.NAME] table instead"
-            )
-        pools = (dataclasses.replace(pools[0], **kv_events),)
-    config = config_from_mapping(data, **overrides, pools=pools)
-    return config, ns.log_level
-
-
-_DEFAULT_POOL_HELP = f"""\
-without --pool or [pools] tables, one pool named "default" is served, shaped for --model
-(default {DEFAULT_MODEL}: {MODEL_SHAPES[DEFAULT_MODEL].num_layers} layers,
-{MODEL_SHAPES[DEFAULT_MODEL].num_kv_heads} KV heads, head_dim {MODEL_SHAPES[DEFAULT_MODEL].head_dim}; block_size 16,
-float16) and sized as vLLM sizes its KV cache: on CUDA, --memory-fraction
-({DEFAULT_MEMORY_FRACTION} by default) of the device's free memory less a
-{DEFAULT_RESERVED_BYTES // 2**30} GiB reserve for the worker's weights and activations; on CPU,
-{CPU_DEFAULT_POOL_BYTES // 2**20} MiB of shared memory."""
-
-
-def _default_device() -> str:
-    import torch  # the server needs it for the pools anyway
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,6 +34,8 @@ from typing import Any
 from radixkv.kv_cache import Limits
 from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.planning.model_shape import ModelShape
+from radixkv.server import kv_events_config
+from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.sizes import message_bytes_needed
 
 DEFAULT_POOL = "default"
@@ -57,11 +59,7 @@ class PoolConfig:
     memory_fraction: float | None = None  # of the device's free memory, as vLLM's --gpu-memory-utilization
     reserved_bytes: int = 0  # kept free of KV (the worker's weights and activations), off memory_fraction's budget
     limits: Limits = Limits()
-    # vLLM's KV-events stream for this pool (ZMQ PUB, and ROUTER for replay); None: not published.
-    kv_events_endpoint: str | None = None
-    kv_events_topic: str = ""  # e.g. kv@<ip:port>@<model>, as llm-d's precise prefix-cache scorer expects
-    kv_events_replay_endpoint: str | None = None
-    kv_events_buffer_steps: int = 10_000  # batches kept for replay
+    kv_events: KVEventsConfig | None = None  # vLLM's KV-events stream of this pool (`kv_events_*` keys); None: off
     tombstones: int = 65_536  # evicted block hashes remembered, so Match(explain) can say EVICTED
     # The host tier (same layout in host memory; pinned when CUDA is present), by at most one of these; none: no tier.
     host_num_blocks: int | None = None
@@ -72,12 +70,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
             raise ValueError(f"pool {self.name!r}: give at most one of host_num_blocks, host_memory_bytes")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ValueError(f"pool {self.name!r}: kv_events_replay_endpoint needs kv_events_endpoint")
         if self.tombstones < 0:
             raise ValueError(f"pool {self.name!r}: tombstones must be >= 0")
-        if self.kv_events_buffer_steps < 1:
-            raise ValueError(f"pool {self.name!r}: kv_events_buffer_steps must be >= 1")
         sizes = [f for f in ("num_blocks", "memory_bytes", "memory_fraction") if getattr(self, f) is not None]
         if len(sizes) != 1:
             raise ValueError(
@@ -104,6 +98,7 @@ class TenantConfig:
     map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
     admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
     max_tokens_per_second: float | None = None  # token bucket charged prompt + max_new_tokens per open; None: none
+    publish_kv_events: bool = True  # False: the tenant's blocks never enter a pool's KV-events stream
 
     def __post_init__(self) -> None:
         if not _TENANT_NAME_RE.fullmatch(self.name):
@@ -120,6 +115,8 @@ class TenantConfig:
         rate = self.max_tokens_per_second
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
             raise ValueError(f"tenant {self.name!r}: max_tokens_per_second must be a number > 0")
+        if not isinstance(self.publish_kv_events, bool):  # "false" as text must not read as True
+            raise ValueError(f"tenant {self.name!r}: publish_kv_events must be true or false")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,6 +167,11 @@ class ServerConfig:
         tokens = [t.token for t in self.tenants]
         if len(set(tokens)) != len(tokens) or len({t.name for t in self.tenants}) != len(tokens):
             raise ValueError("tenant names and tokens must be unique")
+        published = [(t.name, t.publish_kv_events) for t in self.tenants]  # auth on: the stream's trust boundary
+        object.__setattr__(self, "pools", tuple(
+            dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
+            for p in self.pools
+        ))  # fmt: skip
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both tls_cert and tls_key, or neither")
         if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
@@ -211,7 +213,7 @@ class ServerConfig:
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}
-_POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)} - {"name", "limits"}
+_POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)} - {"name", "limits", "kv_events"}
 _SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)} - {"pools", "tenants"}
 
 # Every key a pool takes (`--pool NAME:key=val,...` or a `[pools.NAME]` table), in the order --help lists them.
@@ -230,17 +232,15 @@ POOL_KEYS: dict[str, str] = {
     "max_fork_children": "children one fork may create",
     "max_namespaces": "namespaces the pool's prefix tree holds at once",
     "max_pinned_fraction": "fraction of the pool pins may keep resident",
-    "kv_events_endpoint": "ZMQ PUB endpoint for vLLM's KV events (e.g. tcp://*:5557)",
-    "kv_events_topic": "topic of those events, e.g. kv@<ip:port>@<model>",
-    "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches",
-    "kv_events_buffer_steps": "event batches kept for replay",
     "host_num_blocks": "host tier size in blocks (host memory, same layout): evicted prefixes move there",
     "host_memory_bytes": "host tier size as a byte budget; give at most one of host_num_blocks, host_memory_bytes",
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
 }
-_DEFAULTS = {f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
+_DEFAULTS = {
+    f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name != "kv_events"
+}
 _ALL_KEYS = [*POOL_KEYS, *sorted((_POOL_FIELDS | _LIMIT_FIELDS) - set(POOL_KEYS))]
 _REQUIRED = [k for k in _ALL_KEYS if _DEFAULTS[k] is dataclasses.MISSING]
 _TYPES = {f.name: str(f.type) for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))}
@@ -257,7 +257,7 @@ def pool_keys_help() -> str:
         rows.append(f"  {key:<24} {shown:<10} {meaning}")
     return (
         "pool keys (--pool NAME:key=val,... or a [pools.NAME] table):\n  key                      default\n"
-        + "\n".join(rows)
+        + "\n".join([*rows, *kv_events_config.keys_help()])
     )
 
 
@@ -265,7 +265,7 @@ def _check_pool_values(name: str, values: Mapping[str, Any]) -> None:
     """One line naming the first key that is unknown, missing or of the wrong kind (never a TypeError)."""
     for key in values:
         if key not in _DEFAULTS or key in ("name", "limits"):
-            close = difflib.get_close_matches(key, _ALL_KEYS, n=1)
+            close = difflib.get_close_matches(key, [*_ALL_KEYS, *kv_events_config.KEYS], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"pool {name!r}: unknown key {key!r}{hint}; radixkv serve --help lists every key")
     missing = [k for k in _REQUIRED if k not in values]
@@ -310,10 +310,15 @@ def default_pool(shape: ModelShape, *, device: str, memory_fraction: float | Non
 
 
 def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
-    """A pool from `key: value` pairs; the core's `Limits` fields are accepted alongside the layout."""
+    """A pool from `key: value` pairs; the core's `Limits` fields and the `kv_events_*` keys beside the layout."""
+    events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
+    values = {k: v for k, v in values.items() if k not in events}
     _check_pool_values(name, values)
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
-    return PoolConfig(name=name, limits=limits, **{k: v for k, v in values.items() if k in _POOL_FIELDS})
+    kv_events = kv_events_config.from_mapping(name, events)
+    return PoolConfig(
+        name=name, limits=limits, kv_events=kv_events, **{k: v for k, v in values.items() if k in _POOL_FIELDS}
+    )
 
 
 def parse_pool_flag(flag: str) -> PoolConfig:
@@ -339,22 +344,16 @@ def _scalar(raw: str) -> int | float | str:
     return raw
 
 
-_TENANT_KEYS = {"token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin", "max_tokens_per_second"}
+_TENANT_KEYS = {
+    "token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin", "max_tokens_per_second",
+    "publish_kv_events",
+}  # fmt: skip
 
 
 def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
     tenants = []
     for name, values in tables.items():
-        known = {
-            "token",
-            "namespaces",
-            "max_blocks",
-            "max_cached_blocks",
-            "map_pools",
-            "admin",
-            "max_tokens_per_second",
-        }
-        unknown = set(values) - known
+        unknown = set(values) - _TENANT_KEYS
         if unknown:
             raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
         namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
@@ -368,6 +367,7 @@ def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
                 bool(values.get("map_pools", False)),
                 bool(values.get("admin", False)),
                 values.get("max_tokens_per_second"),
+                values.get("publish_kv_events", True),
             )
         )
     return tuple(tenants)

@@ -2,20 +2,25 @@
 
 A test running the server as a separate process cannot call `check_invariants()` on its cache or
 read its storage; these RPCs do it server-side and return the verdict. `CorruptRefCount` breaks a pool
-on purpose, so a test can prove the online audit (`radixkv.server.audit`) catches it.
+on purpose, so a test can prove the online audit (`radixkv.server.audit`) catches it; `StallSteps`
+holds a step inside its pool's lock, so a test can prove what a slow step holds back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
+from collections.abc import Iterator
 
 import grpc
 
 from radixkv.errors import InvalidArgument, PermissionDenied
 from radixkv.server.auth import current_caller
 from radixkv.server.pools import Pool
+from radixkv.server.reads import KVReads
 from radixkv.server.service import KVService
-from radixkv.server.status import translating_errors
+from radixkv.server.status import translating_errors, translating_stream
 from radixkv.v1 import debug_pb2 as pb
 from radixkv.v1 import debug_pb2_grpc
 
@@ -37,6 +42,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
 
     def __init__(self, service: KVService) -> None:
         self._service = service
+        self._reads = KVReads(service)
 
     @staticmethod
     def _check_admin() -> None:
@@ -51,7 +57,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
         self._check_admin()
         pool = self._service.pool(request.pool)
         try:
-            self._service.check_invariants(request.pool)
+            self._reads.check_invariants(request.pool)
             violation = ""
         except AssertionError as e:
             violation = str(e) or "assertion failed"
@@ -88,3 +94,40 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
             ref_counts = pool.cache.pool.ref_counts
             ref_counts[request.block_id] += request.delta
             return pb.CorruptRefCountResponse(ref_count=int(ref_counts[request.block_id]))
+
+    @translating_errors
+    def StallSteps(
+        self, request: pb.StallStepsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StallStepsResponse]:
+        """Holds the next step applied on the pool inside its lock until this call ends (or `max_seconds`)."""
+        self._check_admin()
+        pool = self._service.pool(request.pool)
+        if not 0 < request.max_seconds <= 60:
+            raise InvalidArgument("max_seconds", f"must lie in (0, 60], got {request.max_seconds}")
+        held, released = threading.Event(), threading.Event()
+        context.add_callback(released.set)  # the client ended the call
+        cache = pool.cache
+        one_result = cache.one_result
+
+        @contextlib.contextmanager
+        def stalled() -> Iterator[None]:  # every step applies inside `one_result()`, under the pool's lock
+            vars(cache).pop("one_result", None)  # only this step is held
+            held.set()
+            released.wait(request.max_seconds)
+            with one_result():
+                yield
+
+        with pool.lock:
+            cache.one_result = stalled  # type: ignore[method-assign,assignment]  # this object only, until a step takes it
+
+        def answers() -> Iterator[pb.StallStepsResponse]:
+            try:
+                yield pb.StallStepsResponse(stalled=False)  # armed: the next step will be held
+                if held.wait(request.max_seconds):
+                    yield pb.StallStepsResponse(stalled=True)
+                    released.wait(request.max_seconds)
+            finally:
+                with pool.lock:
+                    vars(cache).pop("one_result", None)
+
+        return translating_stream(context, "StallSteps", answers())

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.kv_cache import KVCache
+from radixkv.server.block_checksums import BlockChecksums
 from radixkv.tree.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.tree.radix_tree import Node
 
@@ -48,7 +49,7 @@ class BlockEvent:
     parent_block_id: int | None = None  # BLOCKS_STORED: the block before them; None at the root
     block_hashes: tuple[int, ...] = ()  # low 64 bits of each block's content hash, beside block_ids
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
-    extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block, the namespace salt on a first block
+    extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block as events carry them (the untagged salt)
     pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
     namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
     digest_delta: int = 0  # what this event added to it, mod 2^64
@@ -147,6 +148,7 @@ class EventHub:
         self.num_blocks: dict[str, int] = {}  # namespace -> cached blocks
         self.sinks: list[EventSink] = []
         self.tombstones = Tombstones(max_tombstones)
+        self.checksums = BlockChecksums(cache.pool.num_blocks)  # writers' K/V checksums of tree blocks
         self._tree.observer = self
 
     def adopt(self, cache: KVCache) -> None:
@@ -190,6 +192,7 @@ class EventHub:
 
     def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
+        self.checksums.forget(block_ids)
         self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
         self.num_events += 1
@@ -224,7 +227,7 @@ class EventHub:
             parent_block,
             tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
             None if parent_hash is None else wire_hash(parent_hash),
-            tuple(self.hashes.extra_keys(node)),
+            tuple(self.hashes.event_extra_keys(node)),
             self.num_events,
             self.digests.get(node.namespace, 0),
             delta,

@@ -21,21 +21,28 @@ import grpc
 
 Behaviour = Callable[[Any, grpc.ServicerContext], Any]
 Wrap = Callable[[Behaviour], Behaviour]
-_BEHAVIOURS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+# Each kind of behaviour and grpc's public constructor of a handler that has it.
+_CONSTRUCTORS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler]], ...] = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
 
 
 def wrap_handler(
     handler: grpc.RpcMethodHandler, wrap: Wrap, request_deserializer: Callable[[bytes], Any] | None = None
 ) -> grpc.RpcMethodHandler:
-    """The same handler with its behaviour wrapped (and its request deserializer replaced, if given)."""
-    for kind in _BEHAVIOURS:
+    """A new handler of the same kind, its behaviour wrapped (and its request deserializer replaced, if given),
+    built with grpc's public constructors from the handler's public attributes."""
+    for kind, construct in _CONSTRUCTORS:
         behaviour = getattr(handler, kind)
         if behaviour is not None:
-            changes: dict[str, Any] = {kind: wrap(behaviour)}
-            if request_deserializer is not None:
-                changes["request_deserializer"] = request_deserializer
-            # RpcMethodHandler is a namedtuple in grpc's implementation: _replace is how to copy one.
-            return handler._replace(**changes)  # type: ignore[attr-defined]
+            return construct(
+                wrap(behaviour),
+                request_deserializer=request_deserializer or handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
     raise AssertionError(f"a handler without a behaviour: {handler!r}")
 
 

@@ -1,5 +1,11 @@
 """The server's side of the keeper: attach pools, hold them for the process's life, notice if the keeper dies.
 
+Whom it attaches to: the keeper holds the K/V of every prompt and receives the shutdown snapshot, so
+a server attaches only when the socket's directory belongs to its own uid (or root) and no group or
+other user may write it, and the process answering on the socket runs as its own uid (or root,
+SO_PEERCRED); otherwise it refuses with KeeperError("UNTRUSTED") naming what is wrong, and `serve`
+exits 1 with that line.
+
 One connection per server. It stays open while the server lives: the keeper takes its end as the
 server's hold on the pools it attached, and the server takes an end of stream on it as the keeper's death.
 What a server does when the keeper dies (README, "The keeper"): it keeps serving, since its own mapping
@@ -24,7 +30,17 @@ from typing import Any
 
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.pool_handle import PoolHandle
-from radixkv.server.keeper_protocol import LOCK_NAME, KeeperError, decode_object, recv_frame, send_frame, socket_path
+from radixkv.server.keeper_protocol import (
+    LOCK_NAME,
+    KeeperError,
+    check_private_dir,
+    decode_object,
+    peer_uid,
+    recv_frame,
+    send_frame,
+    socket_path,
+    trusted_uid,
+)
 
 log = logging.getLogger("radixkv.server")
 
@@ -46,14 +62,23 @@ class KeeperAttachment:
 
 
 class KeeperClient:
-    """A connection to a keeper's socket. Requests are serialised; `lost` is set once the keeper is gone."""
+    """A connection to a keeper's socket. Requests are serialised; `lost` is set once the keeper is gone.
+
+    Raises KeeperError("UNTRUSTED") for a socket whose directory or keeper is not this user's (module docstring).
+    """
 
     def __init__(self, path: str | Path, timeout: float = REPLY_TIMEOUT_SECONDS) -> None:
         self.path = Path(path)
+        check_private_dir(self.path.parent)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(str(self.path))
-        except OSError:
+            uid = peer_uid(self._sock)
+            if not trusted_uid(uid):
+                raise KeeperError(
+                    "UNTRUSTED", f"the keeper on {self.path} runs as uid {uid}, not as uid {os.getuid()} or root"
+                )
+        except BaseException:
             self._sock.close()
             raise
         self._sock.settimeout(timeout)
@@ -147,11 +172,14 @@ def connect_or_spawn(state_dir: str | Path, timeout: float = SPAWN_TIMEOUT_SECON
     server) if none listens there. Raises RuntimeError when none answers within `timeout` s."""
     state_dir = Path(state_dir).absolute()
     path = socket_path(state_dir)
+    if state_dir.exists():
+        check_private_dir(state_dir)  # before anything of ours (a keeper, its memory) goes in
     try:
         return KeeperClient(path)
     except (FileNotFoundError, ConnectionRefusedError):
         pass
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private_dir(state_dir)
     with open(state_dir / KEEPER_LOG, "ab") as keeper_log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir)],

@@ -9,7 +9,9 @@ the server and the keeper share it without either importing the other.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,36 @@ class FrameError(KeeperError):
     """The stream itself is broken (bad length, closed mid-frame): the connection cannot go on."""
 
 
+def trusted_uid(uid: int) -> bool:
+    """Whether a process of `uid` may be on the other end of the keeper's socket, either way: this process's own
+    user, or root (who can read either process's memory anyway)."""
+    return uid in (os.getuid(), 0)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED, Linux)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def check_private_dir(path: Path) -> None:
+    """Raises KeeperError("UNTRUSTED") unless `path` is a directory of a trusted uid that no group or other user may
+    write: whoever may write it may put their own socket there, or read what is kept in it. One that does not exist
+    raises FileNotFoundError (no keeper there)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise KeeperError("UNTRUSTED", f"keeper state directory {path} is not a directory")
+    if not trusted_uid(st.st_uid):
+        raise KeeperError(
+            "UNTRUSTED", f"keeper state directory {path} is owned by uid {st.st_uid}, not by uid {os.getuid()} or root"
+        )
+    if st.st_mode & 0o022:
+        mode = stat.S_IMODE(st.st_mode)
+        why = f"has mode {mode:04o}: group or others may write it (the keeper makes it 0700)"
+        raise KeeperError("UNTRUSTED", f"keeper state directory {path} {why}")
+
+
 def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME_BYTES:
@@ -71,12 +103,32 @@ def recv_frame(sock: socket.socket, frame_timeout: float | None = None) -> bytes
     sock.settimeout(frame_timeout)
     try:
         header = first + _recv_exactly(sock, _LENGTH.size - 1)
-        (length,) = _LENGTH.unpack(header)
-        if not 1 <= length <= MAX_FRAME_BYTES:
-            raise FrameError("BAD_FRAME", f"frame length {length} outside 1..{MAX_FRAME_BYTES}")
-        return _recv_exactly(sock, length)
+        return _recv_exactly(sock, _frame_length(header))
     finally:
         sock.settimeout(idle_timeout)
+
+
+def take_frame(buffer: bytearray) -> bytes | None:
+    """The body of the first whole frame in `buffer`, removed from it; None while none is whole.
+
+    Raises:
+        FrameError: a length out of range.
+    """
+    if len(buffer) < _LENGTH.size:
+        return None
+    length = _frame_length(bytes(buffer[: _LENGTH.size]))
+    if len(buffer) < _LENGTH.size + length:
+        return None
+    body = bytes(buffer[_LENGTH.size : _LENGTH.size + length])
+    del buffer[: _LENGTH.size + length]
+    return body
+
+
+def _frame_length(header: bytes) -> int:
+    (length,) = _LENGTH.unpack(header)
+    if not 1 <= length <= MAX_FRAME_BYTES:
+        raise FrameError("BAD_FRAME", f"frame length {length} outside 1..{MAX_FRAME_BYTES}")
+    return int(length)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:

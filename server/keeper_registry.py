@@ -168,6 +168,11 @@ class Keeper:
         log.info("released", extra={"pool": name})
         return {"ok": True}
 
+    def holds(self, conn: int) -> bool:
+        """Whether connection `conn` has a pool attached (a live server's)."""
+        with self._lock:
+            return any(pool.holder == conn for pool in self._pools.values())
+
     def disconnect(self, conn: int) -> None:
         """A connection ended: what it held waits, retained, for the next server."""
         with self._lock:

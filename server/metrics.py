@@ -162,7 +162,7 @@ class _StreamCollector:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        gate = self._metrics._gate
+        gate = self._metrics.gate
         if gate is not None:
             yield GaugeMetricFamily("radixkv_open_streams", "Open long-lived streams (all kinds).", value=len(gate))
 
@@ -192,7 +192,7 @@ class ServerMetrics:
             ["method", "reason", "limit"],
             registry=self.registry,
         )
-        self._gate: StreamGate | None = None
+        self.gate: StreamGate | None = None  # the open streams it reports, once set (`watch_streams`)
         self.registry.register(_StreamCollector(self))
         self._children: dict[tuple[str, ...], Any] = {}
         self._pool_names = frozenset(service.pools)
@@ -234,7 +234,7 @@ class ServerMetrics:
 
     def watch_streams(self, gate: StreamGate) -> None:
         """Report the open streams `gate` counts."""
-        self._gate = gate
+        self.gate = gate
 
 
 class _MetricsInterceptor(WrappingInterceptor):

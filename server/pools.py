@@ -16,7 +16,9 @@ from radixkv.kv_cache import KVCache, Limits
 from radixkv.memory.layout import PoolLayout
 from radixkv.server.config import PoolConfig
 from radixkv.server.events import EventHub
+from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.ledger import PoolLedger
+from radixkv.server.tenants import SCOPE_SEPARATOR
 
 if TYPE_CHECKING:
     from radixkv.memory.storage import KVStorage
@@ -68,24 +70,27 @@ class Pool:
         self.num_adopted_blocks = 0  # cached blocks adopted from the previous server's snapshot
         self.adopted_extras: dict[str, Any] | None = None  # the adopted snapshot's sessions, until restored
 
-    def publish_kv_events(self, config: PoolConfig) -> None:
-        """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on."""
-        # Imported here: pyzmq and msgpack are needed only by a server that publishes.
+    def publish_kv_events(self, config: KVEventsConfig) -> None:
+        """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on; the
+        namespaces of `config.withheld_tenants` never."""
+        # Imported here: pyzmq and msgspec are needed only by a server that publishes.
         from radixkv.server.kv_events import ZmqEventPublisher
 
-        assert config.kv_events_endpoint is not None
+        withheld = tuple(f"{name}{SCOPE_SEPARATOR}" for name in config.withheld_tenants)
+
+        def publishes(namespace: str) -> bool:
+            return not namespace.startswith(withheld)
+
         with self.lock:  # the digest it starts from and the first event it is told of: one hold
             hub = self.events
             publisher = ZmqEventPublisher(
-                config.kv_events_endpoint,
-                config.kv_events_topic,
+                config,
                 self.layout.block_size,
-                config.kv_events_replay_endpoint,
-                config.kv_events_buffer_steps,
-                adopted=hub.snapshot(lambda namespace: True) if self.num_adopted_blocks else None,
+                adopted=hub.snapshot(publishes) if self.num_adopted_blocks else None,
                 epoch=hub.epoch,
-                digest=hub.digest(lambda _namespace: True),
+                digest=hub.digest(publishes),
                 num_events=hub.num_events,
+                publishes=publishes,
             )
             publisher.start()
             hub.sinks.append(publisher)
@@ -145,9 +150,9 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
 
         adopted = adopt_snapshot(pool, attachment, config.limits)
         pool.adopted_extras = adopted.extras if adopted is not None else None
-    if config.kv_events_endpoint is not None:
+    if config.kv_events is not None:
         try:
-            pool.publish_kv_events(config)
+            pool.publish_kv_events(config.kv_events)
         except BaseException:
             pool.close()
             raise

@@ -122,11 +122,13 @@ class ServerProcess(_Announced):
 
 
 class KeeperProcess(_Announced):
-    """A running `python -m radixkv.server.keeper --state-dir DIR`: `stop()` is SIGTERM (it frees the memory),
+    """A running `python -m radixkv.server.keeper --state-dir DIR [ARGS]`: `stop()` is SIGTERM (it frees the memory),
     `kill()` is SIGKILL (the next keeper on DIR starts cold). `socket` is the path servers attach to."""
 
-    def __init__(self, state_dir: str | Path, log_path: Path | None = None, timeout: float = 60.0) -> None:
-        command = [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir)]
+    def __init__(
+        self, state_dir: str | Path, log_path: Path | None = None, timeout: float = 60.0, args: Sequence[str] = ()
+    ) -> None:
+        command = [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir), *args]
         super().__init__(command, "keeping", log_path, timeout, "ab")
         self.socket = Path(self.announcement["socket"])
         self.incarnation: str = self.announcement["incarnation"]

@@ -141,6 +141,7 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
             ],
             "kv_checksums": kv_checksums(pool.storage, tree_block_ids),
             "host_kv_checksums": host_tier_checksums(pool, cache),
+            "block_checksums": pool.events.checksums.to_pairs(),  # writers' claims (server/block_checksums.py)
         }
         identity = pool_identity(pool, memory_id(memory.incarnation, memory.generation))
         data = dump(cache, identity, extras)
@@ -205,6 +206,7 @@ def adopt_snapshot(pool: Pool, memory: KeptMemory, limits: Limits) -> Adopted | 
     path.unlink()  # consumed: a crash from here on must not find it
     pool.cache = adopted.cache
     pool.events.adopt(adopted.cache)
+    pool.events.checksums.restore(adopted.extras.get("block_checksums", []), set(tree_block_ids))
     pool.num_adopted_blocks = len(tree_block_ids)
     log.info(
         "snapshot adopted",
@@ -236,7 +238,7 @@ def restore_sessions(pool: Pool, extras: dict[str, Any], registry: SessionRegist
             if session is None:
                 orphans.append(int(seq_id))
             else:
-                pool.ledger.adopt(session, int(seq_id), len(cache.block_table(int(seq_id))))
+                pool.ledger.adopt_kept(session, cache, int(seq_id))
         for session_id, namespace, token_bytes, num_blocks in extras.get("pins", []):
             session = sessions.get(session_id)
             if session is None:

@@ -24,10 +24,13 @@ from radixkv.memory.pool_handle import PoolHandle
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
+from radixkv.server.idempotency import request_key
 from radixkv.server.miss_reasons import MissExplanation, wire_reason
+from radixkv.server.reads import KVReads
 from radixkv.server.service import KVService
-from radixkv.server.session_stream import Observe, SessionStreams, transfers
+from radixkv.server.session_stream import Observe, SessionStreams
 from radixkv.server.status import translating_errors, translating_stream
+from radixkv.server.step_wire import transfers
 from radixkv.server.tenants import Tenant
 from radixkv.tree.block_hash import WIRE_MASK, HashContract
 from radixkv.v1 import kvcache_pb2 as pb
@@ -43,6 +46,7 @@ _EVENT_KINDS = {
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def __init__(self, service: KVService, session_streams: SessionStreams, observe: Observe) -> None:
         self._service = service
+        self._reads = KVReads(service)
         self._session_streams = session_streams
         self._observe = observe
 
@@ -74,7 +78,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         budgets = [p.max_new_tokens for p in request.prompts]
         priorities = [p.priority for p in request.prompts]
         results = self._service.open_sequences(
-            current_caller(), request.session_id, request.pool, prompts, request.request_id, explanations,
+            current_caller(), request.session_id, request.pool, prompts, request_key("OpenSequences", request),
+            explanations,
             budgets if any(budgets) else None, priorities if any(priorities) else None,
         )  # fmt: skip
         response = pb.OpenSequencesResponse(
@@ -106,7 +111,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             list(request.seq_ids),
             list(request.num_token_ids),
             request.token_ids,
-            request.request_id,
+            request_key("AppendTokens", request),
         )
         return pb.AppendTokensResponse(
             num_tokens=batch.num_tokens,
@@ -120,8 +125,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def ForkSequence(self, request: pb.ForkSequenceRequest, context: grpc.ServicerContext) -> pb.ForkSequenceResponse:
+        key = request_key("ForkSequence", request)
         children = self._service.fork(
-            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children, request.request_id
+            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children, key
         )
         return pb.ForkSequenceResponse(child_seq_ids=children)
 
@@ -130,7 +136,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self, request: pb.CacheSequenceRequest, context: grpc.ServicerContext
     ) -> pb.CacheSequenceResponse:
         num_cached = self._service.cache_sequence(
-            current_caller(), request.session_id, request.pool, request.seq_id, request.request_id
+            current_caller(), request.session_id, request.pool, request.seq_id, request_key("CacheSequence", request)
         )
         return pb.CacheSequenceResponse(num_cached_tokens=num_cached)
 
@@ -139,8 +145,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self, request: pb.ReleaseSequencesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseSequencesResponse:
         cache = request.cache if request.HasField("cache") else True
+        key = request_key("ReleaseSequences", request)
         num = self._service.release(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids), cache, request.request_id
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), cache, key
         )
         return pb.ReleaseSequencesResponse(num_released_sequences=num)
 
@@ -152,17 +159,34 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         return pb.CommitTokensResponse()
 
     @translating_errors
+    def RecordBlockChecksums(
+        self, request: pb.RecordBlockChecksumsRequest, context: grpc.ServicerContext
+    ) -> pb.RecordBlockChecksumsResponse:
+        num = self._service.record_block_checksums(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.first_block,
+            list(request.checksums),
+        )  # fmt: skip
+        return pb.RecordBlockChecksumsResponse(num_recorded=num)
+
+    @translating_errors
+    def GetBlockChecksums(
+        self, request: pb.GetBlockChecksumsRequest, context: grpc.ServicerContext
+    ) -> pb.GetBlockChecksumsResponse:
+        checksums = self._reads.block_checksums(
+            current_caller(), request.session_id, request.pool, request.seq_id, request.first_block, request.num_blocks
+        )
+        return pb.GetBlockChecksumsResponse(checksums=checksums)
+
+    @translating_errors
     def DescribeSequences(
         self, request: pb.DescribeSequencesRequest, context: grpc.ServicerContext
     ) -> pb.DescribeSequencesResponse:
-        rows = self._service.describe_sequences(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids)
-        )
+        rows = self._reads.describe_sequences(current_caller(), request.session_id, request.pool, list(request.seq_ids))
         return pb.DescribeSequencesResponse(num_tokens=[n for n, _ in rows], num_computed_tokens=[c for _, c in rows])
 
     @translating_errors
     def CanAppend(self, request: pb.CanAppendRequest, context: grpc.ServicerContext) -> pb.CanAppendResponse:
-        fits, available = self._service.can_append(
+        fits, available = self._reads.can_append(
             current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_token_ids)
         )
         return pb.CanAppendResponse(can_append=fits, num_available_blocks=available)
@@ -171,14 +195,15 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def FreeableBlocks(
         self, request: pb.FreeableBlocksRequest, context: grpc.ServicerContext
     ) -> pb.FreeableBlocksResponse:
-        num = self._service.freeable_blocks(current_caller(), request.session_id, request.pool, list(request.seq_ids))
+        num = self._reads.freeable_blocks(current_caller(), request.session_id, request.pool, list(request.seq_ids))
         return pb.FreeableBlocksResponse(num_freeable_blocks=num)
 
     @translating_errors
     def Preempt(self, request: pb.PreemptRequest, context: grpc.ServicerContext) -> pb.PreemptResponse:
         mode = _PREEMPT_MODES.get(request.mode, f"PreemptMode {request.mode}")  # the core refuses it, naming `mode`
+        key = request_key("Preempt", request)
         result = self._service.preempt(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids), mode, request.request_id
+            current_caller(), request.session_id, request.pool, list(request.seq_ids), mode, key
         )
         return pb.PreemptResponse(
             offloads=transfers([result.offloads]),
@@ -188,7 +213,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
-        r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, request.request_id)
+        key = request_key("Resume", request)
+        r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, key)
         return pb.ResumeResponse(
             seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table.tolist(),
             slots=np.asarray(r.slots).tolist(), loads=transfers([r.loads]), offloads=transfers([r.offloads]),
@@ -197,13 +223,13 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def Victims(self, request: pb.VictimsRequest, context: grpc.ServicerContext) -> pb.VictimsResponse:
-        seq_ids = self._service.victims(current_caller(), request.session_id, request.pool, request.num_blocks)
+        seq_ids = self._reads.victims(current_caller(), request.session_id, request.pool, request.num_blocks)
         return pb.VictimsResponse(seq_ids=seq_ids)
 
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         if request.explain:
-            num, num_host, why = self._service.explain_match(
+            num, num_host, why = self._reads.explain_match(
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
@@ -211,41 +237,44 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
-        num, num_host = self._service.match(
+        num, num_host = self._reads.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
         return pb.MatchResponse(num_cached_tokens=num, num_host_cached_tokens=num_host)
 
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        key = request_key("Pin", request)
         num = self._service.pin(
-            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, request.request_id
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, key
         )
         return pb.PinResponse(num_pinned_tokens=num)
 
     @translating_errors
     def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+        key = request_key("Unpin", request)
         self._service.unpin(
-            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, request.request_id
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, key
         )
         return pb.UnpinResponse()
 
     @translating_errors
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        stats = self._service.stats(current_caller(), request.session_id, request.pool)
+        stats, num_available, num_tombstones, tombstone_bytes = self._reads.stats(
+            current_caller(), request.session_id, request.pool
+        )
         fields = {f: getattr(stats, f) for f in pb.PoolStats.DESCRIPTOR.fields_by_name}
-        num_tombstones, tombstone_bytes = self._service.tombstones(request.pool)
         return pb.StatsResponse(
             stats=pb.PoolStats(**fields),
             num_sessions=len(self._service.sessions),
-            num_available_blocks=self._service.num_available_blocks(request.pool),
+            num_available_blocks=num_available,
             num_tombstones=num_tombstones,
             tombstone_bytes=tombstone_bytes,
         )
 
     @translating_errors
     def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
-        pool = self._service.get_pool(current_caller(), request.session_id, request.pool)
+        pool = self._reads.get_pool(current_caller(), request.session_id, request.pool)
         layout = pool.layout
         handle = pool.storage.export_handle()
         response = pb.GetPoolResponse(
@@ -263,7 +292,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
-        pool, digests, seq = self._service.verify(current_caller(), request.session_id, request.pool)
+        pool, digests, seq = self._reads.verify(current_caller(), request.session_id, request.pool)
         namespaces = [
             pb.NamespaceDigest(namespace=ns, digest=d, num_blocks=n) for ns, (d, n) in sorted(digests.items())
         ]
@@ -282,7 +311,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # Not a generator itself: the caller is read and the request validated before this returns.
         caller = current_caller()
         epoch = self._service.pool(request.pool).events.epoch
-        batches = self._service.watch_events(
+        batches = self._reads.watch_events(
             caller,
             request.session_id,
             request.pool,

@@ -1,36 +1,62 @@
-"""Request sizes, checked before anything is converted or locked, so that every response fits its message.
+"""How large a call's response can be, from its request's counts alone: bounded before anything applies.
 
-A call whose response would exceed `max_message_bytes` must be refused before it applies: gRPC
-would drop the response after the server had applied the call, and the client would see
-RESOURCE_EXHAUSTED for a change that happened (an open whose sequence id never arrived). So the
-response's size is bounded from the request's counts alone (a varint's widest encoding for each
-slot and block id) and refused up front, naming `max_message_bytes`. The token limit is checked
-the same way, from the count, before a token list is converted.
+A call whose response would exceed the message limit must be refused before it applies: gRPC would
+drop the response after the server had applied the call, and the client would see
+RESOURCE_EXHAUSTED for a change that happened (an open whose sequence id never arrived). So each
+response's size is bounded from the request's counts (a varint's widest encoding for each slot and
+block id of a unary response; 8 bytes a slot and 4 a block id where the Session stream packs them)
+and checked up front (`checks.Checks.check_size`). A Session frame's steps answer in one message:
+each step is bounded against what the steps before it left (`session_stream`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
-from radixkv.errors import LimitExceeded
+from radixkv.memory.layout import PoolLayout
+from radixkv.sequences.step import Step
+from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds
 
-if TYPE_CHECKING:
-    from radixkv.server.pools import Pool
+
+class Pool(Protocol):
+    """What a response's bound reads of a pool (`pools.Pool`): its layout, and whether it has a host tier."""
+
+    @property
+    def layout(self) -> PoolLayout: ...
+
+    @property
+    def host_storage(self) -> object | None: ...
+
 
 _PER_SEQUENCE_BYTES = 48  # a response's fixed fields per sequence (ids, counts, a copy), with their tags
 _ENVELOPE_BYTES = 64
+_STEP_ENVELOPE_BYTES = 128  # a step's request id and session id, and the tags of its result fields
+_EXPLANATION_BYTES = 32 + 256  # an explained open's miss fields, and the other namespace it names
+_ID_BYTES = 11  # a uint64 varint at its widest, with its tag
 _TRANSFER_BYTES = 14  # one BlockTransfer at its widest: tag, length, two tagged uint32 varints
+_PACKED_SLOT_BYTES, _PACKED_ID_BYTES = 8, 4  # the stream's int64 slots and uint32 columns
+
+
+def num_tokens(token_ids: TokenIds) -> int:
+    """How many tokens a request's token list holds, without converting it."""
+    return len(token_ids) // TOKEN_BYTES if isinstance(token_ids, bytes) else len(token_ids)
 
 
 def _varint_bytes(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def _token_bytes(pool: Pool) -> int:
-    """Response bytes per token at most: its slot, plus one block id (a token starts at most one block)."""
-    layout = pool.layout
-    return _varint_bytes(layout.num_blocks * layout.block_size) + _varint_bytes(layout.num_blocks)
+@functools.cache
+def _widths(num_blocks: int, block_size: int, packed: bool) -> tuple[int, int]:
+    """(response bytes per token, per appended sequence) at most, for a pool of this shape: a token's slot plus one
+    block id (a token starts at most one block); a sequence's fixed fields plus its table offset."""
+    if packed:
+        per_token = _PACKED_SLOT_BYTES + max(_PACKED_ID_BYTES, _varint_bytes(num_blocks))
+    else:
+        per_token = _varint_bytes(num_blocks * block_size) + _varint_bytes(num_blocks)
+    return per_token, _PER_SEQUENCE_BYTES + _varint_bytes(num_blocks)
 
 
 def _transfers_bytes(pool: Pool, num_blocks: int) -> int:
@@ -38,34 +64,53 @@ def _transfers_bytes(pool: Pool, num_blocks: int) -> int:
     return 2 * _TRANSFER_BYTES * num_blocks if pool.host_storage is not None else 0
 
 
-def open_response_bytes(pool: Pool, counts: Sequence[int]) -> int:
-    """The most an OpenSequences response for prompts of these token counts can take."""
-    num_blocks = sum(-(-n // pool.layout.block_size) for n in counts)
+def open_response_bytes(pool: Pool, counts: Sequence[int], packed: bool = False) -> int:
+    """The most the opens of prompts of these token counts can answer (an OpenSequences response, or a step's
+    `opened`); a Resume's answer is one such open."""
+    layout = pool.layout
+    per_token, _ = _widths(layout.num_blocks, layout.block_size, packed)
+    num_blocks = sum(-(-n // layout.block_size) for n in counts)
     return (
-        _ENVELOPE_BYTES + sum(counts) * _token_bytes(pool) + len(counts) * _PER_SEQUENCE_BYTES
+        _ENVELOPE_BYTES + sum(counts) * per_token + len(counts) * _PER_SEQUENCE_BYTES
         + _transfers_bytes(pool, num_blocks)
     )  # fmt: skip
 
 
-def append_response_bytes(pool: Pool, num_sequences: int, num_tokens: int) -> int:
-    """The most an AppendTokens response for this batch can take (each sequence may add a block and a copy)."""
-    per_sequence = _PER_SEQUENCE_BYTES + _varint_bytes(pool.layout.num_blocks)
-    num_blocks = num_tokens // pool.layout.block_size + 2 * num_sequences  # new blocks and copies
-    return (
-        _ENVELOPE_BYTES + num_tokens * _token_bytes(pool) + num_sequences * per_sequence
-        + _transfers_bytes(pool, num_blocks)
-    )  # fmt: skip
+def append_response_bytes(pool: Pool, num_sequences: int, num_tokens: int, packed: bool = False) -> int:
+    """The most an append of this batch can answer (each sequence may add a block and a copy)."""
+    layout = pool.layout
+    per_token, per_sequence = _widths(layout.num_blocks, layout.block_size, packed)
+    total = _ENVELOPE_BYTES + num_tokens * per_token + num_sequences * per_sequence
+    if pool.host_storage is None:
+        return total
+    return total + _transfers_bytes(pool, num_tokens // layout.block_size + 2 * num_sequences)  # new blocks, copies
 
 
-def check_request_size(
-    pool: Pool, num_tokens: int, response_bytes: int = 0, max_message_bytes: int | None = None
-) -> None:
-    """Raises LimitExceeded naming `max_tokens_per_request` or `max_message_bytes` (None or 0: no limit)."""
-    allowed = pool.cache.limits.max_tokens_per_request
-    if num_tokens > allowed:
-        raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
-    if max_message_bytes and response_bytes > max_message_bytes:
-        raise LimitExceeded("max_message_bytes", response_bytes, max_message_bytes)
+def preempt_response_bytes(pool: Pool, num_sequences: int, num_blocks: int) -> int:
+    """The most a preemption of sequences holding `num_blocks` blocks can answer (an offload per block)."""
+    return _ENVELOPE_BYTES + num_sequences * _ID_BYTES + _transfers_bytes(pool, num_blocks)
+
+
+def step_sizes(pool: Pool, step: Step, max_children: int, packed: bool) -> Iterator[tuple[str, int, int]]:
+    """Item by item: (the item, its tokens, the most the step's response takes up to and with that item, if the step
+    applies). A fork that applies makes at most `max_children` children (more are refused by the sequence limits);
+    forks, caches and releases answer ids and counts."""
+    total = _STEP_ENVELOPE_BYTES
+    if step.opens:
+        counts = [num_tokens(t) for t, _ in step.opens]
+        total += open_response_bytes(pool, counts, packed) + _EXPLANATION_BYTES * sum(map(bool, step.explain))
+        yield "opens", sum(counts), total
+    if step.append is not None:
+        a = step.append
+        count = num_tokens(a.token_ids)
+        total += append_response_bytes(pool, len(a.seq_ids), count, packed)
+        yield "append", count, total
+    for i, (_, num_children) in enumerate(step.forks):
+        total += _ID_BYTES * (1 + min(max(num_children, 0), max_children))
+        yield f"forks[{i}]", 0, total
+    if step.caches or step.releases:
+        total += _ID_BYTES * (len(step.caches) + 1)  # each cache's count, and the count of released sequences
+        yield ("caches[0]" if step.caches else "releases[0]"), 0, total
 
 
 def message_bytes_needed(max_tokens_per_request: int, max_sequences_per_session: int, host_tier: bool = False) -> int:

@@ -9,8 +9,11 @@ and only then applied in order. The order is what makes the plan exact and small
 moves watermarks, and it comes first so that the step's caches, forks and cached releases publish
 what the worker wrote in the step before; only opens and the append allocate; forks, caches and
 releases need no blocks, and their checks do not depend on which blocks the opens and the append
-get. A refusal names its item
-(`item` in the error's metadata) and otherwise carries what the unary call would have raised.
+get. A refusal names its item (`item` in the error's metadata).
+
+Every call that opens, appends, forks, caches, releases or commits runs here: a Session step, and
+each unary call as a step of one item (`service.py`), so they share one set of checks (`checks.py`:
+sizes, the preamble, request ids, counts, quota, token budget) and one way of applying.
 
 Items refer to sequences live before the step: the ids a step opens or forks come back in its
 result, for the steps after it.
@@ -22,24 +25,18 @@ import dataclasses
 from collections.abc import Sequence
 from types import TracebackType
 
-from radixkv.errors import (
-    InvalidArgument,
-    QuotaExceeded,
-    RadixKVError,
-    ServerRestarting,
-    UnknownSequence,
-    UnknownSession,
-)
+import numpy as np
+
+from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.memory.block_pairs import NO_PAIRS, concat_pairs
-from radixkv.sequences.results import OpenResult
-from radixkv.sequences.step import Step, StepResult
-from radixkv.server.deadlines import check_deadline
+from radixkv.sequences.results import AppendBatch, OpenResult
+from radixkv.sequences.step import Append, Step, StepResult
+from radixkv.server.checks import Charge, Checks, Reply
+from radixkv.server.idempotency import NO_REQUEST, RequestKey
 from radixkv.server.miss_reasons import MissExplanation, after_open, explain_open
 from radixkv.server.pools import Pool
-from radixkv.server.service import KVService, _num_tokens
 from radixkv.server.sessions import Session
-from radixkv.server.sizes import check_request_size, open_response_bytes
-from radixkv.server.tenants import Tenant
+from radixkv.server.sizes import num_tokens
 from radixkv.tree.token_ids import TokenIds, to_token_bytes
 
 
@@ -60,85 +57,94 @@ class _item:  # noqa: N801 -- used as `with _item("opens"):`; a class: cheaper t
 
 
 def run_step(
-    service: KVService, caller: Tenant, session: Session, pool_name: str, step: Step, request_id: int = 0
+    checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply, request: RequestKey = NO_REQUEST
 ) -> StepResult:
     """Check every item of `step`, then apply them all (see the module docstring).
 
-    With a `request_id` this session already stepped with (a step re-sent after a reconnect), the
-    first result is returned and nothing is checked or applied again.
+    `request`: with an id this session already stepped with (a step re-sent after a reconnect), the
+    first result is returned and nothing is checked or applied again (see `idempotency`). `reply`:
+    where the answer goes (its room bounds the step's response before anything applies), and whether
+    a refusal names its item (a unary call is one item: it does not).
 
     Raises:
         RadixKVError: an item was refused (its `item` metadata names it); nothing changed.
     """
-    pool = service.pool(pool_name)
-    requests: list[tuple[TokenIds, str]] = []
-    keys: list[bytes | None] = []  # per open, its tokens packed where it asks to be explained
+    try:
+        return _run(checks, pool, session, step, reply, request)
+    except RadixKVError as e:
+        if not reply.items:
+            e.metadata.pop("item", None)
+        raise
+
+
+def _run(checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply, request: RequestKey) -> StepResult:
+    caller = session.tenant
+    checks.check_step_size(pool, step, reply)
+    requests: list[tuple[bytes, str]] = []  # the opens' (tokens, namespace), checked and packed, as the core takes them
+    keys: list[bytes | None] = []  # per open, its tokens where it asks to be explained
     num_prompt_tokens = 0  # the opens' tokens: charged to the token bucket, and their slots kept with the result
     if step.opens:
-        with _item("opens"):  # as OpenSequences does before it takes the lock
-            counts = [_num_tokens(t) for t, _ in step.opens]
-            num_prompt_tokens = sum(counts)
-            check_request_size(pool, num_prompt_tokens, open_response_bytes(pool, counts), service.max_message_bytes)
+        with _item("opens"):
+            num_prompt_tokens = sum(num_tokens(t) for t, _ in step.opens)
             batch = len(step.opens) > 1
             requests = [
-                (tokens, caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
+                (to_token_bytes(tokens, f"prompts[{i}].token_ids" if batch else "token_ids"),
+                 caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
                 for i, (tokens, ns) in enumerate(step.opens)
+            ]  # fmt: skip
+            keys = _explained_keys(step, requests)
+    if step.append is not None and not isinstance(step.append.token_ids, bytes | np.ndarray):
+        step = dataclasses.replace(step, append=dataclasses.replace(step.append, token_ids=_as_int32(step.append)))
+
+    def check_and_apply() -> StepResult:
+        _StepPlan(checks, pool, session).check(step, requests)
+        # Explained before the opens (the commit before them leaves the tree as it is).
+        before: list[MissExplanation | None] = (
+            [
+                None if key is None else explain_open(pool.cache, pool.events, caller, key, ns)
+                for key, (_, ns) in zip(keys, requests, strict=True)
             ]
-            keys = _explained_keys(step, batch)
-    with pool.lock:
-        if session.closed:
-            raise UnknownSession(session.session_id)
-        if pool.frozen:
-            raise ServerRestarting()
-        check_deadline()
-
-        def check_and_apply() -> StepResult:
-            _StepPlan(service, pool, session, caller).check(step, requests)
-            # As OpenSequences explains: before the opens (the commit before them leaves the tree as it is).
-            before: list[MissExplanation | None] = (
-                [
-                    None if key is None else explain_open(pool.cache, pool.events, caller, key, ns)
-                    for key, (_, ns) in zip(keys, requests, strict=True)
-                ]
-                if keys
-                else []
-            )
-            cost = num_prompt_tokens + sum(step.max_new_tokens) if requests else 0
-            if cost:
-                with _item("opens"):
-                    service.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
-            try:
-                with (
-                    pool.cache.one_result()
-                ):  # the worker applies the step's transfers together (radixkv.tree.host_tier)
-                    result = _apply(service, pool, session, step, requests)
-            except BaseException:
-                service.token_buckets.refund(caller, cost)
-                raise
-            if not before:
-                return result
-            size = pool.layout.block_size
-            pairs = zip(before, result.opened, strict=True)
-            return dataclasses.replace(
-                result, explanations=[None if b is None else after_open(b, r.num_cached_tokens, size) for b, r in pairs]
-            )
-
-        return session.requests.once(
-            request_id, f"Session {pool.name}", check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens
+            if keys
+            else []
+        )
+        cost = checks.step_tokens(pool, caller, step, num_prompt_tokens if requests else 0)
+        if cost:
+            with _item("opens" if requests else "append"):
+                checks.take_tokens(pool, caller, cost)  # last: a step refused for anything else charges nothing
+        try:
+            with pool.cache.one_result():  # the worker applies the step's transfers together (radixkv.tree.host_tier)
+                result = _apply(checks, pool, session, step, requests)
+        except BaseException:
+            checks.refund(caller, cost)
+            raise
+        if not before:
+            return result
+        size = pool.layout.block_size
+        pairs = zip(before, result.opened, strict=True)
+        return dataclasses.replace(
+            result, explanations=[None if b is None else after_open(b, r.num_cached_tokens, size) for b, r in pairs]
         )
 
+    return checks.applied_once(pool, session, request, check_and_apply, lambda r: _result_cost(r) + num_prompt_tokens)
 
-def _explained_keys(step: Step, batch: bool) -> list[bytes | None]:
-    """Each open's tokens packed where it asks to be explained (none asks: empty), refused as OpenSequences
-    refuses them."""
+
+def _explained_keys(step: Step, requests: list[tuple[bytes, str]]) -> list[bytes | None]:
+    """Each open's tokens where it asks to be explained (none asks: empty)."""
     if not any(step.explain):
         return []
     if len(step.explain) != len(step.opens):
         raise InvalidArgument("explain", f"needs one entry per prompt ({len(step.opens)}), got {len(step.explain)}")
-    return [
-        to_token_bytes(tokens, f"prompts[{i}].token_ids" if batch else "token_ids") if explain else None
-        for i, ((tokens, _), explain) in enumerate(zip(step.opens, step.explain, strict=True))
-    ]
+    return [tokens if explain else None for (tokens, _), explain in zip(requests, step.explain, strict=True)]
+
+
+def _as_int32(append: Append) -> TokenIds:
+    """A unary append's token list (uint32 on the wire) as int32 in one numpy pass; ids >= 2^31 wrap negative,
+    which the core refuses. Anything else (an in-process caller's list with a negative id, say) goes to the core
+    as it is, whose check names the field."""
+    try:
+        return np.array(append.token_ids, dtype=np.uint32).view(np.int32)
+    except (OverflowError, TypeError, ValueError):
+        return append.token_ids
 
 
 def _result_cost(result: StepResult) -> int:
@@ -154,14 +160,14 @@ def _result_cost(result: StepResult) -> int:
 class _StepPlan:
     """The checks of each item against the counts the items before it leave; changes nothing."""
 
-    def __init__(self, service: KVService, pool: Pool, session: Session, caller: Tenant) -> None:
-        self.service, self.pool, self.session, self.caller = service, pool, session, caller
+    def __init__(self, checks: Checks, pool: Pool, session: Session) -> None:
+        self.checks, self.pool, self.session, self.caller = checks, pool, session, session.tenant
         self.num_new_sequences = 0  # opened and forked by the items checked so far
-        self.held_blocks = pool.ledger.tenant_blocks(caller)
+        self.charge = Charge(pool, session.tenant)
         self.table_blocks: dict[int, int] = {}  # block-table lengths the append leaves (quota only)
 
-    def check(self, step: Step, requests: list[tuple[TokenIds, str]]) -> None:
-        pool, cache, bs = self.pool, self.pool.cache, self.pool.layout.block_size
+    def check(self, step: Step, requests: list[tuple[bytes, str]]) -> None:
+        pool, cache = self.pool, self.pool.cache
         num_taken = 0  # available blocks the opens take before the append runs
         if step.commit is not None:
             with _item("commit"):
@@ -175,29 +181,28 @@ class _StepPlan:
         if requests:
             with _item("opens"):
                 self._add_sequences(len(requests))
-                self.service.check_namespaces(pool, self.caller, {ns for _, ns in requests})
-                self._charge(sum(-(-_num_tokens(tokens) // bs) for tokens, _ in requests))
+                self.checks.check_namespaces(pool, self.caller, {ns for _, ns in requests})
+                if self.caller.max_blocks is not None:  # each prompt's blocks, or its reserved table if longer
+                    counts = [num_tokens(tokens) for tokens, _ in requests]
+                    self.charge.add(pool.ledger.blocks_to_open(cache, counts, step.max_new_tokens))
                 if committed or step.append is not None or after_append:
                     num_taken = cache.check_open(requests, **_budgets(step))
         if step.append is not None:
             with _item("append"):
                 append = step.append
                 self._own_all(append.seq_ids, "seq_ids")
-                if self.caller.max_blocks is not None:  # as AppendTokens counts growth
-                    growth = 0
-                    for s, n in zip(append.seq_ids, append.num_token_ids, strict=False):
-                        after = -(-(cache.num_tokens(s) + n) // bs)
-                        growth += max(0, after - pool.ledger.num_table_blocks(s))
-                        self.table_blocks[s] = max(after, pool.ledger.num_table_blocks(s))
-                    self._charge(growth)
-                if committed or requests or after_append:
+                if self.caller.max_blocks is not None:  # the growth past what each sequence charges already
+                    self.charge.add(
+                        pool.ledger.append_growth(cache, append.seq_ids, append.num_token_ids, self.table_blocks)
+                    )
+                if (committed or requests or after_append) and not _is_empty(append):
                     cache.check_append(append.seq_ids, append.num_token_ids, append.token_ids, num_taken)
         for i, (seq_id, num_children) in enumerate(step.forks):
             with _item(f"forks[{i}]"):
                 pool.ledger.check_owner(self.session, seq_id)
                 self._add_sequences(num_children)
                 if self.caller.max_blocks is not None:
-                    self._charge(
+                    self.charge.add(
                         max(num_children, 0) * self.table_blocks.get(seq_id, pool.ledger.num_table_blocks(seq_id))
                     )
                 cache.check_fork(seq_id, num_children)
@@ -219,21 +224,11 @@ class _StepPlan:
         self.pool.ledger.check_owners(self.session, seq_ids, field)
 
     def _add_sequences(self, num_new: int) -> None:
-        self.service.check_num_sequences(self.pool, self.session, self.num_new_sequences + num_new)
+        self.checks.check_num_sequences(self.pool, self.session, self.num_new_sequences + num_new)
         self.num_new_sequences += num_new
 
-    def _charge(self, num_blocks: int) -> None:
-        quota = self.caller.max_blocks
-        if quota is None:
-            return
-        if self.held_blocks + num_blocks > quota:
-            raise QuotaExceeded(self.caller.name, num_blocks, max(0, quota - self.held_blocks))
-        self.held_blocks += num_blocks
 
-
-def _apply(
-    service: KVService, pool: Pool, session: Session, step: Step, requests: list[tuple[TokenIds, str]]
-) -> StepResult:
+def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: list[tuple[bytes, str]]) -> StepResult:
     """Apply a checked step. Only a step's single item may still refuse (it was left to check itself)."""
     cache, ledger = pool.cache, pool.ledger
     applying = _Applying()
@@ -244,14 +239,16 @@ def _apply(
     if requests:
         with applying.item("opens"):
             opened = cache.open_many(requests, **_budgets(step))
-            for result in opened:
-                ledger.adopt(session, result.seq_id, len(result.block_table))
+            ledger.adopt_opened(session, cache, opened, step.max_new_tokens)
     appended = None
     if step.append is not None:
         with applying.item("append"):
             a = step.append
-            appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
-            ledger.follow_append(session, appended.seq_ids, appended.table_offsets, appended.num_block_ids)
+            if _is_empty(a):  # an append of nothing: a no-op, answered with an empty result
+                appended = AppendBatch([], [], [], [], [], [], [], np.empty(0, dtype=np.int64))
+            else:
+                appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
+                ledger.follow_append(session, appended)
     forked = []
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):
@@ -272,13 +269,17 @@ def _apply(
                 ledger.forget(seq_id)
             num_released += len(seq_ids)
     if step.forks or step.caches or any(keep for _, keep in step.releases):
-        service.keep_cache_share(pool, session.tenant)
+        checks.keep_cache_share(pool, session.tenant)
     if not opened:  # a decode step: only its append's transfers
         offloads = appended.offloads if appended is not None else NO_PAIRS
         return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads)
     offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
     loads = concat_pairs(r.loads for r in opened)
     return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads, loads=loads)
+
+
+def _is_empty(append: Append) -> bool:
+    return not (len(append.seq_ids) or len(append.num_token_ids) or len(append.token_ids))
 
 
 def _budgets(step: Step) -> dict[str, Sequence[int] | None]:

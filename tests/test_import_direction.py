@@ -3,10 +3,13 @@
 Every `import` counts, in a function or under `if TYPE_CHECKING:` alike: a lazy import is still a dependency.
 The layers, bottom up:
 - core: `radixkv/*.py` except the upper modules below. No torch, triton or grpc, no wire code, nothing above.
-- storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `memory_sizing`):
-  the pool's memory, torch. Below the kernels, the server and the client.
-- kernels, client, server: kernels import nothing from server, client or demo; client and server not each other.
+- storage (`radixkv/memory/storage.py` and the modules it is built from: `pool_handle`, `shm_segment`, `cuda_ipc`,
+  `memory_sizing`): the pool's memory, torch. Below the kernels, the server and the client.
+- kernels: torch, triton, numpy and themselves, nothing else of radixkv (not even the core), so a bare GPU image
+  runs them from a checkout (`benchmarks/gpu_check.sh`; tests/kernels/test_import_closure.py checks the rest).
+- client, server: not each other.
 - demo: the top, with the CLI (`radixkv/cli.py`), which reaches the others only by name (`radixkv serve`).
+- integrations (`integrations/vllm` -> `radixkv.vllm`): beside the demo at the top; nothing below imports them.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo"}  # folder -> layer
+FOLDERS = {"kernels": "kernels", "server": "server", "client": "client", "demo": "demo", "integrations": "integrations"}
+INTEGRATIONS = {"vllm"}  # radixkv.<name> packages mapped from integrations/<name>
 # Modules of the radixkv/ folder outside the core -> layer (dotted names under radixkv)
 UPPER_MODULES = {
     "memory.storage": "storage",
     "memory.pool_handle": "storage",
     "memory.shm_segment": "storage",
+    "memory.cuda_ipc": "storage",
     "memory.memory_sizing": "storage",
     "cli": "cli",
 }
@@ -29,13 +34,14 @@ WIRE = "wire"  # radixkv.v1, the generated protobuf code
 
 # What each layer must not import (a layer name, or a top-level third-party package).
 FORBIDDEN: dict[str, set[str]] = {
-    "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli"},
-    "storage": {"grpc", "kernels", "server", "client", "demo", "cli"},
-    "kernels": {"server", "client", "demo", "cli"},
-    "client": {"server", "kernels", "demo", "cli"},
-    "server": {"client", "demo", "cli"},
-    "demo": {"cli"},
-    "cli": set(),
+    "core": {"torch", "triton", "grpc", WIRE, "storage", "kernels", "server", "client", "demo", "cli", "integrations"},
+    "storage": {"grpc", "kernels", "server", "client", "demo", "cli", "integrations"},
+    "kernels": {"core", "storage", WIRE, "server", "client", "demo", "cli", "grpc", "integrations"},
+    "client": {"server", "kernels", "demo", "cli", "integrations"},
+    "server": {"client", "demo", "cli", "integrations"},
+    "demo": {"cli", "integrations"},
+    "cli": {"integrations"},
+    "integrations": {"demo", "cli"},
 }
 
 
@@ -65,6 +71,8 @@ def layer_of_module(name: str) -> str:
         return parts[0]
     if parts[1] in FOLDERS:
         return FOLDERS[parts[1]]
+    if parts[1] in INTEGRATIONS:
+        return "integrations"
     if parts[1] == "v1":
         return WIRE
     inner = ".".join(parts[1:])
@@ -131,22 +139,27 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
             # fine: storage may
             "radixkv/memory/storage.py": "import torch\nfrom radixkv.memory.layout import PoolLayout\n",
             "kernels/k.py": "import triton\nfrom radixkv.demo.model import Llama\n",
+            "kernels/k2.py": "import numpy as np\nfrom radixkv.sequences.handoff import StepArrays\n",  # the core
             "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
             "server/s.py": (
                 "import grpc\nfrom radixkv.memory.storage import KVStorage\nfrom radixkv.client import PoolView\n"
             ),
             "demo/d.py": "from radixkv.server.app import serve\nfrom radixkv.client import RadixKVClient\n",  # fine
+            "integrations/vllm/v.py": "import vllm\nfrom radixkv.client import PoolView\n",  # fine
+            "server/t.py": "from radixkv.vllm.plan import StepPlan\n",
             "tests/test_x.py": "import torch\nimport radixkv.server\n",  # not the package
         },
     )
     assert violations(tmp_path) == [
         "client/c.py:2: client imports radixkv.server.app",
         "kernels/k.py:2: kernels imports radixkv.demo.model",
+        "kernels/k2.py:2: kernels imports radixkv.sequences.handoff",
         "radixkv/bad_core.py:1: core imports torch",
         "radixkv/bad_core.py:4: core imports radixkv.server",
         "radixkv/typed_core.py:3: core imports grpc",
         "radixkv/wire_core.py:1: core imports radixkv.v1",
         "server/s.py:3: server imports radixkv.client",
+        "server/t.py:1: server imports radixkv.vllm.plan",
     ]
 
 

@@ -20,8 +20,9 @@ _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool":
 class PoolHandle:
     """What another process needs to map a pool: plain str/int/bool/bytes fields, so it travels without pickle.
 
-    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are what
-    `torch.UntypedStorage._share_cuda_()` returns; `device_index` must name the same GPU in the opener).
+    `kind` is "shm" (`name` is the shared-memory segment) or "cuda_ipc" (the remaining fields are the storage's
+    part of what torch's public `torch.multiprocessing.reductions.reduce_tensor` returns, mapped in
+    `radixkv.memory.cuda_ipc`; `device_index` must name the same GPU in the opener).
     """
 
     kind: str

@@ -6,11 +6,12 @@ The lifetime rules here are subtle (who unlinks, when a mapping may close); `rad
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
-import threading
+import sys
 import weakref
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -18,7 +19,6 @@ import torch
 from radixkv.memory.layout import PoolLayout
 
 SHM_DIR = "/dev/shm"
-_UNTRACKED_LOCK = threading.Lock()
 
 
 def create_segment(layout: PoolLayout, name: str | None) -> shared_memory.SharedMemory:
@@ -37,7 +37,7 @@ def create_segment(layout: PoolLayout, name: str | None) -> shared_memory.Shared
     return shared_memory.SharedMemory(name=name, create=True, size=max(1, layout.total_bytes))
 
 
-def bytes_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Tensor:
+def bytes_over(shm: shared_memory.SharedMemory | AttachedSegment, layout: PoolLayout) -> torch.Tensor:
     """The segment's first `layout.total_bytes` as a uint8 tensor that keeps the mapping open while it lives."""
     # Not torch.frombuffer: it holds no buffer export, so SharedMemory.close() would unmap the memory
     # under live tensors (a read then segfaults). numpy's array keeps a memoryview (its .base) that holds
@@ -49,22 +49,49 @@ def bytes_over(shm: shared_memory.SharedMemory, layout: PoolLayout) -> torch.Ten
     return torch.from_numpy(array)  # uint8 [total_bytes]
 
 
-def attach_untracked(name: str) -> shared_memory.SharedMemory:
-    """Attach to an existing segment without registering it with a resource tracker."""
+class AttachedSegment:
+    """An existing segment mapped from its file under /dev/shm: what `SharedMemory(name)` maps on Linux (where POSIX
+    shared memory is that tmpfs, shm_overview(7)), without registering it with a resource tracker.
+
+    Offers what `KVStorage` reads of a `SharedMemory`: `name`, `size`, `buf` and `close`.
+    """
+
+    def __init__(self, name: str):
+        # O_NOFOLLOW: a name is a segment, never a link out of /dev/shm (as shm_open opens it).
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)  # the mapping holds the memory; the descriptor is not needed once mapped
+        self.name = name
+        self.buf: memoryview | None = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap (as `SharedMemory.close`: a BufferError while a view still exports the memory). Idempotent."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        self._mmap.close()
+
+
+def attach_untracked(name: str) -> shared_memory.SharedMemory | AttachedSegment:
+    """Attach to an existing segment without registering it with a resource tracker.
+
+    Raises:
+        ValueError: `name` is not a segment name (empty, or a path).
+        FileNotFoundError: no such segment.
+    """
     # An attaching process must not register the segment with a resource tracker: a tracker of its own
     # would unlink the creator's segment when this process exits, and a tracker shared with the creator
     # (multiprocessing children) would lose the creator's registration on unregister.
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
-    except TypeError:
-        pass
-    with _UNTRACKED_LOCK:
-        register = resource_tracker.register
-        resource_tracker.register = lambda *args, **kwargs: None
-        try:
-            return shared_memory.SharedMemory(name=name)
-        finally:
-            resource_tracker.register = register
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"handle: {name!r} is not a shared-memory segment name")
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    # Before 3.13 SharedMemory always registers, and no public call attaches without it: map the file itself
+    # (AttachedSegment goes when requires-python reaches 3.13).
+    return AttachedSegment(name)
 
 
 def shm_free_bytes() -> int:

@@ -3,7 +3,8 @@
 CPU pools live in named POSIX shared memory, CUDA pools in the creator's allocation exported as a CUDA
 IPC handle, so the memory belongs to the server and outlives the workers that map it. Torch is needed
 here, which is why `radixkv/__init__` never imports this module. Beside it: the handle (`radixkv.memory.pool_handle`),
-the shared-memory segment (`radixkv.memory.shm_segment`) and sizing a pool to memory (`radixkv.memory.memory_sizing`).
+the shared-memory segment (`radixkv.memory.shm_segment`), the CUDA IPC fields (`radixkv.memory.cuda_ipc`) and
+sizing a pool to memory (`radixkv.memory.memory_sizing`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from multiprocessing import shared_memory
 
 import torch
 
+from radixkv.memory.cuda_ipc import export_fields, open_allocation
 from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
-from radixkv.memory.shm_segment import attach_untracked, bytes_over, create_segment
+from radixkv.memory.shm_segment import AttachedSegment, attach_untracked, bytes_over, create_segment
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}  # same names as torch
 _HOST_REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped: every device, by address
@@ -34,7 +36,7 @@ class KVStorage:
         layout: PoolLayout,
         data: torch.Tensor,
         scales: torch.Tensor | None,
-        shm: shared_memory.SharedMemory | None,
+        shm: shared_memory.SharedMemory | AttachedSegment | None,  # the creator's SharedMemory, an opener's attachment
         owner: bool,
     ):
         self.layout = layout
@@ -135,7 +137,8 @@ class KVStorage:
         CUDA IPC cannot reopen an allocation in the process that exported it.
 
         Raises:
-            ValueError: the segment is smaller than the handle's layout, or the handle's kind is unknown.
+            ValueError: the segment or CUDA storage is smaller than the handle's layout, or the handle's kind
+                is unknown.
         """
         layout = handle.layout
         if handle.kind == "shm":
@@ -148,19 +151,7 @@ class KVStorage:
             return cls(layout, *_views(bytes_over(shm, layout), layout), shm, owner=False)
         if handle.kind != "cuda_ipc":
             raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
-        torch.cuda.init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            handle.device_index,
-            handle.ipc_handle,
-            handle.storage_size_bytes,
-            handle.storage_offset_bytes,
-            handle.ref_counter_handle,
-            handle.ref_counter_offset,
-            handle.event_handle or None,
-            handle.event_sync_required,
-        )
-        buffer = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
-        buffer.set_(storage, 0, (layout.total_bytes,), (1,))
+        buffer = open_allocation(handle)  # uint8 [total_bytes] on cuda:<device_index>
         opened = cls(layout, *_views(buffer, layout), None, owner=False)
         opened._imported_handle = handle
         return opened
@@ -199,21 +190,7 @@ class KVStorage:
             if self._unlinked:
                 raise ValueError(f"export_handle: segment {self._shm.name!r} was unlinked")
             return PoolHandle(kind="shm", name=self._shm.name, **fields)
-        (device_index, ipc_handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = (
-            self.data.untyped_storage()._share_cuda_()
-        )
-        return PoolHandle(
-            kind="cuda_ipc",
-            device_index=device_index,
-            ipc_handle=ipc_handle,
-            storage_size_bytes=size,
-            storage_offset_bytes=offset,
-            ref_counter_handle=rc_handle,
-            ref_counter_offset=rc_offset,
-            event_handle=event_handle or b"",
-            event_sync_required=bool(event_sync),
-            **fields,
-        )
+        return PoolHandle(kind="cuda_ipc", **export_fields(self.data), **fields)
 
     def close(self) -> None:
         """Drop this object's mapping (CUDA: after this process's queued work on it finishes). Idempotent."""
@@ -234,7 +211,7 @@ class KVStorage:
         Idempotent; CUDA: no-op."""
         if not self._owner:
             raise ValueError("unlink: only the process that created the pool frees it")
-        if self._shm is not None and not self._unlinked:
+        if isinstance(self._shm, shared_memory.SharedMemory) and not self._unlinked:
             self._shm.unlink()
             self._unlinked = True
 

@@ -53,7 +53,7 @@ class HostSwap:
         the host tier cannot take them all. The offload pairs include any still pending from evictions.
         """
         host = self.host
-        needed = sum(len(seq.block_table) - seq.num_tree_blocks for seq in sequences)
+        needed = sum(map(num_swap_blocks, sequences))
         if not host.can_make_room(needed):
             error = OutOfBlocks(needed, host.num_free + host.num_evictable())
             error.metadata["tier"] = "host"
@@ -117,6 +117,11 @@ class HostSwap:
         assert isinstance(record.host, SwappedBlocks), "a swapped-out sequence keeps its SwappedBlocks"
         self.host.release_swapped(record.host.host_block_ids)
         self.host.num_swapped_sequences -= 1
+
+
+def num_swap_blocks(seq: LiveSequence) -> int:
+    """Host blocks swapping `seq` out takes: its table past its locked path."""
+    return len(seq.block_table) - seq.num_tree_blocks
 
 
 def swapped_host_blocks(records: Iterable[PreemptedSequence]) -> list[BlockIds]:

@@ -6,9 +6,15 @@ names the same content the same way in every radixkv instance and in vLLM, so th
 consume vLLM's KV events (llm-d, Dynamo, Ray Serve) route over radixkv unmodified. On the wire a
 hash is its low 64 bits, as vLLM publishes by default.
 
-A namespace other than the default is vLLM's cache salt: it goes into the first block's
-`extra_keys` only, and the chain carries it to every later block, so two namespaces never share a
-hash. `BlockHashes` is the side table block_id -> hash a tree observer keeps: each hash is computed
+A namespace other than the default is a request's `cache_salt` as vLLM 0.31-0.34 hash it
+(`vllm/v1/core/kv_cache_utils.py`, `generate_block_hash_extra_keys`): tagged, `(("cache_salt", salt),)`
+as the first block's `extra_keys` only, the chain carrying it to every later block, so two namespaces
+never share a hash. Events carry it untagged, `(salt,)`, as vLLM's `to_event_extra_keys` publishes it.
+The salt is the namespace with `%`, `@`, `/`, backslash and NUL percent-escaped (`cache_salt`): vLLM's
+OpenAI server refuses a `cache_salt` holding the last four, and escaping keeps distinct namespaces
+distinct, so `acme/chat` (tenant acme's `chat` with auth on) is the salt `acme%2Fchat`.
+
+`BlockHashes` is the side table block_id -> hash a tree observer keeps: each hash is computed
 once, when its block enters the tree; splits and tail trims move or drop block ids, never re-hash.
 """
 
@@ -43,9 +49,27 @@ def wire_hash(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & WIRE_MASK
 
 
+CACHE_SALT_TAG = "cache_salt"  # vLLM's tag for the salt in the hashed extra keys
+_SALT_ESCAPES = {c: f"%{ord(c):02X}" for c in "%@/\\\x00"}  # escaping "%" too keeps the mapping one-to-one
+
+
+def cache_salt(namespace: str) -> str | None:
+    """The `cache_salt` a vLLM request carries to hash as `namespace` does: None for the default namespace."""
+    if namespace == DEFAULT_NAMESPACE:
+        return None
+    return "".join(_SALT_ESCAPES.get(c, c) for c in namespace)
+
+
 def namespace_salt(namespace: str) -> ExtraKeys:
-    """The first block's extra keys for `namespace`: None for the default, else `(namespace,)`."""
-    return None if namespace == DEFAULT_NAMESPACE else (namespace,)
+    """The first block's hashed extra keys for `namespace`: None for the default, else `(("cache_salt", salt),)`."""
+    salt = cache_salt(namespace)
+    return None if salt is None else ((CACHE_SALT_TAG, salt),)
+
+
+def event_salt(namespace: str) -> ExtraKeys:
+    """The first block's extra keys as a `BlockStored` event carries them: untagged, `(salt,)`, or None."""
+    salt = cache_salt(namespace)
+    return None if salt is None else (salt,)
 
 
 def chain_hashes(
@@ -89,11 +113,12 @@ class BlockHashes:
             return None
         return self._hashes[int(parent.block_ids[-1])]
 
-    def extra_keys(self, node: Node) -> list[ExtraKeys]:
-        """Per block of `node`: the salt on a namespace's first block, None elsewhere."""
+    def event_extra_keys(self, node: Node) -> list[ExtraKeys]:
+        """Per block of `node`, as a `BlockStored` event carries them: the untagged salt on a namespace's first
+        block, None elsewhere."""
         keys: list[ExtraKeys] = [None] * len(node.block_ids)
         if self.parent_hash(node) is None:
-            keys[0] = namespace_salt(node.namespace)
+            keys[0] = event_salt(node.namespace)
         return keys
 
     def store(self, node: Node) -> list[bytes]:
@@ -149,7 +174,9 @@ def digest_of(wire_hashes: Iterable[int]) -> int:
 
 # -- the hashing contract --------------------------------------------------------------------------
 
-HASH_FORMAT_VERSION = 1
+# 2: the salt tagged ("cache_salt", escaped namespace) as vLLM 0.31+ hashes it (1: the bare namespace). A peer on
+# another version names every salted block otherwise: the contract check refuses it instead of missing silently.
+HASH_FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,7 +186,7 @@ class HashContract:
     block_size: int
     algorithm: str = "sha256_cbor"
     root_seed: str = "vllm-none-hash"
-    salt_rule: str = "namespace-in-first-block-extra-keys"
+    salt_rule: str = "vllm-tagged-cache-salt-in-first-block-extra-keys"
     tenant_scope_rule: str = "tenant/namespace"
     wire_form: str = "low64"
     format_version: int = HASH_FORMAT_VERSION

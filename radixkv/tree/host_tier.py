@@ -21,6 +21,8 @@ its copy-on-write copies, then its loads, then runs its step. That order is safe
 
 from __future__ import annotations
 
+from types import TracebackType
+
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
@@ -335,3 +337,20 @@ class HostTier:
         node.token_bytes, node.host_block_ids, node.parent = node.token_bytes[k * bb :], node.host_block_ids[k:], upper
         upper.host_children[node.token_bytes[:bb]] = node
         return upper
+
+
+class ResultScope:
+    """`KVCache.one_result()`'s scope, reentrant: when the outermost one ends, the host tier settles the result."""
+
+    __slots__ = ("_host", "_depth")
+
+    def __init__(self, host: HostTier | None) -> None:
+        self._host, self._depth = host, 0
+
+    def __enter__(self) -> None:
+        self._depth += 1
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._depth -= 1
+        if not self._depth and self._host is not None:
+            self._host.settle()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16radixkv/v1/debug.proto\x12\nradixkv.v1\"&\n\x16\x43heckInvariantsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"y\n\x17\x43heckInvariantsResponse\x12\x11\n\tviolation\x18\x01 \x01(\t\x12\x1a\n\x12num_live_sequences\x18\x02 \x01(\x04\x12\x14\n\x0cnum_sessions\x18\x03 \x01(\x04\x12\x19\n\x11num_watch_streams\x18\x04 \x01(\x04\"8\n\x15\x43hecksumBlocksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"(\n\x16\x43hecksumBlocksResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"G\n\x16\x43orruptRefCountRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x05\",\n\x17\x43orruptRefCountResponse\x12\x11\n\tref_count\x18\x01 \x01(\x03\x32\x98\x02\n\x05\x44\x65\x62ug\x12Z\n\x0f\x43heckInvariants\x12\".radixkv.v1.CheckInvariantsRequest\x1a#.radixkv.v1.CheckInvariantsResponse\x12W\n\x0e\x43hecksumBlocks\x12!.radixkv.v1.ChecksumBlocksRequest\x1a\".radixkv.v1.ChecksumBlocksResponse\x12Z\n\x0f\x43orruptRefCount\x12\".radixkv.v1.CorruptRefCountRequest\x1a#.radixkv.v1.CorruptRefCountResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16radixkv/v1/debug.proto\x12\nradixkv.v1\"&\n\x16\x43heckInvariantsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"y\n\x17\x43heckInvariantsResponse\x12\x11\n\tviolation\x18\x01 \x01(\t\x12\x1a\n\x12num_live_sequences\x18\x02 \x01(\x04\x12\x14\n\x0cnum_sessions\x18\x03 \x01(\x04\x12\x19\n\x11num_watch_streams\x18\x04 \x01(\x04\"8\n\x15\x43hecksumBlocksRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"(\n\x16\x43hecksumBlocksResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\"G\n\x16\x43orruptRefCountRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x05\",\n\x17\x43orruptRefCountResponse\x12\x11\n\tref_count\x18\x01 \x01(\x03\"6\n\x11StallStepsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x13\n\x0bmax_seconds\x18\x02 \x01(\x01\"%\n\x12StallStepsResponse\x12\x0f\n\x07stalled\x18\x01 \x01(\x08\x32\xe7\x02\n\x05\x44\x65\x62ug\x12Z\n\x0f\x43heckInvariants\x12\".radixkv.v1.CheckInvariantsRequest\x1a#.radixkv.v1.CheckInvariantsResponse\x12W\n\x0e\x43hecksumBlocks\x12!.radixkv.v1.ChecksumBlocksRequest\x1a\".radixkv.v1.ChecksumBlocksResponse\x12Z\n\x0f\x43orruptRefCount\x12\".radixkv.v1.CorruptRefCountRequest\x1a#.radixkv.v1.CorruptRefCountResponse\x12M\n\nStallSteps\x12\x1d.radixkv.v1.StallStepsRequest\x1a\x1e.radixkv.v1.StallStepsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CORRUPTREFCOUNTREQUEST']._serialized_end=372
   _globals['_CORRUPTREFCOUNTRESPONSE']._serialized_start=374
   _globals['_CORRUPTREFCOUNTRESPONSE']._serialized_end=418
-  _globals['_DEBUG']._serialized_start=421
-  _globals['_DEBUG']._serialized_end=701
+  _globals['_STALLSTEPSREQUEST']._serialized_start=420
+  _globals['_STALLSTEPSREQUEST']._serialized_end=474
+  _globals['_STALLSTEPSRESPONSE']._serialized_start=476
+  _globals['_STALLSTEPSRESPONSE']._serialized_end=513
+  _globals['_DEBUG']._serialized_start=516
+  _globals['_DEBUG']._serialized_end=875
 # @@protoc_insertion_point(module_scope)

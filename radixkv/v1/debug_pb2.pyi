@@ -53,3 +53,17 @@ class CorruptRefCountResponse(_message.Message):
     REF_COUNT_FIELD_NUMBER: _ClassVar[int]
     ref_count: int
     def __init__(self, ref_count: _Optional[int] = ...) -> None: ...
+
+class StallStepsRequest(_message.Message):
+    __slots__ = ("pool", "max_seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    max_seconds: float
+    def __init__(self, pool: _Optional[str] = ..., max_seconds: _Optional[float] = ...) -> None: ...
+
+class StallStepsResponse(_message.Message):
+    __slots__ = ("stalled",)
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    stalled: bool
+    def __init__(self, stalled: _Optional[bool] = ...) -> None: ...

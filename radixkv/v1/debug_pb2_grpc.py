@@ -50,6 +50,11 @@ class DebugStub:
                 request_serializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.FromString,
                 _registered_method=True)
+        self.StallSteps = channel.unary_stream(
+                '/radixkv.v1.Debug/StallSteps',
+                request_serializer=radixkv_dot_v1_dot_debug__pb2.StallStepsRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_debug__pb2.StallStepsResponse.FromString,
+                _registered_method=True)
 
 
 class DebugServicer:
@@ -78,6 +83,16 @@ class DebugServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StallSteps(self, request, context):
+        """StallSteps holds the next call that applies a step on a pool (a Session step, or a unary call
+        that changes the pool) inside the pool's lock, so a test can prove what such a step delays and
+        what it does not. It answers once armed (stalled false) and once a step is held (stalled true),
+        and lets the step go when the client ends this call, or after max_seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DebugServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +110,11 @@ def add_DebugServicer_to_server(servicer, server):
                     servicer.CorruptRefCount,
                     request_deserializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.SerializeToString,
+            ),
+            'StallSteps': grpc.unary_stream_rpc_method_handler(
+                    servicer.StallSteps,
+                    request_deserializer=radixkv_dot_v1_dot_debug__pb2.StallStepsRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_debug__pb2.StallStepsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +199,33 @@ class Debug:
             '/radixkv.v1.Debug/CorruptRefCount',
             radixkv_dot_v1_dot_debug__pb2.CorruptRefCountRequest.SerializeToString,
             radixkv_dot_v1_dot_debug__pb2.CorruptRefCountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StallSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixkv.v1.Debug/StallSteps',
+            radixkv_dot_v1_dot_debug__pb2.StallStepsRequest.SerializeToString,
+            radixkv_dot_v1_dot_debug__pb2.StallStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

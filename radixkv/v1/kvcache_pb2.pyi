@@ -928,3 +928,43 @@ class UpgradeResponse(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[PoolSnapshot]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[PoolSnapshot, _Mapping]]] = ...) -> None: ...
+
+class RecordBlockChecksumsRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_id", "first_block", "checksums")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_id: int
+    first_block: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., first_block: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RecordBlockChecksumsResponse(_message.Message):
+    __slots__ = ("num_recorded",)
+    NUM_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    num_recorded: int
+    def __init__(self, num_recorded: _Optional[int] = ...) -> None: ...
+
+class GetBlockChecksumsRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "seq_id", "first_block", "num_blocks")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    seq_id: int
+    first_block: int
+    num_blocks: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class GetBlockChecksumsResponse(_message.Message):
+    __slots__ = ("checksums",)
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, checksums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -155,6 +155,16 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.FromString,
                 _registered_method=True)
+        self.RecordBlockChecksums = channel.unary_unary(
+                '/radixkv.v1.KVCache/RecordBlockChecksums',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsResponse.FromString,
+                _registered_method=True)
+        self.GetBlockChecksums = channel.unary_unary(
+                '/radixkv.v1.KVCache/GetBlockChecksums',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -346,6 +356,24 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordBlockChecksums(self, request, context):
+        """RecordBlockChecksums attaches the writer's checksum of each block's K/V bytes to blocks of the
+        session's sequence that the prefix tree now holds (an end-to-end check for a reader that copies
+        them out, as the vLLM connector does). A block keeps its first checksum until it leaves the tree
+        (evicted: forgotten); blocks the tree does not hold (not cached yet, or the sequence's own copy of
+        a prefix the tree holds in other blocks) are skipped. Carried across an upgrade with the snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlockChecksums(self, request, context):
+        """GetBlockChecksums returns the checksums recorded for blocks of the session's sequence (0: none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -468,6 +496,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Upgrade,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.SerializeToString,
+            ),
+            'RecordBlockChecksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordBlockChecksums,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsResponse.SerializeToString,
+            ),
+            'GetBlockChecksums': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBlockChecksums,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1119,6 +1157,60 @@ class KVCache:
             '/radixkv.v1.KVCache/Upgrade',
             radixkv_dot_v1_dot_kvcache__pb2.UpgradeRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.UpgradeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordBlockChecksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/RecordBlockChecksums',
+            radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.RecordBlockChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlockChecksums(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/GetBlockChecksums',
+            radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.FromString,
             options,
             channel_credentials,
             insecure,

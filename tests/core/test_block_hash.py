@@ -10,7 +10,16 @@ import pytest
 
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import DEFAULT_NAMESPACE, KVCache
-from radixkv.tree.block_hash import NONE_HASH, BlockHashes, block_hash, chain_hashes, namespace_salt, wire_hash
+from radixkv.tree.block_hash import (
+    NONE_HASH,
+    BlockHashes,
+    block_hash,
+    cache_salt,
+    chain_hashes,
+    event_salt,
+    namespace_salt,
+    wire_hash,
+)
 from radixkv.tree.radix_tree import Node
 
 # CBOR by hand (RFC 8949): 0x6e = text of 14 bytes; 0x83 = array of 3; 0x58 0x20 = 32-byte string;
@@ -35,14 +44,31 @@ def test_block_hashes_match_the_formula_by_hand() -> None:
     assert wire_hash(first) == int.from_bytes(first[-8:], "big")
 
 
-def test_a_namespace_salts_only_the_first_block_as_vllm_cache_salt() -> None:
-    salted = _hand_block(HAND_NONE_HASH, b"\x01\x02\x03\x04", b"\x81\x64chat")
-    assert namespace_salt(DEFAULT_NAMESPACE) is None
-    assert namespace_salt("chat") == ("chat",)
+def test_a_namespace_salts_only_the_first_block_tagged_as_vllm_cache_salt() -> None:
+    """vLLM 0.31+ hashes `(("cache_salt", salt),)` into the first block (0x81 0x82: an array of one pair;
+    0x6a: text of 10 bytes) and publishes it untagged in the event's `extra_keys`."""
+    salted = _hand_block(HAND_NONE_HASH, b"\x01\x02\x03\x04", b"\x81\x82\x6acache_salt\x64chat")
+    assert namespace_salt(DEFAULT_NAMESPACE) is None and event_salt(DEFAULT_NAMESPACE) is None
+    assert namespace_salt("chat") == (("cache_salt", "chat"),)
+    assert event_salt("chat") == ("chat",)
     hashes = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, "chat")
     assert hashes[0] == salted
     assert hashes[1] == _hand_block(salted, b"\x05\x06\x07\x08")  # no salt after the first block
     assert set(hashes).isdisjoint(chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4))
+    untagged = _hand_block(HAND_NONE_HASH, b"\x01\x02\x03\x04", b"\x81\x64chat")  # the salt rule of format 1
+    assert hashes[0] != untagged
+
+
+@pytest.mark.parametrize(
+    ("namespace", "salt"),
+    [("chat", "chat"), ("acme/chat", "acme%2Fchat"), ("acme/default", "acme%2Fdefault"), ("a%2Fb", "a%252Fb"),
+     ("x@y\\z\x00", "x%40y%5Cz%00")],
+)  # fmt: skip
+def test_the_salt_is_one_vllm_accepts_and_distinct_namespaces_keep_distinct_salts(namespace: str, salt: str) -> None:
+    """vLLM's OpenAI server refuses a cache_salt holding '@', '/', '\\' or NUL (validate_cache_salt, 0.33/0.34)."""
+    assert cache_salt(namespace) == salt
+    assert not set("@/\\\x00") & set(salt)
+    assert cache_salt("acme/chat") != cache_salt("acme%2Fchat")
 
 
 class _HashingObserver:

@@ -1,5 +1,9 @@
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from radixkv.cli import main
 
@@ -92,3 +96,73 @@ def test_plan_unknown_model_and_bad_size_are_one_line(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80 gigs"]) == 2
     err = capsys.readouterr().err
     assert err == "radixkv plan: '80 gigs' is not a size: write e.g. 80GiB (2^30 bytes), 80GB (10^9 bytes) or 512MiB\n"
+
+
+# A sitecustomize that makes the modules named in RADIXKV_TEST_HIDDEN (and their submodules) unimportable,
+# as if their extra were not installed: the child processes of the command inherit it through the environment.
+HIDING_SITECUSTOMIZE = """
+import os, sys
+
+HIDDEN = [name for name in os.environ.get("RADIXKV_TEST_HIDDEN", "").split(",") if name]
+
+
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def run_without(tmp_path, hidden, *argv):
+    """`radixkv ARGV` in a child process where the modules `hidden` are not installed."""
+    (tmp_path / "sitecustomize.py").write_text(HIDING_SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "RADIXKV_TEST_HIDDEN": ",".join(hidden)}
+    command = [sys.executable, "-m", "radixkv.cli", *argv]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("argv", "hidden", "missing", "extras"),
+    [
+        (["serve", "--help"], ["grpc_health"], "grpc_health", "server"),
+        (["serve", "--port", "0"], ["torch"], "torch", "server"),  # imported when the pool is built, not at import
+        (["keeper", "--state-dir", "{tmp}"], ["torch"], "torch", "server"),
+        (["demo", "--model", "tiny"], ["torch"], "torch", "demo,server"),
+        (["demo", "--model", "tiny"], ["grpc_health"], "grpc_health", "demo,server"),  # its server's extra
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, argv, hidden, missing, extras):
+    done = run_without(tmp_path, hidden, *(a.format(tmp=tmp_path / "state") for a in argv))
+    command = argv[0]
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"radixkv {command}: needs the {missing} package: pip install 'radixkv[{extras}]'\n"
+    # Nothing else, but the demo's first line, printed before it imports torch and the model's code.
+    assert done.stdout in ("", "loading tiny ...\n"), done.stdout
+
+
+def test_the_core_commands_need_no_extra(tmp_path):
+    done = run_without(tmp_path, ["torch", "triton", "grpc_health"], "simulate", "--tokens", "4000")
+    assert done.returncode == 0, done.stderr
+    assert "invariants hold" in done.stdout
+
+
+def test_a_missing_module_of_radixkv_itself_is_a_bug_not_an_extra(tmp_path):
+    done = run_without(tmp_path, ["radixkv.server.app"], "serve", "--help")
+    assert done.returncode == 1 and "Traceback" in done.stderr and "pip install" not in done.stderr
+
+
+def test_simulate_says_when_a_trace_is_too_short_to_evict(capsys):
+    assert main(["simulate", "--tokens", "20000"]) == 0
+    out = capsys.readouterr().out
+    pool, working_set = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) blocks", out.splitlines()[1])[:2])
+    assert pool >= working_set and "evicted 0 blocks" in out
+    assert "too short for eviction: its live sequences need" in out
+    assert main(["simulate", "--tokens", "200000"]) == 0
+    out = capsys.readouterr().out
+    pool, working_set = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) blocks", out.splitlines()[1])[:2])
+    assert pool < working_set and "too short" not in out
+    assert int(re.search(r"evicted ([\d,]+) blocks", out)[1].replace(",", "")) > 0

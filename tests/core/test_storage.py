@@ -14,7 +14,7 @@ import torch
 import radixkv.memory.memory_sizing
 from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.memory.memory_sizing import free_memory_bytes, layout_for_memory
-from radixkv.memory.pool_handle import PoolHandle
+from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.memory.storage import TORCH_DTYPES, KVStorage
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
@@ -147,7 +147,7 @@ def test_handle_from_dict_rejects(storage, change):
 # The worker side: map the pool from the handle's JSON, check the parent's pattern in layer 0, write layer 1.
 WORKER = """
 import json, sys, torch
-from radixkv.memory.pool_handle import PoolHandle
+from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.memory.storage import KVStorage
 handle = PoolHandle.from_dict(json.loads(sys.argv[1]))
 salt_in, salt_out = int(sys.argv[2]), int(sys.argv[3])
@@ -224,6 +224,19 @@ def test_close_keeps_live_views_mapped_until_freed():
         assert not mapped(name), "the last view freed unmaps the segment"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_an_openers_live_views_keep_its_mapping_until_freed(storage):
+    opened = KVStorage.open(storage.export_handle())
+    name = storage.export_handle().name
+    k, v = opened.layer(1)
+    k.fill_(3.0)
+    opened.close()
+    storage.close()
+    assert mapped(name) and float(k.sum()) == 3.0 * k.numel()
+    del k, v
+    assert not mapped(name), "the opener's last view freed unmaps its attachment"
+
+
 def test_named_create_and_refusals():
     name = f"radixkv-test-{uuid.uuid4().hex[:8]}"
     with KVStorage.create(LAYOUT, name=name) as s:
@@ -239,6 +252,57 @@ def test_named_create_and_refusals():
         KVStorage.create(LAYOUT, "cuda", name="x")
     with pytest.raises(ValueError, match="^device"):
         KVStorage.create(LAYOUT, "meta")
+
+
+@pytest.mark.parametrize("name", ["", "../etc/hostname", "a/b", ".", ".."])
+def test_open_refuses_a_segment_name_that_is_a_path(name):
+    handle = PoolHandle(kind="shm", name=name, **{f: getattr(LAYOUT, f) for f in LAYOUT_FIELDS})
+    with pytest.raises(ValueError, match="^handle: .* is not a shared-memory segment name"):
+        KVStorage.open(handle)
+
+
+def test_open_of_a_missing_segment_raises_file_not_found():
+    handle = PoolHandle(
+        kind="shm", name=f"radixkv-absent-{uuid.uuid4().hex[:8]}", **{f: getattr(LAYOUT, f) for f in LAYOUT_FIELDS}
+    )
+    with pytest.raises(FileNotFoundError):
+        KVStorage.open(handle)
+
+
+# A creator and the child it spawns share one resource tracker: the child's opening must leave the creator's
+# registration alone (an unregister would drop it and the creator's unlink would then trip the tracker).
+SPAWNED = """
+import multiprocessing, os, sys
+from radixkv.memory.layout import PoolLayout
+from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
+from radixkv.memory.storage import KVStorage
+
+def child(plain):
+    with KVStorage.open(PoolHandle.from_dict(plain)) as s:
+        s.data[1, 0, 2] = 5.0
+
+if __name__ == "__main__":
+    with KVStorage.create(PoolLayout(2, 2, 16, 4, 8, "float16")) as s:
+        handle = s.export_handle()
+        for _ in range(2):
+            p = multiprocessing.get_context("spawn").Process(target=child, args=(handle.to_dict(),))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0, p.exitcode
+        assert os.path.exists(os.path.join("/dev/shm", handle.name)), "a child's exit unlinked the segment"
+        assert bool((s.data[1, 0, 2] == 5.0).all())
+    print(handle.name)
+"""
+
+
+@pytest.mark.skipif(not HAS_SHM_DIR, reason="needs /dev/shm")
+def test_a_spawned_child_shares_the_creators_tracker_and_leaves_its_registration(tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "resource_tracker" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not shm_exists(result.stdout.strip()), "the creator's exit unlinks"
 
 
 @pytest.mark.skipif(not HAS_SHM_DIR, reason="needs /dev/shm")

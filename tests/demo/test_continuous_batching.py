@@ -3,14 +3,8 @@ its own process, and every attention the worker computes checked against its seq
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-from radixkv.demo import continuous_batching
 from radixkv.demo.continuous_batching import LAYOUT, SYSTEM_PROMPT, run_example
 from radixkv.demo.server_process import ServerProcess
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_loop_shares_preempts_and_hits_a_second_turn():
@@ -27,10 +21,3 @@ def test_the_loop_shares_preempts_and_hits_a_second_turn():
     previous = next(r for r in requests if second_turn.name == f"{r.name}-turn2")
     written = len(previous.token_ids) - 1  # its newest token was sampled, never appended
     assert report.hits[second_turn.name] == written // LAYOUT.block_size * LAYOUT.block_size
-
-
-def test_the_readme_shows_the_code_the_test_runs():
-    readme = (ROOT / "README.md").read_text()
-    source = Path(continuous_batching.__file__).read_text()
-    blocks = re.findall(r"The loop's two central steps.*?```python\n(.*?)```", readme, re.DOTALL)
-    assert blocks and blocks[0].strip() and blocks[0] in source, "README excerpt differs from the example"

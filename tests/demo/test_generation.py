@@ -10,11 +10,12 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.demo import reference
 from radixkv.demo.chat_template import PLAIN_TEMPLATE, ChatTemplate
-from radixkv.demo.main import build_parser, demo_requests
+from radixkv.demo.main import build_parser
 from radixkv.demo.model import LlamaForCausalLM
 from radixkv.demo.model_source import ChatModel
 from radixkv.demo.orchestrator import Orchestrator, RequestSpec
 from radixkv.demo.sampling import SamplingParams
+from radixkv.demo.scenario import demo_requests
 from radixkv.demo.tokenizer import ByteTokenizer
 from radixkv.demo.worker import Worker
 from radixkv.kernels.backend import INTERPRETED

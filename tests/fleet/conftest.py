@@ -1,8 +1,8 @@
 """Real server processes for the fleet tests: each publishes vLLM KV events on loopback ZMQ sockets.
 
 `FleetServer` starts `radixkv serve` on 127.0.0.1 (port 0 unless told), learns its gRPC port and
-its KV-events endpoints from the announcement line, and can be killed (SIGKILL) and restarted on
-the same port, as a crashed pod comes back.
+its KV-events endpoints (events, replay, digest) from the announcement line, and can be killed (SIGKILL)
+and restarted on the same port, as a crashed pod comes back.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class FleetServer:
         args = [
             "--port", str(self.port), "--pool", pool_flag(self.num_blocks, self.block_size), "--debug-rpc",
             "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", self.topic,
-            *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []), *self.extra,
+            *(["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"] if self.replay else []),
+            "--kv-events-digest-endpoint", "tcp://127.0.0.1:0", *self.extra,
         ]  # fmt: skip
         self.log_path = self.log_dir / f"{self.name}.{self.num_starts}.log"
         self.num_starts += 1
@@ -55,6 +56,7 @@ class FleetServer:
         kv = self.server.announcement["kv_events"]["default"]
         self.events_endpoint: str = kv["endpoint"]
         self.replay_endpoint: str | None = kv["replay_endpoint"]
+        self.digest_endpoint: str = kv["digest_endpoint"]
 
     def kill(self) -> None:
         """SIGKILL: no graceful stop, as a crashed pod."""

@@ -1,20 +1,20 @@
-"""The ZMQ stream's digest (`radixkv.server.kv_events`): on its own topic after every batch, equal to what a
-consumer recounts from the batches it applied, and invisible to the decoders the routers run.
+"""The KV-events digest (`radixkv.server.kv_events`): on its own socket after every batch, equal to what a
+consumer recounts from the batches it applied; and the vLLM-format socket left to vLLM's frames alone.
 
-Decoders: vLLM's own (msgspec, the `EventBatch` struct vLLM defines: `array_like`, events tagged by
-"type"), and llm-d kv-cache-manager's rule (vmihailenco/msgpack v5 decoding a `msgpack:",array"` struct
-refuses an array whose length is not its field count: exactly 3 for `EventBatch`), mimicked here.
+Decoders: vLLM 0.33/0.34's own (msgspec structs, `vllm_wire.py`), llm-d v0.10.0's and Dynamo's rules
+(`router_decoders.py`): every frame any of them can receive from the events socket, whatever its topic
+filter, is a `KVEventBatch` each decodes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import msgpack
-import pytest
 import zmq
 
 from radixkv.client import RadixKVClient
@@ -22,59 +22,18 @@ from radixkv.errors import OutOfBlocks
 from radixkv.server.kv_events import digest_topic
 from radixkv.tree.block_hash import digest_of
 
-msgspec = pytest.importorskip("msgspec")  # the `test` extra installs it
 
-_spec = importlib.util.spec_from_file_location("fleet_conftest", Path(__file__).with_name("conftest.py"))
-assert _spec is not None and _spec.loader is not None
-fleet = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fleet)
+def _sibling(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"fleet_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # msgspec resolves the structs' annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+fleet, vllm, routers = _sibling("conftest"), _sibling("vllm_wire"), _sibling("router_decoders")
 BLOCK_SIZE, FleetServer, wait_until = fleet.BLOCK_SIZE, fleet.FleetServer, fleet.wait_until
-
-
-# vLLM's definitions (vllm/distributed/kv_events.py, the array-batch, map-event form radixkv speaks)
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[misc, call-arg]
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[misc, call-arg]
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-
-
-def llm_d_decode(payload: bytes) -> list[Any]:
-    """llm-d's `msgpack.Unmarshal(payload, &EventBatch{})`: an array of exactly its 3 fields, else an error."""
-    batch = msgpack.unpackb(payload)
-    if not isinstance(batch, list) or len(batch) != 3:
-        raise ValueError("msgpack: number of fields in array-encoded struct has changed")
-    return batch
 
 
 class DigestConsumer:
@@ -83,11 +42,11 @@ class DigestConsumer:
     def __init__(self) -> None:
         self.held: set[int] = set()
 
-    def apply(self, batch: KVEventBatch) -> None:
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
+    def apply(self, batch: object) -> None:
+        for event in batch.events:  # type: ignore[attr-defined]
+            if isinstance(event, vllm.AllBlocksCleared):
                 self.held.clear()
-            elif isinstance(event, BlockStored):
+            elif isinstance(event, vllm.BlockStored):
                 self.held.update(event.block_hashes)
             else:
                 self.held.difference_update(event.block_hashes)
@@ -123,14 +82,16 @@ def _collect(sub: zmq.Socket, quiet_ms: int = 500) -> list[tuple[str, int, bytes
     """Every message until none has come for `quiet_ms` (the publisher sends within 20 ms of an event)."""
     messages: list[tuple[str, int, bytes]] = []
     while sub.poll(quiet_ms if messages else 10_000):
-        topic, seq, payload = sub.recv_multipart()
-        messages.append((topic.decode(), int.from_bytes(seq, "big"), payload))
+        frames = sub.recv_multipart()
+        assert len(frames) == 3
+        messages.append((frames[0].decode(), int.from_bytes(frames[1], "big"), frames[2]))
     return messages
 
 
 def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
     server: FleetServer = start_fleet_server(num_blocks=40)
-    sub = _subscribe(server.events_endpoint, server.topic, digest_topic(server.topic))
+    events = _subscribe(server.events_endpoint, server.topic)
+    digests = _subscribe(server.digest_endpoint, digest_topic(server.topic))
     try:
         with RadixKVClient(server.address) as client:
             with client.watch_events(include_snapshot=True) as stream:
@@ -140,18 +101,18 @@ def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(s
             client.commit([probe.seq_id], [2 * BLOCK_SIZE + 1])
             client.release(probe.seq_id)
             final = client.verify().digest  # what the Verify RPC states for the whole pool now
-            messages = _collect(sub)
+            batches = {seq: payload for _, seq, payload in _collect(events)}
+            proofs = {seq: payload for _, seq, payload in _collect(digests)}
     finally:
-        sub.close()
-    batches = {seq: payload for topic, seq, payload in messages if topic == server.topic}
-    proofs = {seq: payload for topic, seq, payload in messages if topic == digest_topic(server.topic)}
+        events.close()
+        digests.close()
     assert batches and set(proofs) == set(batches), "one digest per batch, under the batch's own seq"
     consumer = DigestConsumer()  # joined late: the stream started before from an empty pool
     num_events = 0
     for seq in sorted(batches):
-        consumer.apply(VLLM_DECODER.decode(batches[seq]))
-        ts, events, rank, proof = msgpack.unpackb(proofs[seq])
-        assert events == [] and rank == 0 and isinstance(ts, float)
+        consumer.apply(vllm.DECODER.decode(batches[seq]))
+        ts, no_events, rank, proof = msgpack.unpackb(proofs[seq])
+        assert no_events == [] and rank == 0 and isinstance(ts, float)
         assert proof["seq"] == seq and proof["epoch"] == epoch
         assert proof["num_events"] > num_events
         num_events = proof["num_events"]
@@ -162,32 +123,35 @@ def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(s
 
 def test_a_dropped_batch_shows_as_a_digest_that_no_longer_matches(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
     server: FleetServer = start_fleet_server(num_blocks=64)
-    sub = _subscribe(server.events_endpoint, server.topic, digest_topic(server.topic))
+    events = _subscribe(server.events_endpoint, server.topic)
+    digests = _subscribe(server.digest_endpoint, "")
     try:
         with RadixKVClient(server.address) as client:
             for i in range(4):
                 opened = client.open([i + 1] * (2 * BLOCK_SIZE + 1))
                 client.commit([opened.seq_id], [2 * BLOCK_SIZE + 1])
                 client.release(opened.seq_id)
-            messages = _collect(sub)
+            batches = sorted((seq, p) for _, seq, p in _collect(events))
+            proofs = {seq: msgpack.unpackb(p)[3]["digest"] for _, seq, p in _collect(digests)}
     finally:
-        sub.close()
-    batches = sorted((seq, p) for topic, seq, p in messages if topic == server.topic)
-    proofs = {seq: msgpack.unpackb(p)[3]["digest"] for topic, seq, p in messages if topic != server.topic}
+        events.close()
+        digests.close()
     assert len(batches) >= 3
     consumer = DigestConsumer()
     matched = []
     for i, (seq, payload) in enumerate(batches):
         if i != 1:  # the second batch is lost on the way
-            consumer.apply(VLLM_DECODER.decode(payload))
+            consumer.apply(vllm.DECODER.decode(payload))
         matched.append(proofs[seq] == consumer.digest)
     assert matched[0] and not any(matched[1:]), matched
 
 
-def test_the_routers_decoders_take_every_batch_and_never_see_a_digest(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+def test_every_frame_on_the_vllm_socket_is_a_batch_every_router_decodes(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+    """A subscriber of every topic (Dynamo's listener, a plain vLLM consumer) and llm-d's "kv@" filter receive
+    the same frames: vLLM batches only; the digests are on their own socket."""
     server: FleetServer = start_fleet_server(num_blocks=40)
     llm_d = _subscribe(server.events_endpoint, "kv@")  # llm-d's default topic filter
-    everything = _subscribe(server.events_endpoint, "")  # a consumer of every topic
+    everything = _subscribe(server.events_endpoint, "")  # Dynamo's listener subscribes to every topic
     try:
         with RadixKVClient(server.address) as client:
             _workload(client, random.Random(1), 30)
@@ -196,32 +160,30 @@ def test_the_routers_decoders_take_every_batch_and_never_see_a_digest(start_flee
     finally:
         llm_d.close()
         everything.close()
-    assert {topic for topic, _, _ in from_llm_d} == {server.topic}, "the digest topic is filtered out by ZMQ"
-    assert [seq for _, seq, _ in from_llm_d] == sorted({seq for _, seq, _ in from_everything})
-    for _, _, payload in from_llm_d:
-        assert len(llm_d_decode(payload)[1]) > 0  # every batch: 3 elements, events in it
-    digests = [payload for topic, _, payload in from_everything if topic != server.topic]
-    assert digests
-    for payload in digests:  # a consumer of every topic decodes a digest message as an empty batch
-        assert VLLM_DECODER.decode(payload).events == []
-        with pytest.raises(ValueError, match="number of fields"):
-            llm_d_decode(payload)  # which is why the digest never rides in the batch itself
+    assert from_everything == from_llm_d, "nothing but the events topic on the vLLM socket"
+    assert len(from_everything) > 3
+    for topic, seq, payload in from_everything:
+        frames = [topic.encode(), seq.to_bytes(8, "big"), payload]
+        assert topic == server.topic
+        assert vllm.DECODER.decode(payload).events, "a batch with events in it"
+        assert routers.llm_d_batch(payload) and routers.dynamo_batch(frames)
+    assert [seq for _, seq, _ in from_everything] == list(range(from_everything[0][1], from_everything[-1][1] + 1))
 
 
 def test_an_adopted_stream_carries_the_digest_of_what_it_announced_so_far() -> None:
     """After a restart that adopted a snapshot the stream opens with BlockStored events, batch by batch here."""
     from radixkv.server.events import BlockEvent, EventKind
     from radixkv.server.kv_events import ZmqEventPublisher
+    from radixkv.server.kv_events_config import KVEventsConfig
 
     adopted = [
         BlockEvent(1, "", EventKind.BLOCKS_STORED, (i,), bytes(4 * BLOCK_SIZE), None, (1000 + i,), None, (None,))
         for i in range(3)
     ]
     total = digest_of([1000, 1001, 1002])
-    publisher = ZmqEventPublisher(
-        "tcp://127.0.0.1:0", "kv@x@m", BLOCK_SIZE, max_events_per_batch=1, adopted=adopted, epoch=5, digest=total
-    )
-    sub = _subscribe(publisher.endpoint, digest_topic("kv@x@m"))
+    config = KVEventsConfig("tcp://127.0.0.1:0", "kv@x@m", digest_endpoint="tcp://127.0.0.1:0")
+    publisher = ZmqEventPublisher(config, BLOCK_SIZE, max_events_per_batch=1, adopted=adopted, epoch=5, digest=total)
+    sub = _subscribe(publisher.digest_endpoint, digest_topic("kv@x@m"))
     try:
         wait_until(lambda: False, timeout=0.3)  # the subscription reaches the publisher before anything is sent
         publisher.start()

@@ -100,7 +100,7 @@ def test_a_killed_instance_leaves_within_a_health_interval_and_returns_after_res
 def test_with_auth_the_router_hashes_the_tenants_scoped_namespaces(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[tenants.acme]\ntoken = "acme-token"\nnamespaces = ["chat"]\n')
-    server = start_fleet_server(extra=("--auth-tokens", str(tokens)))
+    server = start_fleet_server(extra=("--auth-tokens", str(tokens), "--kv-events-insecure-publish-tenant-prompts"))
     prompt = list(range(40, 40 + 3 * BLOCK_SIZE + 1))
     with RadixKVClient(server.address, token="acme-token") as client:
         _release_written(client, [client.open(prompt, "chat").seq_id])

@@ -44,7 +44,7 @@ def test_get_pool_states_the_contract_and_mixed_block_sizes_are_refused_by_name(
         2 * BLOCK_SIZE,
     )
     assert (contract.salt_rule, contract.wire_form, contract.format_version) == (
-        "namespace-in-first-block-extra-keys", "low64", 1,
+        "vllm-tagged-cache-salt-in-first-block-extra-keys", "low64", 2,
     )  # fmt: skip
     # The client: a matching contract connects, another block size is refused at construction.
     with RadixKVClient(same.address, block_size=BLOCK_SIZE) as client:

@@ -4,6 +4,7 @@ batches and the split plan; fp8 caches; the hot path that never reads the device
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -239,8 +240,8 @@ BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 HEAD_DIMS = [64, 80, 96, 128, 256]
 # Four cases per (q dtype, cache dtype), rotating through the block sizes and head dims so that together
 # they take each block size 2-3 times and each head dim 4 times: 20 cases, about 40 compilations, which
-# keeps gpu_check.sh within its three minutes (the full grid would be 200 cases). The interpreted tests
-# already cover every block size and head dim in fp32 and fp16.
+# keeps `pytest -m gpu tests/kernels` short (gpu_check.sh runs it in what is left of its 5 minutes; the full
+# grid would be 200 cases). The interpreted tests already cover every block size and head dim in fp32 and fp16.
 GPU_SWEEP = [
     (dtype, kv_dtype, BLOCK_SIZES[(4 * k + i) % len(BLOCK_SIZES)], HEAD_DIMS[(k + i) % len(HEAD_DIMS)])
     for k, (dtype, kv_dtype) in enumerate([(F32, F32), (F16, F16), (BF16, BF16), (F16, FP8), (BF16, FP8)])
@@ -286,6 +287,24 @@ def test_choose_split_len_sizes_from_the_longest_not_the_batch():
     assert choose_split_len([300], num_kv_heads=8, num_sms=132, tile_n=64) == 320, "one split under 2 x 256 tokens"
     assert choose_split_len([600], num_kv_heads=8, num_sms=132, tile_n=64) == 256, "at least 256 tokens per split"
     assert choose_split_len([10**6], num_kv_heads=8, num_sms=132, tile_n=64) >= 10**6 / 64, "at most 64 splits"
+
+
+def test_forced_splits_are_an_upper_bound_in_whole_tiles():
+    """`num_splits` asks for at most that many: a split is whole tiles, so 2,560 tokens in 64-token tiles asked for
+    64 splits run 40 (one tile each) and asked for 30 run 20 (two tiles each); the plan says what runs."""
+    kwargs = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, cache_dtype=F16, device="meta")
+    tile = plan_decode([2560], **kwargs).config.tile_n
+    assert tile == 64
+    assert (
+        plan_decode([2560], num_splits=64, **kwargs).num_splits,
+        plan_decode([2560], num_splits=30, **kwargs).split_len,
+    ) == (40, 128)
+    for longest in (1, 63, 64, 65, 2560, 4097):
+        for asked in range(1, 65):
+            plan = plan_decode([longest, 5], num_splits=asked, **kwargs)
+            fewest_tiles = math.ceil(math.ceil(longest / asked) / tile) * tile  # whole tiles holding that many tokens
+            assert plan.split_len == fewest_tiles and plan.num_splits == max(1, -(-longest // plan.split_len))
+            assert plan.num_splits <= asked and (plan.num_splits - 1) * plan.split_len < longest
 
 
 @pytest.mark.parametrize(
@@ -338,7 +357,7 @@ def test_plan_serves_every_layer_without_reading_the_device(device, paged_batch,
     def forbidden(*args, **kwargs):
         raise AssertionError("the hot path read the device or planned again")
 
-    monkeypatch.setattr(decode_module, "_check_contents", forbidden)
+    monkeypatch.setattr(decode_module, "check_decode_contents", forbidden)
     monkeypatch.setattr(decode_module, "plan_decode", forbidden)
     for batch, want in zip(layers, expected, strict=True):
         out = paged_decode_attention(

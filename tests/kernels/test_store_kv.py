@@ -111,6 +111,26 @@ def test_triton_fp8_store_matches_torch(device, dtype):
     assert ((codes - want).abs() <= 1).all()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, FP8], ids=case_id)
+def test_nan_stays_nan_and_infinity_saturates(device, cache_dtype):
+    """The module's promise: a NaN input stores as NaN (a model bug stays visible); in fp8 an infinite or huge value
+    stores as +-448, never NaN. fp8 runs Triton on CUDA and torch on CPU; both must keep it."""
+    dtype = F32 if cache_dtype == FP8 else cache_dtype
+    key = torch.tensor([[[float("nan"), float("inf"), -float("inf"), 1e6, 0.5, -2.0, 0.0, 3.0]]], device=device)
+    key = key.to(dtype)  # [1 token, 1 head, 8]
+    value = key.flip(-1).clone()
+    kv_layer = make_kv_layer(2, 2, 1, 8, cache_dtype, device)
+    scales = torch.tensor([0.5, 2.0], device=device) if cache_dtype == FP8 else None
+    store_kv(key, value, kv_layer, torch.tensor([3], device=device), kv_scales=scales)
+    k, v = kv_layer[0, 1, 1, 0].float().cpu(), kv_layer[1, 1, 1, 0].float().cpu()  # [8] each, as stored
+    assert torch.isnan(k[0]) and torch.isnan(v[7]) and not torch.isnan(k[1:]).any() and not torch.isnan(v[:7]).any()
+    if cache_dtype == FP8:
+        assert k[1:4].tolist() == [448.0, -448.0, 448.0] and k[4:].tolist() == [1.0, -4.0, 0.0, 6.0]
+        assert v[4:7].tolist() == [448.0, -448.0, 448.0] and v[:4].tolist() == [1.5, 0.0, -1.0, 0.25]
+    else:
+        assert torch.equal(k[1:], key[0, 0, 1:].cpu()) and torch.equal(v[:7], value[0, 0, :7].cpu())
+
+
 @pytest.fixture
 def args() -> dict:
     kv_layer = make_kv_layer(4, 4, 2, 64, torch.float32, "cpu")

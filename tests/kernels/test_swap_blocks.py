@@ -74,12 +74,19 @@ def test_no_pairs_is_a_no_op(device):
     assert torch.equal(dst, before)
 
 
+def keep_the_current_stream_busy() -> None:
+    """Queue milliseconds of work on the current stream: matmuls, public ops (torch.cuda._sleep is private)."""
+    x = torch.randn(4096, 4096, device="cuda")  # [4096, 4096]; each product takes ~1e11 flops
+    for _ in range(8):
+        x = (x @ x) * 4096**-0.5  # entries stay ~N(0, 1)
+
+
 @gpu
 def test_cuda_copies_on_a_side_stream_after_queued_writes():
     """The swap waits for writes queued on the caller's stream and the returned event orders the reads after it."""
     device_pool = torch.zeros(2, 2, 8, 16, 4, 64, device="cuda")
     host_pool = torch.zeros(2, 2, 8, 16, 4, 64).pin_memory()
-    torch.cuda._sleep(10_000_000)  # keep the current stream busy so an unordered copy would read zeros
+    keep_the_current_stream_busy()  # so a copy not ordered after the write below would read zeros
     device_pool[:, :, 3] = 7.0
     event = swap_blocks(device_pool, host_pool, [(3, 5)])
     assert isinstance(event, torch.cuda.Event)

@@ -13,9 +13,8 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -244,17 +243,17 @@ def test_release_frees_the_memory_and_the_next_attach_is_fresh(keeper: KeeperSer
 def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path: Path) -> None:
     state = tmp_path / "state"
     (state / "snapshots").mkdir(parents=True)
-    stale = shared_memory.SharedMemory(name="radixkv-keeper-0123456789ab-1", create=True, size=4096)
-    resource_tracker.unregister(stale._name, "shared_memory")  # type: ignore[attr-defined]  # as if its owner died
-    stale.close()
+    stale = "radixkv-keeper-0123456789ab-1"  # a segment no process tracks, as if its owner died
+    with open(os.path.join(SHM_DIR, stale), "wb") as segment:  # a file under /dev/shm is a POSIX segment on Linux
+        segment.truncate(4096)
     bystander = shared_memory.SharedMemory(name="not-radixkv-bystander", create=True, size=4096)
     (state / "snapshots" / "default.snapshot").write_bytes(b"old index")
-    pools = [{"pool": "default", "segment": stale.name}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
+    pools = [{"pool": "default", "segment": stale}, {"pool": "evil", "segment": "not-radixkv-bystander"}]
     (state / STATE_FILE).write_text(json.dumps({"incarnation": "dead", "pid": 1, "pools": pools}))
     try:
         keeper = Keeper(state)
         assert keeper.num_stale_segments == 1
-        assert not os.path.exists(os.path.join(SHM_DIR, stale.name))
+        assert not os.path.exists(os.path.join(SHM_DIR, stale))
         assert os.path.exists(os.path.join(SHM_DIR, bystander.name))  # a state file names only keeper segments
         assert list((state / "snapshots").iterdir()) == []  # no snapshot outlives its memory
         assert json.loads((state / STATE_FILE).read_text())["incarnation"] == keeper.incarnation
@@ -263,6 +262,8 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
     finally:
         bystander.close()
         bystander.unlink()
+        if os.path.exists(os.path.join(SHM_DIR, stale)):  # the keeper failed to remove it
+            os.unlink(os.path.join(SHM_DIR, stale))
 
 
 def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> None:
@@ -276,37 +277,58 @@ def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
 
 
-def test_connections_past_the_limit_are_refused_and_slots_come_back(
+def test_past_the_limit_the_longest_idle_connection_makes_room_and_a_holder_never_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(keeper_module, "MAX_CONNECTIONS", 2)
     state = tmp_path / "state"
-    state.mkdir()
-    server = KeeperServer(Keeper(state), socket_path(state))
+    state.mkdir(mode=0o700)
+    server = KeeperServer(Keeper(state), socket_path(state), idle_seconds=600)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        first, second = _connect(server), _connect(server)
-        assert _hello_works(first) and _hello_works(second)
-        with _connect(server) as third:
-            reply = recv_frame(third, 5)
+        silent, spoke = _connect(server), _connect(server)
+        assert _hello_works(spoke)
+        with _connect(server) as third:  # the limit is reached: the one that never spoke goes, not this one
+            assert _hello_works(third)
+            reply = recv_frame(silent, 5)
             assert reply is not None and json.loads(reply)["reason"] == "TOO_MANY"
-            assert third.recv(1) == b""
-        first.close()
+            assert silent.recv(1) == b""
+        silent.close()
+        assert _hello_works(spoke)
+        spoke.close()
 
-        def a_slot_is_free() -> bool:
-            with _connect(server) as sock:
-                try:
-                    return _hello_works(sock)
-                except (KeeperError, OSError):  # refused and closed: the slot is not back yet
-                    return False
+        holders = [KeeperClient(server.path), KeeperClient(server.path)]
+        for i, holder in enumerate(holders):
+            holder.create_or_attach(f"pool{i}", LAYOUT, "cpu")
+        with _connect(server) as refused:  # every connection holds a pool: none is dropped for a newcomer
+            reply = recv_frame(refused, 5)
+            assert reply is not None and json.loads(reply)["reason"] == "TOO_MANY"
+        assert all(len(h.list_pools()) == 2 for h in holders)
+        for holder in holders:
+            holder.close()
+    finally:
+        server.stop()
+        thread.join(5)
+        server.close()
+        server.keeper.close()
 
-        deadline = time.monotonic() + 5
-        while not a_slot_is_free():
-            assert time.monotonic() < deadline, "the closed connection's slot never came back"
-            time.sleep(0.05)
-        assert _hello_works(second)
-        second.close()
+
+def test_a_connection_silent_past_the_idle_timeout_is_dropped_and_one_that_spoke_stays(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    server = KeeperServer(Keeper(state), socket_path(state), idle_seconds=0.2)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        spoke, silent = _connect(server), _connect(server)
+        assert _hello_works(spoke)
+        reply = recv_frame(silent, 5)
+        assert reply is not None and json.loads(reply)["reason"] == "IDLE"
+        assert silent.recv(1) == b""
+        assert _hello_works(spoke)  # idle since, but it spoke once: it stays
+        spoke.close()
+        silent.close()
     finally:
         server.stop()
         thread.join(5)

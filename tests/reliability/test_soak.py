@@ -1,9 +1,14 @@
-"""Load and faults: 16 client processes mixing every operation, one SIGKILLed mid-call every 0.75 s, for 12 s.
+"""Load and faults: 16 client processes mixing every operation, one SIGKILLed mid-call every 0.75 s, for 12 s
+and then on until every operation has been served at least once.
 
 benchmarks/bench_soak.py runs the soak (the same run as its --quick) and reports what the server
 says afterwards; this test holds it to the contract: the killed clients' sessions expire and take
 everything they held with them, no block leaks, the invariants hold, only refusals the workload
 provokes occur, and the server's memory stops growing once its cache is warm.
+
+Nothing here depends on how fast the machine is: on a loaded one the clients take longer to start and
+serve fewer requests a second, so the run goes on past its 12 s until each operation has been served
+(MAX_SECONDS bounds a server that serves nothing at all: that is a failure, not a slow machine).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ EVERY_OP = {
     "watch",
     "reopen",
 }
+MAX_SECONDS = 240.0
 RSS_GROWTH_BOUND = (
     32 * 2**20
 )  # after warm-up; on an idle machine ~3000 requests follow it: a leak of ~10 KiB each fails
@@ -46,11 +52,9 @@ def _bench() -> ModuleType:
 
 
 def test_killed_clients_leave_nothing_behind_and_memory_stays_flat() -> None:
-    r = _bench().run(duration=12.0, clients=16, kill_every=0.75, ttl=2.0, seed=1)
-    assert r["clients_killed"] >= 10
+    r = _bench().run(12.0, 16, 0.75, 2.0, seed=1, until_served=frozenset(EVERY_OP), max_duration=MAX_SECONDS)
+    assert r["clients_killed"] >= 10  # one every 0.75 s for at least 12 s, however slow the clients are
     assert (r["client_failures"], r["clients_hung"]) == (0, 0), "a client crashed or hung on its own"
-    # Enough traffic that every operation ran many times; not a throughput bound (CI machines are shared).
-    assert r["requests"] > 100
 
     # Every answer was one the workload provokes; each operation was served; the bad ones never were.
     codes = {key.split(" ", 1)[1] for key in r["outcomes"]}

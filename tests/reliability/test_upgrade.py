@@ -220,7 +220,7 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
     try:
         socket.send_multipart([b"", (0).to_bytes(8, "big")])
         while True:
-            _, seq, payload = socket.recv_multipart()
+            _, _topic, seq, payload = socket.recv_multipart()  # vLLM's replay reply: [topic, seq, payload]
             if not payload:
                 return events
             events += msgpack.unpackb(payload)[1]

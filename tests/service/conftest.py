@@ -18,7 +18,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from radixkv.client.direct_stream import DirectStepStream
 from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
@@ -40,15 +39,6 @@ token = "{GLOBEX_TOKEN}"
 map_pools = true
 admin = true
 """
-
-
-@pytest.fixture(params=["direct", "public"])
-def blocking_stream(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which Session stream the blocking clients of the test open: driven directly on gRPC's core call (what
-    they use where gRPC has it), or gRPC's public stream API (their fallback)."""
-    if request.param == "public":
-        monkeypatch.setattr(DirectStepStream, "open", classmethod(lambda cls, *args: None))
-    return str(request.param)
 
 
 @pytest.fixture(scope="session")

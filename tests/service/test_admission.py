@@ -8,6 +8,7 @@ Tenant ops: admin, no token budget; tenant slow: 40 tokens per second.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -279,14 +280,25 @@ def _slow_client(server: ServerProcess, i: int) -> RadixKVClient:
     return RadixKVClient(server.address, pool="small", token=SLOW[i])
 
 
+def retry_bounds(deficit_tokens: float, rate: float, elapsed: float) -> tuple[float, float]:
+    """What a refusal's retry delay may be: the deficit right after the charge that caused it, in seconds (rounded
+    up to whole ms, as the server sends it), less what the bucket refilled in `elapsed`, the most time that can
+    have passed between that charge and the refusal; never under 1 ms. No bound on how fast the machine is."""
+    most = math.ceil(deficit_tokens / rate * 1000) / 1000
+    return max(0.001, most - elapsed - 0.001), most
+
+
 def test_a_token_budget_refuses_with_a_retry_delay(server: ServerProcess, debug: Debug) -> None:
     with _slow_client(server, 0) as slow:
+        started = time.monotonic()
         a = slow.open([1, 2, 3, 4], "chat", max_new_tokens=30)  # 34 of 40 tokens
         with pytest.raises(TokenBudget) as refused:
             slow.open([5, 6, 7, 8], "chat", max_new_tokens=8)  # 12 more: 6 left
+        elapsed = time.monotonic() - started
         e = refused.value
         assert (e.reason, e.grpc_code, e.tenant, e.num_tokens) == ("TOKEN_BUDGET", "RESOURCE_EXHAUSTED", "slow0", 12)
-        assert e.retry_delay is not None and 0.1 <= e.retry_delay <= 0.3, "about (12 - 6) / 40 s, from RetryInfo"
+        low, high = retry_bounds(12 - 6, 40, elapsed)  # (12 - 6) / 40 s, less what refilled between the calls
+        assert e.retry_delay is not None and low <= e.retry_delay <= high, (e.retry_delay, elapsed)
         assert e.retry_delay == pytest.approx(e.retry_after_ms / 1000)
         debug.check("small")
         time.sleep(e.retry_delay + 0.05)
@@ -302,15 +314,18 @@ def test_a_token_budget_refusal_carries_retry_info_on_the_wire(server: ServerPro
             pool="small", session_id=slow.session_id, prompts=[pb.Prompt(token_ids=[1], max_new_tokens=60)]
         )
         metadata = (("authorization", f"Bearer {SLOW[1]}"),)
+        started = time.monotonic()
         opened = stub.OpenSequences(request, metadata=metadata, timeout=10)  # a full bucket admits a large one
         with pytest.raises(grpc.RpcError) as refused:
             stub.OpenSequences(request, metadata=metadata, timeout=10)  # then the bucket is in debt
+        elapsed = time.monotonic() - started
         slow.release(opened.sequences[0].seq_id, cache=False)
     status = rpc_status.from_call(refused.value)
     retry = error_details_pb2.RetryInfo()
     assert any(d.Unpack(retry) for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR))
     # 61 tokens from a bucket of 40 leave it 21 in debt; the next needs 40: (21 + 40) / 40 s, less what refilled.
-    assert 1.4 < retry.retry_delay.ToTimedelta().total_seconds() <= 1.525
+    low, high = retry_bounds(21 + 40, 40, elapsed)
+    assert low <= retry.retry_delay.ToTimedelta().total_seconds() <= high, elapsed
 
 
 def test_a_session_step_over_the_token_budget_is_refused_whole(server: ServerProcess, debug: Debug) -> None:

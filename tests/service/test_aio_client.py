@@ -96,7 +96,7 @@ async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(s
     behind it are re-sent on a new stream (their request ids keep them from applying twice), not failed."""
     async with AsyncRadixKVClient(server.address) as client:
         await client.step(Step())  # the stream is open
-        first_stream = client._steps
+        first_stream = client._steps._stream
         writer = asyncio.create_task(client.step(Step(opens=[([900, 1, 2], "cancel-write")])))
         await asyncio.sleep(0)  # the writer is inside gRPC's write now
         queued = asyncio.create_task(client.step(Step(opens=[([901, 1, 2], "cancel-write")])))
@@ -105,7 +105,7 @@ async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(s
         with pytest.raises(asyncio.CancelledError):
             await writer
         result = await asyncio.wait_for(queued, 10)
-        assert client._steps is not first_stream, "the cancelled call's stream was replaced"
+        assert client._steps._stream is not first_stream, "the cancelled call's stream was replaced"
         seq_id = result.opened[0].seq_id
         assert (
             await client.num_tokens(seq_id) == 3 and client.block_table(seq_id) == result.opened[0].block_table.tolist()
@@ -116,7 +116,7 @@ async def test_a_step_cancelled_while_it_writes_leaves_the_others_to_be_resent(s
 
 @pytest.mark.asyncio
 async def test_a_lone_step_cancelled_at_any_point_leaves_the_next_step_its_own_answer(server, debug) -> None:  # type: ignore[no-untyped-def]
-    """A lone step posts its read, then writes, then reads (`_exchange`). Cancelled after 0, 1, 2, ... loop
+    """A lone step writes, then reads its answer. Cancelled after 0, 1, 2, ... loop
     turns or a while (before it starts, mid-write, mid-read, or answered), it raises CancelledError or
     returns; the next step gets its own answer, never the cancelled one's, and the block table mirror
     followed the cancelled step wherever the server applied it."""
@@ -124,7 +124,7 @@ async def test_a_lone_step_cancelled_at_any_point_leaves_the_next_step_its_own_a
         seq_id = (await client.step(Step(opens=[([930, 1, 2], "cancel-lone")]))).opened[0].seq_id
         outcomes = set()
         for turns, then in [*((n, 0.0) for n in range(10)), *((1, d) for d in (1e-4, 3e-4, 1e-3, 3e-3, 0.05))]:
-            stream = client._steps
+            stream = client._steps._stream
             task = asyncio.create_task(client.step(Step(append=Append([seq_id], [1], [turns]))))
             for _ in range(turns):
                 await asyncio.sleep(0)
@@ -134,7 +134,7 @@ async def test_a_lone_step_cancelled_at_any_point_leaves_the_next_step_its_own_a
                 await task
                 outcomes.add("answered")
             except asyncio.CancelledError:
-                outcomes.add("cancelled" if client._steps is stream else "cancelled, stream replaced")
+                outcomes.add("cancelled" if client._steps._stream is stream else "cancelled, stream replaced")
             await client.step(Step())  # a cancelled step in flight is re-sent ahead of this one: applied by now
             length = await client.num_tokens(seq_id)  # the cancelled append applied or not: the server knows
             appended = await asyncio.wait_for(client.step(Step(append=Append([seq_id], [1], [99]))), 10)
@@ -152,12 +152,12 @@ async def test_a_stream_that_ended_while_idle_is_replaced_by_the_next_step(serve
     over, as after a server stopping, and goes on a new stream instead of failing with the old one."""
     async with AsyncRadixKVClient(server.address) as client:
         seq_id = (await client.step(Step(opens=[([910, 1, 2], "idle-end")]))).opened[0].seq_id
-        ended = client._steps
+        ended = client._steps._stream
         assert ended is not None
         ended._call.cancel()  # the call is over while nothing is in flight
         await asyncio.sleep(0.05)
         appended = (await client.step(Step(append=Append([seq_id], [1], [3])))).appended
         assert appended is not None and appended.num_tokens == [4]
-        assert client._steps is not ended
+        assert client._steps._stream is not ended
         await client.step(Step(releases=[([seq_id], False)]))
     debug.check()

@@ -58,8 +58,8 @@ class _Load:
                 self.live.append(opened.seq_id)
             elif op == "append":
                 seq_id = rng.choice(self.live)
-                cache.append(seq_id, [rng.randrange(100) for _ in range(rng.randrange(1, 2 * BLOCK_SIZE))])
-                ledger.resize(seq_id, len(cache.block_table(seq_id)))
+                tokens = [rng.randrange(100) for _ in range(rng.randrange(1, 2 * BLOCK_SIZE))]
+                ledger.follow_append(self.session, cache.append_batch([seq_id], [len(tokens)], tokens))
             elif op == "commit":
                 seq_id = rng.choice(self.live)
                 cache.commit([seq_id], [cache.num_tokens(seq_id)])

@@ -13,9 +13,10 @@ from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownPool
 from radixkv.kv_cache import Limits
 from radixkv.memory.layout import PoolLayout
-from radixkv.server import app
+from radixkv.server import flags
 from radixkv.server.app import main, parse_args
 from radixkv.server.config import PoolConfig
+from radixkv.server.kv_events_config import KVEventsConfig
 
 SMOLLM2 = (30, 3, 64)
 
@@ -25,19 +26,17 @@ def test_help_lists_every_pool_key_with_its_default(capsys):
         parse_args(["serve", "--help"])
     out = capsys.readouterr().out
     keys = [
-        f for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name not in ("name", "limits")
+        (f.name, f.default)
+        for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits))
+        if f.name not in ("name", "limits", "kv_events")
     ]
-    for field in keys:
-        default = (
-            "required"
-            if field.default is dataclasses.MISSING
-            else "unset"
-            if field.default is None
-            else str(field.default) or '""'
-        )
-        line = next((line for line in out.splitlines() if line.split()[:1] == [field.name]), None)
-        assert line is not None, f"--help does not list pool key {field.name}"
-        assert line.split()[1] == default and len(line.split()) > 2, f"{field.name}: default and meaning: {line!r}"
+    stream = [f for f in dataclasses.fields(KVEventsConfig) if f.name != "withheld_tenants"]  # kv_events_* keys
+    keys += [(f"kv_events_{f.name}", f.default) for f in stream]
+    for name, value in keys:
+        default = "required" if value is dataclasses.MISSING else "unset" if value is None else str(value) or '""'
+        line = next((line for line in out.splitlines() if line.split()[:1] == [name]), None)
+        assert line is not None, f"--help does not list pool key {name}"
+        assert line.split()[1] == default and len(line.split()) > 2, f"{name}: default and meaning: {line!r}"
     assert 'one pool named "default"' in out and "0.9" in out and "512 MiB" in out and "smollm2-135m" in out
 
 
@@ -89,11 +88,11 @@ def test_a_bad_pool_never_reaches_a_traceback():
 
 
 def test_no_pool_flags_give_the_default_pool(monkeypatch):
-    monkeypatch.setattr(app, "_default_device", lambda: "cpu")
+    monkeypatch.setattr(flags, "_default_device", lambda: "cpu")
     (pool,) = parse_args(["serve"])[0].pools
     assert (pool.name, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size) == ("default", *SMOLLM2, 16)
     assert (pool.device, pool.memory_bytes, pool.memory_fraction) == ("cpu", 512 * 2**20, None)
-    monkeypatch.setattr(app, "_default_device", lambda: "cuda")
+    monkeypatch.setattr(flags, "_default_device", lambda: "cuda")
     (pool,) = parse_args(["serve"])[0].pools
     assert (pool.device, pool.memory_fraction, pool.reserved_bytes, pool.memory_bytes) == ("cuda", 0.9, 2**30, None)
     (pool,) = parse_args(["serve", "--memory-fraction", "0.5"])[0].pools
@@ -110,9 +109,34 @@ def test_model_shapes_the_default_pool(tmp_path, capsys):
         main(["serve", "--model", str(tmp_path), "--pool", "p:num_layers=1,num_kv_heads=1,head_dim=8,num_blocks=4"])
         == 2
     )
-    assert "--model, --device and --memory-fraction shape the default pool" in capsys.readouterr().err
+    assert "--model, --device, --memory-fraction, --block-size, --kv-dtype and --num-blocks shape the default pool" in (
+        capsys.readouterr().err
+    )
     assert main(["serve", "--model", str(tmp_path / "nothing.gguf")]) == 2
     assert "not a known model" in capsys.readouterr().err
+
+
+def test_block_size_dtype_and_blocks_shape_the_default_pool_for_an_engine(tmp_path, capsys):
+    """What vLLM's connector needs: the engine's block size (a multiple of 32 on its CPU backend) and KV dtype."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30})
+    )
+    flags = ["serve", "--model", str(tmp_path), "--device", "cpu", "--block-size", "32", "--kv-dtype", "float32"]
+    (pool,) = parse_args([*flags, "--num-blocks", "100"])[0].pools
+    assert (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.block_size, pool.dtype) == (
+        30,
+        3,
+        64,
+        32,
+        "float32",
+    )
+    assert (pool.num_blocks, pool.memory_bytes) == (100, None)
+    (pool,) = parse_args(flags)[0].pools
+    assert (pool.num_blocks, pool.memory_bytes) == (None, 512 * 2**20)  # sized by memory as before
+    assert main(["serve", "--block-size", "48"]) == 2
+    assert "block_size must be a power of two, got 48" in capsys.readouterr().err
+    assert main(["serve", "--kv-dtype", "int7"]) == 2
+    assert "dtype must be one of" in capsys.readouterr().err
 
 
 def test_serve_without_pool_flags_serves_default(start_server):

@@ -1,23 +1,31 @@
-"""The server's bookkeeping beside the core: `PoolLedger` against a real `KVCache`, and the request-id window."""
+"""The server's bookkeeping beside the core: `PoolLedger` against a real `KVCache`.
+
+The request-id window: test_request_window.py.
+"""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixkv.errors import InvalidArgument, NotPinned, QuotaExceeded, UnknownSequence
+from radixkv.errors import LimitExceeded, NotPinned, QuotaExceeded, RadixKVError, UnknownSequence
 from radixkv.kv_cache import KVCache
-from radixkv.server.idempotency import RequestWindow
+from radixkv.sequences.results import AppendBatch
 from radixkv.server.ledger import Pin, PoolLedger
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant
 
 BLOCK_SIZE = 4
-TENANTS = [Tenant("a", frozenset({"*"}), 40, False), Tenant("b", frozenset({"*"}), None, False)]
+HOST_SHARE = 12  # host blocks each tenant's swapped-out sequences may hold
+TENANTS = [
+    Tenant("a", frozenset({"*"}), 40, False),
+    Tenant("b", frozenset({"*"}), None, False, max_tokens_per_second=100.0),  # prepaid tokens are kept for it
+]
 
 
 def _session(tenant: Tenant, n: int) -> Session:
@@ -25,27 +33,34 @@ def _session(tenant: Tenant, n: int) -> Session:
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Random opens, appends, forks, releases, pins and session ends, each mirrored into the ledger
-    as the service does it: the ledger must agree with the core after every step, and quotas hold."""
+    """Random opens (with budgets), appends, forks, preemptions (swap and recompute), resumes, releases, pins and
+    session ends, each mirrored into the ledger as the service does it: the ledger must agree with the core after
+    every step, and the quota (reservations included) and the host share hold."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = KVCache(64, BLOCK_SIZE)
+        self.cache = KVCache(64, BLOCK_SIZE, host_num_blocks=32)
         self.ledger = PoolLedger(BLOCK_SIZE)
         self.sessions = [_session(TENANTS[i % 2], i) for i in range(4)]
+        self.prepaid: dict[int, int] = {}  # the model: what each budgeted sequence's open stated, not yet appended
 
     def _live(self, session: Session) -> list[int]:
         return [s for s in self.cache.sequence_ids() if self.ledger.owner(s) is session]
 
-    @rule(who=st.integers(0, 3), num_tokens=st.integers(1, 24), token=st.integers(0, 3))
-    def open(self, who: int, num_tokens: int, token: int) -> None:
+    def _preempted(self, session: Session) -> list[int]:
+        return [s for s in self.cache.preempted_sequence_ids() if self.ledger.owner(s) is session]
+
+    @rule(who=st.integers(0, 3), num_tokens=st.integers(1, 24), token=st.integers(0, 3), budget=st.integers(0, 40))
+    def open(self, who: int, num_tokens: int, token: int, budget: int) -> None:
         session = self.sessions[who]
         try:
-            self.ledger.check_quota(session.tenant, self.ledger.blocks_for(num_tokens))
-            (result,) = self.cache.open_many([([token] * num_tokens, "ns")])
+            self.ledger.check_quota(session.tenant, self.ledger.blocks_to_open(self.cache, [num_tokens], [budget]))
+            (result,) = self.cache.open_many([([token] * num_tokens, "ns")], max_new_tokens=[budget])
         except Exception:
             return
-        self.ledger.adopt(session, result.seq_id, len(result.block_table))
+        self.ledger.adopt_opened(session, self.cache, [result], [budget])
+        if session.tenant.max_tokens_per_second is not None and budget:
+            self.prepaid[result.seq_id] = budget
 
     @rule(who=st.integers(0, 3), num_tokens=st.integers(1, 9), data=st.data())
     def append(self, who: int, num_tokens: int, data: st.DataObject) -> None:
@@ -53,15 +68,18 @@ class LedgerMachine(RuleBasedStateMachine):
         if not live:
             return
         seq_id = data.draw(st.sampled_from(live))
-        growth = max(
-            0, self.ledger.blocks_for(self.cache.num_tokens(seq_id) + num_tokens) - self.ledger.num_table_blocks(seq_id)
-        )
         try:
+            growth = self.ledger.append_growth(self.cache, [seq_id], [num_tokens])
             self.ledger.check_quota(self.sessions[who].tenant, growth)
+            assert self.ledger.prepaid.cost([seq_id], [num_tokens]) == num_tokens - min(
+                num_tokens, self.prepaid.get(seq_id, 0)
+            )
             batch = self.cache.append_batch([seq_id], [num_tokens], [1] * num_tokens)
-        except Exception:
+        except (QuotaExceeded, RadixKVError):
             return
-        self.ledger.resize(seq_id, batch.table_offsets[0] + batch.num_block_ids[0])
+        self.ledger.follow_append(self.sessions[who], batch)
+        if seq_id in self.prepaid:
+            self.prepaid[seq_id] = max(0, self.prepaid[seq_id] - num_tokens)
 
     @rule(who=st.integers(0, 3), data=st.data())
     def fork(self, who: int, data: st.DataObject) -> None:
@@ -77,13 +95,40 @@ class LedgerMachine(RuleBasedStateMachine):
         for child in self.cache.fork(seq_id, 1):
             self.ledger.adopt(session, child, self.ledger.num_table_blocks(seq_id))
 
-    @rule(who=st.integers(0, 3), cache=st.booleans(), data=st.data())
-    def release(self, who: int, cache: bool, data: st.DataObject) -> None:
-        live = self._live(self.sessions[who])
+    @rule(who=st.integers(0, 3), swap=st.booleans(), data=st.data())
+    def preempt(self, who: int, swap: bool, data: st.DataObject) -> None:
+        session, live = self.sessions[who], self._live(self.sessions[who])
         if not live:
             return
         seq_id = data.draw(st.sampled_from(live))
-        if cache:  # its K/V written: its full blocks enter the tree, and pins can take them
+        try:
+            if swap:
+                self.ledger.check_host_blocks(session.tenant, self.cache.swap_blocks(seq_id), HOST_SHARE)
+            self.cache.preempt([seq_id], "swap" if swap else "recompute")
+        except RadixKVError:
+            return
+        self.ledger.preempted(seq_id, self.cache.swap_blocks(seq_id))
+
+    @rule(who=st.integers(0, 3), data=st.data())
+    def resume(self, who: int, data: st.DataObject) -> None:
+        session, parked = self.sessions[who], self._preempted(self.sessions[who])
+        if not parked:
+            return
+        seq_id = data.draw(st.sampled_from(parked))
+        try:
+            self.ledger.check_quota(session.tenant, self.ledger.blocks_to_resume(self.cache, seq_id))
+            result = self.cache.resume(seq_id)
+        except RadixKVError:
+            return
+        self.ledger.resumed(seq_id, len(result.block_table))
+
+    @rule(who=st.integers(0, 3), cache=st.booleans(), data=st.data())
+    def release(self, who: int, cache: bool, data: st.DataObject) -> None:
+        held = self._live(self.sessions[who]) + self._preempted(self.sessions[who])
+        if not held:
+            return
+        seq_id = data.draw(st.sampled_from(held))
+        if cache and not self.cache.is_preempted(seq_id):  # its K/V written: its full blocks enter the tree
             self.cache.commit([seq_id], [self.cache.num_tokens(seq_id)])
         self.cache.release_many([seq_id], cache=cache)
         self.ledger.forget(seq_id)
@@ -126,10 +171,14 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.check_invariants(self.cache)
         quota = TENANTS[0].max_blocks
         assert quota is not None and self.ledger.tenant_blocks(TENANTS[0]) <= quota
+        for tenant in TENANTS:
+            assert self.ledger.tenant_host_blocks(tenant) <= HOST_SHARE
+        for seq_id in self.cache.sequence_ids() + self.cache.preempted_sequence_ids():
+            assert self.ledger.prepaid.left(seq_id) == self.prepaid.get(seq_id, 0), f"sequence {seq_id}: prepaid"
 
 
 TestLedger = LedgerMachine.TestCase
-TestLedger.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestLedger.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 
 
 def test_the_ledger_check_catches_a_count_that_drifted() -> None:
@@ -169,59 +218,52 @@ def test_a_batch_checked_once_is_checked_again_when_ownership_changes() -> None:
         ledger.check_owners(mine, [1, 3])
 
 
+def _appended(seq_ids: list[int], table_offsets: list[int], num_block_ids: list[int]) -> AppendBatch:
+    """An append's result with just the columns the ledger reads (one token each)."""
+    n = len(seq_ids)
+    return AppendBatch(seq_ids, [1] * n, [0] * n, table_offsets, num_block_ids, [], [], np.empty(0, dtype=np.int64))
+
+
 def test_growth_is_charged_to_each_sequence_and_its_sessions_tenant() -> None:
     ledger, a, b = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
     ledger.adopt(a, 1, 2), ledger.adopt(a, 2, 1), ledger.adopt(a, 3, 1), ledger.adopt(b, 4, 1)
-    ledger.follow_append(a, [1, 2, 3], [2, 1, 0], [1, 0, 2])  # 1 grows to 3 blocks, 2 stays, 3 is rewritten to 2
+    ledger.follow_append(a, _appended([1, 2, 3], [2, 1, 0], [1, 0, 2]))  # 1 grows to 3, 2 stays, 3 rewritten to 2
     assert [ledger.num_table_blocks(s) for s in (1, 2, 3, 4)] == [3, 1, 2, 1]
     assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (6, 1)
-    ledger.follow_append(a, [3], [0], [1])  # shrinks to 1 block (a copy-on-write's rewrite of a shorter table)
+    ledger.follow_append(a, _appended([3], [0], [1]))  # shrinks to 1 block (a copy-on-write's rewrite)
     assert ledger.tenant_blocks(TENANTS[0]) == 5
 
 
-def test_a_request_id_is_applied_once_and_answered_with_its_first_result() -> None:
-    window, applied = RequestWindow(max_results=2), []
-
-    def apply() -> int:
-        applied.append(1)
-        return len(applied)
-
-    assert window.once(5, "Fork p", apply) == window.once(5, "Fork p", apply) == 1
-    assert window.once(0, "Fork p", apply) == 2 and window.once(0, "Fork p", apply) == 3  # no id: always applied
-    with pytest.raises(InvalidArgument) as reused:
-        window.once(5, "Pin p", apply)
-    assert reused.value.field == "request_id"
-    window.once(6, "Fork p", apply)
-    window.once(7, "Fork p", apply)  # the window keeps 2: id 5 is forgotten
-    assert window.once(5, "Fork p", apply) == 6
-    window.check_invariants()
-
-
-def test_the_window_is_bounded_by_what_its_results_cost() -> None:
-    window = RequestWindow(max_results=100, max_cost=10)
-    for request_id in range(1, 6):
-        window.once(request_id, "Open p", lambda: "r", cost=lambda _: 4)
-    assert len(window) == 2  # 2 * 4 <= 10 < 3 * 4
-    window.once(9, "Open p", lambda: "big", cost=lambda _: 11)  # costs more than the whole window: not kept
-    assert len(window) == 2
-    window.check_invariants()
-
-
-def test_a_failed_call_is_not_kept() -> None:
-    window = RequestWindow()
-
-    def refuse() -> int:
-        raise QuotaExceeded("a", 1, 0)
-
-    with pytest.raises(QuotaExceeded):
-        window.once(3, "Open p", refuse)
-    assert window.once(3, "Open p", lambda: 42) == 42  # the retry applies: the refusal changed nothing
+def test_a_reservation_is_charged_until_the_table_outgrows_it_and_a_preempted_sequence_charges_none() -> None:
+    cache, ledger, a = KVCache(64, BLOCK_SIZE, host_num_blocks=16), PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0)
+    assert ledger.blocks_to_open(cache, [1], [19]) == 5  # 1 prompt block + 4 reserved: ceil(20 / 4)
+    (opened,) = cache.open_many([([1], "ns")], max_new_tokens=[19])
+    ledger.adopt_opened(a, cache, [opened], [19])
+    assert (ledger.num_table_blocks(opened.seq_id), ledger.tenant_blocks(TENANTS[0])) == (1, 5)
+    assert ledger.append_growth(cache, [opened.seq_id], [19]) == 0  # inside its reservation
+    ledger.follow_append(a, cache.append_batch([opened.seq_id], [19], [2] * 19))
+    assert ledger.tenant_blocks(TENANTS[0]) == 5
+    assert ledger.append_growth(cache, [opened.seq_id], [1]) == 1  # past it
+    ledger.follow_append(a, cache.append_batch([opened.seq_id], [1], [3]))
+    assert ledger.tenant_blocks(TENANTS[0]) == 6
+    ledger.check_invariants(cache)
+    cache.preempt([opened.seq_id], "swap")
+    ledger.preempted(opened.seq_id, cache.swap_blocks(opened.seq_id))
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_host_blocks(TENANTS[0])) == (0, 6)
+    with pytest.raises(LimitExceeded) as refused:
+        ledger.check_host_blocks(TENANTS[0], 1, 6)
+    assert refused.value.limit == "host_blocks_per_tenant"
+    ledger.check_invariants(cache)
+    assert ledger.blocks_to_resume(cache, opened.seq_id) == 6
+    ledger.resumed(opened.seq_id, len(cache.resume(opened.seq_id).block_table))
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_host_blocks(TENANTS[0])) == (6, 0)
+    ledger.check_invariants(cache)
 
 
 def test_the_machine_reaches_pins() -> None:
     """The state machine above is not hollow: a run of its rules pins and unpins."""
     machine = LedgerMachine()
-    machine.open(0, 9, 0)
+    machine.open(0, 9, 0, 0)
     seq_id = machine.cache.sequence_ids()[0]
     machine.cache.commit([seq_id], [9])
     machine.cache.release_many([seq_id], cache=True)

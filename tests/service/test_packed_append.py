@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from radixkv.client import RadixKVClient, messages
+from radixkv.client import RadixKVClient, step_messages
 from radixkv.errors import InvalidArgument
 from radixkv.sequences.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
@@ -149,8 +149,8 @@ def test_an_unknown_packed_sequence_is_refused_as_a_repeated_one(stream: Stream)
 
 def test_the_clients_send_a_step_packed_and_a_bad_entry_as_before(server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     sent: list[pb.SessionRequest] = []
-    build = messages.step_request
-    monkeypatch.setattr(messages, "step_request", lambda *args: sent.append(build(*args)) or sent[-1])
+    build = step_messages.step_request
+    monkeypatch.setattr(step_messages, "step_request", lambda *args: sent.append(build(*args)) or sent[-1])
     with RadixKVClient(server.address) as client:
         ids = [r.seq_id for r in client.step(Step(opens=[([1, 2, 3], ""), ([4, 5], "")])).opened]
         result = client.step(Step(append=Append(ids, [1, 1], [7, 8]))).appended

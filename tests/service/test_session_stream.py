@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -322,10 +321,19 @@ def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: Server
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
 
 
-def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
     srv = start_server(
-        "--session-ttl", "0.4", "--max-workers", "6", "--max-watch-streams", "2", "--max-session-streams", "1"
+        "--session-ttl",
+        "0.4",
+        "--max-workers",
+        "6",
+        "--max-watch-streams",
+        "2",
+        "--max-session-streams",
+        "1",
+        "--debug-rpc",
     )
+    debug = Debug(srv.address)
     with grpc.insecure_channel(srv.address) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         streamed, idle = (stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(2))
@@ -336,7 +344,10 @@ def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) ->
         with pytest.raises(grpc.RpcError) as refused:  # the one stream allowed is open
             list(stub.Session(iter([pb.SessionRequest(session_id=idle)]), timeout=10))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-        time.sleep(1.2)  # three leases long, with no message on the stream
+
+        # The idle session, opened with the streamed one, expires while no message passes on the stream (counted,
+        # not probed: a call naming a session renews it).
+        assert wait_until(lambda: debug.check().num_sessions == 1, timeout=60)
         with pytest.raises(grpc.RpcError) as expired:
             stub.KeepAlive(pb.KeepAliveRequest(session_id=idle), timeout=10)
         assert expired.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
@@ -344,10 +355,8 @@ def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server) ->
         assert not next(responses).HasField("error"), "the stream kept its session alive"
         requests.put(None)
         assert list(responses) == []
-        time.sleep(1.2)  # the stream ended: the lease runs again
-        with pytest.raises(grpc.RpcError) as ended:
-            stub.KeepAlive(pb.KeepAliveRequest(session_id=streamed), timeout=10)
-        assert ended.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        assert wait_until(lambda: debug.check().num_sessions == 0, timeout=60), "the stream ended: the lease runs again"
+    debug.close()
 
 
 def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, debug) -> None:  # type: ignore[no-untyped-def]
@@ -373,6 +382,6 @@ def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, deb
         assert (refused.error.reason, refused.error.metadata["field"]) == ("INVALID_ARGUMENT", "request_id")
         # The blocking client re-sends a step whose stream broke with the same id, once.
         result = client.step(Step(opens=[(list(range(500, 505)), "resend")]))
-        client._drop_stream()  # the connection is gone: the next step opens a new stream
+        client._steps.close()  # the connection is gone: the next step opens a new stream
         assert client.step(Step(releases=[([result.opened[0].seq_id], True)])).num_released_sequences == 1
     debug.check()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
@@ -34,12 +32,21 @@ def test_an_expired_lease_releases_its_sequences_without_caching(server, debug, 
         assert stub.Match(pb.MatchRequest(token_ids=prompt, namespace="lease")).num_cached_tokens == 0
 
 
-def test_the_client_keeps_a_short_lease_alive(server, debug) -> None:  # type: ignore[no-untyped-def]
-    with RadixKVClient(server.address, session_ttl=1.0) as client:
+def test_the_client_keeps_a_short_lease_alive(server, debug, wait_until) -> None:  # type: ignore[no-untyped-def]
+    """A session with the same lease and no renewals, opened after the client's, expires; the client's does not:
+    only its background renewals kept it (an ordering fact, not a clock reading)."""
+    with RadixKVClient(server.address, session_ttl=3.0) as client, grpc.insecure_channel(server.address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheStub(channel)
         opened = client.open([1, 2, 3], "lease-kept")
-        time.sleep(2.2)  # over two ttls: only background renewals keep the session
+        num_sessions = debug.check().num_sessions
+        unrenewed = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=3.0)).session_id
+        # Counted, not probed: any call naming a session renews it.
+        assert wait_until(lambda: debug.check().num_sessions < num_sessions + 1, timeout=60), "a lease ends"
+        with pytest.raises(grpc.RpcError) as ended:
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=unrenewed))
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
         assert client.append(opened.seq_id, [4]).num_tokens == 4
-        assert client.keep_alive() == pytest.approx(1.0)
+        assert client.keep_alive() == pytest.approx(3.0)
     debug.check()
 
 

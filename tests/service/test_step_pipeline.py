@@ -17,8 +17,8 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
-from radixkv.client.direct_stream import DirectStepStream, cygrpc
-from radixkv.client.step_stream import StepStream, StreamEnded, answers
+from radixkv.client.pipeline import StreamEnded, answers
+from radixkv.client.step_stream import StepStream
 from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
@@ -76,7 +76,7 @@ def _script(client: RadixKVClient, namespace: str, pipelined: bool) -> list[obje
     return [_shape(o) for o in (*first, *second)]
 
 
-def test_pipelined_steps_give_what_the_same_steps_give_one_at_a_time(server, debug, blocking_stream) -> None:  # type: ignore[no-untyped-def]
+def test_pipelined_steps_give_what_the_same_steps_give_one_at_a_time(server, debug) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client:
         alone = _script(client, "pipe-alone", pipelined=False)
         pipelined = _script(client, "pipe-pipelined", pipelined=True)
@@ -87,7 +87,7 @@ def test_pipelined_steps_give_what_the_same_steps_give_one_at_a_time(server, deb
     debug.check()
 
 
-def test_many_steps_in_flight_keep_block_tables_in_order(server, debug, blocking_stream) -> None:  # type: ignore[no-untyped-def]
+def test_many_steps_in_flight_keep_block_tables_in_order(server, debug) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client:
         opens = [client.submit(Step(opens=[([300 + i, 1, 2], "pipe-tables")])) for i in range(40)]
         ids = [f.result().opened[0].seq_id for f in opens]
@@ -162,31 +162,28 @@ def _with_session(request: pb.SessionRequest, session_id: str) -> pb.SessionRequ
     return request
 
 
-def _lose_connection(stream: DirectStepStream | StepStream | None) -> None:
-    """As a connection lost under the stream: it ends UNAVAILABLE with its steps unanswered."""
-    if isinstance(stream, DirectStepStream):
-        stream._call.cancel(cygrpc.StatusCode.unavailable, "connection lost")  # ends with that status, as a reset does
-    else:
-        assert isinstance(stream, StepStream)
-        stream._fail(StreamEnded())  # every step unanswered, sent or not
+def _lose_connection(stream: StepStream | None) -> None:
+    """As a stream ended under its steps: it fails UNAVAILABLE with every step unanswered, sent or not (a real
+    dropped connection: tests/reliability/test_request_ids.py)."""
+    assert isinstance(stream, StepStream)
+    stream._fail(StreamEnded())
 
 
-def test_steps_of_a_broken_stream_are_resent_once_and_applied_once(server, debug, blocking_stream) -> None:  # type: ignore[no-untyped-def]
+def test_steps_of_a_broken_stream_are_resent_once_and_applied_once(server, debug) -> None:  # type: ignore[no-untyped-def]
     with RadixKVClient(server.address) as client:
         before = client.stats().num_opened_sequences
         futures = [client.submit(Step(opens=[([400 + i, 5], "pipe-broken")])) for i in range(6)]
-        stream = client._steps
-        assert type(stream) is (DirectStepStream if blocking_stream == "direct" else StepStream)
+        stream = client._steps._stream
         _lose_connection(stream)
         ids = [f.result().opened[0].seq_id for f in futures]
-        assert client._steps is not stream and len(set(ids)) == 6
+        assert client._steps._stream is not stream and len(set(ids)) == 6
         assert client.stats().num_opened_sequences == before + 6, "a re-sent step was applied twice"
         assert [len(client.block_table(s)) for s in ids] == [1] * 6
         client.step(Step(releases=[(ids, False)]))
     debug.check()
 
 
-def test_queued_steps_too_large_for_one_message_leave_in_several(server, debug, blocking_stream) -> None:  # type: ignore[no-untyped-def]
+def test_queued_steps_too_large_for_one_message_leave_in_several(server, debug) -> None:  # type: ignore[no-untyped-def]
     """Six 280 KB prompts queued together would be a 1.7 MB frame, over the server's 1 MiB message limit."""
     with RadixKVClient(server.address) as client:
         prompts = [np.full(70_000, i, dtype=np.int32) for i in range(6)]

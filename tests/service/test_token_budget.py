@@ -1,12 +1,21 @@
-"""The token bucket on a fake clock, the admission keys of pools and tenants, and the client's budget columns."""
+"""The token bucket on a fake clock, what each call pays (in process, unary and step), the admission keys of pools
+and tenants, and the client's budget columns."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
 from radixkv.client import messages as m
-from radixkv.errors import InvalidArgument, TokenBudget
-from radixkv.server.config import TenantConfig, config_from_mapping, parse_pool_flag
+from radixkv.errors import InvalidArgument, TokenBudget, UnknownSequence
+from radixkv.sequences.step import Append, Step, StepResult
+from radixkv.server.checks import Reply
+from radixkv.server.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
+from radixkv.server.pools import build_pool
+from radixkv.server.service import KVService
+from radixkv.server.sessions import Session
+from radixkv.server.step import run_step
 from radixkv.server.tenants import Tenant
 from radixkv.server.token_budget import TokenBuckets
 
@@ -121,3 +130,76 @@ def test_the_client_checks_its_budget_columns_before_sending() -> None:
     with pytest.raises(InvalidArgument) as refused:
         m.preempt_request("p", "s", [1], "evict")
     assert refused.value.field == "mode"
+
+
+def _step(service: KVService, session: Session, step: Step) -> StepResult:
+    """As a Session stream runs a step."""
+    return run_step(service.checks, service.pool("default"), session, step, Reply(service.max_message_bytes))
+
+
+@pytest.fixture
+def metered() -> Iterator[tuple[KVService, Clock, Tenant, str]]:
+    """A service whose buckets run on a fake clock, a tenant of 100 tokens a second, and a session of its."""
+    config = ServerConfig(pools=(parse_pool_flag(f"default:{LAYOUT},block_size=4"),))
+    service = KVService(config, {p.name: build_pool(p, config.watch_queue_size, None) for p in config.pools})
+    clock = Clock()
+    service.checks.token_buckets = TokenBuckets(clock)
+    t = tenant(100)
+    try:
+        yield service, clock, t, service.open_session(t, 60.0).session_id
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["unary", "step"])
+def test_appends_pay_past_what_the_open_prepaid_and_a_forks_children_pay_all(
+    metered: tuple[KVService, Clock, Tenant, str], stepped: bool
+) -> None:
+    service, _, t, session_id = metered
+    session = service.sessions.get(session_id, t)
+
+    def append(seq_id: int, n: int) -> None:
+        if stepped:
+            _step(service, session, Step(append=Append([seq_id], [n], [1] * n)))
+        else:
+            service.append_tokens(t, session_id, "default", [seq_id], [n], [1] * n)
+
+    if stepped:
+        seq_id = _step(service, session, Step(opens=[([1] * 4, "")], max_new_tokens=[10])).opened[0]
+        seq_id = seq_id.seq_id
+    else:
+        seq_id = service.open_sequences(t, session_id, "default", [([1] * 4, "")], max_new_tokens=[10])[0].seq_id
+    assert service.checks.token_buckets.level(t) == 86  # the prompt and its max_new_tokens
+    append(seq_id, 6)
+    append(seq_id, 4)
+    assert service.checks.token_buckets.level(t) == 86, "the tokens the open paid for are not charged again"
+    append(seq_id, 5)
+    assert service.checks.token_buckets.level(t) == 81, "past them, each token is"
+    if stepped:
+        (child,) = _step(service, session, Step(forks=[(seq_id, 1)])).forked[0]
+    else:
+        (child,) = service.fork(t, session_id, "default", seq_id, 1)
+    assert service.checks.token_buckets.level(t) == 81  # a fork adds no token
+    append(child, 3)
+    assert service.checks.token_buckets.level(t) == 78, "a child prepaid nothing"
+    with pytest.raises(TokenBudget):
+        append(child, 79)
+    assert service.checks.token_buckets.level(t) == 78, "a refused append charges nothing"
+    with pytest.raises(UnknownSequence):
+        append(child + 1000, 1)
+    assert service.checks.token_buckets.level(t) == 78, "nor does one the core refuses"
+
+
+def test_a_resume_pays_for_the_tokens_it_hands_back_to_compute(metered: tuple[KVService, Clock, Tenant, str]) -> None:
+    service, clock, t, session_id = metered
+    (opened,) = service.open_sequences(t, session_id, "default", [(list(range(1, 81)), "")])
+    service.commit(t, session_id, "default", [opened.seq_id], [72])  # 18 blocks written: cached at the preemption
+    service.preempt(t, session_id, "default", [opened.seq_id], "recompute")
+    assert service.checks.token_buckets.level(t) == 20
+    with pytest.raises(TokenBudget) as refused:  # it needs what an open of its 80 tokens would need
+        service.resume(t, session_id, "default", opened.seq_id)
+    assert refused.value.num_tokens == 80
+    clock.now += 0.7  # 90 in the bucket
+    resumed = service.resume(t, session_id, "default", opened.seq_id)
+    assert resumed.num_cached_tokens == 72
+    assert service.checks.token_buckets.level(t) == pytest.approx(90 - 8), "charged only the 8 tokens to recompute"

@@ -1,4 +1,5 @@
-"""The worker hand-off: what the core returns goes to the kernels in one call, and they compute the right thing.
+"""The worker hand-off, end to end: what the core returns goes to the kernels in one call, and they compute the right
+thing. Here, not under tests/kernels: it needs the core (`KVCache`, `StepArrays`), which the kernels never import.
 
 A small pool walks through prefill, fork and a decode step with copy-on-write; after each step the
 worker applies `step_tensors(...)` with the real kernels, and attention through the paged tables must
@@ -18,6 +19,12 @@ from radixkv.kernels import copy_blocks, paged_decode_attention, step_tensors, s
 from radixkv.sequences.handoff import StepArrays
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 32, 4, 2, 16
+
+
+@pytest.fixture
+def device() -> str:
+    """CUDA when there is one, else CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
