@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgument, LimitExceeded, UnknownSequence
 from radixkv.kv_cache import KVCache
@@ -113,3 +115,56 @@ def test_a_decode_batch_names_its_bad_entry_and_changes_nothing(bad: object, fie
         cache.block_table(ids[1])[1] * BLOCK_SIZE + 0,
         cache.block_table(ids[2])[0] * BLOCK_SIZE + 3,
     ]
+
+
+def _family_cache(prompts: list[int], forks: list[int], written: list[bool]) -> tuple[KVCache, list[int]]:
+    """Groups of sequences as a decode batch holds them: group g opens a prompt of `prompts[g]` tokens and forks
+    `forks[g]` children (parallel samples or beams), all sharing its blocks, its partial last one included;
+    `written[g]`: its prompt's K/V is committed before the fork, so the full blocks are the tree's."""
+    cache = KVCache(512, BLOCK_SIZE)
+    seq_ids = []
+    for g, (n, k, w) in enumerate(zip(prompts, forks, written, strict=True)):
+        opened = cache.open([1000 * g + t for t in range(n)])
+        if w:
+            cache.commit([opened.seq_id], [n])
+        seq_ids += [opened.seq_id, *(cache.fork(opened.seq_id, k) if k else [])]
+    return cache, seq_ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 14), st.integers(0, 3), st.booleans()), min_size=1, max_size=6),
+    st.data(),
+    st.booleans(),
+)
+def test_a_mixed_batch_equals_its_sequences_appended_one_at_a_time(groups, data, in_columns):
+    """Plain +1 appends, forked beams sharing a partial block and parallel samples in one batch: the block tables,
+    ref counts, copy-on-write pairs and slots are those of appending the sequences one at a time, in batch order
+    (the batch's "last holder writes in place" is what the one-at-a-time order gives: the earlier ones copied
+    the block away). Both shapes of the one path, whatever the batch's size."""
+    prompts, forks, written = (list(c) for c in zip(*groups, strict=True))
+    batched, batch_ids = _family_cache(prompts, forks, written)
+    single, single_ids = _family_cache(prompts, forks, written)
+    assert batch_ids == single_ids
+    order = data.draw(st.permutations(batch_ids))
+    counts = data.draw(st.lists(st.sampled_from([1, 1, 1, 2, 3, 5]), min_size=len(order), max_size=len(order)))
+    tokens = list(range(7000, 7000 + sum(counts)))
+    saved = append_module.SMALL_BATCH
+    append_module.SMALL_BATCH = 0 if in_columns else 1 << 20
+    try:
+        batch = batched.append_batch(order, counts, tokens)
+    finally:
+        append_module.SMALL_BATCH = saved
+    expected, pos = [], 0
+    for seq_id, n in zip(order, counts, strict=True):
+        expected.append(single.append(seq_id, tokens[pos : pos + n]))
+        pos += n
+    assert [batched.block_table(s) for s in order] == [single.block_table(s) for s in order]
+    assert batched.pool.ref_counts.tolist() == single.pool.ref_counts.tolist()
+    assert [(src, dst) for src, dst, _ in batch.copies] == [c for r in expected for c in r.copies]
+    assert [i for _, _, i in batch.copies] == [i for i, r in enumerate(expected) for _ in r.copies]
+    assert batch.slots.tolist() == [s for r in expected for s in r.slots.tolist()]
+    assert batch.num_tokens == [r.num_tokens for r in expected]
+    assert batch.table_offsets == [r.table_offset for r in expected]
+    batched.check_invariants()
+    single.check_invariants()
