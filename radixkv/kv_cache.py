@@ -22,7 +22,6 @@ from radixkv.pressure.swap import HostSwap, SwappedBlocks, num_swap_blocks, swap
 from radixkv.sequences.admission import PlannedOpen, count_opens, lock_prefix, open_planned
 from radixkv.sequences.allocation import Allocator
 from radixkv.sequences.append import append, append_args, append_counts, append_many_args, plan_batch
-from radixkv.sequences.columns import COMPUTED
 from radixkv.sequences.fork import check_fork, fork
 from radixkv.sequences.invariants import check_holders, check_reservations
 from radixkv.sequences.publish import publish, release
@@ -221,12 +220,11 @@ class KVCache:
         Raises InvalidArgument (`num_tokens[i]` below the watermark or past the sequence's length)
         or UnknownSequence, and then nothing changes.
         """
-        rows = self._sequences.for_commit(seq_ids, num_tokens)
-        self._sequences.columns.col[COMPUTED][rows] = num_tokens
+        self._sequences.commit(seq_ids, num_tokens)
 
     def check_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Raise what `commit` would raise for these arguments; changes nothing."""
-        self._sequences.for_commit(seq_ids, num_tokens)
+        self._sequences.commit(seq_ids, num_tokens, apply=False)
 
     # -- fork, cache, release --------------------------------------------------------------------
 

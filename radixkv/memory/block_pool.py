@@ -14,6 +14,7 @@ from radixkv.errors import OutOfBlocks
 BlockIds = npt.NDArray[np.int32] | list[int]  # ids the pool takes back: arrays on hot paths, lists from tests
 NO_BLOCKS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
 NO_BLOCKS.flags.writeable = False
+_FEW = 8  # up to this many ids, `decref` goes one by one: each numpy call costs what ~8 Python steps do
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -67,6 +68,11 @@ class BlockPool:
     def incref(self, block_ids: BlockIds, by: int = 1) -> None:
         """Add `by` holds to each of `block_ids` (distinct, all currently held: a fork's, whose parent holds them;
         `check_invariants` recounts every hold)."""
+        if len(block_ids) <= _FEW:  # a fork's partial last block, say
+            ref_counts = self.ref_counts
+            for block_id in block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids:
+                ref_counts[block_id] += by
+            return
         self.ref_counts[_as_ids(block_ids)] += by
 
     def decref(self, block_ids: BlockIds) -> None:
@@ -74,23 +80,37 @@ class BlockPool:
 
         A block released twice goes below 0 and is never freed: `check_invariants` names it.
         """
-        ids = _as_ids(block_ids)
-        if ids.size == 0:
+        n = len(block_ids)
+        if n <= _FEW:  # a request's partial last block, say: Python ints cost less than numpy's calls
+            if n:
+                self._decref_each(block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids)
             return
+        ids = _as_ids(block_ids)
         counts = self.ref_counts[ids]
         counts -= 1
         self.ref_counts[ids] = counts
         if not counts.all():  # some reached 0 (a fork sibling's release often frees none)
             self._push(ids[counts == 0])
 
+    def _decref_each(self, block_ids: list[int]) -> None:
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            count = ref_counts.item(block_id) - 1
+            ref_counts[block_id] = count
+            if not count:
+                self._free[self._num_free] = block_id
+                self._num_free += 1
+
     def drop_copied(self, block_ids: list[int]) -> None:
         """Drop the hold of each sequence that copied one of `block_ids` away before writing (copy-on-write; a
         block repeats once per copy). Another holder keeps each, so none is freed."""
-        if len(block_ids) == 1:
-            self.ref_counts[block_ids[0]] -= 1
+        ref_counts = self.ref_counts
+        if len(block_ids) <= _FEW:
+            for block_id in block_ids:
+                ref_counts[block_id] -= 1
         else:
-            np.subtract.at(self.ref_counts, block_ids, 1)
-        assert self.ref_counts[block_ids].min() > 0, "a copied block lost its last holder: the plan misread its holders"
+            np.subtract.at(ref_counts, block_ids, 1)
+        assert all(ref_counts.item(b) > 0 for b in block_ids), "a copied block lost its last holder: the plan erred"
 
     def free_exclusive(self, block_ids: BlockIds) -> None:
         """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded
-from radixkv.memory.block_pool import BlockPool
+from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
 from radixkv.sequences.allocation import Allocator
 from radixkv.sequences.columns import COMPUTED, LAST, RESERVE, TOKENS
 from radixkv.sequences.packed import all_ones
@@ -151,10 +151,11 @@ def _plan_columns(
     copies = shared.view(np.int8).astype(np.int64)
     if shared.any():  # of the batch's writers into one shared block, in order, the last holder writes in place
         copied_away: dict[int, int] = {}
-        for i in np.flatnonzero(copies).tolist():
-            block = int(lasts[i])
+        candidates = np.flatnonzero(shared)
+        held = ref_counts[lasts[candidates]]
+        for i, block, holders in zip(candidates.tolist(), lasts[candidates].tolist(), held.tolist(), strict=True):
             away = copied_away.get(block, 0)
-            if int(ref_counts[block]) - away > 1:
+            if holders - away > 1:
                 copied_away[block] = away + 1
             else:
                 copies[i] = 0
@@ -184,8 +185,9 @@ def _apply_each(
 ) -> AppendBatch:  # fmt: skip
     columns, view = sequences.columns, memoryview(key)
     cell = columns.cell
-    after, offsets, taken, copies, span_blocks, span_starts = [], [], [], [], [], []
-    byte = start = 0
+    after, offsets, taken, copies, span_starts = [], [], [], [], []
+    span_blocks: list[npt.NDArray[np.int32] | list[int]] = []  # joined once, not a Python int per block
+    byte = start = num_spanned = 0
     rows = plan.rows
     for i, (row, count, n, last, new, copy) in enumerate(
         zip(rows, counts, plan.lengths, plan.lasts, plan.num_new, plan.copies, strict=True)
@@ -194,17 +196,18 @@ def _apply_each(
         byte += count * TOKEN_BYTES
         cell[COMPUTED][row], cell[TOKENS][row] = n, n + count
         table = sequences.at(row).block_table
-        span_starts.append(len(span_blocks) * bs + (n & (bs - 1)))
+        span_starts.append(num_spanned * bs + (n & (bs - 1)))
+        num_spanned += (1 if n & (bs - 1) else 0) + new
         if copy:
             dst = int(new_blocks[start])
             copies.append((last, dst, i))
             table.set_last(dst)
         if n & (bs - 1):
-            span_blocks.append(table.last)  # its partial last block (or the copy of it) takes the first tokens
+            span_blocks.append([table.last])  # its partial last block (or the copy of it) takes the first tokens
         if new:
             growth = new_blocks[start + copy : start + copy + new]
             table.extend(growth)
-            span_blocks += growth.tolist()
+            span_blocks.append(growth)
         if new or copy:
             cell[LAST][row] = table.last
         start += new + copy
@@ -213,7 +216,8 @@ def _apply_each(
         taken.append(new + copy)
     if copies:
         pool.drop_copied([src for src, _, _ in copies])
-    slots = SlotPlan(bs, span_blocks, span_starts, counts)
+    spans = span_blocks[0] if len(span_blocks) == 1 else np.concatenate(span_blocks) if span_blocks else NO_BLOCKS
+    slots = SlotPlan(bs, spans, span_starts, counts)
     return AppendBatch(list(seq_ids), counts, after, offsets, taken, new_blocks, copies, slots)
 
 

@@ -27,6 +27,8 @@ from radixkv.sequences.columns import COMPUTED, LAST, RESERVE, TOKENS, Columns
 from radixkv.tree.radix_node import Node
 from radixkv.tree.token_ids import TOKEN_BYTES
 
+_FEW = 8  # up to this many sequences, a check or a write goes one by one (see `Sequences.commit`)
+
 
 class LiveSequence:
     """A sequence that holds blocks on the device (see the module docstring for where its hot fields live)."""
@@ -250,8 +252,12 @@ class Sequences:
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return live, parked
 
-    def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> npt.NDArray[np.intp]:
-        """The rows `commit(seq_ids, num_tokens)` would move, or the error it would raise."""
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int], apply: bool = True) -> None:
+        """Move each watermark to `num_tokens[i]` (with `apply`), or raise what doing so would raise.
+
+        A few sequences (a request's) are checked and written one by one through the columns' memoryviews;
+        a batch in numpy (each numpy call costs what the loop spends on several sequences, bench_core).
+        """
         if len(num_tokens) != len(seq_ids):
             raise InvalidArgument(
                 "num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}"
@@ -261,17 +267,29 @@ class Sequences:
             for i, n in enumerate(num_tokens):
                 if not isinstance(n, int | np.integer) or isinstance(n, bool):
                     raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
+        if len(rows) <= _FEW:
+            cell, row_list = self.columns.cell, rows.tolist()
+            computed, tokens = cell[COMPUTED], cell[TOKENS]
+            for i, (row, n) in enumerate(zip(row_list, num_tokens, strict=True)):
+                if not computed[row] <= n <= tokens[row]:
+                    self._refuse_commit(i, row, int(n))
+            if apply:
+                for row, n in zip(row_list, num_tokens, strict=True):
+                    computed[row] = int(n)
+            return
         wanted, col = np.array(num_tokens, dtype=np.int64), self.columns.col
         below, past = wanted < col[COMPUTED][rows], wanted > col[TOKENS][rows]
         if below.any() or past.any():
             i = int(np.argmax(below | past))
-            seq = self.at(int(rows[i]))
-            if below[i]:
-                raise InvalidArgument(
-                    f"num_tokens[{i}]", f"{wanted[i]} is below the {seq.num_computed_tokens} tokens already computed"
-                )
-            raise InvalidArgument(f"num_tokens[{i}]", f"{wanted[i]} is past the sequence's {seq.num_tokens} tokens")
-        return rows
+            self._refuse_commit(i, int(rows[i]), int(wanted[i]))
+        if apply:
+            col[COMPUTED][rows] = wanted
+
+    def _refuse_commit(self, i: int, row: int, n: int) -> None:
+        seq, field = self.at(row), f"num_tokens[{i}]"
+        if n < seq.num_computed_tokens:
+            raise InvalidArgument(field, f"{n} is below the {seq.num_computed_tokens} tokens already computed")
+        raise InvalidArgument(field, f"{n} is past the sequence's {seq.num_tokens} tokens")
 
 
 def path_runs(node: Node) -> list[npt.NDArray[np.int32]]:
