@@ -62,7 +62,7 @@ class WholeLeafTree(RadixTree):
             self.num_cached_blocks_in[leaf.namespace] -= len(leaf.block_ids)  # tenant shares: unused here, kept exact
             if not self.num_cached_blocks_in[leaf.namespace]:
                 del self.num_cached_blocks_in[leaf.namespace]
-            self._detach(leaf)
+            self.unlink(leaf, to_host=False)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return np.asarray(freed, dtype=np.int32)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "load_average": list(__import__("os").getloadavg()),
         "requests": scheduler_shape.bench_requests(make_trace(trace_tokens, seed=0), peer, rounds),
-        "decode": decode_floor.bench_decode(100 if args.quick else 1000, rounds),
+        "decode": decode_floor.bench_decode(100 if args.quick else 1000, 3),
         "trace": bench_trace(trace_tokens),
         "match": bench_match([8192, 32768, 131072]),
         "evict": bench_evict(leaves),
