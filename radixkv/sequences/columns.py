@@ -39,7 +39,7 @@ class Columns:
 
     def __init__(self, capacity: int = 64, arena_tokens: int = 4096) -> None:
         self.col = [np.zeros(capacity, dtype=np.int64) for _ in range(_FIELDS)]  # col[field]: [rows]
-        self.cell = [memoryview(c) for c in self.col]  # the same memory, one int at a time
+        self.cell = [c.data for c in self.col]  # the same memory, one int at a time
         self.used = np.zeros(capacity, dtype=bool)
         self.tokens = np.zeros(arena_tokens, dtype=_INT32)  # the tails' regions, and garbage between them
         self._end = 0  # where the next region starts
@@ -163,7 +163,7 @@ class Columns:
         for view in self.cell:
             view.release()
         self.col = [np.concatenate((c, np.zeros(n, dtype=np.int64))) for c in self.col]
-        self.cell = [memoryview(c) for c in self.col]
+        self.cell = [c.data for c in self.col]
         self.used = np.concatenate((self.used, np.zeros(n, dtype=bool)))
         self._marks, self._order = np.zeros(2 * n, dtype=np.intp), np.arange(2 * n, dtype=np.intp)
         self._free = list(range(2 * n - 1, n - 1, -1))

@@ -148,27 +148,35 @@ class AppendBatch:
     @property
     def num_tokens(self) -> list[int]:
         """Sequence lengths after the append."""
-        if not isinstance(self._num_tokens, list):
-            self._num_tokens = self._num_tokens.tolist()
-        return self._num_tokens
+        if isinstance(self._num_tokens, list):
+            return self._num_tokens
+        values: list[int] = self._num_tokens.tolist()
+        self._num_tokens = values
+        return values
 
     @property
     def table_offsets(self) -> list[int]:
-        if not isinstance(self._table_offsets, list):
-            self._table_offsets = self._table_offsets.tolist()
-        return self._table_offsets
+        if isinstance(self._table_offsets, list):
+            return self._table_offsets
+        values: list[int] = self._table_offsets.tolist()
+        self._table_offsets = values
+        return values
 
     @property
     def num_block_ids(self) -> list[int]:
-        if not isinstance(self._num_block_ids, list):
-            self._num_block_ids = self._num_block_ids.tolist()
-        return self._num_block_ids
+        if isinstance(self._num_block_ids, list):
+            return self._num_block_ids
+        values: list[int] = self._num_block_ids.tolist()
+        self._num_block_ids = values
+        return values
 
     @property
     def block_ids(self) -> list[int]:
-        if not isinstance(self._block_ids, list):
-            self._block_ids = self._block_ids.tolist()
-        return self._block_ids
+        if isinstance(self._block_ids, list):
+            return self._block_ids
+        values: list[int] = self._block_ids.tolist()
+        self._block_ids = values
+        return values
 
     def __repr__(self) -> str:
         names = ("seq_ids", "num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids", "copies")

@@ -49,7 +49,8 @@ class LiveSequence:
         # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
         self.private_prefix = private_prefix  # never written in place: replaced when it grows
         self.priority = priority  # victims go lowest priority first (see `radixkv.pressure.scheduling.victims`)
-        self.row, self._columns = -1, None  # its row in the registry's columns, once registered
+        self.row = -1  # its row in the registry's columns, once registered
+        self._columns: Columns | None = None
         # While not registered: the tokens past the locked path (int32 bytes: all a sequence keeps of its
         # history, since the tree holds the rest), the length, the watermark, the reservation's end.
         self._tail, self._num_tokens, self._num_computed = bytes(tail), num_tokens, num_computed_tokens
