@@ -9,10 +9,10 @@ torch is imported only when a view is opened, so `import radixkv.client` stays t
 
 from __future__ import annotations
 
-import dataclasses
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from radixkv.client.pool_info import PoolInfo
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.v1 import kvcache_pb2 as pb
@@ -22,25 +22,6 @@ if TYPE_CHECKING:
 
     from radixkv.client.client import RadixKVClient
     from radixkv.memory.storage import KVStorage
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostTierInfo:
-    """A pool's host tier: its layout (the pool's, with its own num_blocks) and the handle of its host memory."""
-
-    layout: PoolLayout
-    handle: pb.PoolHandle  # shared_memory
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolInfo:
-    """What GetPool returns: the layout, the device, and the handle to map the memory with."""
-
-    name: str
-    layout: PoolLayout
-    device: str
-    handle: pb.PoolHandle  # oneof memory: shared_memory (CPU) or cuda_ipc
-    host: HostTierInfo | None = None  # the host tier, when the pool has one
 
 
 class PoolView:
