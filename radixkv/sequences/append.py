@@ -245,16 +245,13 @@ def _apply_columns(
         taken = num_new + copied if has_copies else num_new
         grew = np.flatnonzero(taken)
         starts = np.cumsum(taken) - taken if has_copies or not plan.ones else None  # each one's first block
-        if has_copies:
-            assert starts is not None
-            copy_rows = np.flatnonzero(copied)
-            srcs, dsts = lasts[copy_rows].tolist(), new_blocks[starts[copy_rows]].tolist()
-            copies = list(zip(srcs, dsts, copy_rows.tolist(), strict=True))
-            pool.drop_copied(srcs)
-        _grow_tables(sequences, rows, grew, taken, starts, copied if has_copies else None, new_blocks)
+        copying = copied if has_copies else None
+        ends, copies = _grow_tables(sequences, rows, grew, taken, starts, copying, new_blocks, lasts)
+        if copies:
+            pool.drop_copied([src for src, _, _ in copies])
         last_after = lasts.copy()  # each one's last block taken ends its table (a decode step's: its only one)
-        last_after[grew] = new_blocks if starts is None else new_blocks[starts[grew] + taken[grew] - 1]
-        col[LAST][rows[grew]] = last_after[grew]
+        last_after[grew] = ends
+        col[LAST][rows[grew]] = ends
     within = lengths & (bs - 1)  # where each sequence's first new token lands in its current last block
     slots: SlotPlan | npt.NDArray[np.int64]
     if plan.ones:  # a token each lands in its last block now: the one it had, its copy, or its new block
@@ -268,24 +265,34 @@ def _apply_columns(
 def _grow_tables(
     sequences: Sequences, rows: npt.NDArray[np.intp], grew: npt.NDArray[np.intp], taken: npt.NDArray[np.int64],
     starts: npt.NDArray[np.int64] | None, copies: npt.NDArray[np.int64] | None, new_blocks: npt.NDArray[np.int32],
-) -> None:  # fmt: skip
+    lasts: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int32] | list[int], list[tuple[int, int, int]]]:  # fmt: skip
     """Write each sequence's share of `new_blocks` into its table: the copy over its last entry, then growth.
-    `starts`: where each one's share begins (None: a block each); `copies`: which ones copy (None: none)."""
+    `starts`: where each one's share begins (None: a block each); `copies`: which ones copy (None: none).
+    Returns each grown table's last block, and the copies made as (src, dst, index in the batch): one pass over
+    the sequences that grew, in Python, rather than a numpy call per column."""
+    at = sequences.at
     if starts is None:  # a block each, no copy: a decode step's boundary
         for row, block_id in zip(rows[grew].tolist(), new_blocks.tolist(), strict=True):
-            sequences.at(row).block_table.append(block_id)
-        return
+            at(row).block_table.append(block_id)
+        return new_blocks, []
     block_ids: list[int] = new_blocks.tolist()
-    copying = copies[grew].tolist() if copies is not None else [0] * len(grew)
-    shares = zip(rows[grew].tolist(), starts[grew].tolist(), taken[grew].tolist(), copying, strict=True)
-    for row, start, num, copy in shares:
-        table = sequences.at(row).block_table
+    indices: list[int] = grew.tolist()
+    copying = copies[grew].tolist() if copies is not None else [0] * len(indices)
+    ends, made = [], []
+    shares = zip(indices, rows[grew].tolist(), starts[grew].tolist(), taken[grew].tolist(), copying,
+                 lasts[grew].tolist(), strict=True)  # fmt: skip
+    for i, row, start, num, copy, last in shares:
+        table = at(row).block_table
         if copy:
             table.set_last(block_ids[start])
+            made.append((last, block_ids[start], i))
         if num - copy == 1:
             table.append(block_ids[start + copy])
         elif num > copy:
             table.extend(new_blocks[start + copy : start + num])
+        ends.append(table.last)
+    return ends, made
 
 
 def _slot_plan(
