@@ -239,7 +239,8 @@ def _apply_columns(
         after = lengths + np.array(counts, dtype=np.int64)
     col[COMPUTED][rows] = lengths
     col[TOKENS][rows] = after
-    taken, copies, last_after = num_new, [], lasts  # taken: [n] blocks each takes, its copy first
+    taken, last_after = num_new, lasts  # taken: [n] blocks each takes, its copy first
+    copies: list[tuple[int, int, int]] = []
     if plan.num_blocks:
         has_copies = bool(copied.any())
         taken = num_new + copied if has_copies else num_new
