@@ -14,7 +14,7 @@ from radixkv.errors import OutOfBlocks
 BlockIds = npt.NDArray[np.int32] | list[int]  # ids the pool takes back: arrays on hot paths, lists from tests
 NO_BLOCKS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
 NO_BLOCKS.flags.writeable = False
-_FEW = 8  # up to this many ids, `decref` goes one by one: each numpy call costs what ~8 Python steps do
+_FEW = 8  # up to this many ids, incref/decref/drop_copied go one by one: a numpy call costs ~8 Python steps
 
 
 def cdiv(numerator: int, denominator: int) -> int:
