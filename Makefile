@@ -41,7 +41,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	rm -rf build/mypy && $(BIN)/pip install -q --no-deps --target build/mypy/site .
+	rm -rf build/mypy build/lib && $(BIN)/pip install -q --no-deps --target build/mypy/site .
 	cd build/mypy && MYPYPATH=site $(CURDIR)/$(BIN)/mypy -p radixkv --config-file $(CURDIR)/pyproject.toml \
 		--cache-dir $(CURDIR)/.mypy_cache
 

@@ -32,7 +32,7 @@ from radixkv.client import RadixKVClient
 from radixkv.server.audit import check_pool
 from radixkv.server.audit_image import PoolImage
 from radixkv.server.config import PoolConfig
-from radixkv.server.pools import build_pool
+from radixkv.server.pool_setup import build_pool
 from radixkv.server.process import ServerProcess
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant

@@ -1,7 +1,12 @@
 """Core bookkeeping speed: a seeded serving trace under eviction pressure, match (and explain), evict, memory.
 
-Prints a table and writes JSON. Alternatives are compared inside the same run as ratios:
-SGLang's RadixCache with its token/paged allocators (on CPU torch) driven over the same trace at
+Prints a table and writes JSON. The headline (benchmarks/scheduler_shape.py): the ~3.0M-token trace as a
+scheduler sends it (32 requests in flight, a 131,072-token pool; per request match, allocate prompt + output,
+write, insert, release), radixkv against SGLang's RadixCache driven call for call as its scheduler drives it,
+at block 16 and block 1, engine wall and on-CPU time. Then the decode-heavy workload
+(benchmarks/decode_floor.py): 256 sequences x 1,000 decode steps, with and without beams, against a minimal
+allocator written in the benchmark (the floor). Then the older shapes. Alternatives are compared inside the
+same run as ratios: SGLang's RadixCache with its token/paged allocators (on CPU torch) driven over the same trace at
 block 16 and block 1, and on the same cached 128k-token match at block 1; the pool at ~15% of the
 working set against an infinite cache (hit ratio); tail-trimming LRU eviction against whole-leaf
 LRU eviction (SGLang's policy) at the same capacity; a sorted evictable-leaf list against
@@ -37,7 +42,9 @@ from radixkv.server.tenants import ANONYMOUS
 from radixkv.tree.radix_tree import RadixTree
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-import sglang_peer  # noqa: E402 - a sibling script, not a package
+import decode_floor  # noqa: E402 - sibling scripts, not a package
+import scheduler_shape  # noqa: E402
+import sglang_peer  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -55,7 +62,7 @@ class WholeLeafTree(RadixTree):
             self.num_cached_blocks_in[leaf.namespace] -= len(leaf.block_ids)  # tenant shares: unused here, kept exact
             if not self.num_cached_blocks_in[leaf.namespace]:
                 del self.num_cached_blocks_in[leaf.namespace]
-            self._detach(leaf)
+            self.unlink(leaf, to_host=False)
         self.num_evictable_blocks -= len(freed)
         self.num_cached_blocks -= len(freed)
         return np.asarray(freed, dtype=np.int32)
@@ -360,14 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     trace_tokens = 300_000 if args.quick else 3_000_000
     leaves = 20_000 if args.quick else 100_000
+    peer = sglang_peer.load()
+    rounds = 1 if args.quick else 3
     results = {
         "quick": args.quick,
+        "load_average": list(__import__("os").getloadavg()),
+        "requests": scheduler_shape.bench_requests(make_trace(trace_tokens, seed=0), peer, rounds),
+        "decode": decode_floor.bench_decode(100 if args.quick else 1000, 3),
         "trace": bench_trace(trace_tokens),
         "match": bench_match([8192, 32768, 131072]),
         "evict": bench_evict(leaves),
         "memory": bench_memory(16_384 if args.quick else 65_536),
     }
-    peer = sglang_peer.load()
     results["sglang"] = f"sglang {sglang_peer.SGLANG_VERSION}" if peer is not None else None
     pool_tokens = results["trace"]["pool_blocks"] * BLOCK_SIZE
     results["peer"] = bench_peer(make_trace(trace_tokens, seed=0), pool_tokens, peer, rounds=2 if args.quick else 3)
@@ -393,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("evicted blocks", f"{t['evicted_blocks']:,}"),
     ]
+    rows = scheduler_shape.rows(results["requests"]) + decode_floor.rows(results["decode"]) + rows
     for op, s in t["op_us"].items():
         rows.append((f"{op} p50 / p99 (us)", f"{s['p50']:.1f} / {s['p99']:.1f}  (n={s['count']})"))
     for n, s in m.items():
@@ -426,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     width = max(len(k) for k, _ in rows)
-    print(f"bench_core (block_size {BLOCK_SIZE}{', quick' if args.quick else ''})")
+    load = ", ".join(f"{x:.1f}" for x in results["load_average"])
+    print(f"bench_core (block_size {BLOCK_SIZE} but where a row says{', quick' if args.quick else ''}; load {load})")
     print("-" * (width + 50))
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,13 @@ class _StubFinder:
         pass
 
 
+def _num_new_pages(seq_lens: Any, page_size: int, prefix_lens: Any = None, decode: bool = False) -> int:
+    """What `sglang.srt.utils.get_num_new_pages` computes (pages past the prefix's), on CPU tensors."""
+    if prefix_lens is None or decode:
+        return int((seq_lens % page_size == 1).sum())
+    return int(((seq_lens + page_size - 1) // page_size - (prefix_lens + page_size - 1) // page_size).sum())
+
+
 def _stub_attribute(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
@@ -122,6 +130,8 @@ def load(target: Path = DEFAULT_TARGET) -> types.SimpleNamespace | None:
         common.ceil_align = lambda x, n: -(-x // n) * n
         utils_pkg = importlib.import_module("sglang.srt.utils")
         utils_pkg.get_bool_env_var = lambda *a, **k: False
+        utils_pkg.get_num_new_pages = _num_new_pages
+        utils_pkg.next_power_of_2 = lambda n: 1 << (n - 1).bit_length() if n > 0 else 1
         radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
         base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
         params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
@@ -273,3 +283,120 @@ def replay(peer: types.SimpleNamespace, trace: list, num_tokens: int, page_size:
         "hit_ratio": hits / requested if requested else 0.0,
         "evicted_blocks": engine.num_evicted_tokens // page_size,
     }
+
+
+# -- SGLang's scheduler path, call for call ------------------------------------------------------------------
+
+
+class _ReqKv:
+    """The `req.kv` fields `RadixCache.checkpoint` reads and writes."""
+
+    __slots__ = ("req_pool_idx", "cache_protected_len", "cache_inserted_len", "swa_evict_floor", "kv_committed_len")
+
+    def __init__(self, row: int) -> None:
+        self.req_pool_idx, self.cache_protected_len, self.cache_inserted_len = row, 0, 0
+        self.swa_evict_floor = self.kv_committed_len = 0
+
+
+class _Req:
+    """The fields of SGLang's `Req` its cache path reads (`match_kv_cache`, `checkpoint`, `release_kv_cache`)."""
+
+    __slots__ = ("origin_input_ids", "output_ids", "full_untruncated_fill_ids", "extra_key", "cache_salt", "priority",
+                 "kv", "lock", "last_node", "prefix_len")  # fmt: skip
+
+    def __init__(self, origin_input_ids: Any, extra_key: str, row: int) -> None:
+        self.origin_input_ids = origin_input_ids  # array("q"), as the TokenizerManager builds it
+        self.output_ids = self.full_untruncated_fill_ids = None
+        self.extra_key, self.cache_salt, self.priority = extra_key, None, None
+        self.kv = _ReqKv(row)
+        self.lock = self.last_node = None
+        self.prefix_len = 0
+
+
+class _ReqToTokenPool:
+    """SGLang's `ReqToTokenPool` as the cache path uses it: an int32 row of KV indices per running request."""
+
+    def __init__(self, torch: Any, num_rows: int, max_context_len: int) -> None:
+        self.req_to_token = torch.zeros((num_rows, max_context_len), dtype=torch.int32)
+        self.free_slots = list(range(num_rows))
+
+    def write(self, indices: Any, values: Any) -> None:
+        self.req_to_token[indices] = values
+
+
+class Scheduler:
+    """SGLang 0.5.23's scheduler driving its RadixCache, for one request at a time (on CPU torch).
+
+    `admit` is `Req.init_next_round_input` (`match_kv_cache`: the key is the prompt as the TokenizerManager's
+    `array("q")`, capped one token short by `limit`), the PrefillAdder's `tree_cache.lock(req.last_node)` and
+    `alloc_for_extend` (`prefix_device_indices`, eviction of the shortfall, `alloc` at page 1 or `alloc_extend`
+    with the last location at larger pages, the row write); it allocates the prompt and the whole output at
+    once. `finish` is `release_kv_cache(req, tree_cache, checkpoint=True)`: `refresh_fill_ids`, the real
+    `RadixCache.checkpoint` (insert, the prompt-boundary insert, free the duplicates, re-match, move the lock),
+    the free of the row past the tree's part, and the unlock.
+    """
+
+    def __init__(self, peer: types.SimpleNamespace, num_tokens: int, page_size: int, max_requests: int,
+                 max_context_len: int) -> None:  # fmt: skip
+        import torch
+
+        self.torch, self.peer, self.page_size = torch, peer, page_size
+        if page_size == 1:
+            self.allocator = peer.token.TokenToKVPoolAllocator(num_tokens, torch.float16, "cpu", None, False)
+        else:
+            self.allocator = peer.paged.PagedTokenToKVPoolAllocator(
+                num_tokens, page_size, torch.float16, "cpu", None, False
+            )
+        self.tree = peer.radix.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
+        self.rows = self.tree.req_to_token_pool = _ReqToTokenPool(torch, max_requests, max_context_len)
+        self.num_evicted_tokens = 0
+
+    def _evict_for(self, num_tokens: int) -> None:
+        """`evict_from_tree_cache`: evict the shortfall before allocating."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            evicted = self.tree.evict(self.peer.base.EvictParams(num_tokens=short))
+            self.num_evicted_tokens += evicted.num_tokens_evicted
+
+    def admit(self, prompt: list[int], num_new_tokens: int, namespace: str) -> tuple[_Req, int]:
+        """Returns the request and its cached prefix length."""
+        torch, tree, peer, ps = self.torch, self.tree, self.peer, self.page_size
+        token_ids = array("q", prompt)
+        req = _Req(token_ids, namespace, self.rows.free_slots.pop())
+        key = peer.radix.RadixKey(token_ids, namespace, limit=len(token_ids) - 1)
+        match = tree.match_prefix(peer.base.MatchPrefixParams(key=key, req=req))
+        req.prefix_len = prefix_len = match.device_prefix_len
+        req.last_node = match.last_device_node
+        req.kv.cache_protected_len = prefix_len
+        req.lock = tree.lock(req.last_node)
+        prefix = tree.prefix_device_indices(req) if prefix_len else torch.empty((0,), dtype=torch.int64)
+        seq_len = len(prompt) + num_new_tokens
+        extend = seq_len - prefix_len
+        # `alloc_token_slots` at page 1. At larger pages the scheduler calls `alloc_paged_token_slots_extend`; for one
+        # request whose prefix ends on a page boundary (a page-aligned match always does) its `alloc_extend` hands out
+        # exactly what `alloc` of the whole pages does, and `alloc` is what its GPU kernel costs on the CPU side (the
+        # CPU fallback, `alloc_extend_naive`, costs about 0.3 ms more a request).
+        self._evict_for(extend if ps == 1 else extend + ps)  # + ps: `alloc_paged_token_slots_extend`'s demand
+        out = self.allocator.alloc(-(-extend // ps) * ps)[:extend]
+        if out is None:
+            raise MemoryError(f"SGLang pool cannot supply {extend} tokens")
+        row = req.kv.req_pool_idx
+        self.rows.write((row, slice(0, prefix_len)), prefix)
+        self.rows.write((row, slice(prefix_len, seq_len)), out)
+        req.kv.kv_committed_len = seq_len
+        return req, prefix_len
+
+    def finish(self, req: _Req, output: list[int]) -> None:
+        """The request wrote `output` (every token's K/V); release it into the cache."""
+        tree = self.tree
+        req.output_ids = array("q", output)
+        req.full_untruncated_fill_ids = req.origin_input_ids + req.output_ids
+        owned = req.kv.kv_committed_len
+        tree.checkpoint(req, up_to=owned)
+        row = self.rows.req_to_token[req.kv.req_pool_idx]
+        start = req.kv.cache_protected_len
+        if start < owned:  # `free_kv_row([(cache_protected_len, owned_kv_len)])`
+            self.allocator.free_segment(row[start:owned], start_pos=start)
+        tree.unlock(req.lock)
+        req.lock = None
+        self.rows.free_slots.append(req.kv.req_pool_idx)

@@ -8,7 +8,8 @@ from radixkv.client.client import RadixKVClient
 from radixkv.client.errors import HashContractMismatch
 from radixkv.client.events import EventStream, KVEvent, KVEventKind
 from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_view import PoolInfo, PoolView
+from radixkv.client.pool_info import PoolInfo
+from radixkv.client.pool_view import PoolView
 from radixkv.client.router import Balance, InstanceStatus, NoInstanceAvailable, Router
 from radixkv.client.verify import VerifyResult
 

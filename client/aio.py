@@ -23,16 +23,16 @@ from typing import Any, Literal, TypeVar, overload
 import grpc
 import grpc.aio
 
-from radixkv.client import messages as m
-from radixkv.client import retries
-from radixkv.client import step_messages as sm
+import radixkv.client.messages as m
+import radixkv.client.retries as retries
+import radixkv.client.step_messages as sm
 from radixkv.client.aio_stream import AsyncPending, AsyncSessionSteps
 from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
 from radixkv.client.errors import error_from_rpc
 from radixkv.client.events import KVEvent, event_batch
 from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_view import PoolInfo
+from radixkv.client.pool_info import PoolInfo
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.pressure.preemption import PreemptResult, ResumeResult

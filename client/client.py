@@ -26,16 +26,16 @@ from typing import Any, Literal, TypeVar, overload
 
 import grpc
 
-from radixkv.client import messages as m
-from radixkv.client import retries
-from radixkv.client import step_messages as sm
+import radixkv.client.messages as m
+import radixkv.client.retries as retries
+import radixkv.client.step_messages as sm
 from radixkv.client.block_checksums import BlockChecksums
 from radixkv.client.block_tables import BlockTables
 from radixkv.client.channels import channel_settings
 from radixkv.client.events import EventStream
 from radixkv.client.lease import LeaseKeeper
 from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_view import PoolInfo
+from radixkv.client.pool_info import PoolInfo
 from radixkv.client.step_stream import SessionSteps, StepFuture
 from radixkv.client.verify import VerifyResult, check_contract, verify_result
 from radixkv.errors import UnknownSession

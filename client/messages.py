@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 
-from radixkv.client.pool_view import HostTierInfo, PoolInfo
+from radixkv.client.pool_info import HostTierInfo, PoolInfo
 from radixkv.errors import InvalidArgument
 from radixkv.memory.layout import PoolLayout
 from radixkv.pressure.preemption import PreemptResult, ResumeResult

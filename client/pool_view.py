@@ -9,11 +9,12 @@ torch is imported only when a view is opened, so `import radixkv.client` stays t
 
 from __future__ import annotations
 
-import dataclasses
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from radixkv.client.pool_info import PoolInfo
 from radixkv.memory.layout import PoolLayout
+from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.v1 import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
@@ -23,39 +24,19 @@ if TYPE_CHECKING:
     from radixkv.memory.storage import KVStorage
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostTierInfo:
-    """A pool's host tier: its layout (the pool's, with its own num_blocks) and the handle of its host memory."""
-
-    layout: PoolLayout
-    handle: pb.PoolHandle  # shared_memory
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolInfo:
-    """What GetPool returns: the layout, the device, and the handle to map the memory with."""
-
-    name: str
-    layout: PoolLayout
-    device: str
-    handle: pb.PoolHandle  # oneof memory: shared_memory (CPU) or cuda_ipc
-    host: HostTierInfo | None = None  # the host tier, when the pool has one
-
-
 class PoolView:
     """The pool's memory in this process: `data` `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
 
     def __init__(self, info: PoolInfo) -> None:
         """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
-        from radixkv.memory.pool_handle import PoolHandle
         from radixkv.memory.storage import KVStorage
 
         self.info = info
-        self._storage = KVStorage.open(PoolHandle.from_proto(info.handle, info.layout))
+        self._storage = KVStorage.open(handle_from_proto(info.handle, info.layout))
         self._host: KVStorage | None = None
         if info.host is not None:
             try:
-                self._host = KVStorage.open(PoolHandle.from_proto(info.host.handle, info.host.layout))
+                self._host = KVStorage.open(handle_from_proto(info.host.handle, info.host.layout))
                 if self._storage.device.type == "cuda":
                     self._host.pin()
             except BaseException:
@@ -108,3 +89,20 @@ class PoolView:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def handle_from_proto(handle: pb.PoolHandle, layout: PoolLayout) -> PoolHandle:
+    """The handle GetPool sent (`handle` or `host_handle`) with the layout it announced beside it.
+
+    Raises ValueError when neither kind of memory is set.
+    """
+    fields = {f: getattr(layout, f) for f in LAYOUT_FIELDS}
+    memory = handle.WhichOneof("memory")
+    if memory == "shared_memory":
+        return PoolHandle(kind="shm", name=handle.shared_memory.name, **fields)
+    if memory == "cuda_ipc":
+        return PoolHandle(kind="cuda_ipc", **{f: getattr(handle.cuda_ipc, f) for f in _CUDA_IPC_FIELDS}, **fields)
+    raise ValueError("handle: neither shared_memory nor cuda_ipc is set")
+
+
+_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields

@@ -1,42 +1,44 @@
 """Sequences over a block pool and a radix tree: open, append, fork, cache, release, preempt, resume, pin.
 
-`KVCache` is the core's one public object, a facade over the modules that do each job (admission,
-budget, append, fork, publish, preemption, pins, scheduling, invariants); its read-only half (probes,
-dry runs, introspection) is `CacheQueries`. It tracks integers only: which blocks each sequence's
-block table holds, which prefixes the tree caches, who holds what. Data never moves here; when a
-write would land in a shared block, the caller gets a `(src_block, dst_block)` copy.
+`KVCache` is the core's one public object, a facade over the modules that do each job (admission, budget,
+append, fork, publish, preemption, pins, scheduling, invariants): its methods check arguments and hand over.
+It tracks integers only: which blocks each sequence's block table holds, which prefixes the tree caches,
+who holds what. Data never moves here; when a write would land in a shared block, the caller gets a
+`(src_block, dst_block)` copy. Queries and dry runs (`can_append`, `check_*`, `victims`, ...) change nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
 
-from radixkv.cache_queries import CacheQueries
-from radixkv.errors import RadixKVError
+from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.memory.block_pool import BlockPool
-from radixkv.pressure.budget import Budget, reservation
+from radixkv.pressure.budget import Budget, plan_admission
 from radixkv.pressure.limits import Limits
 from radixkv.pressure.preemption import Preemption, PreemptResult, ResumeResult
-from radixkv.pressure.swap import HostSwap
-from radixkv.sequences.admission import count_opens, lock_prefix, open_planned
+from radixkv.pressure.scheduling import freeable_blocks, victims
+from radixkv.pressure.swap import HostSwap, SwappedBlocks, num_swap_blocks, swapped_host_blocks
+from radixkv.sequences.admission import PlannedOpen, count_opens, lock_prefix, open_planned
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.append import append, append_args, append_many_args
+from radixkv.sequences.append import append, append_args, append_counts, append_many_args, plan_batch
 from radixkv.sequences.fork import check_fork, fork
+from radixkv.sequences.invariants import check_holders, check_reservations
 from radixkv.sequences.publish import publish, release
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
-from radixkv.sequences.sequence import Sequences
+from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
-from radixkv.tree.host_tier import HostTier
-from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root
+from radixkv.tree.host_tier import HostTier, ResultScope
+from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.tree.pins import Pins
-from radixkv.tree.radix_tree import RadixTree
+from radixkv.tree.radix_tree import Node, RadixTree
 from radixkv.tree.token_ids import TokenIds, TokenKey
+from radixkv.tree.tree_check import check_host_tier
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
 
 
-class KVCache(CacheQueries):
+class KVCache:
     """A paged KV cache with prefix sharing: the in-process core of radixkv.
 
     Who holds a block: the tree holds the blocks of its nodes (ref_count 1, always exactly: the
@@ -48,20 +50,13 @@ class KVCache(CacheQueries):
     """
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        limits: Limits | None = None,
-        *,
-        reserve_fraction: float = 1.0,
-        watermark_fraction: float = 0.01,
-        first_seq_id: int = 1,
-        tree: RadixTree | None = None,
+        self, num_blocks: int, block_size: int, limits: Limits | None = None, *, reserve_fraction: float = 1.0,
+        watermark_fraction: float = 0.01, first_seq_id: int = 1, tree: RadixTree | None = None,
         host_num_blocks: int = 0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
-        of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence ids
-        start; a server picks a fresh one per run so that an id from before a restart never names a sequence
+        of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence
+        ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
         after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
         (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
@@ -71,22 +66,28 @@ class KVCache(CacheQueries):
         self.pool = BlockPool(num_blocks)
         self.tree = tree or RadixTree(block_size)
         self.stats_counters = Stats(num_blocks_total=num_blocks)
+        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
         self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
-        self._blocks = Allocator(self.pool, self.tree, self.stats_counters)
+        self._blocks = Allocator(self.pool, self.tree, self.stats_counters, self.host)
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
-        self.preemption = Preemption(self._blocks, self._sequences, self._root)  # `swap_tier`: the host tier
-        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
+        self.preemption = Preemption(self._blocks, self._sequences, self._root)
         if self.host is not None:
             self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
-        self._num_open_results = 0  # depth of `one_result` scopes
-        self._result_scope = _ResultScope(self)
+        self._result_scope = ResultScope(self.host)
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
-        """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
-        evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
-        tenant's cache within its share (`namespaces`: only from the namespaces it accepts)."""
-        return self._blocks.evict_checked(num_blocks, namespaces)
+    def _root(self, namespace: str, field: str = "namespace") -> Node:
+        return namespace_root(self.tree, namespace, self.limits.max_namespaces, field)
+
+    def _key(self, token_ids: TokenIds, field: str) -> TokenKey:
+        return TokenKey.of(token_ids, field, max_tokens=self.limits.max_tokens_per_request)
+
+    def one_result(self) -> ResultScope:
+        """`with cache.one_result():` calls inside hand the worker one result: it applies all their offloads, then
+        all their copies, then all their loads (a server step is one). Until the outermost scope ends, no host
+        block a load reads is reused by an offload (see `radixkv.tree.host_tier`); each call outside any scope is
+        one result by itself."""
+        return self._result_scope
 
     # -- open ------------------------------------------------------------------------------------
 
@@ -109,113 +110,38 @@ class KVCache(CacheQueries):
     ) -> list[OpenResult]:  # fmt: skip
         """Open several sequences, all or none (one scheduler step's admissions); `max_new_tokens[i]` and
         `priorities[i]` as `open` takes them (None: all 0)."""
-        try:
-            planned, ranks, _ = self._plan_open(requests, max_new_tokens, priorities)
-        except RadixKVError:
-            self.tree.drop_empty_roots()  # namespaces this refused request created
-            raise
-        with self.one_result():
+        planned, ranks, _ = self._plan_open(requests, max_new_tokens, priorities)
+        with self._result_scope:
             opened = open_planned(self._blocks, self._sequences, planned, [ns for _, ns in requests], ranks)
         count_opens(self.stats_counters, planned, opened)
         return opened
 
-    def one_result(self) -> _ResultScope:
-        """`with cache.one_result():` calls inside hand the worker one result: it applies all their offloads, then
-        all their copies, then all their loads (a server step is one). Until the outermost scope ends, no host
-        block a load reads is reused by an offload (see `radixkv.tree.host_tier`); each call outside any scope is one
-        result by itself."""
-        return self._result_scope
+    def check_open(
+        self, requests: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        priorities: Sequence[int] | None = None,
+    ) -> int:  # fmt: skip
+        """Raise what `open_many(...)` would raise, else return the unreserved blocks it would take (allocated,
+        newly locked, reserved). Changes nothing but the refusal counters, as the refused `open_many` would."""
+        try:
+            return self._plan_open(requests, max_new_tokens, priorities)[2]
+        finally:
+            self.tree.drop_empty_roots()  # namespaces the dry run created
 
-    # -- append ----------------------------------------------------------------------------------
-
-    def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
-        """Reserve slots for new tokens; copy-on-write the last block if another sequence shares it.
-
-        Also marks every earlier token's K/V as written (see `commit`); slots are computed when read.
-        """
-        key = TokenKey.of(token_ids)
-        batch = self._append([seq_id], [key.num_tokens], key.data)
-        return AppendResult(batch, 0, 0, 0)
-
-    def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
-        """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
-        return self._append(*append_many_args(requests)).results()
-
-    def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
-        """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
-
-        All or none. Validation runs once for the batch and slots are computed only when read,
-        so a step of hundreds of sequences costs a few microseconds each. Each sequence's earlier
-        tokens count as computed from now on (see `commit`).
-        """
-        return self._append(seq_ids, *append_args(seq_ids, num_token_ids, token_ids))
-
-    def _append(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
-        """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
-        return append(self._blocks, self._sequences, seq_ids, counts, key, self.limits.max_tokens_per_request)
-
-    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
-        """Mark the K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` as written, all or none.
-
-        Only full blocks below this computed watermark are ever cached (see `radixkv.sequences.sequence`).
-        Raises InvalidArgument (`num_tokens[i]` below the watermark or past the sequence's length)
-        or UnknownSequence, and then nothing changes.
-        """
-        for seq, n in zip(self._sequences.for_commit(seq_ids, num_tokens), num_tokens, strict=True):
-            seq.num_computed_tokens = int(n)
-
-    def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
-        """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
-
-        Publishes the parent's computed full blocks first; children inherit its watermark
-        (see `radixkv.sequences.fork`).
-        """
-        seq = check_fork(self._sequences, seq_id, num_children, self.limits.max_fork_children)
-        children = fork(self.tree, self.pool, self._sequences, seq, num_children)
-        self.stats_counters.num_forked_sequences += num_children
-        return children
-
-    # -- fork, cache, release --------------------------------------------------------------------
-
-    def cache(self, seq_id: int) -> int:
-        """Insert the sequence's computed full blocks into the tree now, so the next turn hits;
-        returns the tokens of the sequence the tree now holds for it."""
-        seq = self._sequences.get(seq_id)
-        publish(self.tree, self.pool, seq)
-        return seq.num_tree_blocks * self.block_size
-
-    def release(self, seq_id: int, cache: bool = True) -> None:
-        """End a sequence; with `cache`, its full blocks stay in the tree for later requests."""
-        self.release_many([seq_id], cache)
-
-    def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
-        """End several sequences, all or none."""
-        live, parked = self._sequences.for_release(list(seq_ids))
-        for seq in live:
-            self._blocks.num_reserved -= reservation(seq)
-            release(self.tree, self.pool, seq, cache)
-            self._sequences.remove(seq)
-        self.preemption.discard(parked)
-        self.stats_counters.num_released_sequences += len(live) + len(parked)
-
-    # -- preemption (see `radixkv.pressure.preemption`) ---------------------------------------------------
-
-    def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
-        """Take the device blocks of live sequences back, all or none; each keeps its id and tokens.
-
-        "recompute": publish its computed full blocks, drop its holds; "swap": move what only it holds
-        to the host tier (FailedPrecondition without one). Its reservation returns either way.
-        """
-        with self.one_result():
-            return self.preemption.preempt(seq_ids, mode)
-
-    def resume(self, seq_id: int) -> ResumeResult:
-        """Bring a preempted sequence back under its id, re-reserving its growth; OutOfBlocks (and nothing
-        changes) when it does not fit. After recompute, compute K/V for the returned slots."""
-        with self.one_result():
-            return self.preemption.resume(seq_id)
-
-    # -- probes and pins -------------------------------------------------------------------------
+    def _plan_open(
+        self, requests: Sequence[tuple[TokenIds, str]], max_new_tokens: Sequence[int] | None,
+        priorities: Sequence[int] | None,
+    ) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:  # fmt: skip
+        """Validate a batch of opens and admit it before anything changes (see `plan_admission`)."""
+        try:
+            keys = [
+                (self._key(token_ids, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids"),
+                 self._root(namespace, f"requests[{i}].namespace" if len(requests) > 1 else "namespace"))
+                for i, (token_ids, namespace) in enumerate(requests)
+            ]  # fmt: skip
+            return plan_admission(self._blocks, self.budget, self.limits, keys, max_new_tokens, priorities)
+        except RadixKVError:
+            self.tree.drop_empty_roots()  # namespaces this refused request created
+            raise
 
     def lock_prefix(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
         """Lock the cached prefix of `token_ids` (whole blocks) without allocating anything.
@@ -234,6 +160,165 @@ class KVCache(CacheQueries):
         self.stats_counters.num_opened_sequences += 1
         return opened
 
+    # -- append, commit --------------------------------------------------------------------------
+
+    def append(self, seq_id: int, token_ids: TokenIds) -> AppendResult:
+        """Reserve slots for new tokens, copy-on-write of a shared last block; earlier tokens count as computed
+        from now on (see `commit`); slots are computed when read."""
+        key = TokenKey.of(token_ids)
+        return AppendResult(self._append([seq_id], [key.num_tokens], key.data), 0, 0, 0)
+
+    def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
+        """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""
+        return self._append(*append_many_args(requests)).results()
+
+    def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
+        """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
+
+        All or none. Validation runs once for the batch and the plan in columns, so a step of hundreds
+        of sequences costs well under a microsecond each. Each sequence's earlier tokens count as computed
+        from now on (see `commit`).
+        """
+        return self._append(seq_ids, *append_args(seq_ids, num_token_ids, token_ids))
+
+    def _append(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
+        """`append_batch` after its arguments are checked: `key` holds sum(counts) validated tokens."""
+        return append(self._blocks, self._sequences, seq_ids, counts, key, self.limits.max_tokens_per_request)
+
+    def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
+        """Would appending `num_tokens[i]` tokens to each `seq_ids[i]` (one `append_batch`) succeed?
+
+        Counts new blocks, copy-on-write copies and what eviction could free exactly as `append_batch`
+        does; False where it would raise OutOfBlocks or LimitExceeded. Raises InvalidArgument or
+        UnknownSequence where the query itself is malformed.
+        """
+        counts = append_counts(seq_ids, num_tokens, "num_tokens")
+        try:
+            needed, drawn = self._blocks_to_append(seq_ids, counts)
+        except LimitExceeded:
+            return False
+        return needed - drawn <= self._blocks.num_unreserved() and needed <= self._blocks.num_available()
+
+    def check_append(
+        self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds, num_blocks_taken: int = 0
+    ) -> None:
+        """Raise what `append_batch(...)` would raise once `num_blocks_taken` of the available blocks
+        are gone (to opens applied before it). Changes nothing but the allocation-failure counter."""
+        needed, drawn = self._blocks_to_append(seq_ids, append_args(seq_ids, num_token_ids, token_ids)[0])
+        self._blocks.refuse_unless(needed - drawn, max(0, self._blocks.num_unreserved() - num_blocks_taken))
+
+    def _blocks_to_append(self, seq_ids: Sequence[int], counts: list[int]) -> tuple[int, int]:
+        """Blocks the append takes (new entries plus copies) and how many of them reservations cover."""
+        reserved, limit = self._blocks.num_reserved > 0, self.limits.max_tokens_per_request
+        plan = plan_batch(self._sequences, seq_ids, counts, self.block_size, limit, self.pool.ref_counts, reserved)
+        return plan.num_blocks, plan.num_drawn
+
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Mark the K/V of the first `num_tokens[i]` tokens of `seq_ids[i]` as written, all or none.
+
+        Only full blocks below this computed watermark are ever cached (see `radixkv.sequences.sequence`).
+        Raises InvalidArgument (`num_tokens[i]` below the watermark or past the sequence's length)
+        or UnknownSequence, and then nothing changes.
+        """
+        self._sequences.commit(seq_ids, num_tokens)
+
+    def check_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """Raise what `commit` would raise for these arguments; changes nothing."""
+        self._sequences.commit(seq_ids, num_tokens, apply=False)
+
+    # -- fork, cache, release --------------------------------------------------------------------
+
+    def fork(self, seq_id: int, num_children: int = 1) -> list[int]:
+        """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
+
+        Publishes the parent's computed full blocks first; children inherit its watermark
+        (see `radixkv.sequences.fork`).
+        """
+        seq = check_fork(self._sequences, seq_id, num_children, self.limits.max_fork_children)
+        children = fork(self.tree, self.pool, self._sequences, seq, num_children)
+        self.stats_counters.num_forked_sequences += num_children
+        return children
+
+    def check_fork(self, seq_id: int, num_children: int) -> None:
+        """Raise what `fork(seq_id, num_children)` would raise; changes nothing."""
+        check_fork(self._sequences, seq_id, num_children, self.limits.max_fork_children)
+
+    def cache(self, seq_id: int) -> int:
+        """Insert the sequence's computed full blocks into the tree now, so the next turn hits;
+        returns the tokens of the sequence the tree now holds for it."""
+        seq = self._sequences.get(seq_id)
+        publish(self.tree, self.pool, seq)
+        return seq.num_tree_blocks * self.block_size
+
+    def release(self, seq_id: int, cache: bool = True) -> None:
+        """End a sequence; with `cache`, its full blocks stay in the tree for later requests."""
+        self.release_many([seq_id], cache)
+
+    def release_many(self, seq_ids: Iterable[int], cache: bool = True) -> None:
+        """End several sequences, all or none."""
+        live, parked = self._sequences.for_release(list(seq_ids))
+        for seq in live:
+            self._blocks.num_reserved -= seq.reservation()
+            release(self.tree, self.pool, seq, cache)
+            self._sequences.remove(seq)
+        self.preemption.discard(parked)
+        self.stats_counters.num_released_sequences += len(live) + len(parked)
+
+    # -- memory pressure (see `radixkv.pressure`) -------------------------------------------------
+
+    def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
+        """Take the device blocks of live sequences back, all or none; each keeps its id and tokens.
+
+        "recompute": publish its computed full blocks, drop its holds; "swap": move what only it holds
+        to the host tier (FailedPrecondition without one). Its reservation returns either way.
+        """
+        with self._result_scope:
+            return self.preemption.preempt(seq_ids, mode)
+
+    def resume(self, seq_id: int) -> ResumeResult:
+        """Bring a preempted sequence back under its id, re-reserving its growth; OutOfBlocks (and nothing
+        changes) when it does not fit. After recompute, compute K/V for the returned slots."""
+        with self._result_scope:
+            return self.preemption.resume(seq_id)
+
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+        """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
+        evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
+        tenant's cache within its share (`namespaces`: only from the namespaces it accepts)."""
+        return self._blocks.evict_checked(num_blocks, namespaces)
+
+    def num_available_blocks(self) -> int:
+        """Free now, or free after evicting every unlocked cached block."""
+        return self._blocks.num_available()
+
+    def freeable_blocks(self, seq_ids: Sequence[int]) -> int:
+        """How much `num_available_blocks()` would grow if `seq_ids` were released together, with or
+        without `cache` (see `radixkv.pressure.scheduling`). Changes nothing."""
+        return freeable_blocks(self.pool.ref_counts, self._sequences.batch(list(seq_ids)))
+
+    def victims(self, num_blocks: int, among: Sequence[int] | None = None) -> list[int]:
+        """Live sequences to preempt to give `num_blocks` back: lowest priority, then latest arrival, first
+        (see `radixkv.pressure.scheduling.victims`); only from `among` when given (a session's own)."""
+        candidates = list(self._sequences) if among is None else self._sequences.batch(list(among))
+        return victims(self.pool.ref_counts, candidates, num_blocks)
+
+    # -- probes and pins -------------------------------------------------------------------------
+
+    def match(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many leading tokens are cached on the device (whole blocks); locks and refreshes nothing."""
+        return self.match_tiers(token_ids, namespace)[0]
+
+    def match_tiers(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> tuple[int, int]:
+        """(device tokens, host tokens): the leading tokens cached on the device, then how many more the host
+        tier holds (an open would load those back rather than compute them). Changes nothing."""
+        key = self._key(token_ids, "token_ids")
+        root = existing_root(self.tree, namespace)
+        if root is None:
+            return 0, 0
+        match = self.tree.match(root, key.data)
+        num_host = self.host.match(match, key.data, key.num_tokens)[2] if self.host is not None else 0
+        return match.num_blocks * self.block_size, num_host * self.block_size
+
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix of `token_ids` resident however cold it gets; returns tokens pinned.
 
@@ -246,23 +331,68 @@ class KVCache(CacheQueries):
 
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Drop one pin taken by `pin` with the same tokens (in whole blocks)."""
-        key = self._key(token_ids, "token_ids")
-        self._pins.unpin(key, namespace)
+        self._pins.unpin(self._key(token_ids, "token_ids"), namespace)
 
+    # -- introspection ---------------------------------------------------------------------------
 
-class _ResultScope:
-    """`KVCache.one_result()`'s scope: a class, not a generator, as a server step enters one each time."""
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's block table; empty while it is preempted (it holds nothing on the device)."""
+        return [] if self.is_preempted(seq_id) else self._sequences.get(seq_id).block_table.tolist()
 
-    __slots__ = ("_cache",)
+    def num_tokens(self, seq_id: int) -> int:
+        record = self._sequences.preempted.get(seq_id)
+        return record.num_tokens if record is not None else self._sequences.get(seq_id).num_tokens
 
-    def __init__(self, cache: KVCache) -> None:
-        self._cache = cache
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """The computed watermark: leading tokens whose K/V is written (see `commit`); 0 while preempted."""
+        return 0 if self.is_preempted(seq_id) else self._sequences.get(seq_id).num_computed_tokens
 
-    def __enter__(self) -> None:
-        self._cache._num_open_results += 1
+    def reserve_until(self, seq_id: int) -> int:
+        """The table length admission reserves growth up to (0: none), kept while preempted (see `Budget`)."""
+        record = self._sequences.preempted.get(seq_id)
+        return record.reserve_until if record is not None else self._sequences.get(seq_id).reserve_until
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        cache = self._cache
-        cache._num_open_results -= 1
-        if not cache._num_open_results and cache.host is not None:
-            cache.host.settle()
+    def swap_blocks(self, seq_id: int) -> int:
+        """Host-tier blocks the sequence holds swapped out, or that `preempt(..., "swap")` would move there now."""
+        record = self._sequences.preempted.get(seq_id)
+        if record is None:
+            return num_swap_blocks(self._sequences.get(seq_id))
+        return len(record.host.host_block_ids) if isinstance(record.host, SwappedBlocks) else 0
+
+    def is_preempted(self, seq_id: int) -> bool:
+        return isinstance(seq_id, int) and seq_id in self._sequences.preempted
+
+    def sequence_ids(self) -> list[int]:
+        """Live sequences (see `preempted_sequence_ids` for the others)."""
+        return self._sequences.ids()
+
+    def preempted_sequence_ids(self) -> list[int]:
+        return list(self._sequences.preempted)
+
+    def stats(self) -> Stats:
+        """A snapshot: gauges read now, counters accumulated since start."""
+        tree, pool = self.tree, self.pool
+        return dataclasses.replace(
+            self.stats_counters, num_blocks_free=pool.num_free, num_blocks_cached=tree.num_cached_blocks,
+            num_blocks_evictable=tree.num_evictable_blocks, num_blocks_pinned=tree.num_pinned_blocks,
+            num_blocks_in_use=pool.num_blocks - pool.num_free - tree.num_evictable_blocks,
+            num_live_sequences=len(self._sequences), num_namespaces=len(tree.roots),
+            num_blocks_reserved=self._blocks.num_reserved, num_preempted_sequences=len(self._sequences.preempted),
+            **(self.host.gauges() if self.host is not None else {}),
+        )  # fmt: skip
+
+    def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
+        """The live sequences and the pins (deepest node, count): what the online audit copies."""
+        return self._sequences, self._pins.holders()
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch and compare; raises AssertionError naming what broke."""
+        check_holders(self.pool, self.tree, *self.holders())
+        self.check_reservations()
+
+    def check_reservations(self) -> None:
+        """Admission's reservations recounted: O(live sequences), so the online audit runs it under the lock."""
+        blocks, sequences = self._blocks, self._sequences
+        check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
+        if self.host is not None:
+            check_host_tier(self.host, swapped_host_blocks(sequences.preempted.values()))

@@ -34,7 +34,8 @@ from radixkv.server.flags import parse_args
 from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
-from radixkv.server.pools import Pool, build_pool
+from radixkv.server.pool_setup import build_pool
+from radixkv.server.pools import Pool
 from radixkv.server.restart import restore_sessions, snapshot_all
 from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer

@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.memory.block_pool import BlockPool
+from radixkv.sequences.invariants import check_holders
 from radixkv.sequences.sequence import LiveSequence
 from radixkv.server.pools import Pool
-from radixkv.state.invariants import check_holders
 from radixkv.tree.block_hash import digest_of, wire_hash
 from radixkv.tree.radix_tree import Node, RadixTree, lru_key
 
@@ -148,8 +148,7 @@ class PoolImage:
             ledger_violation = f"ledger: {e}"
         return _Instant(
             [_copy(root, tree, pool) for root in tree.roots.values()],
-            [dataclasses.replace(s, tail_bytes=bytearray(s.tail_bytes), block_table=s.block_table.copy(),
-                                 private_prefix=s.private_prefix.copy()) for s in sequences],
+            [s.image() for s in sequences],
             [(node.node_id, count) for node, count in pins],
             pool.cache.pool.copy(),
             (tree.num_evictable_blocks, tree.num_pinned_blocks, tree.num_cached_blocks,

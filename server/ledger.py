@@ -28,7 +28,6 @@ from radixkv.pressure.budget import budget_args
 from radixkv.server.token_budget import Prepaid
 
 if TYPE_CHECKING:
-    from radixkv.cache_queries import CacheQueries
     from radixkv.kv_cache import KVCache
     from radixkv.sequences.results import AppendBatch, OpenResult
     from radixkv.server.sessions import Session
@@ -134,9 +133,7 @@ class PoolLedger:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_to_open(
-        self, cache: CacheQueries, num_tokens: Sequence[int], max_new_tokens: Sequence[int] | None
-    ) -> int:
+    def blocks_to_open(self, cache: KVCache, num_tokens: Sequence[int], max_new_tokens: Sequence[int] | None) -> int:
         """Blocks opening prompts of `num_tokens` with these budgets charges: each prompt's blocks or its reserved
         table length, whichever is more. Raises what the core's open would for malformed budgets."""
         blocks = sum(map(self.blocks_for, num_tokens))
@@ -149,7 +146,7 @@ class PoolLedger:
         return blocks
 
     def append_growth(
-        self, cache: CacheQueries, seq_ids: Sequence[int], counts: Sequence[int], tables: dict[int, int] | None = None
+        self, cache: KVCache, seq_ids: Sequence[int], counts: Sequence[int], tables: dict[int, int] | None = None
     ) -> int:
         """Blocks appending `counts[i]` tokens to each `seq_ids[i]` adds to their tenant's charge: the table growth
         past what each charges already (its reservation included). `tables` receives each table's length after."""
@@ -163,7 +160,7 @@ class PoolLedger:
                 tables[seq_id] = max(after, table)
         return growth
 
-    def blocks_to_resume(self, cache: CacheQueries, seq_id: int) -> int:
+    def blocks_to_resume(self, cache: KVCache, seq_id: int) -> int:
         """Blocks resuming a preempted sequence charges again: its table or its reservation, whichever is more."""
         return max(self.blocks_for(cache.num_tokens(seq_id)), self._reserve_until.get(seq_id, 0))
 
@@ -196,7 +193,7 @@ class PoolLedger:
         self.prepaid.grant(seq_id, prepaid)
         self._tenant_sequences[tenant] = self._tenant_sequences.get(tenant, 0) + 1
 
-    def adopt_kept(self, session: Session, cache: CacheQueries, seq_id: int) -> None:
+    def adopt_kept(self, session: Session, cache: KVCache, seq_id: int) -> None:
         """A sequence the core holds already (a previous server's, adopted from its snapshot), live or preempted."""
         preempted = cache.is_preempted(seq_id)
         self.adopt(
@@ -208,7 +205,7 @@ class PoolLedger:
         )
 
     def adopt_opened(
-        self, session: Session, cache: CacheQueries, opened: Sequence[OpenResult], max_new_tokens: Sequence[int] | None
+        self, session: Session, cache: KVCache, opened: Sequence[OpenResult], max_new_tokens: Sequence[int] | None
     ) -> None:
         """After opens applied: each sequence is `session`'s, its `max_new_tokens` prepaid where its tenant has a
         token budget."""

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from radixkv.memory.layout import PoolLayout
+from radixkv.memory.pool_handle import PoolHandle
 from radixkv.server.auth import current_caller
 from radixkv.server.decoding import Undecodable
 from radixkv.server.events import BlockEvent, EventKind
@@ -281,12 +282,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             layout=_layout(layout),
             device=pool.device,
             handle_json=json.dumps(handle.to_dict()),  # deprecated, for v0.1 clients
-            handle=handle.to_proto(),
+            handle=_handle(handle),
             hash_contract=_hash_contract(layout.block_size),
         )
         if pool.host_storage is not None:
             response.host_layout.CopyFrom(_layout(pool.host_storage.layout))
-            response.host_handle.CopyFrom(pool.host_storage.export_handle().to_proto())
+            response.host_handle.CopyFrom(_handle(pool.host_storage.export_handle()))
         return response
 
     @translating_errors
@@ -378,6 +379,16 @@ def _layout(layout: PoolLayout) -> pb.PoolLayout:
         num_blocks=layout.num_blocks,
         dtype=layout.dtype,
     )
+
+
+def _handle(handle: PoolHandle) -> pb.PoolHandle:
+    """The wire's typed handle (GetPoolResponse.handle); the layout travels beside it (`_layout`)."""
+    if handle.kind == "shm":
+        return pb.PoolHandle(shared_memory=pb.SharedMemoryHandle(name=handle.name))
+    return pb.PoolHandle(cuda_ipc=pb.CudaIpcHandle(**{f: getattr(handle, f) for f in _CUDA_IPC_FIELDS}))
+
+
+_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields
 
 
 def _hash_contract(block_size: int) -> pb.HashContract:

@@ -28,7 +28,7 @@ from types import TracebackType
 import numpy as np
 
 from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
-from radixkv.sequences.block_pairs import NO_PAIRS, concat_pairs
+from radixkv.memory.block_pairs import NO_PAIRS, concat_pairs
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.server.checks import Charge, Checks, Reply

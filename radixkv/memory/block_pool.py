@@ -14,6 +14,7 @@ from radixkv.errors import OutOfBlocks
 BlockIds = npt.NDArray[np.int32] | list[int]  # ids the pool takes back: arrays on hot paths, lists from tests
 NO_BLOCKS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
 NO_BLOCKS.flags.writeable = False
+_FEW = 8  # up to this many ids, incref/decref/drop_copied go one by one: a numpy call costs ~8 Python steps
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -65,20 +66,51 @@ class BlockPool:
         return taken
 
     def incref(self, block_ids: BlockIds, by: int = 1) -> None:
-        """Add `by` holds to each of `block_ids` (distinct, all currently held)."""
-        ids = _as_ids(block_ids)
-        assert ids.size == 0 or self.ref_counts[ids].min() > 0, "incref of a free block: caller holds a stale id"
-        self.ref_counts[ids] += by
+        """Add `by` holds to each of `block_ids` (distinct, all currently held: a fork's, whose parent holds them;
+        `check_invariants` recounts every hold)."""
+        if len(block_ids) <= _FEW:  # a fork's partial last block, say
+            ref_counts = self.ref_counts
+            for block_id in block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids:
+                ref_counts[block_id] += by
+            return
+        self.ref_counts[_as_ids(block_ids)] += by
 
     def decref(self, block_ids: BlockIds) -> None:
-        """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list."""
-        ids = _as_ids(block_ids)
-        if ids.size == 0:
+        """Drop one hold on each of `block_ids` (distinct); blocks that reach 0 return to the free list.
+
+        A block released twice goes below 0 and is never freed: `check_invariants` names it.
+        """
+        n = len(block_ids)
+        if n <= _FEW:  # a request's partial last block, say: Python ints cost less than numpy's calls
+            if n:
+                self._decref_each(block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids)
             return
-        counts = self.ref_counts[ids] - 1
-        assert counts.min() >= 0, "decref of a free block: double release by the caller"
+        ids = _as_ids(block_ids)
+        counts = self.ref_counts[ids]
+        counts -= 1
         self.ref_counts[ids] = counts
-        self._push(ids[counts == 0])
+        if not counts.all():  # some reached 0 (a fork sibling's release often frees none)
+            self._push(ids[counts == 0])
+
+    def _decref_each(self, block_ids: list[int]) -> None:
+        ref_counts = self.ref_counts
+        for block_id in block_ids:
+            count = ref_counts.item(block_id) - 1
+            ref_counts[block_id] = count
+            if not count:
+                self._free[self._num_free] = block_id
+                self._num_free += 1
+
+    def drop_copied(self, block_ids: list[int]) -> None:
+        """Drop the hold of each sequence that copied one of `block_ids` away before writing (copy-on-write; a
+        block repeats once per copy). Another holder keeps each, so none is freed."""
+        ref_counts = self.ref_counts
+        if len(block_ids) <= _FEW:
+            for block_id in block_ids:
+                ref_counts[block_id] -= 1
+        else:
+            np.subtract.at(ref_counts, block_ids, 1)
+        assert all(ref_counts.item(b) > 0 for b in block_ids), "a copied block lost its last holder: the plan erred"
 
     def free_exclusive(self, block_ids: BlockIds) -> None:
         """Return blocks whose only holder lets go (evicted tree blocks) without counting down."""
@@ -103,16 +135,15 @@ class BlockPool:
         return block_ids
 
     def check_invariants(self) -> None:
+        assert self.ref_counts.min() >= 0, "negative ref_count: a block released more often than held"
         free = self._free[: self._num_free]
         assert np.unique(free).size == free.size, "free list holds a block twice"
         assert not self.ref_counts[free].any(), "a block on the free list has a holder"
-        assert self.ref_counts.min() >= 0, "negative ref_count"
         num_used = int(np.count_nonzero(self.ref_counts))
         assert num_used + free.size == self.num_blocks, f"free {free.size} + used {num_used} != {self.num_blocks}"
 
 
-def _as_ids(block_ids: BlockIds) -> npt.NDArray[np.integer]:
-    """Block ids as an integer array for fancy indexing (an array passes through uncopied)."""
-    if isinstance(block_ids, np.ndarray):
-        return block_ids
+def _as_ids(block_ids: BlockIds) -> npt.NDArray[np.intp]:
+    """Block ids as an intp array for fancy indexing: numpy indexes with intp without a cast, which on a few
+    dozen int32 ids costs more than the cast itself (bench_core's fork and release)."""
     return np.asarray(block_ids, dtype=np.intp)

@@ -58,6 +58,11 @@ class BlockTable:
         start, stop, _ = index.indices(self.length)
         return self._buffer[start:stop]
 
+    def at(self, index: int) -> int:
+        """The block at `index` (below the length)."""
+        block_id: int = self._buffer.item(index)
+        return block_id
+
     def extend(self, block_ids: Int32Array) -> None:
         n = len(block_ids)
         end = self.length + n
@@ -91,7 +96,9 @@ class BlockTable:
 
     def copy(self) -> BlockTable:
         """An independent table with the same blocks (a forked child's)."""
-        return BlockTable(self._buffer.copy(), self.length)
+        table = BlockTable.__new__(BlockTable)
+        table._buffer, table.length, table.last, table._shared = self._buffer.copy(), self.length, self.last, False
+        return table
 
     def tolist(self) -> list[int]:
         block_ids: list[int] = self._buffer[: self.length].tolist()

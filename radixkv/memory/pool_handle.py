@@ -1,7 +1,8 @@
-"""The plain-field handle another process maps a pool by: JSON-able and wire-convertible, so it travels without pickle.
+"""The plain-field handle another process maps a pool by: plain values, so it travels without pickle.
 
-Kept apart from `radixkv.memory.storage` because building, checking and converting a handle needs no torch: the
-client and the keeper read handles before (or without) mapping any memory.
+Kept apart from `radixkv.memory.storage` because building and checking a handle needs no torch: the client and
+the keeper read handles before (or without) mapping any memory. The wire form is the edges' business: the
+server writes it (`radixkv.server.servicer`), the client reads it (`radixkv.client.pool_view.handle_from_proto`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ import dataclasses
 from typing import Any
 
 from radixkv.memory.layout import PoolLayout
-from radixkv.v1 import kvcache_pb2 as pb
 
 LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
 _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
-_CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same names as PoolHandle's fields
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,23 +70,6 @@ class PoolHandle:
             raise ValueError(f"PoolHandle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         handle.layout  # noqa: B018 -- validates the layout fields
         return handle
-
-    def to_proto(self) -> pb.PoolHandle:
-        """The wire's typed handle (GetPoolResponse.handle); the layout travels beside it."""
-        if self.kind == "shm":
-            return pb.PoolHandle(shared_memory=pb.SharedMemoryHandle(name=self.name))
-        return pb.PoolHandle(cuda_ipc=pb.CudaIpcHandle(**{f: getattr(self, f) for f in _CUDA_IPC_FIELDS}))
-
-    @classmethod
-    def from_proto(cls, handle: pb.PoolHandle, layout: PoolLayout) -> PoolHandle:
-        """Inverse of `to_proto`, given the layout GetPool announced. Raises ValueError when no memory is set."""
-        fields = {f: getattr(layout, f) for f in LAYOUT_FIELDS}
-        memory = handle.WhichOneof("memory")
-        if memory == "shared_memory":
-            return cls(kind="shm", name=handle.shared_memory.name, **fields)
-        if memory == "cuda_ipc":
-            return cls(kind="cuda_ipc", **{f: getattr(handle.cuda_ipc, f) for f in _CUDA_IPC_FIELDS}, **fields)
-        raise ValueError("handle: neither shared_memory nor cuda_ipc is set")
 
 
 def _from_plain(name: str, value: object, kind: type) -> object:

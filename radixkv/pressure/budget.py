@@ -22,24 +22,11 @@ from collections.abc import Sequence
 
 from radixkv.errors import InvalidArgument, LimitExceeded, NotAdmitted
 from radixkv.memory.block_pool import cdiv
+from radixkv.pressure.limits import Limits
+from radixkv.sequences.admission import PlannedOpen, plan_open
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.sequence import LiveSequence
-
-
-def reservation(seq: LiveSequence) -> int:
-    """Blocks still reserved for `seq`'s growth: the rest of its admission's reservation."""
-    return max(0, seq.reserve_until - len(seq.block_table))
-
-
-def num_drawn(sequences: Sequence[LiveSequence], counts: Sequence[int], block_size: int) -> int:
-    """How many of the blocks appending `counts[i]` tokens to `sequences[i]` takes come out of their own
-    reservations: new table entries up to each reservation (a copy-on-write copy never does)."""
-    drawn = 0
-    for seq, count in zip(sequences, counts, strict=True):
-        if seq.reserve_until > len(seq.block_table):
-            growth = cdiv(seq.num_tokens + count, block_size) - len(seq.block_table)
-            drawn += min(growth, seq.reserve_until - len(seq.block_table))
-    return drawn
+from radixkv.tree.radix_node import Node
+from radixkv.tree.token_ids import TokenKey
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,3 +91,25 @@ def budget_args(
         if n + budget > max_tokens:
             raise LimitExceeded("max_tokens_per_request", n + budget, max_tokens)
     return budgets, ranks
+
+
+def plan_admission(
+    blocks: Allocator, budget: Budget, limits: Limits, keys: list[tuple[TokenKey, Node]],
+    max_new_tokens: Sequence[int] | None, priorities: Sequence[int] | None,
+) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:  # fmt: skip
+    """Match a batch of opens (each prompt under its namespace's root) and admit it before anything changes.
+
+    Returns the plan, each item's (priority, reserve_until), and what it takes from the unreserved blocks
+    (allocated, newly locked, reserved). Raises as `KVCache.open_many` does.
+    """
+    reserved, ranks, budgeted = 0, [(0, 0)] * len(keys), False  # (priority, reserve_until): plain opens' fast path
+    if max_new_tokens is not None or priorities is not None:
+        bs, num_tokens = blocks.tree.block_size, [key.num_tokens for key, _ in keys]
+        limit = limits.max_tokens_per_request
+        budgets, priority = budget_args(len(keys), max_new_tokens, priorities, num_tokens, limit)
+        until = [budget.reserve_until(n, m, bs) for n, m in zip(num_tokens, budgets, strict=True)]
+        reserved = sum(max(0, u - cdiv(n, bs)) for n, u in zip(num_tokens, until, strict=True))
+        ranks, budgeted = list(zip(priority, until, strict=True)), any(budgets)
+    planned, needed, newly_locked = plan_open(blocks.tree, keys)
+    budget.admit(blocks, needed, newly_locked, reserved, budgeted)
+    return planned, ranks, needed + newly_locked + reserved

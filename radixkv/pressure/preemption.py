@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from radixkv.errors import FailedPrecondition, InvalidArgument, RadixKVError
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.memory.block_pool import cdiv
-from radixkv.pressure.budget import reservation
 from radixkv.sequences.admission import open_planned, plan_open
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, Sequences
@@ -125,7 +124,7 @@ class Preemption:
         blocks = self.blocks
         for seq in live:
             record = park(seq, "recompute")
-            blocks.num_reserved -= reservation(seq)
+            blocks.num_reserved -= seq.reservation()
             release(blocks.tree, blocks.pool, seq, cache=True)
             self.sequences.remove(seq)
             self.sequences.preempted[seq.seq_id] = record
@@ -133,7 +132,7 @@ class Preemption:
 
     def _preempt_swap(self, live: list[LiveSequence], tier: SwapTier) -> Pairs:
         """Hand the sequences to the swap tier, then keep their records; returns the offload pairs."""
-        returned = sum(reservation(seq) for seq in live)
+        returned = sum(seq.reservation() for seq in live)
         records = [park(seq, "swap") for seq in live]  # before the tier drops their paths
         offloads, kept = tier.swap_out(live)
         self.blocks.num_reserved -= returned
@@ -170,7 +169,7 @@ class Preemption:
         seq, resumed = tier.swap_in(record, reserve)
         del self.sequences.preempted[record.seq_id]
         self.sequences.add(seq)
-        self.blocks.num_reserved += reservation(seq)
+        self.blocks.num_reserved += seq.reservation()
         return resumed
 
 
@@ -181,7 +180,7 @@ def all_token_bytes(seq: LiveSequence) -> bytes:
     while node.parent is not None:
         runs.append(node.token_bytes)
         node = node.parent
-    return b"".join(reversed(runs)) + bytes(seq.tail_bytes)
+    return b"".join(reversed(runs)) + seq.tail()
 
 
 def park(seq: LiveSequence, mode: str) -> PreemptedSequence:

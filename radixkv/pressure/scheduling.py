@@ -8,7 +8,6 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument
-from radixkv.pressure.budget import reservation
 from radixkv.sequences.sequence import LiveSequence
 from radixkv.tree.radix_node import Node
 
@@ -56,7 +55,7 @@ def victims(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence], nu
         if given >= num_blocks:
             break
         chosen.append(seq.seq_id)
-        given += reservation(seq)
+        given += seq.reservation()
         for block_id in seq.private_blocks().tolist():
             holds[block_id] += 1
             if holds[block_id] == ref_counts[block_id]:  # every holder of it is chosen now

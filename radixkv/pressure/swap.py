@@ -19,17 +19,15 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from radixkv.errors import OutOfBlocks
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.memory.block_pool import NO_BLOCKS, cdiv
 from radixkv.memory.block_table import BlockTable
 from radixkv.pressure.preemption import ResumeResult
-from radixkv.sequences.admission import num_newly_locked
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import SlotPlan
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, path_runs
-from radixkv.tree.host_loading import BlockIds
-from radixkv.tree.host_tier import HostTier
+from radixkv.tree.host_tier import BlockIds, HostTier
 from radixkv.tree.radix_node import Node
 from radixkv.tree.token_ids import TokenKey
 
@@ -83,7 +81,7 @@ class HostSwap:
         whole = match.num_blocks + num_on_host == swapped.num_path_blocks
         num_new = cdiv(key.num_tokens, bs) - match.num_blocks
         try:
-            blocks.refuse_unless(num_new + num_newly_locked(match) + reserve, blocks.num_unreserved())
+            blocks.refuse_unless(num_new + match.num_newly_locked() + reserve, blocks.num_unreserved())
         except OutOfBlocks:
             tree.drop_empty_roots()  # the namespace `root` may have made
             raise
@@ -103,7 +101,7 @@ class HostSwap:
         host.num_swapped_sequences -= 1
         table = BlockTable.of([*path_runs(node), own])
         seq = LiveSequence(
-            record.seq_id, record.namespace, bytearray(key.tail_after(num_matched * bs)), table, node, num_matched,
+            record.seq_id, record.namespace, key.tail_after(num_matched * bs), table, node, num_matched,
             NO_BLOCKS, key.num_tokens, num_computed, record.priority, record.reserve_until,
         )  # fmt: skip
         table_ids = table.array()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.memory.block_pairs import NO_PAIRS
 from radixkv.memory.block_pool import NO_BLOCKS, cdiv
 from radixkv.memory.block_table import BlockTable
 from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.block_pairs import NO_PAIRS
 from radixkv.sequences.results import OpenResult, SlotPlan
 from radixkv.sequences.sequence import LiveSequence, Sequences, path_runs
 from radixkv.stats import Stats
@@ -37,23 +37,9 @@ def plan_open(tree: RadixTree, requests: list[tuple[TokenKey, Node]]) -> tuple[l
         match = tree.match(root, key.data, (key.num_tokens - 1) // bs)
         planned.append((key, root, match))
         needed += cdiv(key.num_tokens, bs) - match.num_blocks
-        for node_id, num_blocks in _unlocked_on_path(match):
+        for node_id, num_blocks in match.unlocked_on_path():
             newly_locked[node_id] = max(newly_locked.get(node_id, 0), num_blocks)
     return planned, needed, sum(newly_locked.values())
-
-
-def _unlocked_on_path(match: Match) -> list[tuple[int, int]]:
-    """(node id, matched blocks in it) of each unlocked node on the match's path."""
-    return [
-        (node.node_id, match.num_blocks_in_node if node is match.node else len(node.block_ids))
-        for node in match.path
-        if node.lock_ref == 0
-    ]
-
-
-def num_newly_locked(match: Match) -> int:
-    """Cached blocks that locking this match takes out of the evictable ones."""
-    return sum(n for _, n in _unlocked_on_path(match))
 
 
 def lock_matches(tree: RadixTree, planned: list[PlannedOpen]) -> list[tuple[TokenKey, Node, int]]:
@@ -89,7 +75,7 @@ def start_sequence(
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(
-        seq_id, namespace, bytearray(tail), table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
+        seq_id, namespace, tail, table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
         priority, reserve_until,
     )  # fmt: skip
     slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
@@ -110,7 +96,7 @@ def open_planned(
     id of the one sequence a resume brings back (otherwise each gets a new id). With a host tier, a prefix
     that continues there is loaded into the first new blocks (the result's `loads`).
     """
-    bs, host = blocks.tree.block_size, blocks.tree.host
+    bs, host = blocks.tree.block_size, blocks.host
     results = []
     locked = lock_matches(blocks.tree, planned)
     for (key, node, num_matched_blocks), namespace, (priority, until) in zip(locked, namespaces, ranks, strict=True):
@@ -148,7 +134,7 @@ def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenK
     """
     tree = blocks.tree
     match = tree.match(root, key.data)
-    blocks.refuse_unless(num_newly_locked(match), max(0, blocks.num_available() - blocks.num_reserved))
+    blocks.refuse_unless(match.num_newly_locked(), max(0, blocks.num_available() - blocks.num_reserved))
     node = tree.split(match)
     tree.lock(node)
     seq, opened = start_sequence(

@@ -15,17 +15,19 @@ import numpy.typing as npt
 from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.memory.block_pool import BlockPool
 from radixkv.stats import Stats
+from radixkv.tree.host_tier import HostTier
 from radixkv.tree.radix_tree import RadixTree
 
 
 class Allocator:
     """The pool and the tree's evictable blocks seen as one supply, with the counters they move.
 
-    `num_reserved` is the sum of `budget.reservation(seq)` over live sequences (the invariant checker recounts it).
+    `num_reserved` is the sum of `LiveSequence.reservation()` over live sequences (the invariant checker
+    recounts it). `host`: the host tier evictions offload to, whose transfers each result hands out.
     """
 
-    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats) -> None:
-        self.pool, self.tree, self.stats = pool, tree, stats
+    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, host: HostTier | None = None) -> None:
+        self.pool, self.tree, self.stats, self.host = pool, tree, stats, host
         self.num_reserved = 0
 
     def num_available(self) -> int:

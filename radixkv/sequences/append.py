@@ -1,27 +1,40 @@
-"""Appending tokens to live sequences in two steps: plan (blocks to take, copy-on-write) then apply.
+"""Appending tokens to live sequences, all or none: plan the batch, allocate, apply.
 
-Planning changes nothing, so a dry run (`check_append`, `can_append`) and the append itself count
-new blocks and copies the same way. A decode step (many sequences, one token each, no shared last
-block) takes `decode_step`: the batch's decode run plans and applies it the same way on arrays.
+One path for every batch: a decode step (one token to each of hundreds of sequences, beams and parallel
+samples among them) and a prefill chunk (many tokens to one) alike, on the registry's columns
+(`radixkv.sequences.columns`), with nothing kept between calls. Planning changes nothing, so a dry run
+(`check_append`, `can_append`) counts new blocks and copies exactly as the append does. Only a sequence
+that takes a block has its block table touched.
+
+The rules, per sequence in batch order: it takes the blocks its new length needs past its table, and,
+when its last block is partial and shared with another holder, a copy of that block first, unless every
+other holder in this batch copies it away before it (the last holder writes in place); new table entries
+draw on its reservation first; past `max_tokens` the batch is refused. A batch of a few sequences applies
+them one by one in Python; a larger one in numpy over the whole batch (each numpy call costs what the loop
+spends on about 8 sequences, measured in bench_core's two shapes: the scheduler's one sequence per request
+and the decode step's hundreds). Both apply the same rules to the same columns; tests run one against the
+other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded
-from radixkv.memory.block_pool import BlockPool
-from radixkv.pressure.budget import num_drawn
+from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
 from radixkv.sequences.allocation import Allocator
+from radixkv.sequences.columns import COMPUTED, LAST, RESERVE, TOKENS
 from radixkv.sequences.packed import all_ones
 from radixkv.sequences.results import AppendBatch, SlotPlan
-from radixkv.sequences.sequence import LiveSequence, Sequences
+from radixkv.sequences.sequence import Sequences
 from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds, TokenKey
 
-AppendPlan = tuple[int, int | None]  # (num_new_blocks, cow_src): the shared last block to copy first, if any
+_INT32 = np.dtype("<i4")
+SMALL_BATCH = 8  # batches up to this many sequences take the per-sequence loop (see the module docstring)
 
 
 def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: str) -> list[int]:
@@ -60,133 +73,249 @@ def append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids:
     return counts, key.data
 
 
-def plan_append(
-    seq: LiveSequence, count: int, block_size: int, ref_counts: npt.NDArray[np.int32], copied_away: dict[int, int]
-) -> AppendPlan:
-    """How many blocks appending `count` tokens to `seq` takes, and which block it copies first.
+@dataclasses.dataclass(slots=True)
+class AppendPlan:
+    """What appending `counts[i]` tokens to the sequence in `rows[i]` takes, column by column: lists for a
+    small batch, int64 arrays for a large one."""
 
-    A partial last block shared with another holder is copied before the write, unless every other
-    holder in this batch (`copied_away`, updated here) already copies it away: the last holder of a
-    shared block writes in place. Changes nothing else.
-    """
-    table, num_tokens = seq.block_table, seq.num_tokens
-    num_new = -(-(num_tokens + count) // block_size) - table.length  # ceiling division, inlined: once per sequence
-    if num_tokens % block_size:
-        last = table.last
-        held = ref_counts[last]
-        if held > 1 and held - copied_away.get(last, 0) > 1:
-            copied_away[last] = copied_away.get(last, 0) + 1
-            return num_new + 1, last
-    return num_new, None
+    rows: list[int] | npt.NDArray[np.intp]  # each sequence's row in the registry's columns
+    lengths: list[int] | npt.NDArray[np.int64]  # tokens before
+    lasts: list[int] | npt.NDArray[np.int64]  # the last block before (-1: an empty table)
+    num_new: list[int] | npt.NDArray[np.int64]  # new table entries
+    copies: list[int] | npt.NDArray[np.int64]  # 1 where the shared partial last block is copied before the write
+    ones: bool  # one token each: a decode step
+    num_blocks: int  # blocks the batch takes: new entries plus copies
+    num_drawn: int  # of those, the ones that come out of the sequences' own reservations
 
 
 def plan_batch(
-    sequences: list[LiveSequence],
-    counts: list[int],
-    block_size: int,
-    max_tokens: int,
-    ref_counts: npt.NDArray[np.int32],
-) -> list[AppendPlan]:
-    """`plan_append` for each sequence of one batch; raises LimitExceeded for one that would grow past `max_tokens`."""
+    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], block_size: int, max_tokens: int,
+    ref_counts: npt.NDArray[np.int32], reserved: bool = True,
+) -> AppendPlan:  # fmt: skip
+    """Plan one batch; raises what the batch's ids, or the first sequence that would grow past `max_tokens`,
+    make it raise. `reserved`: whether any reservation exists to draw on (none: `num_drawn` is 0 without a look).
+    """
+    rows = sequences.rows(seq_ids)
+    if len(rows) <= SMALL_BATCH:
+        return _plan_each(sequences, rows.tolist(), counts, block_size, max_tokens, ref_counts, reserved)
+    return _plan_columns(sequences, rows, counts, block_size, max_tokens, ref_counts, reserved)
+
+
+def _plan_each(
+    sequences: Sequences, rows: list[int], counts: list[int], bs: int, max_tokens: int,
+    ref_counts: npt.NDArray[np.int32], reserved: bool,
+) -> AppendPlan:  # fmt: skip
+    cell = sequences.columns.cell
+    lengths, lasts, num_new, copies = [], [], [], []
     copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
-    plans = []
-    for seq, count in zip(sequences, counts, strict=True):
-        if seq.num_tokens + count > max_tokens:
-            raise LimitExceeded("max_tokens_per_request", seq.num_tokens + count, max_tokens)
-        plans.append(plan_append(seq, count, block_size, ref_counts, copied_away))
-    return plans
+    num_blocks = num_drawn = 0
+    for row, count in zip(rows, counts, strict=True):
+        n, last = cell[TOKENS][row], cell[LAST][row]
+        if n + count > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", n + count, max_tokens)
+        before = -(-n // bs)
+        new = -(-(n + count) // bs) - before
+        copy = 0
+        if n & (bs - 1) and (held := int(ref_counts[last])) > 1 and held - copied_away.get(last, 0) > 1:
+            copied_away[last] = copied_away.get(last, 0) + 1
+            copy = 1
+        if reserved and (room := cell[RESERVE][row] - before) > 0:
+            num_drawn += min(new, room)
+        lengths.append(n)
+        lasts.append(last)
+        num_new.append(new)
+        copies.append(copy)
+        num_blocks += new + copy
+    return AppendPlan(rows, lengths, lasts, num_new, copies, counts.count(1) == len(counts), num_blocks, num_drawn)
 
 
-def apply_append(
-    seq: LiveSequence,
-    tokens: memoryview,
-    count: int,
-    cow_src: int | None,
-    new_blocks: npt.NDArray[np.int32],
-    pool: BlockPool,
-) -> int:
-    """Grow `seq` by `count` tokens into `new_blocks` as planned; returns the first table entry that changed.
+def _plan_columns(
+    sequences: Sequences, rows: npt.NDArray[np.intp], counts: list[int], bs: int, max_tokens: int,
+    ref_counts: npt.NDArray[np.int32], reserved: bool,
+) -> AppendPlan:  # fmt: skip
+    col = sequences.columns.col
+    lengths, lasts = col[TOKENS][rows], col[LAST][rows]
+    within = lengths & (bs - 1)  # each first new token's place in its block (block sizes are powers of two)
+    ones = counts.count(1) == len(counts)
+    if ones:  # a decode step: a block for each sequence at a boundary
+        num_new = (within == 0).view(np.int8).astype(np.int64)
+        longest = int(lengths.max()) + 1
+    else:
+        after = lengths + np.array(counts, dtype=np.int64)
+        num_new = (after + bs - 1) // bs - (lengths + bs - 1) // bs
+        longest = int(after.max())
+    if longest > max_tokens:
+        after = lengths + (1 if ones else np.array(counts, dtype=np.int64))
+        raise LimitExceeded("max_tokens_per_request", int(after[np.argmax(after > max_tokens)]), max_tokens)
+    shared = (within != 0) & (ref_counts[lasts] > 1)  # an empty table has no partial block to read
+    copies = shared.view(np.int8).astype(np.int64)
+    if shared.any():  # of the batch's writers into one shared block, in order, the last holder writes in place
+        copied_away: dict[int, int] = {}
+        candidates = np.flatnonzero(shared)
+        held = ref_counts[lasts[candidates]]
+        for i, block, holders in zip(candidates.tolist(), lasts[candidates].tolist(), held.tolist(), strict=True):
+            away = copied_away.get(block, 0)
+            if holders - away > 1:
+                copied_away[block] = away + 1
+            else:
+                copies[i] = 0
+    num_drawn = 0
+    if reserved:  # new table entries up to each sequence's reservation (a copy never draws)
+        room = col[RESERVE][rows] - (lengths + bs - 1) // bs
+        num_drawn = int(np.minimum(num_new, np.maximum(room, 0)).sum())
+    num_blocks = int(num_new.sum()) + int(copies.sum())
+    return AppendPlan(rows, lengths, lasts, num_new, copies, ones, num_blocks, num_drawn)
 
-    Appending says every earlier token's K/V is written, so the watermark moves up to the old length.
-    """
-    table = seq.block_table
-    offset = table.length
-    if cow_src is not None:
-        pool.decref([cow_src])
-        table.set_last(int(new_blocks[0]))
-        offset -= 1
-        table.extend(new_blocks[1:])
-    elif new_blocks.size:
-        table.extend(new_blocks)
-    seq.tail_bytes += tokens
-    num_tokens = seq.num_tokens
-    if seq.num_computed_tokens < num_tokens:
-        seq.num_computed_tokens = num_tokens
-    seq.num_tokens = num_tokens + count
-    return offset
+
+def apply_plan(
+    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, block_size: int,
+) -> AppendBatch:  # fmt: skip
+    """Apply a plan (`new_blocks` holds every block it takes, sequence by sequence, each one's copy first) and
+    describe the batch in columns. Appending says every earlier token's K/V is written: each watermark moves up
+    to the sequence's length before the append."""
+    if isinstance(plan.rows, list):
+        return _apply_each(sequences, seq_ids, counts, plan, new_blocks, key, pool, block_size)
+    return _apply_columns(sequences, seq_ids, counts, plan, new_blocks, key, pool, block_size)
 
 
-_NO_BLOCKS = np.empty(0, dtype=np.int32)
-_NO_BLOCKS.flags.writeable = False
+def _apply_each(
+    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, bs: int,
+) -> AppendBatch:  # fmt: skip
+    columns, view = sequences.columns, memoryview(key)
+    cell = columns.cell
+    after, offsets, taken, copies, span_starts = [], [], [], [], []
+    span_blocks: list[npt.NDArray[np.int32] | list[int]] = []  # joined once, not a Python int per block
+    byte = start = num_spanned = 0
+    rows = plan.rows
+    for i, (row, count, n, last, new, copy) in enumerate(
+        zip(rows, counts, plan.lengths, plan.lasts, plan.num_new, plan.copies, strict=True)
+    ):
+        columns.extend_tail(row, view[byte : byte + count * TOKEN_BYTES])
+        byte += count * TOKEN_BYTES
+        cell[COMPUTED][row], cell[TOKENS][row] = n, n + count
+        table = sequences.at(row).block_table
+        span_starts.append(num_spanned * bs + (n & (bs - 1)))
+        num_spanned += (1 if n & (bs - 1) else 0) + new
+        if copy:
+            dst = int(new_blocks[start])
+            copies.append((last, dst, i))
+            table.set_last(dst)
+        if n & (bs - 1):
+            span_blocks.append([table.last])  # its partial last block (or the copy of it) takes the first tokens
+        if new:
+            growth = new_blocks[start + copy : start + copy + new]
+            table.extend(growth)
+            span_blocks.append(growth)
+        if new or copy:
+            cell[LAST][row] = table.last
+        start += new + copy
+        after.append(n + count)
+        offsets.append(-(-n // bs) - copy)
+        taken.append(new + copy)
+    if copies:
+        pool.drop_copied([src for src, _, _ in copies])
+    spans = span_blocks[0] if len(span_blocks) == 1 else np.concatenate(span_blocks) if span_blocks else NO_BLOCKS
+    slots = SlotPlan(bs, spans, span_starts, counts)
+    return AppendBatch(list(seq_ids), counts, after, offsets, taken, new_blocks, copies, slots)
 
 
-def apply_batch(
-    seq_ids: Sequence[int],
-    sequences: list[LiveSequence],
-    counts: list[int],
-    plans: list[AppendPlan],
-    new_blocks: npt.NDArray[np.int32],
-    key: bytes,
-    pool: BlockPool,
-    block_size: int,
-) -> AppendBatch:
-    """Apply a planned batch (`new_blocks` holds every block the plans take, in order) and describe it in columns.
+def _apply_columns(
+    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, bs: int,
+) -> AppendBatch:  # fmt: skip
+    columns, col = sequences.columns, sequences.columns.col
+    rows, lengths, lasts = np.asarray(plan.rows), np.asarray(plan.lengths), np.asarray(plan.lasts)
+    num_new, copied = np.asarray(plan.num_new), np.asarray(plan.copies)
+    if plan.ones:  # a decode step: a token each, written to every tail at once
+        columns.append_tokens(rows, np.frombuffer(key, dtype=_INT32))
+        after = lengths + 1
+    else:
+        view, byte = memoryview(key), 0
+        for row, count in zip(rows.tolist(), counts, strict=True):
+            columns.extend_tail(row, view[byte : byte + count * TOKEN_BYTES])
+            byte += count * TOKEN_BYTES
+        after = lengths + np.array(counts, dtype=np.int64)
+    col[COMPUTED][rows] = lengths
+    col[TOKENS][rows] = after
+    taken, last_after = num_new, lasts  # taken: [n] blocks each takes, its copy first
+    copies: list[tuple[int, int, int]] = []
+    if plan.num_blocks:
+        has_copies = bool(copied.any())
+        taken = num_new + copied if has_copies else num_new
+        grew = np.flatnonzero(taken)
+        starts = np.cumsum(taken) - taken if has_copies or not plan.ones else None  # each one's first block
+        copying = copied if has_copies else None
+        ends, copies = _grow_tables(sequences, rows, grew, taken, starts, copying, new_blocks, lasts)
+        if copies:
+            pool.drop_copied([src for src, _, _ in copies])
+        last_after = lasts.copy()  # each one's last block taken ends its table (a decode step's: its only one)
+        last_after[grew] = ends
+        col[LAST][rows[grew]] = ends
+    within = lengths & (bs - 1)  # where each sequence's first new token lands in its current last block
+    slots: SlotPlan | npt.NDArray[np.int64]
+    if plan.ones:  # a token each lands in its last block now: the one it had, its copy, or its new block
+        slots = last_after * bs + within
+    else:
+        slots = _slot_plan(lasts, num_new, copied, within, taken, new_blocks, counts, bs)
+    offsets = (lengths + bs - 1) // bs - copied
+    return AppendBatch(list(seq_ids), counts, after, offsets, taken, new_blocks, copies, slots)
 
-    Sequence i's changed table entries are exactly its share of `new_blocks` (a copy-on-write
-    replaces the last entry with the first of them), so that array is the batch's `block_ids`.
-    A decode step appends one token to each of hundreds of sequences, mostly without a new block,
-    so the loop touches only plain ints for them (no array slice per sequence).
-    """
-    bs, view = block_size, memoryview(key)
-    num_tokens_after, offsets, num_block_ids, copies = [], [], [], []
-    span_blocks: list[int] = []  # per sequence in turn, the table blocks its new tokens land in
-    span_starts: list[int] = []  # position of each sequence's first new token, relative to span_blocks
-    taken = byte = num_span_blocks = 0
-    for i, (seq, count, (num_new, cow_src)) in enumerate(zip(sequences, counts, plans, strict=True)):
-        mine = new_blocks[taken : taken + num_new] if num_new else _NO_BLOCKS
-        taken += num_new
-        start, num_bytes = seq.num_tokens, count * TOKEN_BYTES
-        offset = apply_append(seq, view[byte : byte + num_bytes], count, cow_src, mine, pool)
-        byte += num_bytes
-        if cow_src is not None:
-            copies.append((cow_src, int(mine[0]), i))
-        first, table = start // bs, seq.block_table
-        span_starts.append(num_span_blocks * bs + start - first * bs)
-        if table.length - first == 1:  # the new tokens all land in the last block
-            span_blocks.append(table.last)
-        else:
-            span_blocks.extend(table[first:].tolist())
-        num_span_blocks += table.length - first
-        num_tokens_after.append(seq.num_tokens)
-        offsets.append(offset)
-        num_block_ids.append(num_new)
-    plan = SlotPlan(bs, np.array(span_blocks, dtype=np.int32), span_starts, counts)
+
+def _grow_tables(
+    sequences: Sequences, rows: npt.NDArray[np.intp], grew: npt.NDArray[np.intp], taken: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64] | None, copies: npt.NDArray[np.int64] | None, new_blocks: npt.NDArray[np.int32],
+    lasts: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int32] | list[int], list[tuple[int, int, int]]]:  # fmt: skip
+    """Write each sequence's share of `new_blocks` into its table: the copy over its last entry, then growth.
+    `starts`: where each one's share begins (None: a block each); `copies`: which ones copy (None: none).
+    Returns each grown table's last block, and the copies made as (src, dst, index in the batch): one pass over
+    the sequences that grew, in Python, rather than a numpy call per column."""
+    at = sequences.at
+    if starts is None:  # a block each, no copy: a decode step's boundary
+        for row, block_id in zip(rows[grew].tolist(), new_blocks.tolist(), strict=True):
+            at(row).block_table.append(block_id)
+        return new_blocks, []
     block_ids: list[int] = new_blocks.tolist()
-    return AppendBatch(list(seq_ids), counts, num_tokens_after, offsets, num_block_ids, block_ids, copies, plan)
+    indices: list[int] = grew.tolist()
+    copying = copies[grew].tolist() if copies is not None else [0] * len(indices)
+    ends, made = [], []
+    shares = zip(indices, rows[grew].tolist(), starts[grew].tolist(), taken[grew].tolist(), copying,
+                 lasts[grew].tolist(), strict=True)  # fmt: skip
+    for i, row, start, num, copy, last in shares:
+        table = at(row).block_table
+        if copy:
+            table.set_last(block_ids[start])
+            made.append((last, block_ids[start], i))
+        if num - copy == 1:
+            table.append(block_ids[start + copy])
+        elif num > copy:
+            table.extend(new_blocks[start + copy : start + num])
+        ends.append(table.last)
+    return ends, made
 
 
-# Batches this large that append one token each take `decode_step`: below it, its fixed cost (a few numpy
-# calls) outweighs what it saves per sequence (bench_core's engine replay appends to one or a few at a time).
-DECODE_STEP_MIN = 16
-
-
-def decode_step(
-    blocks: Allocator, sequences: Sequences, seq_ids: Sequence[int], key: bytes, max_tokens: int
-) -> AppendBatch | None:
-    """One token to each sequence of `seq_ids`, on the batch's decode run (radixkv.sequences.decode_run); None, changing
-    nothing, where `append`'s general path must serve (a sequence at `max_tokens`, or one writing into a
-    partial block another sequence shares)."""
-    return sequences.decode_run(seq_ids).step(blocks, key, max_tokens)
+def _slot_plan(
+    lasts: npt.NDArray[np.int64], num_new: npt.NDArray[np.int64], copies: npt.NDArray[np.int64],
+    within: npt.NDArray[np.int64], taken: npt.NDArray[np.int64], new_blocks: npt.NDArray[np.int32],
+    counts: list[int], block_size: int,
+) -> SlotPlan:  # fmt: skip
+    """The blocks each sequence's new tokens land in, in turn: its current last block (or its copy) when that is
+    partial, then its new blocks; and where its first token lands among them."""
+    partial = (within != 0).astype(np.int64)
+    spans = partial + num_new  # [n] blocks each sequence's tokens land in
+    offsets = np.cumsum(spans) - spans
+    span_blocks = np.empty(int(spans.sum()), dtype=np.int32)
+    is_copy = np.zeros(len(new_blocks), dtype=bool)
+    is_copy[(np.cumsum(taken) - taken)[copies > 0]] = True
+    current = lasts.copy()
+    current[copies > 0] = new_blocks[is_copy]
+    span_blocks[offsets[partial > 0]] = current[partial > 0]
+    growth = new_blocks[~is_copy]
+    firsts = np.cumsum(num_new) - num_new
+    span_blocks[np.repeat(offsets + partial - firsts, num_new) + np.arange(len(growth))] = growth
+    return SlotPlan(block_size, span_blocks, (offsets * block_size + within).tolist(), counts)
 
 
 def append(
@@ -196,15 +325,11 @@ def append(
 
     New table entries draw on each sequence's own reservation first (see `radixkv.pressure.budget`).
     """
-    one_each = len(seq_ids) >= DECODE_STEP_MIN and counts.count(1) == len(counts)
-    batch = decode_step(blocks, sequences, seq_ids, key, max_tokens) if one_each else None
-    if batch is None:
-        live = sequences.batch(seq_ids)  # ends any decode run first
-        plans = plan_batch(live, counts, blocks.tree.block_size, max_tokens, blocks.pool.ref_counts)
-        drawn = num_drawn(live, counts, blocks.tree.block_size) if blocks.num_reserved else 0  # none: none to draw on
-        new_blocks = blocks.allocate(sum(n for n, _ in plans), drawn)
-        batch = apply_batch(seq_ids, live, counts, plans, new_blocks, key, blocks.pool, blocks.tree.block_size)
-        blocks.stats.num_cow_copies += len(batch.copies)
-    if blocks.tree.host is not None:
-        batch.offloads = blocks.tree.host.take_offloads()
+    pool, bs = blocks.pool, blocks.tree.block_size
+    plan = plan_batch(sequences, seq_ids, counts, bs, max_tokens, pool.ref_counts, blocks.num_reserved > 0)
+    new_blocks = blocks.allocate(plan.num_blocks, plan.num_drawn)
+    batch = apply_plan(sequences, seq_ids, counts, plan, new_blocks, key, pool, bs)
+    blocks.stats.num_cow_copies += len(batch.copies)
+    if blocks.host is not None:
+        batch.offloads = blocks.host.take_offloads()
     return batch

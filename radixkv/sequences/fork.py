@@ -31,9 +31,4 @@ def fork(tree: RadixTree, pool: BlockPool, sequences: Sequences, seq: LiveSequen
     publish(tree, pool, seq)
     pool.incref(seq.private_blocks(), by=num_children)
     tree.lock(seq.lock_node, num_children)
-    children = []
-    for _ in range(num_children):
-        child = seq.fork_child(sequences.next_id())
-        sequences.add(child)
-        children.append(child.seq_id)
-    return children
+    return [sequences.fork(seq).seq_id for _ in range(num_children)]

@@ -12,15 +12,40 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from radixkv.sequences.results import AppendBatch, OpenResult
-
 BlockTableOf = Callable[[int], Sequence[int]]  # seq_id -> its whole block table (`client.block_table`)
+
+
+class Opened(Protocol):
+    """What a prefill step reads of an opened sequence (`radixkv.sequences.results.OpenResult`)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def block_table(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def slots(self) -> npt.NDArray[np.int64]: ...
+
+
+class Appended(Protocol):
+    """What a decode step reads of an append (`radixkv.sequences.results.AppendBatch`)."""
+
+    @property
+    def seq_ids(self) -> list[int]: ...
+    @property
+    def num_appended(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> list[int]: ...
+    @property
+    def slots(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def copies(self) -> list[tuple[int, int, int]]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,7 +70,7 @@ class StepArrays:
         return np.diff(self.query_starts).astype(np.int32)
 
     @classmethod
-    def from_opens(cls, results: Sequence[OpenResult]) -> StepArrays:
+    def from_opens(cls, results: Sequence[Opened]) -> StepArrays:
         """A prefill step: every opened sequence writes its uncached tokens."""
         slots = [r.slots for r in results]
         counts = [len(s) for s in slots]
@@ -59,7 +84,7 @@ class StepArrays:
         )
 
     @classmethod
-    def from_append(cls, batch: AppendBatch, block_table: BlockTableOf) -> StepArrays:
+    def from_append(cls, batch: Appended, block_table: BlockTableOf) -> StepArrays:
         """A decode (or chunked-prefill) step; `block_table` gives tables as they stand after the append.
 
         Pass `RadixKVClient.block_table` or `KVCache.block_table`: both reflect the batch once it returns.
@@ -68,7 +93,7 @@ class StepArrays:
             np.array(batch.seq_ids, dtype=np.int64),
             _starts(batch.num_appended),
             batch.slots,
-            batch.copy_pairs(),
+            copy_pairs(batch.copies),
             padded_block_tables([block_table(s) for s in batch.seq_ids]),
             np.array(batch.num_tokens, dtype=np.int32),
         )

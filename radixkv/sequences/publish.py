@@ -21,9 +21,12 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     if num_full <= seq.num_tree_blocks:
         return
     bb = TokenKey.num_bytes(bs)
+    children = seq.lock_node.children
+    if pool.ref_counts[seq.block_table.at(seq.num_tree_blocks)] > 1 and (not children or seq.tail(bs) not in children):
+        return  # a fork sibling holds the first of them too, and the tree has no copy: nothing to publish yet
     new_blocks = seq.block_table[seq.num_tree_blocks : num_full]
-    key = bytes(seq.tail_bytes[: len(new_blocks) * bb])
     counts = pool.ref_counts[new_blocks]
+    key = seq.tail(len(new_blocks) * bs)
     if counts.max() > 1:
         num_known = tree.match(seq.lock_node, key).num_blocks  # the tree keeps its own blocks for these
         held_by_others = np.flatnonzero(counts[num_known:] > 1)
@@ -40,7 +43,7 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     tree.lock(node)
     tree.unlock(seq.lock_node)
     seq.lock_node, seq.num_tree_blocks = node, num_full
-    del seq.tail_bytes[: len(key)]
+    seq.trim_tail(TokenKey.count(key))
 
 
 def release(tree: RadixTree, pool: BlockPool, seq: LiveSequence, cache: bool) -> None:

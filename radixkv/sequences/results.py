@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.handoff import BlockTableOf, StepArrays, copy_pairs
 
 
@@ -21,7 +21,7 @@ class SlotPlan:
     """
 
     block_size: int
-    span_blocks: npt.NDArray[np.int32]  # per sequence in turn, the blocks its new tokens land in
+    span_blocks: npt.NDArray[np.int32] | list[int]  # per sequence in turn, the blocks its new tokens land in
     span_starts: list[int]  # each sequence's first new token, as a position within span_blocks
     counts: list[int]
     computed: npt.NDArray[np.int64] | None = None  # the slots, once read
@@ -114,7 +114,9 @@ class AppendResult:
         return "AppendResult(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in fields) + ")"
 
 
-@dataclasses.dataclass(slots=True)
+Column = list[int] | npt.NDArray[np.int64]  # a column as given: a list, or an array turned into one when first read
+
+
 class AppendBatch:
     """What one batched append changed, column by column: entry i describes `seq_ids[i]`.
 
@@ -123,18 +125,62 @@ class AppendBatch:
     `num_block_ids[i]` entries of `block_ids`. `slots` holds every appended token's slot in request
     order (the step's slot mapping, [total appended tokens]). Apply `copies` (src_block, dst_block,
     index of the sequence) before writing slots.
+
+    The core computes its columns as arrays and each becomes a list when first read (a decode loop whose
+    worker reads only `slots` and `copies` never pays for the rest); the client passes lists.
     """
 
-    seq_ids: list[int]
-    num_appended: list[int]  # tokens appended to each sequence
-    num_tokens: list[int]  # sequence lengths after the append
-    table_offsets: list[int]
-    num_block_ids: list[int]
-    block_ids: list[int]
-    copies: list[tuple[int, int, int]]
-    slot_source: SlotPlan | npt.NDArray[np.int64]  # the slots, or what they follow from
-    # Host tier: int64 [n, 2] (device_block, host_block), applied before `copies`.
-    offloads: Pairs = dataclasses.field(default_factory=lambda: NO_PAIRS)
+    __slots__ = ("seq_ids", "num_appended", "_num_tokens", "_table_offsets", "_num_block_ids", "_block_ids",
+                 "copies", "slot_source", "offloads")  # fmt: skip
+
+    def __init__(
+        self, seq_ids: list[int], num_appended: list[int], num_tokens: Column, table_offsets: Column,
+        num_block_ids: Column, block_ids: list[int] | npt.NDArray[np.int32], copies: list[tuple[int, int, int]],
+        slot_source: SlotPlan | npt.NDArray[np.int64], offloads: Pairs = NO_PAIRS,
+    ) -> None:  # fmt: skip
+        self.seq_ids, self.num_appended = seq_ids, num_appended  # tokens appended to each sequence
+        self._num_tokens, self._table_offsets, self._num_block_ids = num_tokens, table_offsets, num_block_ids
+        self._block_ids = block_ids
+        self.copies = copies
+        self.slot_source = slot_source  # the slots, or what they follow from
+        self.offloads = offloads  # host tier: int64 [n, 2] (device_block, host_block), applied before `copies`
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """Sequence lengths after the append."""
+        if isinstance(self._num_tokens, list):
+            return self._num_tokens
+        values: list[int] = self._num_tokens.tolist()
+        self._num_tokens = values
+        return values
+
+    @property
+    def table_offsets(self) -> list[int]:
+        if isinstance(self._table_offsets, list):
+            return self._table_offsets
+        values: list[int] = self._table_offsets.tolist()
+        self._table_offsets = values
+        return values
+
+    @property
+    def num_block_ids(self) -> list[int]:
+        if isinstance(self._num_block_ids, list):
+            return self._num_block_ids
+        values: list[int] = self._num_block_ids.tolist()
+        self._num_block_ids = values
+        return values
+
+    @property
+    def block_ids(self) -> list[int]:
+        if isinstance(self._block_ids, list):
+            return self._block_ids
+        values: list[int] = self._block_ids.tolist()
+        self._block_ids = values
+        return values
+
+    def __repr__(self) -> str:
+        names = ("seq_ids", "num_appended", "num_tokens", "table_offsets", "num_block_ids", "block_ids", "copies")
+        return "AppendBatch(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in names) + ")"
 
     @property
     def slots(self) -> npt.NDArray[np.int64]:

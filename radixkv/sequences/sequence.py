@@ -4,56 +4,132 @@ The computed watermark (`num_computed_tokens`): only full blocks below it are ev
 `cache`, `release(cache=True)` and `fork`), so a later request never hits K/V the worker has not
 written. `append` raises it to the tokens before the appended ones; `commit` raises it for the rest
 (after a prefill, before caching, forking or releasing a sequence whose last tokens are written).
+
+A decode step reads and writes a few fields of hundreds of sequences at once: each one's length, watermark,
+last block and tail. Those live in the registry's columns (`radixkv.sequences.columns`, a row per live
+sequence), their only copy while the sequence is registered, so a step reads and writes them with a numpy
+call each for the whole batch. A sequence not registered (being built, or the audit's copy) keeps them in its
+own fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
 from radixkv.memory.block_table import BlockTable
-from radixkv.sequences.decode_run import DecodeRun, same_ids
+from radixkv.sequences.columns import COMPUTED, LAST, RESERVE, TOKENS, Columns
 from radixkv.tree.radix_node import Node
+from radixkv.tree.token_ids import TOKEN_BYTES
+
+_FEW = 8  # up to this many sequences, a check or a write goes one by one (see `Sequences.commit`)
 
 
-@dataclasses.dataclass(slots=True, eq=False)
 class LiveSequence:
-    seq_id: int
-    namespace: str
-    # Tokens past the locked path (int32 bytes): all a sequence must keep of its history, since the
-    # tree holds the rest. After a fork (which caches first) that is less than one block per child.
-    tail_bytes: bytearray
-    block_table: BlockTable
-    lock_node: Node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
-    num_tree_blocks: int  # leading blocks of the table that the locked path covers
-    # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
-    # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
-    private_prefix: npt.NDArray[np.int32]  # never written in place: replaced when it grows
-    num_tokens: int
-    # Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only
-    # full blocks below this watermark are ever published to the tree.
-    num_computed_tokens: int
-    priority: int = 0  # victims go lowest priority first (see `radixkv.pressure.preemption.victims`)
-    # The table length its admission reserved growth up to (see `radixkv.pressure.budget`); blocks it appends
-    # below this draw on its reservation first. 0: no reservation.
-    reserve_until: int = 0
+    """A sequence that holds blocks on the device (see the module docstring for where its hot fields live)."""
+
+    __slots__ = ("seq_id", "namespace", "block_table", "lock_node", "num_tree_blocks", "private_prefix", "priority",
+                 "row", "_columns", "_tail", "_num_tokens", "_num_computed", "_reserve_until")  # fmt: skip
+
+    def __init__(
+        self, seq_id: int, namespace: str, tail: bytes, block_table: BlockTable, lock_node: Node,
+        num_tree_blocks: int, private_prefix: npt.NDArray[np.int32], num_tokens: int, num_computed_tokens: int,
+        priority: int = 0, reserve_until: int = 0,
+    ) -> None:  # fmt: skip
+        self.seq_id, self.namespace = seq_id, namespace
+        self.block_table = block_table
+        self.lock_node = lock_node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
+        self.num_tree_blocks = num_tree_blocks  # leading blocks of the table that the locked path covers
+        # Blocks this sequence holds by ref_count: the table past the locked path, plus its own copies of
+        # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
+        self.private_prefix = private_prefix  # never written in place: replaced when it grows
+        self.priority = priority  # victims go lowest priority first (see `radixkv.pressure.scheduling.victims`)
+        self.row = -1  # its row in the registry's columns, once registered
+        self._columns: Columns | None = None
+        # While not registered: the tokens past the locked path (int32 bytes: all a sequence keeps of its
+        # history, since the tree holds the rest), the length, the watermark, the reservation's end.
+        self._tail, self._num_tokens, self._num_computed = bytes(tail), num_tokens, num_computed_tokens
+        self._reserve_until = reserve_until
+
+    @property
+    def num_tokens(self) -> int:
+        columns = self._columns
+        return self._num_tokens if columns is None else columns.cell[TOKENS][self.row]
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V the worker has written (`commit`, or implied by the next `append`): only full blocks
+        below this watermark are ever published to the tree."""
+        columns = self._columns
+        return self._num_computed if columns is None else columns.cell[COMPUTED][self.row]
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        if self._columns is None:
+            self._num_computed = n
+        else:
+            self._columns.cell[COMPUTED][self.row] = n
+
+    @property
+    def reserve_until(self) -> int:
+        """The table length its admission reserved growth up to (see `radixkv.pressure.budget`); blocks it appends
+        below this draw on its reservation first. 0: no reservation."""
+        columns = self._columns
+        return self._reserve_until if columns is None else columns.cell[RESERVE][self.row]
+
+    @property
+    def last_block(self) -> int:
+        """The table's last block as the columns hold it (a decode step reads it from there; -1: empty)."""
+        return self.block_table.last if self._columns is None else self._columns.cell[LAST][self.row]
+
+    def tail(self, num_tokens: int | None = None) -> bytes:
+        """The first `num_tokens` tokens past the locked path (all of them: None), as int32 bytes."""
+        if self._columns is None:
+            return self._tail if num_tokens is None else self._tail[: num_tokens * TOKEN_BYTES]
+        return self._columns.tail(self.row, num_tokens)
+
+    def trim_tail(self, num_tokens: int) -> None:
+        """The tree holds the first `num_tokens` tokens of the tail now (the locked path moved down over them)."""
+        assert self._columns is not None, "only a registered sequence publishes"
+        self._columns.trim_tail(self.row, num_tokens)
+
+    def attach(self, columns: Columns) -> None:
+        """Move the hot fields into a row of `columns` (they live only there from now on)."""
+        row = columns.take(self._tail)
+        cell = columns.cell
+        cell[TOKENS][row], cell[COMPUTED][row] = self._num_tokens, self._num_computed
+        cell[LAST][row], cell[RESERVE][row] = self.block_table.last, self._reserve_until
+        self.row, self._columns, self._tail = row, columns, b""
+
+    def retire(self) -> None:
+        """Give the row back: the sequence has ended (released, or parked as a `PreemptedSequence`, which keeps
+        what resuming needs). What it held is gone; it reads as holding nothing."""
+        columns = self._columns
+        assert columns is not None, "retire a registered sequence"
+        columns.give_back(self.row)
+        self.row, self._columns = -1, None
+        self._tail, self._num_tokens, self._num_computed, self._reserve_until = b"", 0, 0, 0
 
     def private_blocks(self) -> npt.NDArray[np.int32]:
         """The blocks this sequence holds by count (a view or a fresh array: use it at once)."""
         own = self.block_table[self.num_tree_blocks :]
         return np.concatenate((self.private_prefix, own)) if len(self.private_prefix) else own
 
-    def fork_child(self, seq_id: int) -> LiveSequence:
-        """A copy sharing every block (the caller adds the child's holds on them) and the priority; it
-        reserves nothing, as its growth was never budgeted."""
+    def reservation(self) -> int:
+        """Blocks still reserved for this sequence's growth: the rest of its admission's reservation."""
+        return max(0, self.reserve_until - self.block_table.length)
+
+    def image(self) -> LiveSequence:
+        """An unregistered copy that later changes to this one leave alone (the online audit's), locking the
+        same node."""
         return LiveSequence(
-            seq_id, self.namespace, bytearray(self.tail_bytes), self.block_table.copy(), self.lock_node,
-            self.num_tree_blocks, self.private_prefix, self.num_tokens, self.num_computed_tokens,
-            self.priority,
+            self.seq_id, self.namespace, self.tail(), self.block_table.copy(), self.lock_node, self.num_tree_blocks,
+            self.private_prefix, self.num_tokens, self.num_computed_tokens, self.priority, self.reserve_until,
         )  # fmt: skip
 
 
@@ -76,20 +152,15 @@ class PreemptedSequence:
 
 
 class Sequences:
-    """The live sequences by id, and the preempted ones apart; ids are never reused within one run.
-
-    A decode loop's batch may run ahead of its sequences' fields (`decode_run`): every way to a live
-    sequence here settles that run first.
-    """
+    """The live sequences by id (their hot fields in `columns`, a row each), and the preempted ones apart; ids
+    are never reused within one run."""
 
     def __init__(self, first_seq_id: int) -> None:
-        self._live: dict[int, LiveSequence] = {}
+        self._rows: dict[int, int] = {}  # seq_id -> its row, in the order the sequences came
+        self._at: list[LiveSequence | None] = []  # row -> its sequence
+        self.columns = Columns()
         self.preempted: dict[int, PreemptedSequence] = {}
         self.next_seq_id = first_seq_id  # the id the next sequence gets (a snapshot keeps it)
-        # The last batch found, (its ids, its sequences): a decode loop asks for the same batch step after step.
-        # Dropped whenever the live set changes.
-        self._last_batch: tuple[list[int], list[LiveSequence]] | None = None
-        self._run: DecodeRun | None = None  # the decode loop's batch, in columns
 
     def next_id(self) -> int:
         seq_id = self.next_seq_id
@@ -97,74 +168,80 @@ class Sequences:
         return seq_id
 
     def add(self, seq: LiveSequence) -> None:
-        self._live[seq.seq_id] = seq
-        self._last_batch = None
+        seq.attach(self.columns)
+        self._place(seq)
+
+    def _place(self, seq: LiveSequence) -> None:
+        if seq.row >= len(self._at):
+            self._at += [None] * (seq.row + 1 - len(self._at))
+        self._rows[seq.seq_id], self._at[seq.row] = seq.row, seq
+
+    def fork(self, parent: LiveSequence) -> LiveSequence:
+        """Register a child of `parent` sharing every block (the caller adds its holds on them) and the priority;
+        it reserves nothing, as its growth was never budgeted."""
+        child = LiveSequence(
+            self.next_id(), parent.namespace, b"", parent.block_table.copy(), parent.lock_node,
+            parent.num_tree_blocks, parent.private_prefix, 0, 0, parent.priority,
+        )  # fmt: skip
+        child.row, child._columns = self.columns.copy(parent.row), self.columns
+        self._place(child)
+        return child
 
     def remove(self, seq: LiveSequence) -> None:
-        self._settle()
-        del self._live[seq.seq_id]
-        self._last_batch = None
+        del self._rows[seq.seq_id]
+        self._at[seq.row] = None
+        seq.retire()
+
+    def at(self, row: int) -> LiveSequence:
+        """The sequence registered in row `row`."""
+        seq = self._at[row]
+        assert seq is not None, f"row {row} holds no sequence"
+        return seq
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._rows)
 
     def __iter__(self) -> Iterator[LiveSequence]:
-        self._settle()
-        return iter(self._live.values())
+        return map(self.at, list(self._rows.values()))
 
     def ids(self) -> list[int]:
-        return list(self._live)
+        return list(self._rows)
 
     def get(self, seq_id: int, field: str = "seq_id") -> LiveSequence:
         """The live sequence `seq_id`, or the error naming `field`."""
-        if self._run is not None:
-            self._settle()
-        seq = self._live.get(seq_id) if isinstance(seq_id, int) else None
-        if seq is None:
+        row = self._rows.get(seq_id) if isinstance(seq_id, int) else None
+        if row is None:
             if not isinstance(seq_id, int) or isinstance(seq_id, bool):
                 raise InvalidArgument(field, f"must be an integer, got {type(seq_id).__name__}")
             if seq_id in self.preempted:
                 raise SequencePreempted(seq_id, field)
             raise UnknownSequence(seq_id)
-        return seq
+        return self.at(row)
+
+    def rows(self, seq_ids: Sequence[int]) -> npt.NDArray[np.intp]:
+        """The rows of a batch's live sequences, each once, or the error naming the first bad entry."""
+        n = len(seq_ids)
+        try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
+            found = itemgetter(*seq_ids)(self._rows) if n > 1 else map(self._rows.__getitem__, seq_ids)
+            rows: npt.NDArray[np.intp] | None = np.fromiter(found, np.intp, n)
+        except (KeyError, TypeError):  # one is not live (or not hashable)
+            rows = None
+        if rows is None or type(sum(seq_ids)) is not int:  # 2.0 finds sequence 2 as a key, yet is refused
+            for i, seq_id in enumerate(seq_ids):
+                self.get(seq_id, f"seq_ids[{i}]")  # raises at the first entry that is not a live sequence's id
+        assert rows is not None  # an entry not found raised above
+        if n > 1 and not (len(set(seq_ids)) == n if n <= 16 else self.columns.distinct(rows)):
+            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
+        return rows
 
     def batch(self, seq_ids: Sequence[int]) -> list[LiveSequence]:
         """The live sequences of a batch, each once, or the error naming the first bad entry."""
-        self._settle()
-        last = self._last_batch
-        if last is not None and same_ids(seq_ids, last[0]):  # and no sequence came or went since
-            return list(last[1])
-        try:  # a decode step's hundreds of ids: no Python-level loop when all are fine
-            found: list[LiveSequence] | None = list(map(self._live.__getitem__, seq_ids))
-        except (KeyError, TypeError):  # one is not live (or not hashable)
-            found = None
-        if found is None or set(map(type, seq_ids)) - {int}:  # 2.0 finds sequence 2 as a key, yet is refused
-            for i, seq_id in enumerate(seq_ids):
-                self.get(seq_id, f"seq_ids[{i}]")  # raises at the first entry that is not a live sequence's id
-        assert found is not None  # an entry not found raised above
-        if len(set(seq_ids)) != len(seq_ids):
-            raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
-        self._last_batch = (list(seq_ids), found)
-        return list(found)
-
-    def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
-        """The run of the batch `seq_ids` (the one the last decode step left, or a new one), or the error
-        naming its first bad entry."""
-        run = self._run
-        if run is not None and run.matches(seq_ids):
-            return run
-        live = self.batch(seq_ids)  # settles the run of another batch
-        self._run = run = DecodeRun(list(seq_ids), live)
-        return run
-
-    def _settle(self) -> None:
-        """Write the decode run back into its sequences and end it (its columns go stale once they are out)."""
-        run, self._run = self._run, None
-        if run is not None:
-            run.settle()
+        return list(map(self.at, self.rows(seq_ids).tolist()))
 
     def for_release(self, seq_ids: Sequence[int]) -> tuple[list[LiveSequence], list[PreemptedSequence]]:
         """The live and the preempted sequences of a release batch (both may be released), each once."""
+        if not self.preempted:  # the usual case: every one is live
+            return ([self.get(seq_ids[0], "seq_ids[0]")] if len(seq_ids) == 1 else self.batch(seq_ids)), []
         live, parked = [], []
         for i, seq_id in enumerate(seq_ids):
             record = self.preempted.get(seq_id) if isinstance(seq_id, int) else None
@@ -176,15 +253,44 @@ class Sequences:
             raise InvalidArgument("seq_ids", "a sequence appears twice in one batch")
         return live, parked
 
-    def for_commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> list[LiveSequence]:
-        """The sequences `commit(seq_ids, num_tokens)` would move, or the error it would raise."""
+    def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int], apply: bool = True) -> None:
+        """Move each watermark to `num_tokens[i]` (with `apply`), or raise what doing so would raise.
+
+        A few sequences (a request's) are checked and written one by one through the columns' memoryviews;
+        a batch in numpy (each numpy call costs what the loop spends on several sequences, bench_core).
+        """
         if len(num_tokens) != len(seq_ids):
             raise InvalidArgument(
                 "num_tokens", f"needs one entry per seq_ids entry ({len(seq_ids)}), got {len(num_tokens)}"
             )
-        sequences = self.batch(seq_ids)
-        check_watermarks(sequences, num_tokens)
-        return sequences
+        rows = self.rows(seq_ids)
+        if set(map(type, num_tokens)) - {int}:  # numpy ints pass; a bool or a float is named
+            for i, n in enumerate(num_tokens):
+                if not isinstance(n, int | np.integer) or isinstance(n, bool):
+                    raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
+        if len(rows) <= _FEW:
+            cell, row_list = self.columns.cell, rows.tolist()
+            computed, tokens = cell[COMPUTED], cell[TOKENS]
+            for i, (row, n) in enumerate(zip(row_list, num_tokens, strict=True)):
+                if not computed[row] <= n <= tokens[row]:
+                    self._refuse_commit(i, row, int(n))
+            if apply:
+                for row, n in zip(row_list, num_tokens, strict=True):
+                    computed[row] = int(n)
+            return
+        wanted, col = np.array(num_tokens, dtype=np.int64), self.columns.col
+        below, past = wanted < col[COMPUTED][rows], wanted > col[TOKENS][rows]
+        if below.any() or past.any():
+            i = int(np.argmax(below | past))
+            self._refuse_commit(i, int(rows[i]), int(wanted[i]))
+        if apply:
+            col[COMPUTED][rows] = wanted
+
+    def _refuse_commit(self, i: int, row: int, n: int) -> None:
+        seq, field = self.at(row), f"num_tokens[{i}]"
+        if n < seq.num_computed_tokens:
+            raise InvalidArgument(field, f"{n} is below the {seq.num_computed_tokens} tokens already computed")
+        raise InvalidArgument(field, f"{n} is past the sequence's {seq.num_tokens} tokens")
 
 
 def path_runs(node: Node) -> list[npt.NDArray[np.int32]]:
@@ -198,16 +304,3 @@ def path_runs(node: Node) -> list[npt.NDArray[np.int32]]:
         node = node.parent
     runs.reverse()
     return runs
-
-
-def check_watermarks(sequences: list[LiveSequence], num_tokens: Sequence[int]) -> None:
-    """Raise unless each `num_tokens[i]` is a valid new computed watermark for `sequences[i]`."""
-    for i, (seq, n) in enumerate(zip(sequences, num_tokens, strict=True)):
-        if not isinstance(n, int | np.integer) or isinstance(n, bool):
-            raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
-        if n < seq.num_computed_tokens:
-            raise InvalidArgument(
-                f"num_tokens[{i}]", f"{n} is below the {seq.num_computed_tokens} tokens already computed"
-            )
-        if n > seq.num_tokens:
-            raise InvalidArgument(f"num_tokens[{i}]", f"{n} is past the sequence's {seq.num_tokens} tokens")

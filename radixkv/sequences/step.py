@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from radixkv.sequences.block_pairs import NO_PAIRS, Pairs
+from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.tree.token_ids import TokenIds
 

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache
 from radixkv.memory.block_table import BlockTable
-from radixkv.pressure.budget import Budget, reservation
+from radixkv.pressure.budget import Budget
 from radixkv.pressure.limits import Limits
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence
 from radixkv.state.host_state import capture_host, rebuild_host, swapped_records
@@ -61,7 +61,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
 
     roots = [tree.roots[name] for name in names]
     sequences = [
-        [s.seq_id, s.namespace, bytes(s.tail_bytes), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
+        [s.seq_id, s.namespace, s.tail(), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
          _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
         for s in cache._sequences
     ]  # fmt: skip
@@ -146,7 +146,7 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         if node.lock_ref == 0:
             tree.num_evictable_blocks += len(node.block_ids)
             if not node.children:
-                tree._evictable_leaves.add(node)
+                tree.list_evictable(node)
     tree._clock = int(state["clock"])
     ref_counts = np.frombuffer(state["ref_counts"], dtype="<i4")
     free = np.frombuffer(state["free"], dtype="<i4")
@@ -163,11 +163,11 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         if lock_node.namespace != namespace:
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
         seq = LiveSequence(
-            int(seq_id), namespace, bytearray(tail), BlockTable.of([_ids(table)]), lock_node, int(num_tree_blocks),
+            int(seq_id), namespace, bytes(tail), BlockTable.of([_ids(table)]), lock_node, int(num_tree_blocks),
             _ids(private), int(num_tokens), int(num_computed), int(rank), int(until),
         )  # fmt: skip
         cache._sequences.add(seq)
-        cache._blocks.num_reserved += reservation(seq)
+        cache._blocks.num_reserved += seq.reservation()
     for seq_id, namespace, token_bytes, num_computed, rank, until, mode in state["preempted"]:
         kept = swapped.pop(int(seq_id), None)
         if (mode == "swap") != (kept is not None) or mode not in ("swap", "recompute"):

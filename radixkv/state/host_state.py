@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.memory.block_pairs import NO_PAIRS
 from radixkv.memory.block_pool import NO_BLOCKS
 from radixkv.pressure.swap import SwappedBlocks
-from radixkv.sequences.block_pairs import NO_PAIRS
 from radixkv.sequences.sequence import PreemptedSequence
 from radixkv.tree.host_tier import HostTier
 from radixkv.tree.radix_node import Node

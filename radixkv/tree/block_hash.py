@@ -29,7 +29,7 @@ import cbor2
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.kv_cache import DEFAULT_NAMESPACE
+from radixkv.tree.namespaces import DEFAULT_NAMESPACE
 from radixkv.tree.radix_tree import Node
 
 NONE_HASH: bytes = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
-from radixkv.sequences.admission import num_newly_locked
-from radixkv.tree.radix_tree import Node, RadixTree
+from radixkv.tree.radix_tree import Match, Node, RadixTree
 from radixkv.tree.token_ids import TokenKey
 
 
@@ -33,10 +32,10 @@ class Pins:
             raise FailedPrecondition(
                 "nothing of this prefix is cached: open and release it with cache=True first", namespace=namespace
             )
-        added = tree.blocks_to_pin(match.path, match.num_blocks_in_node)
+        added = _blocks_to_pin(match)
         if tree.num_pinned_blocks + added > max_pinned_blocks:
             raise LimitExceeded("pinned_blocks", tree.num_pinned_blocks + added, max_pinned_blocks)
-        newly_locked = num_newly_locked(match)
+        newly_locked = match.num_newly_locked()
         if newly_locked > num_unreserved:
             raise OutOfBlocks(newly_locked, num_unreserved)
         node = tree.split(match)
@@ -60,3 +59,12 @@ class Pins:
     def holders(self) -> Iterable[tuple[Node, int]]:
         """Each pinned path's deepest node and how many pins hold it (for the invariant recount)."""
         return [(node, 1) for nodes in self._pins.values() for node in nodes]
+
+
+def _blocks_to_pin(match: Match) -> int:
+    """How many blocks pinning this match's path would add to the pinned count."""
+    path = match.path
+    blocks = sum(len(n.block_ids) for n in path[:-1] if n.pin_ref == 0)
+    if path and path[-1].pin_ref == 0:
+        blocks += match.num_blocks_in_node
+    return blocks

@@ -1,4 +1,5 @@
-"""The radix tree's records: a node (a run of whole blocks and who holds it), a match, the observer hook."""
+"""The radix tree's records: a node (a run of whole blocks and who holds it), a match, and the two hooks the tree
+calls out through (an observer of what it caches, the host tier under it)."""
 
 from __future__ import annotations
 
@@ -37,18 +38,8 @@ class Node:
         return self.parent is None
 
 
-class TreeObserver(Protocol):
-    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
-
-    def blocks_stored(self, node: Node) -> None:
-        """`node` is a new leaf: all its blocks are newly cached."""
-
-    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
-        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
-
-
 def lru_key(node: Node) -> tuple[int, int]:
-    """The evictable list's order: least recently accessed first, node id breaking ties."""
+    """The evictable lists' order: least recently accessed first, node id breaking ties."""
     return (node.last_access, node.node_id)
 
 
@@ -60,3 +51,42 @@ class Match:
     num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
     num_blocks: int  # blocks matched from the root
     path: list[Node]  # root excluded, top-down, `node` last
+
+    def unlocked_on_path(self) -> list[tuple[int, int]]:
+        """(node id, matched blocks in it) of each unlocked node on the path: what locking it takes out of the
+        evictable blocks."""
+        return [
+            (node.node_id, self.num_blocks_in_node if node is self.node else len(node.block_ids))
+            for node in self.path
+            if node.lock_ref == 0
+        ]
+
+    def num_newly_locked(self) -> int:
+        """Cached blocks that locking this match takes out of the evictable ones."""
+        return sum(n for _, n in self.unlocked_on_path())
+
+
+class TreeObserver(Protocol):
+    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
+
+    def blocks_stored(self, node: Node) -> None:
+        """`node` is a new leaf: all its blocks are newly cached."""
+
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
+        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
+
+
+class HostHook(Protocol):
+    """What the device tier asks of a host tier under it (`radixkv.tree.host_tier.HostTier`, which plugs in)."""
+
+    def evict_leaf(self, leaf: Node, need: int) -> npt.NDArray[np.int32]:
+        """Take an evictable leaf's blocks (its tail, when it holds more than `need`) off the device."""
+        ...
+
+    def drop_overlap(self, parent: Node, first_block: bytes) -> None:
+        """A device insert under `parent` starts with `first_block`: drop a host-only child it makes stale."""
+        ...
+
+    def split_copy(self, node: Node, upper: Node) -> None:
+        """A device split gave `upper` the head of `node`'s host copy."""
+        ...

@@ -1,37 +1,31 @@
-"""The radix tree of token prefixes: which full blocks hold which prefix, per namespace.
+"""The radix tree of token prefixes: which full blocks hold which prefix, per namespace, and which go first.
 
 A node holds a run of whole blocks: `token_bytes` (int32, `len(block_ids) * block_size` tokens) and
 their `block_ids`. Children are keyed by the bytes of their first block, so a walk costs one dict
 lookup and one memcmp per node, never a Python loop per token. The tree owns one hold (ref_count)
 on each block it keeps; the caller (`KVCache`) turns the block ids the tree drops into decrefs.
-Eviction and moves between the tiers live in `radixkv.tree.tree_eviction` (a mixin of `RadixTree`).
+Eviction takes the least recently used unlocked leaf's tail blocks (O(log n) per leaf touched).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
-from radixkv.state.invariants import check_tree
-from radixkv.tree.radix_node import Match, Node, TreeObserver, lru_key
+from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key
 from radixkv.tree.token_ids import TOKEN_BYTES, common_blocks
-from radixkv.tree.tree_eviction import TreeEviction
-
-if TYPE_CHECKING:
-    from radixkv.tree.host_tier import HostTier
 
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key"]
 
 
-class RadixTree(TreeEviction):
+class RadixTree:
     """Prefixes of full blocks, one root per namespace, with locks and LRU eviction of unlocked leaves.
 
-    Invariants (checked by `check_invariants`): a node's lock_ref counts the locks at or below it;
+    Invariants (`radixkv.tree.tree_check.check_tree`): a node's lock_ref counts the locks at or below it;
     every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access);
     `num_evictable_blocks` is the number of blocks in unlocked nodes; parents are accessed no earlier
     than their children, so evicting leaves in LRU order never skips an older block.
@@ -40,7 +34,7 @@ class RadixTree(TreeEviction):
     and `unlock` write it, and never on a listed node: `lock` removes an unlocked leaf from the list
     before writing, `unlock` writes a node that is still locked and lists it (with the new key) only
     once its count reaches 0. A split gives the new upper node its child's key and leaves the listed
-    child as it is; trimming a leaf's tail keeps its key. `check_invariants` verifies the order.
+    child as it is; trimming a leaf's tail keeps its key.
 
     `touched`, while not None (an online audit copying the tree over several lock holds), collects every
     non-root node whose fields or children change: every write to a device node goes through a method here
@@ -59,7 +53,7 @@ class RadixTree(TreeEviction):
         self.num_cached_blocks = 0
         self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
         self._clock = 0
-        self.host: HostTier | None = None  # the host tier evictions move blocks to, if any (it sets this)
+        self.host: HostHook | None = None  # the host tier evictions move blocks to, if any (it plugs in here)
         self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
 
     def root(self, namespace: str) -> Node:
@@ -75,7 +69,7 @@ class RadixTree(TreeEviction):
     # -- matching ---------------------------------------------------------------------------------
 
     def match(self, root: Node, key: bytes, max_blocks: int | None = None) -> Match:
-        """Longest cached prefix of `key` in whole blocks (at most `max_blocks`); changes nothing."""
+        """Longest cached prefix of `key` in whole blocks (at most `max_blocks`), below `root`; changes nothing."""
         block_bytes = self.block_bytes
         limit = len(key) // block_bytes if max_blocks is None else min(max_blocks, len(key) // block_bytes)
         end = limit * block_bytes
@@ -103,15 +97,9 @@ class RadixTree(TreeEviction):
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
         upper = Node(
-            node.token_bytes[:cut],
-            node.block_ids[:k],
-            node.parent,
-            node.namespace,
-            {},
-            node.lock_ref,
-            node.pin_ref,
-            node.last_access,
-        )
+            node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, node.lock_ref,
+            node.pin_ref, node.last_access,
+        )  # fmt: skip
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         if self.touched is not None:
             self.touched.update((node, upper, node.parent))
@@ -133,35 +121,53 @@ class RadixTree(TreeEviction):
         caller's duplicates stay with the caller, freed once unused.
         """
         assert len(key) == len(block_ids) * self.block_bytes, "insert needs whole blocks"
-        node, pos, i = start, 0, 0
-        num_taken = 0
-        now = self._clock
+        node, pos = start, 0
         while pos < len(key):
-            match = self.match(node, key[pos:], None)
-            if match.num_blocks:
-                node = self.split(match)
-                pos += match.num_blocks * self.block_bytes
-                i += match.num_blocks
-                continue
-            new_ids = np.array(block_ids[i:], dtype=np.int32)  # the node's own copy (the caller's may change)
-            if self.host is not None:
-                self.host.drop_overlap(node, key[pos : pos + self.block_bytes])
-            child = Node(key[pos:], new_ids, node, node.namespace, last_access=now)
-            if node.lock_ref == 0 and not node.children and not node.is_root:
-                self._evictable_leaves.discard(node)
-            node.children[key[pos : pos + self.block_bytes]] = child
-            if self.touched is not None:
-                self.touched.update((node, child))
-            self._evictable_leaves.add(child)
-            self.num_evictable_blocks += len(new_ids)
-            self.num_cached_blocks += len(new_ids)
-            self.num_cached_blocks_in[node.namespace] = self.num_cached_blocks_in.get(node.namespace, 0) + len(new_ids)
-            num_taken = len(new_ids)
-            node = child
-            if self.observer is not None:
-                self.observer.blocks_stored(child)
-            break
-        return node, num_taken
+            match = self.match(node, key[pos:])
+            if not match.num_blocks:
+                break
+            node = self.split(match)
+            pos += match.num_blocks * self.block_bytes
+        if pos == len(key):
+            return node, 0
+        new_ids = np.array(block_ids[pos // self.block_bytes :], dtype=np.int32)  # its own copy: the caller's changes
+        first = key[pos : pos + self.block_bytes]
+        if self.host is not None:
+            self.host.drop_overlap(node, first)
+        child = Node(key[pos:], new_ids, node, node.namespace, last_access=self._clock)
+        if node.lock_ref == 0 and not node.children and not node.is_root:
+            self._evictable_leaves.discard(node)
+        node.children[first] = child
+        if self.touched is not None:
+            self.touched.update((node, child))
+        self._evictable_leaves.add(child)
+        self._count_cached(child.namespace, len(new_ids))
+        if self.observer is not None:
+            self.observer.blocks_stored(child)
+        return child, len(new_ids)
+
+    def attach_loaded(self, node: Node) -> None:
+        """A host-only node whose `block_ids` were just set (loaded back) joins its parent's device children,
+        cached and evictable until the caller locks it; reported stored, as the device tier caches it again."""
+        parent = node.parent
+        assert parent is not None and len(node.block_ids) == len(node.host_block_ids), "load a whole host node"
+        first = node.token_bytes[: self.block_bytes]
+        del parent.host_children[first]
+        if self.touched is not None:
+            self.touched.update((node, parent))
+        if parent.lock_ref == 0 and not parent.children and not parent.is_root:
+            self._evictable_leaves.discard(parent)
+        parent.children[first] = node
+        self._evictable_leaves.add(node)
+        self._count_cached(node.namespace, len(node.block_ids))
+        if self.observer is not None:
+            self.observer.blocks_stored(node)
+
+    def _count_cached(self, namespace: str, n: int) -> None:
+        """`n` more unlocked cached blocks in `namespace`."""
+        self.num_evictable_blocks += n
+        self.num_cached_blocks += n
+        self.num_cached_blocks_in[namespace] = self.num_cached_blocks_in.get(namespace, 0) + n
 
     # -- locks ------------------------------------------------------------------------------------
 
@@ -212,12 +218,87 @@ class RadixTree(TreeEviction):
                 self.num_pinned_blocks += len(node.block_ids) if delta > 0 else -len(node.block_ids)
             node = node.parent
 
-    def blocks_to_pin(self, path: list[Node], num_blocks_in_last: int) -> int:
-        """How many blocks pinning this path would add to the pinned count."""
-        blocks = sum(len(n.block_ids) for n in path[:-1] if n.pin_ref == 0)
-        if path and path[-1].pin_ref == 0:
-            blocks += num_blocks_in_last
-        return blocks
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> npt.NDArray[np.int32]:
+        """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
+
+        A leaf larger than what is still needed loses only its tail blocks (a slice), so no more of the
+        cache is dropped than asked for. With `namespaces`, only leaves of the namespaces it accepts are
+        dropped (a tenant over its cache share); finding each costs a scan of the older leaves of others.
+        """
+        freed: list[npt.NDArray[np.int32]] = []
+        num_freed = 0
+        removed: dict[str, list[npt.NDArray[np.int32]]] = {}  # one report per namespace per call
+        leaves = self._evictable_leaves
+        while num_freed < num_blocks and leaves:
+            leaf = leaves[0] if namespaces is None else next((n for n in leaves if namespaces(n.namespace)), None)
+            if leaf is None:
+                break
+            need = num_blocks - num_freed
+            if self.touched is not None:
+                self.touched.add(leaf)
+            if self.host is not None:
+                dropped = self.host.evict_leaf(leaf, need)
+            elif len(leaf.block_ids) > need:
+                keep = len(leaf.block_ids) - need
+                dropped, leaf.block_ids = leaf.block_ids[keep:], leaf.block_ids[:keep]
+                leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
+            else:
+                dropped = leaf.block_ids
+                leaves.remove(leaf)
+                self.unlink(leaf, to_host=False)
+            freed.append(dropped)
+            num_freed += len(dropped)
+            removed.setdefault(leaf.namespace, []).append(dropped)
+        for namespace, runs in removed.items():
+            block_ids = runs[0] if len(runs) == 1 else np.concatenate(runs)
+            left = self.num_cached_blocks_in[namespace] - len(block_ids)
+            if left:
+                self.num_cached_blocks_in[namespace] = left
+            else:
+                del self.num_cached_blocks_in[namespace]
+            if self.observer is not None:
+                self.observer.blocks_removed(namespace, block_ids)
+        self.num_evictable_blocks -= num_freed
+        self.num_cached_blocks -= num_freed
+        if len(freed) == 1:  # the usual case: one leaf trimmed
+            return freed[0]
+        return np.concatenate(freed) if freed else NO_BLOCKS
+
+    def unlist_leaf(self, leaf: Node) -> None:
+        """An evictable leaf leaves the LRU list (the host tier is evicting it)."""
+        self._evictable_leaves.remove(leaf)
+
+    def unlink(self, leaf: Node, to_host: bool) -> None:
+        """Take an evicted leaf off the device tier: gone, or (`to_host`) moved among its parent's host children.
+        Its parent may become an evictable leaf."""
+        parent = leaf.parent
+        assert parent is not None
+        first = leaf.token_bytes[: self.block_bytes]
+        del parent.children[first]
+        if self.touched is not None:
+            self.touched.add(parent)
+        if to_host:
+            parent.host_children[first] = leaf
+        else:
+            leaf.parent = None
+        if not parent.children and parent.lock_ref == 0:
+            if parent.parent is None:
+                self._drop_if_empty(parent)
+            else:
+                self._evictable_leaves.add(parent)
+
+    def _drop_if_empty(self, root: Node) -> None:
+        """Forget a namespace with nothing cached and no holder, so namespaces cannot pile up."""
+        if root.lock_ref == 0 and not root.children and not root.host_children:
+            if self.roots.get(root.namespace) is root:
+                del self.roots[root.namespace]
+
+    def drop_empty_roots(self) -> None:
+        """After a refused request: forget namespaces it created and left empty."""
+        for root in list(self.roots.values()):
+            self._drop_if_empty(root)
 
     # -- inspection -------------------------------------------------------------------------------
 
@@ -230,10 +311,21 @@ class RadixTree(TreeEviction):
                 yield namespace, node
                 stack.extend(node.children.values())
 
-    def check_invariants(self) -> None:
-        """Recount from scratch and compare (see `radixkv.state.invariants.check_tree`)."""
-        check_tree(self)
-
     def tree_block_ids(self) -> npt.NDArray[np.int32]:
         """Every cached block, node by node (for invariant recounts)."""
         return np.concatenate([NO_BLOCKS, *(node.block_ids for _, node in self.nodes())])
+
+    def evictable_leaves(self) -> list[Node]:
+        return list(self._evictable_leaves)
+
+    def is_listed_evictable(self, node: Node) -> bool:
+        """Is `node` on the evictable list, found under its current LRU key? (O(log n), for the audit.)"""
+        return node in self._evictable_leaves
+
+    @property
+    def num_listed_evictable(self) -> int:
+        return len(self._evictable_leaves)
+
+    def list_evictable(self, node: Node) -> None:
+        """A rebuilt node (restart) joins the evictable list."""
+        self._evictable_leaves.add(node)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,15 @@ def to_token_bytes(token_ids: TokenIds, field: str = "token_ids", *, allow_empty
         if token_ids.min() < 0:
             raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
         return token_ids.tobytes()
+    if type(token_ids) is list and token_ids:  # a tokenizer's or sampler's list: packed in one C call
+        try:
+            data = struct.pack(f"<{len(token_ids)}I", *token_ids)  # unsigned: a negative id does not pack
+        except struct.error:
+            pass  # not all integers in [0, 2^32): the general path below names what is wrong
+        else:
+            if np.frombuffer(data, dtype=_INT32).min() < 0:  # an id of 2^31 or more reads as negative
+                raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+            return data
     if isinstance(token_ids, bytes):
         if len(token_ids) % TOKEN_BYTES:
             raise InvalidArgument(field, f"packed token ids must be a multiple of {TOKEN_BYTES} bytes")

@@ -4,6 +4,7 @@ import pytest
 from radixkv.kv_cache import KVCache
 from radixkv.tree.radix_tree import RadixTree
 from radixkv.tree.token_ids import to_token_bytes
+from radixkv.tree.tree_check import check_tree
 
 BS = 4
 
@@ -26,7 +27,7 @@ def test_match_counts_whole_blocks_only():
     assert tree.match(tree.root("a"), key(range(11))).num_blocks == 2
     assert tree.match(tree.root("a"), key([*range(9), 99, 10, 11])).num_blocks == 2
     assert tree.match(tree.root("a"), key([99, *range(1, 12)])).num_blocks == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_match_respects_max_blocks():
@@ -45,7 +46,7 @@ def test_insert_splits_node_where_prefixes_diverge():
     [upper] = root.children.values()
     assert upper.block_ids.tolist() == [0] and len(upper.children) == 2
     assert sorted(tree.tree_block_ids()) == [0, 1, 2, 8]
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_insert_keeps_tree_copy_of_duplicate_prefix():
@@ -70,7 +71,7 @@ def test_locked_nodes_are_not_evicted():
     assert tree.evict(2).tolist() == []
     tree.unlock(node)
     assert sorted(tree.evict(2)) == [0, 1]
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_eviction_takes_least_recently_used_leaf_first_and_trims_tails():
@@ -80,7 +81,7 @@ def test_eviction_takes_least_recently_used_leaf_first_and_trims_tails():
     assert tree.evict(1).tolist() == [1], "the older leaf loses its tail block first"
     assert tree.evict(2).tolist() == [0, 4], "then the rest of it, then the newer leaf's tail"
     assert tree.num_cached_blocks == 2
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_parent_becomes_evictable_after_its_last_child():
@@ -89,7 +90,7 @@ def test_parent_becomes_evictable_after_its_last_child():
     insert(tree, "a", [*range(4), 9, 9, 9, 9], [2, 3])
     assert sorted(tree.evict(10)) == [0, 1, 3]
     assert tree.num_cached_blocks == 0
-    tree.check_invariants()
+    check_tree(tree)
 
 
 def test_match_of_a_long_prompt_is_one_node_walk():
@@ -135,11 +136,11 @@ def test_check_invariants_catches_an_evictable_list_out_of_order():
     tree = RadixTree(4)
     insert(tree, "a", range(8), [0, 1])
     insert(tree, "a", range(100, 108), [2, 3])
-    tree.check_invariants()
+    check_tree(tree)
     older = tree.evictable_leaves()[0]
     older.last_access += 100  # written while listed: the list no longer sorts by its key
     with pytest.raises(AssertionError, match="out of LRU order"):
-        tree.check_invariants()
+        check_tree(tree)
 
 
 def test_eviction_limited_to_namespaces_takes_only_theirs_and_counts_per_namespace() -> None:

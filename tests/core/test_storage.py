@@ -16,7 +16,6 @@ from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.memory.memory_sizing import free_memory_bytes, layout_for_memory
 from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.memory.storage import TORCH_DTYPES, KVStorage
-from radixkv.v1 import kvcache_pb2 as pb
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
 HAS_SHM_DIR = os.path.isdir("/dev/shm")
@@ -125,38 +124,6 @@ def test_handle_round_trips_through_json(storage):
     plain = json.loads(json.dumps(cuda_like.to_dict()))
     assert plain["ipc_handle"] == "00ff697063"
     assert PoolHandle.from_dict(plain) == cuda_like
-
-
-def test_handle_round_trips_through_the_typed_proto(storage):
-    handle = storage.export_handle()
-    typed = handle.to_proto()
-    assert typed.WhichOneof("memory") == "shared_memory" and typed.shared_memory.name == handle.name
-    assert PoolHandle.from_proto(pb.PoolHandle.FromString(typed.SerializeToString()), LAYOUT) == handle
-    cuda_like = PoolHandle(
-        "cuda_ipc",
-        2,
-        2,
-        16,
-        4,
-        8,
-        "bfloat16",
-        device_index=1,
-        ipc_handle=b"\x00\xffipc",
-        storage_size_bytes=4096,
-        storage_offset_bytes=512,
-        ref_counter_handle=b"rc",
-        ref_counter_offset=3,
-        event_handle=b"\x01",
-        event_sync_required=True,
-    )
-    typed = pb.PoolHandle.FromString(cuda_like.to_proto().SerializeToString())
-    assert typed.WhichOneof("memory") == "cuda_ipc" and typed.cuda_ipc.ipc_handle == b"\x00\xffipc"
-    assert PoolHandle.from_proto(typed, cuda_like.layout) == cuda_like
-
-
-def test_handle_from_proto_rejects_an_unset_memory():
-    with pytest.raises(ValueError, match="neither shared_memory nor cuda_ipc"):
-        PoolHandle.from_proto(pb.PoolHandle(), LAYOUT)
 
 
 @pytest.mark.parametrize(

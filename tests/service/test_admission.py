@@ -39,6 +39,8 @@ from tests.service.conftest import Debug
 
 OPS = "ops-token"
 SLOW = [f"slow-{i}-token" for i in range(4)]  # one tenant per test: each starts with a full bucket
+# slow3's bucket refills slowly: its test's refusal must hold however long a loaded machine takes between calls
+RATES = [40, 40, 40, 4]
 TOKENS = f"""
 [tenants.ops]
 token = "{OPS}"
@@ -47,9 +49,9 @@ admin = true
     f"""
 [tenants.slow{i}]
 token = "{token}"
-max_tokens_per_second = 40
+max_tokens_per_second = {rate}
 """
-    for i, token in enumerate(SLOW)
+    for i, (token, rate) in enumerate(zip(SLOW, RATES, strict=True))
 )
 POOLS = [
     "--pool", "small:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=16,dtype=float16,"
@@ -330,7 +332,8 @@ def test_a_token_budget_refusal_carries_retry_info_on_the_wire(server: ServerPro
 
 def test_a_session_step_over_the_token_budget_is_refused_whole(server: ServerProcess, debug: Debug) -> None:
     with RadixKVClient(server.address, pool="small", token=SLOW[3]) as slow:
-        a = slow.step(Step(opens=[([1, 2, 3], "chat")], max_new_tokens=[30])).opened[0]  # 33 of 40 tokens
+        a = slow.step(Step(opens=[([1, 2, 3], "chat")], max_new_tokens=[30])).opened[0]  # 33: a full bucket of 4 admits
+        # it and is 29 in debt, so the next 10 tokens wait ~10 s (at 40/s, 75 ms of a loaded machine refilled them)
         with pytest.raises(TokenBudget) as refused:
             slow.step(Step(opens=[([4, 5, 6], "chat")], max_new_tokens=[7], append=Append([a.seq_id], [1], [9])))
         e = refused.value

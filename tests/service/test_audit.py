@@ -17,7 +17,7 @@ from radixkv.client import RadixKVClient
 from radixkv.server.app import parse_args
 from radixkv.server.audit import PoolAuditor, check_digests, check_pool
 from radixkv.server.config import PoolConfig
-from radixkv.server.pools import build_pool
+from radixkv.server.pool_setup import build_pool
 from radixkv.server.process import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 

@@ -18,7 +18,8 @@ from radixkv.errors import RadixKVError
 from radixkv.server.audit import PoolAuditor
 from radixkv.server.audit_image import PoolImage
 from radixkv.server.config import PoolConfig
-from radixkv.server.pools import Pool, build_pool
+from radixkv.server.pool_setup import build_pool
+from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session
 from radixkv.server.tenants import Tenant
 

@@ -154,7 +154,7 @@ def test_pool_keys_size_the_host_tier() -> None:
 def test_host_memory_bytes_sizes_by_the_layout() -> None:
     from radixkv.memory.layout import PoolLayout
     from radixkv.server.config import parse_pool_flag
-    from radixkv.server.pools import build_pool
+    from radixkv.server.pool_setup import build_pool
 
     config = parse_pool_flag("p:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32,"
                              "host_memory_bytes=10000")  # fmt: skip
@@ -226,7 +226,7 @@ def test_response_bounds_leave_room_for_transfers() -> None:
     """A request is refused up front when its response could outgrow the message: with a host tier, every block
     handed out may carry an offload and a load, so the bound grows by two transfers per block."""
     from radixkv.server.config import parse_pool_flag
-    from radixkv.server.pools import build_pool
+    from radixkv.server.pool_setup import build_pool
     from radixkv.server.sizes import append_response_bytes, message_bytes_needed, open_response_bytes
 
     shape = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float32"

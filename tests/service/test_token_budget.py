@@ -12,7 +12,7 @@ from radixkv.errors import InvalidArgument, TokenBudget, UnknownSequence
 from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.server.checks import Reply
 from radixkv.server.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
-from radixkv.server.pools import build_pool
+from radixkv.server.pool_setup import build_pool
 from radixkv.server.service import KVService
 from radixkv.server.sessions import Session
 from radixkv.server.step import run_step
