@@ -191,10 +191,17 @@ def test_replay_from_a_seq_returns_that_batch_onwards_then_the_end_marker(start_
     with RadixKVClient(server.address) as client:
         for i in range(6):
             _release_written(client, [client.open([i] * (2 * BLOCK_SIZE + 1)).seq_id])
-        assert wait_until(lambda: len(replay(server.replay_endpoint, 0)) == 7)
-    everything = replay(server.replay_endpoint, 0)
-    tail = replay(server.replay_endpoint, 4)
-    assert tail == everything[4:]
+        seen: list[list[tuple[int, bytes]]] = [[]]
+
+        def settled() -> bool:  # every release published: two replays agree (a busy publisher may batch several)
+            seen.append(replay(server.replay_endpoint, 0))
+            return len(seen[-1]) >= 2 and seen[-1] == seen[-2]
+
+        assert wait_until(settled, timeout=60, interval=0.2)
+    everything = seen[-1]
+    middle = everything[len(everything) // 2][0]
+    tail = replay(server.replay_endpoint, middle)
+    assert tail and tail == [batch for batch in everything if batch[0] >= middle]
     assert replay(server.replay_endpoint, 100) == []  # past the end: only the end marker
 
 
