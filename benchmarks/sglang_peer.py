@@ -33,6 +33,18 @@ _REAL = {
 _PACKAGES = ("sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.allocator")
 
 
+def _allocator_and_tree(peer: types.SimpleNamespace, num_tokens: int, page_size: int) -> tuple[Any, Any]:
+    """SGLang's token-to-KV allocator (paged past block 1) and a RadixCache over it, on CPU, as its scheduler
+    builds them."""
+    import torch
+
+    if page_size == 1:
+        allocator = peer.token.TokenToKVPoolAllocator(num_tokens, torch.float16, "cpu", None, False)
+    else:
+        allocator = peer.paged.PagedTokenToKVPoolAllocator(num_tokens, page_size, torch.float16, "cpu", None, False)
+    return allocator, peer.radix.RadixCache.create_simulated(mock_allocator=allocator, page_size=page_size)
+
+
 class _Anything:
     """What a stubbed name is: callable, subclassable, indexable, falsy."""
 
@@ -168,13 +180,7 @@ class Engine:
         import torch
 
         self.torch, self.peer, self.page_size = torch, peer, page_size
-        if page_size == 1:
-            self.allocator = peer.token.TokenToKVPoolAllocator(num_tokens, torch.float16, "cpu", None, False)
-        else:
-            self.allocator = peer.paged.PagedTokenToKVPoolAllocator(
-                num_tokens, page_size, torch.float16, "cpu", None, False
-            )
-        self.tree = peer.radix.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
+        self.allocator, self.tree = _allocator_and_tree(peer, num_tokens, page_size)
         self.num_evicted_tokens = 0
 
     def _key(self, tokens: list[int], namespace: str) -> Any:
@@ -341,13 +347,7 @@ class Scheduler:
         import torch
 
         self.torch, self.peer, self.page_size = torch, peer, page_size
-        if page_size == 1:
-            self.allocator = peer.token.TokenToKVPoolAllocator(num_tokens, torch.float16, "cpu", None, False)
-        else:
-            self.allocator = peer.paged.PagedTokenToKVPoolAllocator(
-                num_tokens, page_size, torch.float16, "cpu", None, False
-            )
-        self.tree = peer.radix.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
+        self.allocator, self.tree = _allocator_and_tree(peer, num_tokens, page_size)
         self.rows = self.tree.req_to_token_pool = _ReqToTokenPool(torch, max_requests, max_context_len)
         self.num_evicted_tokens = 0
 
