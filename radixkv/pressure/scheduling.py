@@ -9,7 +9,7 @@ import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument
 from radixkv.sequences.sequence import LiveSequence
-from radixkv.tree.radix_node import Node
+from radixkv.tree.lock_counts import Unlocks
 
 
 def freeable_blocks(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence]) -> int:
@@ -20,18 +20,11 @@ def freeable_blocks(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSeque
     others is counted only where they are its last holders: a block held by count where they hold
     every count of it, a locked node's blocks where they hold every lock on it.
     """
-    locks: collections.Counter[int] = collections.Counter()
-    nodes: dict[int, Node] = {}
-    for seq in sequences:
-        node = seq.lock_node
-        while node.parent is not None:
-            locks[node.node_id] += 1
-            nodes[node.node_id] = node
-            node = node.parent
+    unlocks = Unlocks()
+    unlocked = sum(unlocks.let_go(seq.lock_node) for seq in sequences)
     held = np.concatenate([np.empty(0, np.int32), *(seq.private_blocks() for seq in sequences)])
     block_ids, holds = np.unique(held, return_counts=True)
     freed = int(np.count_nonzero(ref_counts[block_ids] == holds))
-    unlocked = sum(len(nodes[i].block_ids) for i, n in locks.items() if nodes[i].lock_ref == n)
     return freed + unlocked
 
 
@@ -48,7 +41,7 @@ def victims(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence], nu
         raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
     order = sorted(sequences, key=lambda seq: (seq.priority, -seq.seq_id))
     holds: collections.Counter[int] = collections.Counter()
-    locks: collections.Counter[int] = collections.Counter()
+    unlocks = Unlocks()
     chosen: list[int] = []
     given = 0
     for seq in order:
@@ -60,10 +53,5 @@ def victims(ref_counts: npt.NDArray[np.int32], sequences: list[LiveSequence], nu
             holds[block_id] += 1
             if holds[block_id] == ref_counts[block_id]:  # every holder of it is chosen now
                 given += 1
-        node = seq.lock_node
-        while node.parent is not None:
-            locks[node.node_id] += 1
-            if locks[node.node_id] == node.lock_ref:
-                given += len(node.block_ids)
-            node = node.parent
+        given += unlocks.let_go(seq.lock_node)
     return chosen

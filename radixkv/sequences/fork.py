@@ -2,9 +2,10 @@
 
 The parent's computed full blocks enter the tree first (fork after committing the parent's K/V, as
 samplers do), so the family shares them through the locked path. Any other block the family shares
-is held by count: full blocks not yet computed (no one appends into a full block, and none is cached
-while another holder shares it) and the partial last block, which no one writes while it is shared
-(a write copies it). Children inherit the parent's computed watermark.
+is held by count: full blocks not yet computed (no one appends into a full block; once every holder
+has computed one, the family publishes it together, see `radixkv.sequences.publish`) and the partial
+last block, which no one writes while it is shared (a write copies it). Children inherit the parent's
+computed watermark, and join its family (`LiveSequence.family`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import numpy as np
 
 from radixkv.memory.block_pool import BlockPool, cdiv
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, path_runs
+from radixkv.tree.lock_counts import lock_refs
 from radixkv.tree.radix_node import Node
 from radixkv.tree.radix_tree import RadixTree
 from radixkv.tree.token_ids import TokenKey
@@ -21,13 +22,14 @@ from radixkv.tree.tree_check import check_tree
 def check_holders(
     pool: BlockPool, tree: RadixTree, sequences: Iterable[LiveSequence], pins: Iterable[tuple[Node, int]]
 ) -> None:
-    """Every ref_count equals the tree's hold plus the sequences' private holds; every lock_ref its holders."""
+    """Every ref_count equals the tree's hold plus the sequences' private holds; every lock_ref its holders and its
+    locked children."""
     pool.check_invariants()
     check_tree(tree)
     bs = tree.block_size
     expected = np.zeros(pool.num_blocks, dtype=np.int64)
     np.add.at(expected, tree.tree_block_ids(), 1)
-    locks: dict[int, int] = {}
+    holders: list[tuple[Node, int]] = list(pins)
     for seq in sequences:
         assert len(seq.block_table) == cdiv(seq.num_tokens, bs), f"seq {seq.seq_id}: table length wrong"
         table = seq.block_table.tolist()
@@ -49,12 +51,12 @@ def check_holders(
             assert table_block == path_block or table_block in private, (
                 f"seq {seq.seq_id}: block {table_block} neither on its path nor held"
             )
-        _count_path(seq.lock_node, locks, 1)
-    for node, count in pins:
-        _count_path(node, locks, count)
+        holders.append((seq.lock_node, 1))
+    locks = lock_refs(tree.roots.values(), holders)
     for node in [*tree.roots.values(), *(n for _, n in tree.nodes())]:
-        assert node.lock_ref == locks.get(node.node_id, 0), (
-            f"node {node.node_id}: lock_ref {node.lock_ref} != holders {locks.get(node.node_id, 0)}"
+        expected_locks = locks.get(node.node_id, 0)
+        assert node.lock_ref == expected_locks, (
+            f"node {node.node_id}: lock_ref {node.lock_ref} != its holders and locked children {expected_locks}"
         )
     wrong = np.flatnonzero(pool.ref_counts != expected)
     if wrong.size:
@@ -75,13 +77,6 @@ def _root_of(node: Node) -> Node:
     while node.parent is not None:
         node = node.parent
     return node
-
-
-def _count_path(node: Node | None, locks: dict[int, int], count: int) -> None:
-    """Add `count` locks to `node` and every ancestor, the namespace's root included."""
-    while node is not None:
-        locks[node.node_id] = locks.get(node.node_id, 0) + count
-        node = node.parent
 
 
 def check_reservations(

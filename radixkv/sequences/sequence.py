@@ -34,7 +34,7 @@ class LiveSequence:
     """A sequence that holds blocks on the device (see the module docstring for where its hot fields live)."""
 
     __slots__ = ("seq_id", "namespace", "block_table", "lock_node", "num_tree_blocks", "private_prefix", "priority",
-                 "row", "_columns", "_tail", "_num_tokens", "_num_computed", "_reserve_until")  # fmt: skip
+                 "family", "row", "_columns", "_tail", "_num_tokens", "_num_computed", "_reserve_until")  # fmt: skip
 
     def __init__(
         self, seq_id: int, namespace: str, tail: bytes, block_table: BlockTable, lock_node: Node,
@@ -49,6 +49,9 @@ class LiveSequence:
         # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
         self.private_prefix = private_prefix  # never written in place: replaced when it grows
         self.priority = priority  # victims go lowest priority first (see `radixkv.pressure.scheduling.victims`)
+        # The live sequences forked from one another, this one included (one list they all share), or None: only
+        # they can share blocks by count, and `publish` moves all their holds on a block to the tree at once.
+        self.family: list[LiveSequence] | None = None
         self.row = -1  # its row in the registry's columns, once registered
         self._columns: Columns | None = None
         # While not registered: the tokens past the locked path (int32 bytes: all a sequence keeps of its
@@ -184,12 +187,23 @@ class Sequences:
             parent.num_tree_blocks, parent.private_prefix, 0, 0, parent.priority,
         )  # fmt: skip
         child.row, child._columns = self.columns.copy(parent.row), self.columns
+        family = parent.family
+        if family is None:
+            family = parent.family = [parent]
+        family.append(child)
+        child.family = family
         self._place(child)
         return child
 
     def remove(self, seq: LiveSequence) -> None:
         del self._rows[seq.seq_id]
         self._at[seq.row] = None
+        family = seq.family
+        if family is not None:
+            family.remove(seq)
+            if len(family) == 1:
+                family[0].family = None
+            seq.family = None
         seq.retire()
 
     def at(self, row: int) -> LiveSequence:

@@ -28,6 +28,7 @@ from radixkv.pressure.limits import Limits
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence
 from radixkv.state.host_state import capture_host, rebuild_host, swapped_records
 from radixkv.stats import Stats
+from radixkv.tree.lock_counts import holders_through, lock_refs
 from radixkv.tree.radix_node import Node
 
 # Stats fields that are gauges, read from the structures at `stats()` time: never restored.
@@ -60,6 +61,8 @@ def capture(cache: KVCache) -> dict[str, Any]:
         return index[id(node)] if node.parent is not None else -1 - ns_index[node.namespace]
 
     roots = [tree.roots[name] for name in names]
+    # Locks in the stored form: holders whose locked path runs through each node (`radixkv.tree.lock_counts`).
+    through = holders_through([(s.lock_node, 1) for s in cache._sequences] + list(cache._pins.holders()))
     sequences = [
         [s.seq_id, s.namespace, s.tail(), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
          _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
@@ -76,13 +79,13 @@ def capture(cache: KVCache) -> dict[str, Any]:
         "clock": tree._clock,
         "next_seq_id": cache._sequences.next_seq_id,
         "namespaces": names,
-        "root_lock_refs": [r.lock_ref for r in roots],
+        "root_lock_refs": [through[r.node_id] for r in roots],
         "nodes": {
             "parent": _i32([ref(n.parent) for n in nodes if n.parent is not None]),
             "num_blocks": _i32([len(n.block_ids) for n in nodes]),
             "blocks": _i32(np.concatenate([np.empty(0, np.int32), *(n.block_ids for n in nodes)])),
             "tokens": b"".join(n.token_bytes for n in nodes),
-            "lock_ref": _i32([n.lock_ref for n in nodes]),
+            "lock_ref": _i32([through[n.node_id] for n in nodes]),
             "pin_ref": _i32([n.pin_ref for n in nodes]),
             "last_access": np.asarray([n.last_access for n in nodes], dtype="<i8").tobytes(),
             "order": np.argsort(np.asarray([n.node_id for n in nodes], dtype=np.int64), kind="stable")
@@ -98,6 +101,9 @@ def capture(cache: KVCache) -> dict[str, Any]:
         "stats": {k: v for k, v in dataclasses.asdict(cache.stats_counters).items() if k not in _GAUGES},
         # Added in place of a format bump: a snapshot without it restores with an empty host tier.
         "host": capture_host(cache.host, nodes, ref, records) if cache.host is not None else None,
+        # Likewise: without it, forked sequences restore without families (what they share by count is
+        # published once its other holders go, as before families were kept).
+        "families": _families(cache),
     }
 
 
@@ -179,11 +185,41 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         raise ValueError(f"host blocks of swapped sequences {sorted(swapped)} that are not preempted")
     for namespace, key, node_at_index, count in state["pins"]:
         cache._pins._pins.setdefault((namespace, bytes(key)), []).extend([node_at(int(node_at_index))] * int(count))
+    _recount_locks(cache, roots, nodes)
+    live = {seq.seq_id: seq for seq in cache._sequences}
+    for seq_ids in state.get("families", []):
+        family = [live[int(seq_id)] for seq_id in seq_ids]  # KeyError: not a live sequence
+        if len(family) < 2 or any(seq.family is not None for seq in family):
+            raise ValueError(f"family {seq_ids} is not a new family of two or more live sequences")
+        for seq in family:
+            seq.family = family
     known = {f.name for f in dataclasses.fields(Stats)} - _GAUGES
     for name, value in state["stats"].items():
         if name in known:  # in place: the allocator shares this record
             setattr(cache.stats_counters, name, int(value))
     return cache
+
+
+def _families(cache: KVCache) -> list[list[int]]:
+    """Each family of forked live sequences (`LiveSequence.family`) as its seq ids, once."""
+    seen: set[int] = set()
+    families = []
+    for seq in cache._sequences:
+        if seq.family is not None and id(seq.family) not in seen:
+            seen.add(id(seq.family))
+            families.append([member.seq_id for member in seq.family])
+    return families
+
+
+def _recount_locks(cache: KVCache, roots: list[Node], nodes: list[Node]) -> None:
+    """The stored locks (holders through each node) checked against the restored holders, then set in the tree's
+    own form (its holders plus its locked children)."""
+    holders = [(seq.lock_node, 1) for seq in cache._sequences] + list(cache._pins.holders())
+    through, counts = holders_through(holders), lock_refs(roots, holders)
+    for node in [*roots, *nodes]:
+        if node.lock_ref != through[node.node_id]:
+            raise ValueError(f"node {node.node_id}: {node.lock_ref} locks stored, {through[node.node_id]} holders")
+        node.lock_ref = counts[node.node_id]
 
 
 def _rebuild_nodes(block_bytes: int, columns: dict[str, bytes], roots: list[Node]) -> list[Node]:

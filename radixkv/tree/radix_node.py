@@ -24,9 +24,11 @@ class Node:
     parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
     namespace: str  # the root's namespace: hits never cross namespaces
     children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
-    lock_ref: int = 0  # live sequences and pins whose locked path runs through here (root: of the namespace)
-    pin_ref: int = 0  # pins whose path runs through here (each also counts in lock_ref)
-    last_access: int = 0  # tree clock at the last lock/unlock of a path through here: the LRU key
+    # Its own holders (live sequences and pins that lock this node) plus its locked children: nonzero exactly when a
+    # lock at or below protects it (`RadixTree.lock`; root: the namespace's).
+    lock_ref: int = 0
+    pin_ref: int = 0  # pins whose path runs through here (each also holds a lock)
+    last_access: int = 0  # tree clock when it last locked, unlocked or took a holder: the LRU key
     node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
     # The host tier (`radixkv.tree.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
     # and its host-only children (no device blocks), which device walks never see.

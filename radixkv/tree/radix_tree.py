@@ -25,10 +25,11 @@ __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key"]
 class RadixTree:
     """Prefixes of full blocks, one root per namespace, with locks and LRU eviction of unlocked leaves.
 
-    Invariants (`radixkv.tree.tree_check.check_tree`): a node's lock_ref counts the locks at or below it;
+    Invariants (`radixkv.tree.tree_check.check_tree`): a node's lock_ref counts its own holders and its locked
+    children (nonzero exactly when a lock at or below it protects it);
     every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access);
-    `num_evictable_blocks` is the number of blocks in unlocked nodes; parents are accessed no earlier
-    than their children, so evicting leaves in LRU order never skips an older block.
+    `num_evictable_blocks` is the number of blocks in unlocked nodes; unlocked parents are accessed no
+    earlier than their children, so evicting leaves in LRU order never skips an older block.
 
     The SortedList is keyed on `last_access`, which changes; it stays ordered because only `lock`
     and `unlock` write it, and never on a listed node: `lock` removes an unlocked leaf from the list
@@ -97,7 +98,7 @@ class RadixTree:
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
         upper = Node(
-            node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, node.lock_ref,
+            node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, 1 if node.lock_ref else 0,
             node.pin_ref, node.last_access,
         )  # fmt: skip
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
@@ -113,12 +114,13 @@ class RadixTree:
     # -- insertion --------------------------------------------------------------------------------
 
     def insert(self, start: Node, key: bytes, block_ids: BlockIds) -> tuple[Node, int]:
-        """Add the full blocks of `key` (tokens below `start`) under `start`.
+        """Add the full blocks of `key` (tokens below `start`) under `start`, and lock the deepest node now holding
+        the prefix once for the caller (a publish moves its lock there; a new node is made locked, never listed as
+        evictable in between).
 
-        Returns the deepest node now holding the prefix and how many of `block_ids` (always the
-        last ones) the tree took; the caller then locks that node, which also refreshes the path's
-        last access. Where the tree already holds a prefix it keeps its own blocks, and the
-        caller's duplicates stay with the caller, freed once unused.
+        Returns that node and how many of `block_ids` (always the last ones) the tree took. Where the tree
+        already holds a prefix it keeps its own blocks, and the caller's duplicates stay with the caller, freed
+        once unused.
         """
         assert len(key) == len(block_ids) * self.block_bytes, "insert needs whole blocks"
         node, pos = start, 0
@@ -129,21 +131,23 @@ class RadixTree:
             node = self.split(match)
             pos += match.num_blocks * self.block_bytes
         if pos == len(key):
+            self.lock(node)
             return node, 0
         new_ids = np.array(block_ids[pos // self.block_bytes :], dtype=np.int32)  # its own copy: the caller's changes
         first = key[pos : pos + self.block_bytes]
         if self.host is not None:
             self.host.drop_overlap(node, first)
-        child = Node(key[pos:], new_ids, node, node.namespace, last_access=self._clock)
+        child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
         if node.lock_ref == 0 and not node.children and not node.is_root:
             self._evictable_leaves.discard(node)
         node.children[first] = child
         if self.touched is not None:
             self.touched.update((node, child))
-        self._evictable_leaves.add(child)
         self._count_cached(child.namespace, len(new_ids))
+        self.num_evictable_blocks -= len(new_ids)  # locked from the start
         if self.observer is not None:
             self.observer.blocks_stored(child)
+        self.lock(node)  # a locked child is one more holder of its parent
         return child, len(new_ids)
 
     def attach_loaded(self, node: Node) -> None:
@@ -174,23 +178,31 @@ class RadixTree:
     def lock(self, node: Node, count: int = 1) -> None:
         """Protect `node` and its ancestors from eviction (`count` holders at once).
 
-        The root counts its namespace's holders too: a namespace lives while it holds a lock or a node.
+        A node's lock_ref counts its own holders and its locked children, so the walk up stops at the first
+        ancestor that was locked already: a fork, or a publish that moves a lock down its own path, walks only
+        the nodes it newly locks, however deep the path. The root counts its namespace's holders too: a
+        namespace lives while it holds a lock or a node.
         """
         now = self.tick()
         touched = self.touched
         while node.parent is not None:
             if touched is not None:
                 touched.add(node)
-            if node.lock_ref == 0:
+            was = node.lock_ref
+            if was == 0:
                 self.num_evictable_blocks -= len(node.block_ids)
                 if not node.children:
                     self._evictable_leaves.remove(node)
-            node.lock_ref += count
+            node.lock_ref = was + count
             node.last_access = now
-            node = node.parent
+            if was:
+                return
+            node, count = node.parent, 1
         node.lock_ref += count
 
     def unlock(self, node: Node, count: int = 1) -> None:
+        """Drop `count` holders of `node`; the walk up goes on only while nodes unlock (see `lock`), each
+        stamped with this access as it joins the evictable ones."""
         now = self.tick()
         touched = self.touched
         while node.parent is not None:
@@ -199,11 +211,12 @@ class RadixTree:
             node.lock_ref -= count
             assert node.lock_ref >= 0, "unlock without a matching lock"
             node.last_access = now
-            if node.lock_ref == 0:
-                self.num_evictable_blocks += len(node.block_ids)
-                if not node.children:
-                    self._evictable_leaves.add(node)
-            node = node.parent
+            if node.lock_ref:
+                return
+            self.num_evictable_blocks += len(node.block_ids)
+            if not node.children:
+                self._evictable_leaves.add(node)
+            node, count = node.parent, 1
         node.lock_ref -= count
         self._drop_if_empty(node)
 

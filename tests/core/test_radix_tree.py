@@ -15,8 +15,7 @@ def key(tokens):
 
 def insert(tree, namespace, tokens, blocks):
     node, taken = tree.insert(tree.root(namespace), key(tokens), blocks)
-    tree.lock(node)
-    tree.unlock(node)
+    tree.unlock(node)  # insert locks it for the caller
     return node, taken
 
 
@@ -65,8 +64,7 @@ def test_namespaces_have_separate_roots():
 
 def test_locked_nodes_are_not_evicted():
     tree = RadixTree(BS)
-    node, _ = tree.insert(tree.root("a"), key(range(8)), [0, 1])
-    tree.lock(node)
+    node, _ = tree.insert(tree.root("a"), key(range(8)), [0, 1])  # locked for the caller
     assert tree.num_evictable_blocks == 0
     assert tree.evict(2).tolist() == []
     tree.unlock(node)
@@ -96,8 +94,7 @@ def test_parent_becomes_evictable_after_its_last_child():
 def test_match_of_a_long_prompt_is_one_node_walk():
     tree = RadixTree(16)
     tokens = np.arange(128 * 1024, dtype=np.int32)
-    node, _ = tree.insert(tree.root("a"), tokens.tobytes(), list(range(8192)))
-    tree.lock(node)
+    tree.insert(tree.root("a"), tokens.tobytes(), list(range(8192)))
     match = tree.match(tree.root("a"), tokens.tobytes())
     assert match.num_blocks == 8192 and len(match.path) == 1
 
@@ -158,3 +155,21 @@ def test_eviction_limited_to_namespaces_takes_only_theirs_and_counts_per_namespa
     assert cache.tree.num_cached_blocks_in == {"a": 3}
     assert cache.match([0, 1, 2, 3], "a") == 2, "the least recently used of a's leaves lost its tail block"
     cache.check_invariants()
+
+
+def test_a_node_counts_its_own_holders_and_its_locked_children_once_each():
+    tree = RadixTree(BS)
+    top, _ = tree.insert(tree.root("a"), key(range(8)), [0, 1])  # locked for the caller
+    deep, _ = tree.insert(top, key(range(8, 16)), [2, 3])
+    tree.unlock(top)  # the caller's lock moved down (a publish)
+    tree.lock(deep, 3)  # three more holders: the walk stops at `deep`, already locked
+    assert (deep.lock_ref, top.lock_ref, tree.root("a").lock_ref) == (4, 1, 1)
+    check_tree(tree)
+    tree.lock(top)  # a holder of the upper half
+    assert top.lock_ref == 2 and tree.num_evictable_blocks == 0
+    tree.unlock(deep, 4)
+    assert (deep.lock_ref, top.lock_ref) == (0, 1) and tree.num_evictable_blocks == 2
+    assert tree.evict(4).tolist() == [2, 3], "only the unlocked lower node can go"
+    tree.unlock(top)
+    assert tree.num_evictable_blocks == 2 and tree.root("a").lock_ref == 0
+    check_tree(tree)

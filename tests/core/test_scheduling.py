@@ -191,3 +191,20 @@ def test_single_append_slots_are_lazy_and_right(cache):
     assert isinstance(plan, SlotPlan) and plan.computed is None, "nothing computed before the slots are read"
     table = cache.block_table(r.seq_id)
     assert list(a.slots) == [table[0] * 4 + 3, table[1] * 4]
+
+
+def test_freeable_blocks_frees_an_upper_node_only_with_every_holder_below_it(cache):
+    deep = cache.open(list(range(16)) + [99])
+    cache.commit([deep.seq_id], [17])
+    cache.cache(deep.seq_id)  # four cached blocks, locked by `deep`
+    [twin] = cache.fork(deep.seq_id)  # locks the same node; shares the partial block by count
+    upper = cache.open(list(range(8)) + [50])  # locks the first two blocks (the node splits there)
+    assert cache.freeable_blocks([deep.seq_id]) == 0, "its twin holds everything it holds"
+    assert cache.freeable_blocks([deep.seq_id, twin]) == 3, "the lower node and the partial block"
+    assert cache.freeable_blocks([upper.seq_id]) == 1, "its own partial block: the upper node stays locked below"
+    assert cache.victims(3) == [upper.seq_id, twin, deep.seq_id], "latest first, until enough is given back"
+    expected = cache.freeable_blocks([deep.seq_id, twin, upper.seq_id])
+    assert expected == 6
+    before = cache.num_available_blocks()
+    cache.release_many([deep.seq_id, twin, upper.seq_id])
+    assert cache.num_available_blocks() - before == expected

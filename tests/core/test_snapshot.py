@@ -7,6 +7,7 @@ import struct
 
 import hypothesis.strategies as st
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, rule
@@ -14,6 +15,7 @@ from hypothesis.stateful import initialize, rule
 from radixkv import KVCache, PoolLayout
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import Limits
+from radixkv.state.cache_state import capture
 from radixkv.state.snapshot import MAGIC, PoolIdentity, dump, load, read_header, write_atomically
 from tests.core.test_state_machine import BASES, BLOCK_SIZE, NAMESPACES, NUM_BLOCKS, CacheMachine
 
@@ -53,6 +55,7 @@ def fingerprint(cache: KVCache) -> dict[str, object]:
         "next_seq_id": cache._sequences.next_seq_id,
         "pins": {k: [path(node) for node in nodes] for k, nodes in cache._pins._pins.items()},
         "clock": tree._clock,
+        "families": sorted({tuple(sorted(m.seq_id for m in s.family)) for s in cache._sequences if s.family}),
     }
 
 
@@ -197,6 +200,7 @@ def _resealed(data: bytes, change) -> bytes:
         lambda s: s["sequences"][0].__setitem__(4, 10_000),  # a sequence locking a node that is not there
         lambda s: s["nodes"].update(lock_ref=b"\x00" * len(s["nodes"]["lock_ref"])),  # locks forgotten
         lambda s: s.pop("free"),
+        lambda s: s.update(families=[[10_000, 10_001]]),  # a family of sequences that are not there
     ],
 )
 def test_a_sealed_but_inconsistent_snapshot_is_refused(change) -> None:
@@ -209,3 +213,37 @@ def test_write_atomically_leaves_the_whole_file_and_no_temporary(tmp_path) -> No
     write_atomically(target, b"new contents")
     assert target.read_bytes() == b"new contents"
     assert [p.name for p in tmp_path.iterdir()] == ["default.snapshot"]
+
+
+def forked_on_a_split_path() -> KVCache:
+    """Two sequences (a fork) locking a deep node, and a third locking the node above it."""
+    cache = KVCache(NUM_BLOCKS, 4, LIMITS)
+    deep = cache.open(list(range(16)) + [99])
+    cache.commit([deep.seq_id], [17])
+    cache.cache(deep.seq_id)
+    cache.fork(deep.seq_id)
+    cache.open(list(range(8)) + [50])
+    return cache
+
+
+def test_stored_locks_count_the_holders_through_each_node_and_families_come_back() -> None:
+    """The snapshot keeps the form earlier releases wrote and read (holders whose path runs through a node), not
+    the tree's own (holders plus locked children), so snapshots cross an upgrade either way."""
+    cache = forked_on_a_split_path()
+    state = capture(cache)
+    nodes = [node for _, node in cache.tree.nodes()]  # parents first
+    upper, stored = nodes[0], dict(zip([n.node_id for n in nodes], np.frombuffer(state["nodes"]["lock_ref"], "<i4")))
+    assert upper.lock_ref == 2 and stored[upper.node_id] == 3, "the upper node: one holder and one locked child"
+    deep, twin, _ = cache._sequences.ids()
+    assert state["families"] == [[deep, twin]]
+    restored = load(dump(cache, identity(block_size=4)), identity(block_size=4), LIMITS).cache
+    assert fingerprint(restored) == fingerprint(cache)
+
+
+def test_a_snapshot_from_before_families_restores_without_them() -> None:
+    cache = forked_on_a_split_path()
+    data = _resealed(dump(cache, identity(block_size=4)), lambda s: s.pop("families"))
+    restored = load(data, identity(block_size=4), LIMITS).cache
+    restored.check_invariants()
+    assert all(seq.family is None for seq in restored._sequences)
+    assert fingerprint(restored)["nodes"] == fingerprint(cache)["nodes"]

@@ -25,8 +25,9 @@ class CacheMachine(RuleBasedStateMachine):
     same namespace cached with all its tokens computed (never unwritten K/V), and no shorter than
     the longest such prefix while nothing has been evicted since it was cached.
 
-    Where a fork shares not-yet-computed full blocks by count, publishing them waits for their other
-    holders to go; the model does not track who holds what, so past `sure` it only allows those hits.
+    Where a fork shares not-yet-computed full blocks by count, publishing them waits until every holder
+    in the family has computed them, or the others go; the model does not track who holds what, so past
+    `sure` it only allows those hits.
 
     Admission with a budget: the model knows each sequence's reserved table length, so an append
     inside it (and with no copy-on-write: never shared by a fork) must succeed. Preempted sequences
