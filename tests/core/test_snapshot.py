@@ -232,7 +232,8 @@ def test_stored_locks_count_the_holders_through_each_node_and_families_come_back
     cache = forked_on_a_split_path()
     state = capture(cache)
     nodes = [node for _, node in cache.tree.nodes()]  # parents first
-    upper, stored = nodes[0], dict(zip([n.node_id for n in nodes], np.frombuffer(state["nodes"]["lock_ref"], "<i4")))
+    stored = dict(zip([n.node_id for n in nodes], np.frombuffer(state["nodes"]["lock_ref"], "<i4"), strict=True))
+    upper = nodes[0]
     assert upper.lock_ref == 2 and stored[upper.node_id] == 3, "the upper node: one holder and one locked child"
     deep, twin, _ = cache._sequences.ids()
     assert state["families"] == [[deep, twin]]
