@@ -152,8 +152,9 @@ def _plan_columns(
     if shared.any():  # of the batch's writers into one shared block, in order, the last holder writes in place
         copied_away: dict[int, int] = {}
         candidates = np.flatnonzero(shared)
-        held = ref_counts[lasts[candidates]]
-        for i, block, holders in zip(candidates.tolist(), lasts[candidates].tolist(), held.tolist(), strict=True):
+        blocks = lasts[candidates]
+        held = ref_counts[blocks]
+        for i, block, holders in zip(candidates.tolist(), blocks.tolist(), held.tolist(), strict=True):
             away = copied_away.get(block, 0)
             if holders - away > 1:
                 copied_away[block] = away + 1

@@ -124,7 +124,7 @@ class RadixTree:
         """
         assert len(key) == len(block_ids) * self.block_bytes, "insert needs whole blocks"
         node, pos = start, 0
-        while pos < len(key):
+        while pos < len(key) and key[pos : pos + self.block_bytes] in node.children:  # else nothing more is known
             match = self.match(node, key[pos:])
             if not match.num_blocks:
                 break
