@@ -2,8 +2,9 @@
 
 What a restart must carry over so the next process continues as if nothing happened: the tree
 (nodes, their tokens and blocks, locks, pins, last access: the LRU order), the pool (ref counts and
-the free stack, in order), the live sequences (tables, watermarks, what they lock or hold), the pins,
-the sequence-id counter, the stats counters and the host tier (`radixkv.state.host_state`). Nodes are
+the free stack, in order), the live sequences (tables, watermarks, what they lock or hold, their fork
+families), the pins, the sequence-id counter, the stats counters and the host tier
+(`radixkv.state.host_state`). Nodes are
 stored as columns (numpy arrays as bytes), parents before children, so a tree of 100k nodes encodes
 and decodes in numpy calls, not per-node dicts; ids of nodes are not kept, only their order (the LRU
 tie-break). Integers only: no KV here.
