@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from pathlib import Path
 
 import hypothesis.strategies as st
 import msgpack
@@ -248,3 +249,21 @@ def test_a_snapshot_from_before_families_restores_without_them() -> None:
     restored.check_invariants()
     assert all(seq.family is None for seq in restored._sequences)
     assert fingerprint(restored)["nodes"] == fingerprint(cache)["nodes"]
+
+
+def test_a_snapshot_from_the_release_before_families_restores_and_goes_on() -> None:
+    """Written by b049e0d (locks stored per holder through each node, no families): a fork family of three on a
+    deep node, a sequence and a pin on the node above. An upgrade restores it as it was and carries on."""
+    data = (Path(__file__).parent / "data" / "snapshot_before_families.bin").read_bytes()
+    ident = PoolIdentity("default", PoolLayout(2, 1, 4, 4, 64), "mem-1")
+    cache = load(data, ident, Limits()).cache
+    cache.check_invariants()
+    tables = {s.seq_id: cache.block_table(s.seq_id) for s in cache._sequences}
+    assert tables == {1: [0, 1, 2, 3, 5], 2: [0, 1, 2, 3, 6], 3: [0, 1, 2, 3, 4], 4: [0, 1, 7]}
+    deep, upper = cache._sequences.get(1).lock_node, cache._sequences.get(4).lock_node
+    assert deep.parent is upper and (deep.lock_ref, upper.lock_ref) == (3, 3), "3 holders; 1 + a pin + locked child"
+    for seq_id in tables:
+        cache.append(seq_id, [1, 2, 3, 4, 5])
+    cache.release_many(list(tables))
+    cache.check_invariants()
+    assert cache.match(list(range(16))) == 16
