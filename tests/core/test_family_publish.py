@@ -1,5 +1,5 @@
-"""Fork families publish together: a full block forks shared before it was computed enters the tree with every
-member holding it, never while someone else still counts it (the tree's blocks have exactly one holder)."""
+"""Fork families publish together: a full block that a fork shared before it was computed enters the tree with every
+member holding it, never while anyone else still counts it (the tree's blocks have exactly one holder)."""
 
 import hypothesis.strategies as st
 import numpy as np
