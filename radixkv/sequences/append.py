@@ -246,7 +246,7 @@ def _apply_columns(
         has_copies = bool(copied.any())
         taken = num_new + copied if has_copies else num_new
         grew = np.flatnonzero(taken)
-        starts = np.cumsum(taken) - taken if has_copies or not plan.ones else None  # each one's first block
+        starts = None if plan.ones else np.cumsum(taken) - taken  # each one's first block (a decode step: one each)
         copying = copied if has_copies else None
         ends, copies = _grow_tables(sequences, rows, grew, taken, starts, copying, new_blocks, lasts)
         if copies:
@@ -274,10 +274,22 @@ def _grow_tables(
     Returns each grown table's last block, and the copies made as (src, dst, index in the batch): one pass over
     the sequences that grew, in Python, rather than a numpy call per column."""
     at = sequences.at
-    if starts is None:  # a block each, no copy: a decode step's boundary
-        for row, block_id in zip(rows[grew].tolist(), new_blocks.tolist(), strict=True):
-            at(row).block_table.append(block_id)
-        return new_blocks, []
+    if starts is None:  # a decode step: a block each, a copy of its partial last block or its next, never both
+        if copies is None:
+            for row, block_id in zip(rows[grew].tolist(), new_blocks.tolist(), strict=True):
+                at(row).block_table.append(block_id)
+            return new_blocks, []
+        made = []
+        each = zip(grew.tolist(), rows[grew].tolist(), new_blocks.tolist(), copies[grew].tolist(), lasts[grew].tolist(),
+                   strict=True)  # fmt: skip
+        for i, row, block_id, copy, last in each:
+            table = at(row).block_table
+            if copy:
+                table.set_last(block_id)
+                made.append((last, block_id, i))
+            else:
+                table.append(block_id)
+        return new_blocks, made
     block_ids: list[int] = new_blocks.tolist()
     indices: list[int] = grew.tolist()
     copying = copies[grew].tolist() if copies is not None else [0] * len(indices)
