@@ -81,7 +81,7 @@ def _with_family(
     kin = []
     if seq.family is not None:
         start, blocks = seq.num_tree_blocks, new_blocks.tolist()
-        for member in seq.family:
+        for member in seq.family.values():
             if member is seq or member.lock_node is not seq.lock_node:
                 continue
             limit = min(len(blocks), member.num_computed_tokens // bs - start)

@@ -49,9 +49,10 @@ class LiveSequence:
         # locked-path blocks when the tree already held that prefix in other blocks (duplicates).
         self.private_prefix = private_prefix  # never written in place: replaced when it grows
         self.priority = priority  # victims go lowest priority first (see `radixkv.pressure.scheduling.victims`)
-        # The live sequences forked from one another, this one included (one list they all share), or None: only
-        # they can share blocks by count, and `publish` moves all their holds on a block to the tree at once.
-        self.family: list[LiveSequence] | None = None
+        # The live sequences forked from one another by id, this one included (one dict they all share; a release
+        # leaves it in O(1), however wide the beam search), or None: only they can share blocks by count, and
+        # `publish` moves all their holds on a block to the tree at once.
+        self.family: dict[int, LiveSequence] | None = None
         self.row = -1  # its row in the registry's columns, once registered
         self._columns: Columns | None = None
         # While not registered: the tokens past the locked path (int32 bytes: all a sequence keeps of its
@@ -189,8 +190,8 @@ class Sequences:
         child.row, child._columns = self.columns.copy(parent.row), self.columns
         family = parent.family
         if family is None:
-            family = parent.family = [parent]
-        family.append(child)
+            family = parent.family = {parent.seq_id: parent}
+        family[child.seq_id] = child
         child.family = family
         self._place(child)
         return child
@@ -200,9 +201,9 @@ class Sequences:
         self._at[seq.row] = None
         family = seq.family
         if family is not None:
-            family.remove(seq)
+            del family[seq.seq_id]
             if len(family) == 1:
-                family[0].family = None
+                next(iter(family.values())).family = None
             seq.family = None
         seq.retire()
 

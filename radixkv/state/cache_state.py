@@ -189,10 +189,10 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
     _recount_locks(cache, roots, nodes)
     live = {seq.seq_id: seq for seq in cache._sequences}
     for seq_ids in state.get("families", []):
-        family = [live[int(seq_id)] for seq_id in seq_ids]  # KeyError: not a live sequence
-        if len(family) < 2 or any(seq.family is not None for seq in family):
+        family = {int(seq_id): live[int(seq_id)] for seq_id in seq_ids}  # KeyError: not a live sequence
+        if len(family) < 2 or len(family) != len(seq_ids) or any(seq.family is not None for seq in family.values()):
             raise ValueError(f"family {seq_ids} is not a new family of two or more live sequences")
-        for seq in family:
+        for seq in family.values():
             seq.family = family
     known = {f.name for f in dataclasses.fields(Stats)} - _GAUGES
     for name, value in state["stats"].items():
@@ -208,7 +208,7 @@ def _families(cache: KVCache) -> list[list[int]]:
     for seq in cache._sequences:
         if seq.family is not None and id(seq.family) not in seen:
             seen.add(id(seq.family))
-            families.append([member.seq_id for member in seq.family])
+            families.append(list(seq.family))
     return families
 
 

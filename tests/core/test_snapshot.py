@@ -56,7 +56,7 @@ def fingerprint(cache: KVCache) -> dict[str, object]:
         "next_seq_id": cache._sequences.next_seq_id,
         "pins": {k: [path(node) for node in nodes] for k, nodes in cache._pins._pins.items()},
         "clock": tree._clock,
-        "families": sorted({tuple(sorted(m.seq_id for m in s.family)) for s in cache._sequences if s.family}),
+        "families": sorted({tuple(sorted(s.family)) for s in cache._sequences if s.family}),
     }
 
 
