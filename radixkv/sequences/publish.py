@@ -48,11 +48,7 @@ def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
     tree.unlock(start)  # `insert` locked `node`: both walked only the nodes below `start` (see `RadixTree.lock`)
     seq.lock_node, seq.num_tree_blocks = node, num_full
     for member, k in kin:  # the same blocks, so the tree knows them all: it splits the node where one stops
-        if k < len(new_blocks):
-            member_node, _ = tree.insert(start, key[: k * bb], new_blocks[:k])
-        else:
-            member_node = node
-            tree.lock(node)
+        member_node, _ = tree.insert(start, key[: k * bb], new_blocks[:k])  # locked for the member
         tree.unlock(start)
         member.lock_node, member.num_tree_blocks = member_node, member.num_tree_blocks + k
         member.trim_tail(k * bs)

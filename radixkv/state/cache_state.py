@@ -63,7 +63,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
 
     roots = [tree.roots[name] for name in names]
     # Locks in the stored form: holders whose locked path runs through each node (`radixkv.tree.lock_counts`).
-    through = holders_through([(s.lock_node, 1) for s in cache._sequences] + list(cache._pins.holders()))
+    through = holders_through(_lock_holders(cache))
     sequences = [
         [s.seq_id, s.namespace, s.tail(), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
          _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
@@ -212,10 +212,16 @@ def _families(cache: KVCache) -> list[list[int]]:
     return families
 
 
+def _lock_holders(cache: KVCache) -> list[tuple[Node, int]]:
+    """Every lock on the tree as (node, count): each live sequence's and each pin's."""
+    sequences, pins = cache.holders()
+    return [(seq.lock_node, 1) for seq in sequences] + list(pins)
+
+
 def _recount_locks(cache: KVCache, roots: list[Node], nodes: list[Node]) -> None:
     """The stored locks (holders through each node) checked against the restored holders, then set in the tree's
     own form (its holders plus its locked children)."""
-    holders = [(seq.lock_node, 1) for seq in cache._sequences] + list(cache._pins.holders())
+    holders = _lock_holders(cache)
     through, counts = holders_through(holders), lock_refs(roots, holders)
     for node in [*roots, *nodes]:
         if node.lock_ref != through[node.node_id]:

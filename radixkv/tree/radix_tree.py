@@ -143,8 +143,7 @@ class RadixTree:
         node.children[first] = child
         if self.touched is not None:
             self.touched.update((node, child))
-        self._count_cached(child.namespace, len(new_ids))
-        self.num_evictable_blocks -= len(new_ids)  # locked from the start
+        self._count_cached(child.namespace, len(new_ids), evictable=False)  # locked from the start
         if self.observer is not None:
             self.observer.blocks_stored(child)
         self.lock(node)  # a locked child is one more holder of its parent
@@ -167,9 +166,10 @@ class RadixTree:
         if self.observer is not None:
             self.observer.blocks_stored(node)
 
-    def _count_cached(self, namespace: str, n: int) -> None:
-        """`n` more unlocked cached blocks in `namespace`."""
-        self.num_evictable_blocks += n
+    def _count_cached(self, namespace: str, n: int, evictable: bool = True) -> None:
+        """`n` more cached blocks in `namespace`, unlocked (evictable) or not."""
+        if evictable:
+            self.num_evictable_blocks += n
         self.num_cached_blocks += n
         self.num_cached_blocks_in[namespace] = self.num_cached_blocks_in.get(namespace, 0) + n
 
