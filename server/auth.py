@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 
 from radixkv.errors import Unauthenticated
-from radixkv.server.config import TenantConfig
 from radixkv.server.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import abort
+from radixkv.server.tenant_config import TenantConfig
 from radixkv.server.tenants import ANONYMOUS, Tenant
 
 _CALLER: contextvars.ContextVar[Tenant] = contextvars.ContextVar("radixkv_caller", default=ANONYMOUS)

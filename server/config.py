@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import tomllib
 from collections.abc import Mapping
 from typing import Any
@@ -37,10 +36,9 @@ from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
 from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.sizes import message_bytes_needed
+from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
 
 DEFAULT_POOL = "default"
-ANY_NAMESPACE = "*"
-_TENANT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,39 +82,6 @@ class PoolConfig:
             raise ValueError(f"pool {self.name!r}: reserve_fraction must lie in [0, 1]")
         if not 0 <= self.watermark_fraction < 1:
             raise ValueError(f"pool {self.name!r}: watermark_fraction must lie in [0, 1)")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TenantConfig:
-    """A bearer token's owner: the namespaces it may use and its block quota per pool."""
-
-    name: str
-    token: str
-    namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
-    max_blocks: int | None = None
-    max_cached_blocks: int | None = None  # None: an even share of each pool's blocks (several tenants)
-    map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
-    admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
-    max_tokens_per_second: float | None = None  # token bucket charged prompt + max_new_tokens per open; None: none
-    publish_kv_events: bool = True  # False: the tenant's blocks never enter a pool's KV-events stream
-
-    def __post_init__(self) -> None:
-        if not _TENANT_NAME_RE.fullmatch(self.name):
-            raise ValueError(
-                f"tenant {self.name!r}: names are 1-64 characters of A-Z a-z 0-9 _ . - (they prefix namespaces)"
-            )
-        if not self.token:
-            raise ValueError(f"tenant {self.name!r}: empty token")
-        if not self.namespaces:
-            raise ValueError(f"tenant {self.name!r}: namespaces must not be empty")
-        for key in ("max_blocks", "max_cached_blocks"):
-            if getattr(self, key) is not None and getattr(self, key) < 0:
-                raise ValueError(f"tenant {self.name!r}: {key} must be >= 0")
-        rate = self.max_tokens_per_second
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
-            raise ValueError(f"tenant {self.name!r}: max_tokens_per_second must be a number > 0")
-        if not isinstance(self.publish_kv_events, bool):  # "false" as text must not read as True
-            raise ValueError(f"tenant {self.name!r}: publish_kv_events must be true or false")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -344,38 +309,27 @@ def _scalar(raw: str) -> int | float | str:
     return raw
 
 
-_TENANT_KEYS = {
-    "token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin", "max_tokens_per_second",
-    "publish_kv_events",
-}  # fmt: skip
-
-
-def tenants_from_mapping(tables: Mapping[str, Any]) -> tuple[TenantConfig, ...]:
-    tenants = []
-    for name, values in tables.items():
-        unknown = set(values) - _TENANT_KEYS
-        if unknown:
-            raise ValueError(f"tenant {name!r}: unknown keys {sorted(unknown)}")
-        namespaces = tuple(values.get("namespaces", (ANY_NAMESPACE,)))
-        tenants.append(
-            TenantConfig(
-                name,
-                str(values.get("token", "")),
-                namespaces,
-                values.get("max_blocks"),
-                values.get("max_cached_blocks"),
-                bool(values.get("map_pools", False)),
-                bool(values.get("admin", False)),
-                values.get("max_tokens_per_second"),
-                values.get("publish_kv_events", True),
-            )
-        )
-    return tuple(tenants)
-
-
 def load_toml(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         return tomllib.load(f)
+
+
+_SERVER_TYPES = {f.name: str(f.type) for f in dataclasses.fields(ServerConfig)}
+
+
+def _check_server_value(key: str, value: Any) -> None:
+    """A top-level key of the kind its field takes, as TOML spells it (`debug_rpc = "false"` is text, not false)."""
+    kind = _SERVER_TYPES[key]
+    if kind == "bool":
+        ok, wanted = isinstance(value, bool), "true or false"
+    elif "str" in kind:
+        ok, wanted = isinstance(value, str), "text"
+    elif "float" in kind:
+        ok, wanted = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    else:
+        ok, wanted = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    if not ok:
+        raise ValueError(f"{key} = {value!r} must be {wanted}")
 
 
 def config_from_mapping(data: Mapping[str, Any], **overrides: Any) -> ServerConfig:
@@ -386,6 +340,8 @@ def config_from_mapping(data: Mapping[str, Any], **overrides: Any) -> ServerConf
             f"unknown top-level keys {sorted(unknown)}; known: {sorted(_SERVER_FIELDS | {'pools', 'tenants'})}"
         )
     fields: dict[str, Any] = {k: v for k, v in data.items() if k in _SERVER_FIELDS}
+    for key, value in fields.items():
+        _check_server_value(key, value)
     fields["pools"] = tuple(pool_from_mapping(name, values) for name, values in data.get("pools", {}).items())
     fields["tenants"] = tenants_from_mapping(data.get("tenants", {}))
     fields.update(overrides)

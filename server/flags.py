@@ -25,6 +25,7 @@ from radixkv.server.config import (
     pool_from_mapping,
     pool_keys_help,
 )
+from radixkv.server.tenant_config import auth_tokens_tenants
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
@@ -140,7 +141,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     ns = parser.parse_args(args)
     data = load_toml(ns.config) if ns.config else {}
     if ns.auth_tokens:
-        data["tenants"] = {**data.get("tenants", {}), **load_toml(ns.auth_tokens).get("tenants", {})}
+        data["tenants"] = {**data.get("tenants", {}), **auth_tokens_tenants(load_toml(ns.auth_tokens))}
     shaping = ("model", "device", "memory_fraction", "block_size", "kv_dtype", "num_blocks")
     own_flags = ("config", "pool", "auth_tokens", "log_level", *shaping)
     overrides = {

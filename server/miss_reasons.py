@@ -16,8 +16,8 @@ from typing import cast
 import numpy as np
 
 from radixkv.kv_cache import KVCache
-from radixkv.server.config import ANY_NAMESPACE
 from radixkv.server.events import EventHub
+from radixkv.server.tenant_config import ANY_NAMESPACE
 from radixkv.server.tenants import Tenant
 from radixkv.tree.block_hash import chain_hashes, wire_hash
 from radixkv.tree.namespaces import existing_root

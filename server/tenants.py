@@ -11,7 +11,7 @@ import dataclasses
 
 from radixkv.errors import PermissionDenied
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.server.config import ANY_NAMESPACE, TenantConfig
+from radixkv.server.tenant_config import ANY_NAMESPACE, TenantConfig
 
 SCOPE_SEPARATOR = "/"
 
