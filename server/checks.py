@@ -33,7 +33,7 @@ from radixkv.errors import LimitExceeded, ServerRestarting, TokenBudget, Unknown
 from radixkv.sequences.step import Step
 from radixkv.server.config import ServerConfig
 from radixkv.server.deadlines import check_deadline
-from radixkv.server.idempotency import RequestKey
+from radixkv.server.idempotency import RequestKey, retained_bytes
 from radixkv.server.pools import Pool
 from radixkv.server.sessions import Session
 from radixkv.server.shares import Shares
@@ -96,9 +96,10 @@ class Checks:
     def applied_once(
         self, pool: Pool, session: Session, request: RequestKey, apply: Callable[[], T], cost: Callable[[T], int]
     ) -> T:
-        """`apply()` under the preamble, at most once per request id of the session (see `RequestWindow.once`)."""
+        """`apply()` under the preamble, at most once per request id of the session (see `RequestWindow.once`);
+        `cost`: the ids and counts its result holds."""
         with self.locked(pool, session):
-            return session.requests.once(request, apply, cost)
+            return session.requests.once(request, apply, lambda result: retained_bytes(cost(result)))
 
     # -- 4. counts against the ledger (under the lock) ---------------------------------------------------
 

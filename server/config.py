@@ -34,6 +34,7 @@ from radixkv.kv_cache import Limits
 from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
+from radixkv.server.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.sizes import message_bytes_needed
 from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
@@ -100,6 +101,10 @@ class ServerConfig:
     max_sequences_per_session: int = 4096
     max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
     max_sequences: int = 1 << 18  # live sequences per pool, all sessions together
+    # Request-id windows (server/idempotency.py) keep recent results for retries: bytes, all sessions together (a
+    # tenant's share of it bounds the tenant's), and per session.
+    max_request_window_bytes: int = DEFAULT_MAX_BYTES
+    max_request_window_bytes_per_session: int = DEFAULT_MAX_SESSION_BYTES
     # Every long-lived stream (Session, WatchEvents, health Watch, reflection) holds an RPC thread
     # while open, so streams are bounded below max_workers (None: half of them), per connection
     # (None: half of max_streams), and for the calls that need no token (None: a quarter).
@@ -172,7 +177,10 @@ class ServerConfig:
             raise ValueError("audit_interval_seconds must be >= 0 (0: no audit)")
         if self.audit_slice_ms <= 0:
             raise ValueError("audit_slice_ms must be > 0")
-        for name in ("max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences"):
+        for name in (
+            "max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences",
+            "max_request_window_bytes", "max_request_window_bytes_per_session",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 

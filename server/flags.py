@@ -89,6 +89,15 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     parser.add_argument("--max-workers", type=int, help="RPC threads (each open WatchEvents stream holds one)")
     parser.add_argument("--max-sessions", type=int, help="live sessions, server-wide (default 10000)")
     parser.add_argument(
+        "--max-request-window-bytes",
+        type=int,
+        help="bytes the request-id windows keep for retries, all sessions together; a tenant's share of it bounds its "
+        "own (default 1 GiB)",
+    )
+    parser.add_argument(
+        "--max-request-window-bytes-per-session", type=int, help="bytes one session's request-id window keeps (16 MiB)"
+    )
+    parser.add_argument(
         "--max-sequences-per-session", type=int, help="live sequences one session may hold in one pool (default 4096)"
     )
     parser.add_argument("--max-pins-per-session", type=int, help="pins one session may hold in one pool (default 256)")

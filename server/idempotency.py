@@ -10,17 +10,25 @@ it the first time.
 Three rules keep a repeat from applying twice or answering for another request:
   - the window remembers a digest of each request's body (method, pool and every field but the
     ids, `request_key`): an id reused with another body is refused (INVALID_ARGUMENT, `request_id`);
-  - a result too large to keep (`max_cost`) keeps its id and digest: a repeat is refused
-    (FAILED_PRECONDITION), not applied again;
+  - a result too large to keep (no room in the bounds below) keeps its id and digest: a repeat is
+    refused (FAILED_PRECONDITION), not applied again;
   - ids increase within a session (both clients number their calls 1, 2, ...), so an id at or below
     the highest one the window has dropped is refused as too old (FAILED_PRECONDITION), never taken
     for a new call. The window is sized above what a client can have in flight (the clients hold at
     most `client.step_stream.MAX_IN_FLIGHT` steps unanswered), so the steps a broken stream re-sends
     are all still in it.
 
+Windows are bounded in bytes, not only in results: each id and each kept result is counted at what it
+holds in server memory (`ENTRY_BYTES`, `retained_bytes`), against its session's bound
+(`max_request_window_bytes_per_session`), its tenant's share and the server's bound of every window
+together (`max_request_window_bytes`, `WindowBytes`). A window drops its own oldest results to make
+room; when even that leaves none, the call is refused before it applies (LIMIT_EXCEEDED naming the
+bound). A session's end gives its bytes back.
+
 The caller makes lookup, apply and record one step by holding the lock that serialises the apply
 (the pool's lock), so two copies of one request in flight at once apply it once. The window's own
-lock is a leaf: it guards only its map and is never held while calling out.
+lock guards only its map and is never held while calling out, but into `WindowBytes`, whose lock is
+a leaf.
 """
 
 from __future__ import annotations
@@ -31,14 +39,59 @@ import threading
 from collections.abc import Callable
 from typing import Final, Protocol, TypeVar
 
-from radixkv.errors import FailedPrecondition, InvalidArgument
+from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded
 
 T = TypeVar("T")
 
 DEFAULT_MAX_RESULTS = 1024  # per session: four times the steps a client keeps unanswered, plus its unary calls
-DEFAULT_MAX_COST = 1 << 20  # per session, in the caller's units (tokens and slots held by results)
+DEFAULT_MAX_SESSION_BYTES = 16 << 20  # per session: 256 decode steps of 256 sequences' results
+DEFAULT_MAX_BYTES = 1 << 30  # every session's window together; a tenant's share of it (`shares.py`) bounds its own
+ENTRY_BYTES = 512  # what keeping one id costs besides its result: the map's entry, the id, the digest, a tuple
+ID_BYTES = 40  # what a kept result costs per id or count it holds: a Python int in a list (36 B), rounded up
 MISSING: Final = object()  # lookup found no result for the id
 _UNKEPT: Final = object()  # the id applied, but its result was too large to keep
+
+
+def retained_bytes(num_ids: int) -> int:
+    """The most a kept result holding `num_ids` ids and counts costs in server memory (its entry aside)."""
+    return ID_BYTES * num_ids
+
+
+class WindowBytes:
+    """The bytes every session's request window keeps, per tenant and in all: a window takes its bytes here before
+    it keeps a result, and gives them back when it drops one or its session ends. Its lock is a leaf."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_bytes_per_tenant: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.max_bytes_per_tenant = max_bytes if max_bytes_per_tenant is None else max_bytes_per_tenant
+        self.num_bytes = 0
+        self._per_tenant: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str, num_bytes: int) -> tuple[str, int, int] | None:
+        """Take `num_bytes` for `tenant`; None, or (the limit, requested, allowed) that refuses them (nothing taken)."""
+        with self._lock:
+            held = self._per_tenant.get(tenant, 0)
+            if held + num_bytes > self.max_bytes_per_tenant:
+                return "max_request_window_bytes_per_tenant", held + num_bytes, self.max_bytes_per_tenant
+            if self.num_bytes + num_bytes > self.max_bytes:
+                return "max_request_window_bytes", self.num_bytes + num_bytes, self.max_bytes
+            self._per_tenant[tenant] = held + num_bytes
+            self.num_bytes += num_bytes
+            return None
+
+    def give(self, tenant: str, num_bytes: int) -> None:
+        with self._lock:
+            left = self._per_tenant[tenant] - num_bytes
+            if left:
+                self._per_tenant[tenant] = left
+            else:
+                del self._per_tenant[tenant]
+            self.num_bytes -= num_bytes
+
+    def held(self, tenant: str) -> int:
+        with self._lock:
+            return self._per_tenant.get(tenant, 0)
 
 
 class _Identified(Protocol):
@@ -79,22 +132,38 @@ def request_key(method: str, request: _Identified) -> RequestKey:
 
 
 class RequestWindow:
-    """One session's recent results by request id: at most `max_results` of them, costing at most `max_cost`.
+    """One session's recent results by request id: at most `max_results` of them, in at most `max_bytes`, each
+    byte taken from `budget` (its tenant's share and the server's bound) before it is kept.
 
-    `cost` is what a result keeps alive (the caller counts tokens and slots), so a window of large
-    results keeps fewer of them; a result costing more than `max_cost` alone keeps only its id.
+    Each id costs `ENTRY_BYTES`, taken before its call applies; when no bound has room even after this window
+    drops its own oldest results, the call is refused with the bound's name (LIMIT_EXCEEDED) and changes
+    nothing. A result's own bytes are taken after it applies, dropping the oldest results as needed; one that
+    still has no room keeps only its id, and a retry of it is refused.
     """
 
-    def __init__(self, max_results: int = DEFAULT_MAX_RESULTS, max_cost: int = DEFAULT_MAX_COST) -> None:
+    def __init__(
+        self,
+        max_results: int = DEFAULT_MAX_RESULTS,
+        max_bytes: int = DEFAULT_MAX_SESSION_BYTES,
+        budget: WindowBytes | None = None,
+        tenant: str = "",
+    ) -> None:
         self.max_results = max_results
-        self.max_cost = max_cost
+        self.max_bytes = max_bytes
+        self._budget = WindowBytes(max_bytes) if budget is None else budget
+        self._tenant = tenant
         self._results: collections.OrderedDict[int, tuple[int, object, int]] = collections.OrderedDict()
-        self._cost = 0
+        self._bytes = 0  # kept results' bytes, and an entry's for each call applying now (`_num_pending`)
+        self._num_pending = 0
         self._floor = 0  # the highest id dropped from the window: ids up to it are too old
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._results)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
 
     def lookup(self, request: RequestKey) -> object:
         """The first result of `request`'s id, or `MISSING` for an id never seen.
@@ -124,23 +193,66 @@ class RequestWindow:
             )
         return result
 
-    def record(self, request: RequestKey, result: object, cost: int = 1) -> None:
-        """Keep `result` as the answer to `request`'s id, dropping the oldest results past the bounds."""
-        if cost > self.max_cost:
-            result, cost = _UNKEPT, 0
+    def _take(self, num_bytes: int) -> tuple[str, int, int] | None:
+        """Under `_lock`: take `num_bytes`, dropping this window's oldest results while a bound refuses them; the
+        refusing bound (limit, requested, allowed) when even an empty window has no room."""
+        while True:
+            if self._bytes + num_bytes > self.max_bytes:
+                refused = ("max_request_window_bytes_per_session", self._bytes + num_bytes, self.max_bytes)
+            else:
+                refused = self._budget.take(self._tenant, num_bytes)
+                if refused is None:
+                    self._bytes += num_bytes
+                    return None
+            if not self._results:
+                return refused
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        dropped_id, (_, _, dropped) = self._results.popitem(last=False)
+        self._give(dropped)
+        self._floor = max(self._floor, dropped_id)
+
+    def _give(self, num_bytes: int) -> None:
+        self._bytes -= num_bytes
+        self._budget.give(self._tenant, num_bytes)
+
+    def reserve(self) -> None:
+        """Room for one more id's entry, before its call applies (pair with `record` or `unreserve`).
+
+        Raises:
+            LimitExceeded: no bound has room for it, even with this window's own results dropped.
+        """
         with self._lock:
+            refused = self._take(ENTRY_BYTES)
+            if refused is None:
+                self._num_pending += 1
+                return
+        raise LimitExceeded(*refused)
+
+    def unreserve(self) -> None:
+        """The reserved call was refused: it keeps nothing."""
+        with self._lock:
+            self._num_pending -= 1
+            self._give(ENTRY_BYTES)
+
+    def record(self, request: RequestKey, result: object, num_bytes: int) -> None:
+        """Keep `result` (holding `num_bytes`) as the answer to `request`'s id, whose entry `reserve` took; the
+        oldest results go first to make room, and a result with no room keeps only its id."""
+        with self._lock:
+            self._num_pending -= 1
+            if ENTRY_BYTES + num_bytes > self.max_bytes or self._take(num_bytes) is not None:
+                result, num_bytes = _UNKEPT, 0
             old = self._results.pop(request.request_id, None)
             if old is not None:
-                self._cost -= old[2]
-            self._results[request.request_id] = (request.digest, result, cost)
-            self._cost += cost
-            while len(self._results) > self.max_results or self._cost > self.max_cost:
-                dropped_id, (_, _, dropped) = self._results.popitem(last=False)
-                self._cost -= dropped
-                self._floor = max(self._floor, dropped_id)
+                self._give(old[2])
+            self._results[request.request_id] = (request.digest, result, ENTRY_BYTES + num_bytes)
+            while len(self._results) > self.max_results:
+                self._drop_oldest()
 
-    def once(self, request: RequestKey, apply: Callable[[], T], cost: Callable[[T], int] = lambda _: 1) -> T:
-        """`apply()` unless `request`'s id already has a result; request id 0 means none (always apply).
+    def once(self, request: RequestKey, apply: Callable[[], T], size: Callable[[T], int] = lambda _: 0) -> T:
+        """`apply()` unless `request`'s id already has a result; request id 0 means none (always apply). `size`:
+        the bytes a result holds (`retained_bytes`).
 
         Call it holding the lock that serialises `apply`, so lookup, apply and record are one step.
         """
@@ -149,12 +261,25 @@ class RequestWindow:
         found = self.lookup(request)
         if found is not MISSING:
             return found  # type: ignore[return-value]  # recorded from this same request's apply()
-        result = apply()
-        self.record(request, result, cost(result))
+        self.reserve()
+        try:
+            result = apply()
+        except BaseException:
+            self.unreserve()
+            raise
+        self.record(request, result, size(result))
         return result
+
+    def clear(self) -> None:
+        """The session ended: its bytes go back to the budget."""
+        with self._lock:
+            for _, _, num_bytes in self._results.values():
+                self._give(num_bytes)
+            self._results.clear()
 
     def check_invariants(self) -> None:
         with self._lock:
             assert len(self._results) <= self.max_results, "request window holds too many results"
-            assert self._cost == sum(c for _, _, c in self._results.values()), "request window cost stale"
-            assert self._cost <= self.max_cost, "request window over its cost bound"
+            kept = sum(c for _, _, c in self._results.values())
+            assert self._bytes == kept + ENTRY_BYTES * self._num_pending, "request window bytes stale"
+            assert self._bytes <= self.max_bytes, "request window over its byte bound"

@@ -155,6 +155,11 @@ class _PoolCollector:
         yield adopted
         yield restart_safe
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
+        yield GaugeMetricFamily(
+            "radixkv_request_window_bytes",
+            "Bytes the sessions' request-id windows keep for retries, all together (server/idempotency.py).",
+            value=self._service.sessions.windows.num_bytes,
+        )
 
 
 class _StreamCollector:

@@ -35,7 +35,7 @@ from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.block_checksums import table_range
 from radixkv.server.checks import Checks, Reply
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
-from radixkv.server.idempotency import NO_REQUEST, RequestKey
+from radixkv.server.idempotency import NO_REQUEST, RequestKey, WindowBytes
 from radixkv.server.ledger import Pin
 from radixkv.server.miss_reasons import MissExplanation
 from radixkv.server.pools import Pool
@@ -61,6 +61,8 @@ class KVService:
             config.max_sessions,
             self._end_session,
             self.shares.of(config.max_sessions),
+            WindowBytes(config.max_request_window_bytes, self.shares.of(config.max_request_window_bytes)),
+            config.max_request_window_bytes_per_session,
         )
         assert config.max_watch_streams is not None
         self.streams = WatchStreams(config.max_watch_streams, self.shares.of(config.max_watch_streams))

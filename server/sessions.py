@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from radixkv.errors import InvalidArgument, LimitExceeded, PermissionDenied, ServerRestarted, UnknownSession
-from radixkv.server.idempotency import RequestWindow
+from radixkv.server.idempotency import DEFAULT_MAX_SESSION_BYTES, RequestWindow, WindowBytes
 from radixkv.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class SessionRegistry:
         max_sessions: int,
         on_end: Callable[[Session, str], int],
         max_sessions_per_tenant: int | None = None,
+        windows: WindowBytes | None = None,
+        max_window_bytes_per_session: int = DEFAULT_MAX_SESSION_BYTES,
     ) -> None:
         self.instance_id = secrets.token_hex(_INSTANCE_ID_CHARS // 2)
         self._default_ttl = default_ttl
@@ -61,6 +63,8 @@ class SessionRegistry:
         self._max_per_tenant = max_sessions if max_sessions_per_tenant is None else max_sessions_per_tenant
         self._per_tenant: dict[str, int] = {}  # live sessions by tenant name
         self._on_end = on_end
+        self.windows = WindowBytes() if windows is None else windows  # every session's request window, in bytes
+        self._max_window_bytes = max_window_bytes_per_session
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -98,7 +102,7 @@ class SessionRegistry:
         if not 0 <= ttl_seconds < math.inf:
             raise InvalidArgument("ttl_seconds", "must be a finite number >= 0 (0: the server's default)")
         ttl = min(ttl_seconds or self._default_ttl, self._max_ttl)
-        session = Session(f"{self.instance_id}-{secrets.token_hex(16)}", tenant, ttl, time.monotonic() + ttl)
+        session = self._new(f"{self.instance_id}-{secrets.token_hex(16)}", tenant, ttl)
         with self._lock:
             if len(self._sessions) >= self._max_sessions:
                 raise LimitExceeded("max_sessions", len(self._sessions) + 1, self._max_sessions)
@@ -119,10 +123,14 @@ class SessionRegistry:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                session = Session(session_id, tenant, ttl, time.monotonic() + ttl)
+                session = self._new(session_id, tenant, ttl)
                 self._sessions[session_id] = session
                 self._per_tenant[tenant.name] = self._per_tenant.get(tenant.name, 0) + 1
         return session
+
+    def _new(self, session_id: str, tenant: Tenant, ttl: float) -> Session:
+        window = RequestWindow(max_bytes=self._max_window_bytes, budget=self.windows, tenant=tenant.name)
+        return Session(session_id, tenant, ttl, time.monotonic() + ttl, requests=window)
 
     def get(self, session_id: str, tenant: Tenant) -> Session:
         """The live session `session_id`, its lease renewed.
@@ -174,6 +182,7 @@ class SessionRegistry:
     def _end(self, session: Session, why: str) -> int:
         session.closed = True
         num_released = self._on_end(session, why)
+        session.requests.clear()  # no call of it applies now: each re-checks `closed` under its pool's lock
         log.info(
             "session ended",
             extra={

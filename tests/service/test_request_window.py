@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixkv.errors import FailedPrecondition, InvalidArgument, QuotaExceeded
-from radixkv.server.idempotency import RequestKey, RequestWindow, request_key
+from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, QuotaExceeded
+from radixkv.server.idempotency import ENTRY_BYTES, RequestKey, RequestWindow, WindowBytes, request_key
 from radixkv.v1 import kvcache_pb2 as pb
 
 
@@ -64,18 +64,18 @@ def test_steps_resent_past_the_window_are_refused_not_applied_again() -> None:
 
 
 def test_a_result_too_large_to_keep_refuses_its_retry() -> None:
-    window, applied = RequestWindow(max_results=100, max_cost=10), []
+    window, applied = RequestWindow(max_results=100, max_bytes=2 * ENTRY_BYTES + 10), []
     for request_id in range(1, 6):
-        window.once(_key(request_id, f"open {request_id}"), lambda: "r", cost=lambda _: 4)
-    assert len(window) == 2  # 2 * 4 <= 10 < 3 * 4
+        window.once(_key(request_id, f"open {request_id}"), lambda: "r", size=lambda _: 4)
+    assert len(window) == 2  # 2 * (entry + 4) <= max_bytes < 3 * (entry + 4)
 
     def big_open() -> str:
         applied.append(1)
         return "a million slots"
 
-    assert window.once(_key(9, "open big"), big_open, cost=lambda _: 11) == "a million slots"
+    assert window.once(_key(9, "open big"), big_open, size=lambda _: 2 * ENTRY_BYTES) == "a million slots"
     with pytest.raises(FailedPrecondition):  # it applied, and its result was not kept: refused, not opened again
-        window.once(_key(9, "open big"), big_open, cost=lambda _: 11)
+        window.once(_key(9, "open big"), big_open, size=lambda _: 2 * ENTRY_BYTES)
     with pytest.raises(InvalidArgument):  # its id still names its own body
         window.once(_key(9, "open other"), big_open)
     assert applied == [1]
@@ -96,14 +96,16 @@ def test_a_failed_call_is_not_kept() -> None:
 @given(
     st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["a", "b"]), st.integers(1, 6)), max_size=120),
     st.integers(1, 8),
-    st.integers(4, 40),
+    st.integers(1, 8),
+    st.integers(1, 16),
 )
 def test_an_id_answers_its_own_first_result_or_is_refused(
-    calls: list[tuple[int, str, int]], max_results: int, max_cost: int
+    calls: list[tuple[int, str, int]], max_results: int, max_entries: int, tenant_entries: int
 ) -> None:
-    """Whatever ids and bodies arrive in whatever order: each (id, body) applies at most once per id, and an answer
-    is always the result that id's first application returned."""
-    window = RequestWindow(max_results=max_results, max_cost=max_cost)
+    """Whatever ids and bodies arrive in whatever order, whatever the bounds: each (id, body) applies at most once
+    per id, an answer is always the result that id's first application returned, and no bound is exceeded."""
+    budget = WindowBytes(max_bytes=tenant_entries * ENTRY_BYTES)
+    window = RequestWindow(max_results, max_entries * ENTRY_BYTES, budget, "t")
     first: dict[int, tuple[str, tuple[int, str]]] = {}  # id -> (body, its first result)
     for n, (request_id, body, cost) in enumerate(calls):
 
@@ -112,14 +114,39 @@ def test_an_id_answers_its_own_first_result_or_is_refused(
             return (n, body)
 
         try:
-            result = window.once(_key(request_id, body), apply, cost=lambda _, cost=cost: cost)
-        except (FailedPrecondition, InvalidArgument):
+            result = window.once(_key(request_id, body), apply, size=lambda _, cost=cost: cost * 100)
+        except (FailedPrecondition, InvalidArgument, LimitExceeded):
             continue
         if request_id in first:
             assert first[request_id] == (body, result), "answered with another request's result"
         else:
             first[request_id] = (body, result)
         window.check_invariants()
+        assert budget.num_bytes == window.num_bytes <= budget.max_bytes
+    window.clear()
+    assert budget.num_bytes == 0
+
+
+def test_windows_share_their_tenants_bytes_and_refuse_by_name_when_none_is_left() -> None:
+    """A tenant's sessions draw on one share: a window drops its own oldest to make room; a window with nothing
+    of its own to drop, when the share is full, refuses the call before it applies, naming the bound."""
+    budget, applied = WindowBytes(max_bytes=10 * ENTRY_BYTES, max_bytes_per_tenant=4 * ENTRY_BYTES), []
+    first, second, other = (RequestWindow(budget=budget, tenant=t) for t in ("a", "a", "b"))
+    for request_id in range(1, 9):
+        first.once(_key(request_id), lambda: applied.append(1))
+    assert len(first) == 4 and budget.held("a") == 4 * ENTRY_BYTES  # its own oldest went first
+    with pytest.raises(LimitExceeded) as caught:
+        second.once(_key(1), lambda: applied.append(1))
+    assert caught.value.limit == "max_request_window_bytes_per_tenant" and len(applied) == 8  # not applied
+    for request_id in range(1, 5):
+        other.once(_key(request_id), lambda: applied.append(1))  # another tenant's share is its own
+    assert budget.num_bytes == 8 * ENTRY_BYTES
+    first.clear()
+    second.once(_key(1), lambda: applied.append(1))  # room again once the first session ended
+    assert budget.held("a") == ENTRY_BYTES
+    with pytest.raises(LimitExceeded) as server_wide:
+        RequestWindow(budget=WindowBytes(ENTRY_BYTES - 1, 2 * ENTRY_BYTES), tenant="c").once(_key(1), lambda: 0)
+    assert server_wide.value.limit == "max_request_window_bytes"
 
 
 def test_the_digest_reads_the_body_and_method_not_the_ids() -> None:
