@@ -167,7 +167,8 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             interceptors=interceptors,
             options=options,
         )
-        session_streams = SessionStreams()
+        session_streams = SessionStreams(config.max_steps_per_frame)
+        metrics.count_frames(session_streams)
         servicer = KVCacheServicer(service, session_streams, metrics.observe)
         kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, server)
         if config.debug_rpc:

@@ -36,7 +36,7 @@ from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
 from radixkv.server.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.kv_events_config import KVEventsConfig
-from radixkv.server.sizes import message_bytes_needed
+from radixkv.server.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
 
 DEFAULT_POOL = "default"
@@ -113,6 +113,7 @@ class ServerConfig:
     max_public_streams: int | None = None
     max_watch_streams: int | None = None  # WatchEvents streams, server-wide; None: max_streams
     max_session_streams: int | None = None  # Session streams, server-wide; None: max_streams
+    max_steps_per_frame: int = DEFAULT_MAX_STEPS_PER_FRAME  # steps one Session message may carry (the clients send 64)
     # None: what the largest max_tokens_per_request needs (its request and its response, see sizes.py).
     max_message_bytes: int | None = None
     max_workers: int = 16  # RPC threads; each WatchEvents stream holds one while open
@@ -183,6 +184,8 @@ class ServerConfig:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.max_steps_per_frame < 1:
+            raise ValueError("max_steps_per_frame must be >= 1")
 
 
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(Limits)}

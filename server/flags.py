@@ -116,6 +116,9 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     )
     parser.add_argument("--max-sequences", type=int, help="live sequences per pool, all sessions (default 262144)")
     parser.add_argument("--max-watch-streams", type=int, help="open WatchEvents streams (default: --max-streams)")
+    parser.add_argument(
+        "--max-steps-per-frame", type=int, help="steps one Session message may carry (default 256; the clients send 64)"
+    )
     parser.add_argument("--max-session-streams", type=int, help="open Session streams (default: --max-streams)")
     parser.add_argument("--grace", type=float, dest="grace_seconds", help="seconds in-flight RPCs get on shutdown")
     kv_events_config.add_arguments(parser)

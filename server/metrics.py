@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from radixkv.server.service import KVService
+    from radixkv.server.session_stream import SessionStreams
     from radixkv.server.stream_gate import StreamGate
 
 # (metric name, Stats field, help)
@@ -170,6 +171,16 @@ class _StreamCollector:
         gate = self._metrics.gate
         if gate is not None:
             yield GaugeMetricFamily("radixkv_open_streams", "Open long-lived streams (all kinds).", value=len(gate))
+        frames = self._metrics.frames
+        if frames is not None:
+            yield CounterMetricFamily(
+                "radixkv_frame_bytes_measured", "Bytes of Session frames' answers measured to fit their responses.",
+                value=frames.num_bytes_measured,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "radixkv_frame_steps_abandoned", "Steps of Session frames never applied: their caller had left.",
+                value=frames.num_steps_abandoned,
+            )  # fmt: skip
 
 
 class ServerMetrics:
@@ -198,6 +209,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.gate: StreamGate | None = None  # the open streams it reports, once set (`watch_streams`)
+        self.frames: SessionStreams | None = None  # the Session frames' work it reports, once set (`count_frames`)
         self.registry.register(_StreamCollector(self))
         self._children: dict[tuple[str, ...], Any] = {}
         self._pool_names = frozenset(service.pools)
@@ -240,6 +252,10 @@ class ServerMetrics:
     def watch_streams(self, gate: StreamGate) -> None:
         """Report the open streams `gate` counts."""
         self.gate = gate
+
+    def count_frames(self, streams: SessionStreams) -> None:
+        """Report the work of the Session frames `streams` answers."""
+        self.frames = streams
 
 
 class _MetricsInterceptor(WrappingInterceptor):

@@ -26,6 +26,13 @@ back in one message, so gRPC's per-message cost is paid once for them. The answe
 message's room: each step's response is bounded against what the answers before it left, less
 room for a short refusal of each step after it, before it applies; a refusal that does not fit
 is cut to its code and reason. The wire form of a step and its answer is `step_wire.py`.
+
+A frame's work is what its caller pays for, and no more: at most `max_steps_per_frame` steps (a
+larger frame is refused whole, LIMIT_EXCEEDED, before any step applies); each answer is measured
+once, as it joins the response (the room left is a running sum: O(steps) for the frame, not
+O(steps^2)); and a caller that leaves (cancelled, deadline, connection gone) stops its frame
+between two steps, so the steps after are never applied. Counters: the bytes measured, and the
+steps left unapplied because their caller left.
 """
 
 from __future__ import annotations
@@ -38,13 +45,14 @@ from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 
-from radixkv.errors import InvalidArgument, RadixKVError
+from radixkv.errors import InvalidArgument, LimitExceeded, RadixKVError
 from radixkv.sequences.packed import unpack
 from radixkv.server.checks import Reply
 from radixkv.server.decoding import Undecodable
 from radixkv.server.idempotency import request_key
 from radixkv.server.service import KVService
 from radixkv.server.sessions import Session
+from radixkv.server.sizes import DEFAULT_MAX_STEPS_PER_FRAME
 from radixkv.server.step import run_step
 from radixkv.server.step_wire import response_of, step_error, step_of
 from radixkv.server.tenants import Tenant
@@ -61,23 +69,32 @@ Observe = Callable[[str, str, grpc.StatusCode, float], None]  # (method, pool, c
 
 class SessionStreams:
     """Counts the open Session streams of a server: each holds an RPC thread while open. Their bounds
-    (`max_session_streams` and a tenant's share of it) are the stream gate's (server/stream_gate.py)."""
+    (`max_session_streams` and a tenant's share of it) are the stream gate's (server/stream_gate.py). Bounds each
+    frame's steps (`max_steps_per_frame`), and counts the work frames took."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_steps_per_frame: int = DEFAULT_MAX_STEPS_PER_FRAME) -> None:
+        self.max_steps_per_frame = max_steps_per_frame
         self._num_open = 0
+        self.num_bytes_measured = 0  # answers' bytes measured to fit frames' responses: linear in what they answer
+        self.num_steps_abandoned = 0  # steps of frames whose caller left before they applied: never applied
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._num_open
 
     def serve(
-        self, service: KVService, caller: Tenant, requests: Iterable[pb.SessionRequest | Undecodable], observe: Observe
+        self,
+        service: KVService,
+        caller: Tenant,
+        requests: Iterable[pb.SessionRequest | Undecodable],
+        observe: Observe,
+        is_active: Callable[[], bool] = lambda: True,
     ) -> Iterator[pb.SessionResponse]:
-        """A response per request until the client half-closes, on the stream's handler thread. A generator:
-        it counts as open once it starts."""
+        """A response per request until the client half-closes, on the stream's handler thread; `is_active`: whether
+        the caller is still there (gRPC's context). A generator: it counts as open once it starts."""
         with self._lock:
             self._num_open += 1
-        stream = _Stream(service, caller, observe)
+        stream = _Stream(service, caller, observe, self, is_active)
         try:
             incoming = iter(requests)
             while True:
@@ -101,27 +118,42 @@ Timing = tuple[str, grpc.StatusCode, float]  # a step's (pool, code, seconds), a
 
 def _answer_frame(stream: _Stream, frame: pb.SessionRequest) -> tuple[pb.SessionResponse, list[Timing]]:
     """A frame's steps, each answered as if it came alone, in order; their responses in one message, each step
-    bounded by the room the ones before it left (less a short refusal's room for each one after it)."""
+    bounded by the room the ones before it left (less a short refusal's room for each one after it). A frame of
+    too many steps is refused whole; a caller that left stops its frame between steps."""
     response = pb.SessionResponse()
     timings: list[Timing] = []
+    num_steps, streams = len(frame.steps), stream.streams
+    if num_steps > streams.max_steps_per_frame:
+        too_many = LimitExceeded("max_steps_per_frame", num_steps, streams.max_steps_per_frame)
+        return pb.SessionResponse(error=step_error(too_many)), timings  # the clients refuse each step alike
     if len(frame.ListFields()) > 1:  # `steps` and something else
         refusal = step_error(InvalidArgument("steps", "a frame of steps sets no other field"))
         for _ in frame.steps:
             response.steps.add(error=refusal)
         return response, timings
     max_bytes = stream.max_message_bytes
+    used = 0  # the response's bytes so far: each answer measured once, with its tag and length
     for i, step in enumerate(frame.steps):
-        room = max_bytes - response.ByteSize() - (len(frame.steps) - i - 1) * SHORT_REFUSAL_BYTES - _FRAMING_BYTES
+        if not stream.is_active():  # the caller left: the rest of its frame would be answered to no one
+            with streams._lock:
+                streams.num_steps_abandoned += num_steps - i
+            break
+        room = max_bytes - used - (num_steps - i - 1) * SHORT_REFUSAL_BYTES - _FRAMING_BYTES
         if step.steps:
             refused = step_error(InvalidArgument(f"steps[{i}].steps", "a step inside a frame is not a frame"))
             answer = pb.SessionResponse(request_id=step.request_id, error=refused)
         else:
             answer, timing = stream.answer(step, room)
             timings.append(timing)
-        if answer.HasField("error") and answer.ByteSize() > room:  # cut to the room left for it
+        size = answer.ByteSize()
+        if answer.HasField("error") and size > room:  # cut to the room left for it
             answer.error.message = "(cut to fit the frame's response)"
             answer.error.ClearField("metadata")
+            size = answer.ByteSize()
         response.steps.append(answer)
+        used += size + _FRAMING_BYTES
+    with streams._lock:
+        streams.num_bytes_measured += used
     return response, timings
 
 
@@ -131,8 +163,16 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class _Stream:
     """One stream's state: the session it serves (held alive while the stream is open)."""
 
-    def __init__(self, service: KVService, caller: Tenant, observe: Observe) -> None:
+    def __init__(
+        self,
+        service: KVService,
+        caller: Tenant,
+        observe: Observe,
+        streams: SessionStreams,
+        is_active: Callable[[], bool],
+    ) -> None:
         self._service, self._caller, self._observe = service, caller, observe
+        self.streams, self.is_active = streams, is_active
         self.max_message_bytes = service.max_message_bytes or sys.maxsize  # None: no limit
         self._reply = Reply(self.max_message_bytes)  # a lone step's: the whole message is its room
         self._session: Session | None = None

@@ -30,6 +30,9 @@ class Pool(Protocol):
     def host_storage(self) -> object | None: ...
 
 
+DEFAULT_MAX_STEPS_PER_FRAME = (
+    256  # a Session frame's steps: four times the clients' (client/pipeline.py MAX_FRAME_STEPS)
+)
 _PER_SEQUENCE_BYTES = 48  # a response's fixed fields per sequence (ids, counts, a copy), with their tags
 _ENVELOPE_BYTES = 64
 _STEP_ENVELOPE_BYTES = 128  # a step's request id and session id, and the tags of its result fields

@@ -9,6 +9,8 @@ strictly, never coerced).
 from __future__ import annotations
 
 import importlib.util
+import struct
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +19,8 @@ from types import ModuleType
 import grpc
 import pytest
 
+from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
-from radixkv.v1 import kvcache_pb2_grpc
 
 
 def _load(path: Path, name: str) -> ModuleType:
@@ -31,7 +33,7 @@ def _load(path: Path, name: str) -> ModuleType:
 
 _suite = _load(Path(__file__).parent / "conftest.py", "hardening3_conftest")  # the server process, the ErrorInfo reader
 POOL = "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=256,dtype=float16"
-TOKENS = {"alpha": "alpha-token-000000", "beta": "beta-token-111111"}
+TOKENS = {"alpha": "alpha-token-000000", "beta": "beta-token-111111", "root": "root-token-222222"}
 WINDOW_BYTES, WINDOW_BYTES_PER_SESSION = 4 << 20, 1 << 20  # two tenants: a share of 2 MiB each
 QUOTA = 64  # alpha's blocks: a prompt of 64 blocks at most, whatever it does with its request ids
 SHARED_FLAGS = [
@@ -157,3 +159,140 @@ def test_request_windows_hold_bytes_within_the_session_tenant_and_server_bounds(
     alpha.close()
     beta.close()
     assert metric(shared, "radixkv_request_window_bytes") == 0, "closed sessions kept their windows' bytes"
+
+
+# -- 2. a Session frame costs linear work, at most max_steps_per_frame steps, and stops when its caller leaves ---
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_suite.ServerProcess]:
+    d = tmp_path_factory.mktemp("frames")
+    tenants = "".join(f'[tenants.{name}]\ntoken = "{token}"\n' for name, token in TOKENS.items())
+    (d / "tenants.toml").write_text(tenants + "admin = true\n")  # the last one, root, is the admin
+    proc = _suite.ServerProcess(
+        ["--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=4096,dtype=float16",
+         "--auth-tokens", str(d / "tenants.toml"), "--metrics-port", "0", "--max-workers", "8", "--debug-rpc"],
+        d / "server.log",
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0, (d / "server.log").read_text()[-2000:]
+
+
+def _frame(session: str, num_steps: int) -> pb.SessionRequest:
+    """A frame of `num_steps` steps, each opening a one-block prompt of its own."""
+    steps = [
+        pb.SessionRequest(session_id=session, opens=[pb.StepOpen(token_ids=struct.pack("<5i", *[i + 1] * 5))])
+        for i in range(num_steps)
+    ]
+    return pb.SessionRequest(steps=steps)
+
+
+def _live(caller: Caller) -> int:
+    return int(caller.call("Stats", pb.StatsRequest()).stats.num_live_sequences)  # type: ignore[attr-defined]
+
+
+def test_a_frame_of_too_many_steps_is_refused_whole_with_the_limit_named(frames) -> None:  # type: ignore[no-untyped-def]
+    beta = Caller(frames.address, "beta")
+    try:
+        session = beta.session()
+        (response,) = beta.stub.Session(iter([_frame(session, 257)]), metadata=beta.metadata, timeout=60)
+        assert not response.steps and response.error.reason == "LIMIT_EXCEEDED"
+        assert dict(response.error.metadata) == {"limit": "max_steps_per_frame", "requested": "257", "allowed": "256"}
+        assert _live(beta) == 0, "a step of the refused frame applied"
+        (response,) = beta.stub.Session(iter([_frame(session, 256)]), metadata=beta.metadata, timeout=60)
+        assert len(response.steps) == 256 and not any(a.HasField("error") for a in response.steps)
+    finally:
+        beta.close()
+
+
+def test_a_frame_measures_each_answer_once(frames) -> None:  # type: ignore[no-untyped-def]
+    """Before: each step re-measured the whole response so far (2k / 6k / 18k steps: 0.3 / 1.9 / 20.9 s). Now
+    the bytes measured for a frame are its answers' bytes (and their framing), once each."""
+    beta = Caller(frames.address, "beta")
+    try:
+        session = beta.session()
+        measured = []
+        for num_steps in (16, 256):
+            before = metric(frames, "radixkv_frame_bytes_measured")
+            (response,) = beta.stub.Session(iter([_frame(session, num_steps)]), metadata=beta.metadata, timeout=60)
+            assert len(response.steps) == num_steps
+            measured.append(metric(frames, "radixkv_frame_bytes_measured") - before)
+            assert response.ByteSize() <= measured[-1] <= response.ByteSize() + 8 * num_steps
+        assert measured[1] / 256 <= 2 * measured[0] / 16, "bytes measured per step grew with the frame"
+    finally:
+        beta.close()
+
+
+def test_a_frame_whose_caller_left_stops_between_steps(frames) -> None:  # type: ignore[no-untyped-def]
+    """Before: an abandoned frame ran to its end (two 120 KB frames: 20.6 s of CPU after their callers left). Now
+    the step being applied when the caller leaves finishes; the rest never apply. The first step is held inside
+    the pool's lock (Debug.StallSteps) while the caller cancels, so the order is certain, not timed."""
+    beta, root = Caller(frames.address, "beta"), Caller(frames.address, "root")
+    try:
+        session = beta.session()
+        debug = debug_pb2_grpc.DebugStub(root.channel)
+        stall = debug.StallSteps(
+            debug_pb2.StallStepsRequest(pool="default", max_seconds=60), metadata=root.metadata, timeout=120
+        )
+        assert not next(stall).stalled, "armed"
+        before = metric(frames, "radixkv_frame_steps_abandoned")
+        call = beta.stub.Session(iter([_frame(session, 200)]), metadata=beta.metadata, timeout=120)
+        assert next(stall).stalled, "the frame's first step is held inside the pool's lock"
+        call.cancel()
+        # The same connection: the server reads the cancellation before this call, and answers this call first.
+        beta.call("KeepAlive", pb.KeepAliveRequest(session_id=session))
+        stall.cancel()  # the first step goes on
+        with pytest.raises(grpc.RpcError):
+            next(call)
+        deadline = time.monotonic() + 120
+        while metric(frames, "radixkv_frame_steps_abandoned") == before:
+            assert time.monotonic() < deadline, "the abandoned frame never stopped"
+            time.sleep(0.05)
+        assert metric(frames, "radixkv_frame_steps_abandoned") - before == 199
+        assert _live(beta) == 1, "steps after the caller left applied"
+    finally:
+        beta.close()
+        root.close()
+
+
+# -- 5. tenant settings parse strictly -----------------------------------------------------------------
+
+# Every key of a [tenants.NAME] table, with a value of the wrong kind that a lenient parser would accept.
+BAD_TENANT_VALUES = {
+    "token": "token = 12345678",
+    "namespaces": 'namespaces = "chat"',  # a string is not a list: it would read as ["c", "h", "a", "t"]
+    "max_blocks": 'max_blocks = "64"',
+    "max_cached_blocks": "max_cached_blocks = -1",
+    "map_pools": 'map_pools = "false"',  # text read as a boolean is true: pool handles for this tenant
+    "admin": 'admin = "false"',  # ... and the Debug service, Upgrade included
+    "max_tokens_per_second": "max_tokens_per_second = true",
+    "publish_kv_events": 'publish_kv_events = "false"',
+}
+
+
+def test_every_tenant_key_has_a_bad_value_here() -> None:
+    from radixkv.server.tenant_config import TENANT_KEYS
+
+    assert sorted(BAD_TENANT_VALUES) == sorted(TENANT_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(BAD_TENANT_VALUES))
+def test_a_tenant_setting_of_the_wrong_kind_stops_the_server_at_start_with_the_key_named(key, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    lines = [f"[tenants.mallory]\n{BAD_TENANT_VALUES[key]}\n"]
+    if key != "token":
+        lines.append('token = "mallory-token-000000"\n')
+    (tmp_path / "tenants.toml").write_text("".join(lines))
+    with pytest.raises(RuntimeError) as caught:  # the process exits before it serves
+        proc = _suite.ServerProcess(["--pool", POOL, "--auth-tokens", str(tmp_path / "tenants.toml")],
+                                    tmp_path / "server.log")  # fmt: skip
+        proc.stop()
+    assert "exited" in str(caught.value) and "mallory" in str(caught.value) and key in str(caught.value)
+
+
+def test_a_stray_key_in_the_auth_tokens_file_stops_the_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "tenants.toml").write_text('admin = false\n[tenants.acme]\ntoken = "acme-token-0000"\n')
+    with pytest.raises(RuntimeError) as caught:
+        proc = _suite.ServerProcess(["--pool", POOL, "--auth-tokens", str(tmp_path / "tenants.toml")],
+                                    tmp_path / "server.log")  # fmt: skip
+        proc.stop()
+    assert "exited" in str(caught.value) and "unknown top-level keys ['admin']" in str(caught.value)
