@@ -10,7 +10,7 @@ who holds what. Data never moves here; when a write would land in a shared block
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.memory.block_pool import BlockPool
@@ -281,11 +281,11 @@ class KVCache:
         with self._result_scope:
             return self.preemption.resume(seq_id)
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+    def evict(self, num_blocks: int, owner: str | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
         evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
-        tenant's cache within its share (`namespaces`: only from the namespaces it accepts)."""
-        return self._blocks.evict_checked(num_blocks, namespaces)
+        tenant's cache within its share (`owner`: only from its namespaces, `radixkv.tree.radix_node.owner_of`)."""
+        return self._blocks.evict_checked(num_blocks, owner)
 
     def num_available_blocks(self) -> int:
         """Free now, or free after evicting every unlocked cached block."""

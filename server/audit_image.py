@@ -24,7 +24,7 @@ from radixkv.sequences.invariants import check_holders
 from radixkv.sequences.sequence import LiveSequence
 from radixkv.server.pools import Pool
 from radixkv.tree.block_hash import digest_of, wire_hash
-from radixkv.tree.radix_tree import Node, RadixTree, lru_key
+from radixkv.tree.radix_tree import Node, RadixTree, lru_key, owner_of
 
 
 def compare_digests(wires: dict[str, list[int]], num_blocks: dict[str, int], digests: dict[str, int]) -> None:
@@ -88,9 +88,18 @@ class _TreeImage(RadixTree):
         evictable, pinned, cached, cached_in = instant.counters
         self.num_evictable_blocks, self.num_pinned_blocks, self.num_cached_blocks = evictable, pinned, cached
         self.num_cached_blocks_in = cached_in
+        for namespace, n in cached_in.items():  # the owners' counts are the namespaces' (the live tree's: its check)
+            self.num_cached_blocks_of[owner_of(namespace)] = self.num_cached_blocks_of.get(owner_of(namespace), 0) + n
 
     def evictable_leaves(self) -> list[Node]:
         return self._listed
+
+    def evictable_leaves_by_owner(self) -> dict[str, list[Node]]:
+        """The nodes found listed, by owner (the live tree's owner lists are its own check's)."""
+        by_owner: dict[str, list[Node]] = {}
+        for node in self._listed:
+            by_owner.setdefault(owner_of(node.namespace), []).append(node)
+        return by_owner
 
 
 class PoolImage:

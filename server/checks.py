@@ -157,9 +157,9 @@ class Checks:
         share = self.cache_share(pool, caller)
         if share is None:
             return
-        cached = sum(n for ns, n in pool.cache.tree.num_cached_blocks_in.items() if caller.owns(ns))
+        cached = pool.cache.tree.num_cached_blocks_of.get(caller.name, 0)  # its namespaces: "<name>/..."
         if cached > share:
-            pool.cache.evict(cached - share, caller.owns)
+            pool.cache.evict(cached - share, caller.name)  # its own LRU order: no other tenant's leaf is looked at
 
     # -- 5. the token budget, last -------------------------------------------------------------------
 

@@ -113,6 +113,10 @@ class _PoolCollector:
         adopted = GaugeMetricFamily(
             "radixkv_adopted_blocks", "Cached blocks adopted from the previous server's snapshot.", labels=["pool"]
         )
+        visited = CounterMetricFamily(
+            "radixkv_eviction_leaves_visited", "Leaves eviction looked at (the work it did under the pool's lock).",
+            labels=["pool"],
+        )  # fmt: skip
         restart_safe = GaugeMetricFamily(
             "radixkv_pool_restart_safe",
             "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
@@ -127,6 +131,7 @@ class _PoolCollector:
                 num_miss_tokens = dict(pool.num_miss_tokens)
                 tombstones.add_metric([pool.name], pool.events.tombstones.num_bytes)
                 num_token_budget_refusals = pool.num_token_budget_refusals
+                visited.add_metric([pool.name], pool.cache.tree.num_leaves_visited)
             preemptions.add_metric([pool.name, "swap"], stats.num_preemptions_swap)
             preemptions.add_metric([pool.name, "recompute"], stats.num_preemptions_recompute)
             refusals.add_metric([pool.name, "NOT_ADMITTED"], stats.num_admission_refusals)
@@ -155,6 +160,7 @@ class _PoolCollector:
         yield refused
         yield adopted
         yield restart_safe
+        yield visited
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
         yield GaugeMetricFamily(
             "radixkv_request_window_bytes",

@@ -7,8 +7,6 @@ what the reservations leave, except for the blocks it draws on its own sequence'
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import numpy.typing as npt
 
@@ -56,15 +54,15 @@ class Allocator:
             self.evict(shortfall)
         return self.pool.allocate(n)
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
-        """Evict up to `num_blocks` (only from the namespaces `namespaces` accepts, if given); returns how many."""
-        evicted = self.tree.evict(num_blocks, namespaces)
+    def evict(self, num_blocks: int, owner: str | None = None) -> int:
+        """Evict up to `num_blocks` (only from `owner`'s namespaces, if given: `owner_of`); returns how many."""
+        evicted = self.tree.evict(num_blocks, owner)
         self.stats.num_evicted_blocks += len(evicted)
         self.pool.free_exclusive(evicted)  # the tree was their only holder
         return len(evicted)
 
-    def evict_checked(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> int:
+    def evict_checked(self, num_blocks: int, owner: str | None = None) -> int:
         """`evict` for a caller's `num_blocks`: InvalidArgument unless a non-negative integer."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
-        return self.evict(num_blocks, namespaces) if num_blocks else 0
+        return self.evict(num_blocks, owner) if num_blocks else 0

@@ -144,14 +144,10 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         return nodes[i] if i >= 0 else roots[-1 - i]
 
     for node in nodes:
-        tree.num_cached_blocks += len(node.block_ids)
-        tree.num_cached_blocks_in[node.namespace] = tree.num_cached_blocks_in.get(node.namespace, 0) + len(
-            node.block_ids
-        )
+        tree.count_restored(node)
         if node.pin_ref:
             tree.num_pinned_blocks += len(node.block_ids)
         if node.lock_ref == 0:
-            tree.num_evictable_blocks += len(node.block_ids)
             if not node.children:
                 tree.list_evictable(node)
     tree._clock = int(state["clock"])

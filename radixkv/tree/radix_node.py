@@ -40,6 +40,15 @@ class Node:
         return self.parent is None
 
 
+OWNER_SEPARATOR = "/"
+
+
+def owner_of(namespace: str) -> str:
+    """Whose a namespace is, for per-owner eviction: the name before its first "/" (the server scopes a tenant's
+    namespaces as "<tenant>/<name>"), or the whole name when it has none."""
+    return namespace.partition(OWNER_SEPARATOR)[0]
+
+
 def lru_key(node: Node) -> tuple[int, int]:
     """The evictable lists' order: least recently accessed first, node id breaking ties."""
     return (node.last_access, node.node_id)

@@ -4,22 +4,24 @@ A node holds a run of whole blocks: `token_bytes` (int32, `len(block_ids) * bloc
 their `block_ids`. Children are keyed by the bytes of their first block, so a walk costs one dict
 lookup and one memcmp per node, never a Python loop per token. The tree owns one hold (ref_count)
 on each block it keeps; the caller (`KVCache`) turns the block ids the tree drops into decrefs.
-Eviction takes the least recently used unlocked leaf's tail blocks (O(log n) per leaf touched).
+Eviction takes the least recently used unlocked leaf's tail blocks (O(log n) per leaf touched); an owner's
+eviction (a tenant past its cache share) takes its own least recently used leaf from its own list, never
+looking at another owner's leaves (O(log n) per leaf too, however many leaves others cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
-from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key
+from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key, owner_of
 from radixkv.tree.token_ids import TOKEN_BYTES, common_blocks
 
-__all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key"]
+__all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key", "owner_of"]
 
 
 class RadixTree:
@@ -27,7 +29,8 @@ class RadixTree:
 
     Invariants (`radixkv.tree.tree_check.check_tree`): a node's lock_ref counts its own holders and its locked
     children (nonzero exactly when a lock at or below it protects it);
-    every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access);
+    every unlocked childless non-root node is in `_evictable_leaves` (a SortedList by last access), and in its
+    owner's list (`_owner_leaves`, the same order restricted to the namespaces of one `owner_of`);
     `num_evictable_blocks` is the number of blocks in unlocked nodes; unlocked parents are accessed no
     earlier than their children, so evicting leaves in LRU order never skips an older block.
 
@@ -49,10 +52,13 @@ class RadixTree:
         self.block_bytes = block_size * TOKEN_BYTES
         self.roots: dict[str, Node] = {}
         self._evictable_leaves: SortedList = SortedList(key=lru_key)
+        self._owner_leaves: dict[str, SortedList] = {}  # the same leaves by owner (`owner_of` their namespace)
         self.num_evictable_blocks = 0
         self.num_pinned_blocks = 0
         self.num_cached_blocks = 0
         self.num_cached_blocks_in: dict[str, int] = {}  # per namespace with any cached block (tenant cache shares)
+        self.num_cached_blocks_of: dict[str, int] = {}  # per owner with any cached block (`owner_of`)
+        self.num_leaves_visited = 0  # leaves eviction looked at: the work it did under the pool's lock
         self._clock = 0
         self.host: HostHook | None = None  # the host tier evictions move blocks to, if any (it plugs in here)
         self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
@@ -139,7 +145,7 @@ class RadixTree:
             self.host.drop_overlap(node, first)
         child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
         if node.lock_ref == 0 and not node.children and not node.is_root:
-            self._evictable_leaves.discard(node)
+            self._unlist(node)
         node.children[first] = child
         if self.touched is not None:
             self.touched.update((node, child))
@@ -159,9 +165,9 @@ class RadixTree:
         if self.touched is not None:
             self.touched.update((node, parent))
         if parent.lock_ref == 0 and not parent.children and not parent.is_root:
-            self._evictable_leaves.discard(parent)
+            self._unlist(parent)
         parent.children[first] = node
-        self._evictable_leaves.add(node)
+        self._list(node)
         self._count_cached(node.namespace, len(node.block_ids))
         if self.observer is not None:
             self.observer.blocks_stored(node)
@@ -172,6 +178,26 @@ class RadixTree:
             self.num_evictable_blocks += n
         self.num_cached_blocks += n
         self.num_cached_blocks_in[namespace] = self.num_cached_blocks_in.get(namespace, 0) + n
+        owner = owner_of(namespace)
+        self.num_cached_blocks_of[owner] = self.num_cached_blocks_of.get(owner, 0) + n
+
+    def _list(self, leaf: Node) -> None:
+        """`leaf` joins the evictable leaves (and its owner's), under its current key."""
+        self._evictable_leaves.add(leaf)
+        owner = owner_of(leaf.namespace)
+        listed = self._owner_leaves.get(owner)
+        if listed is None:
+            listed = self._owner_leaves[owner] = SortedList(key=lru_key)
+        listed.add(leaf)
+
+    def _unlist(self, leaf: Node) -> None:
+        """`leaf` leaves the evictable leaves (and its owner's); an owner with none left is forgotten."""
+        self._evictable_leaves.remove(leaf)
+        owner = owner_of(leaf.namespace)
+        listed = self._owner_leaves[owner]
+        listed.remove(leaf)
+        if not listed:
+            del self._owner_leaves[owner]
 
     # -- locks ------------------------------------------------------------------------------------
 
@@ -192,7 +218,7 @@ class RadixTree:
             if was == 0:
                 self.num_evictable_blocks -= len(node.block_ids)
                 if not node.children:
-                    self._evictable_leaves.remove(node)
+                    self._unlist(node)
             node.lock_ref = was + count
             node.last_access = now
             if was:
@@ -215,7 +241,7 @@ class RadixTree:
                 return
             self.num_evictable_blocks += len(node.block_ids)
             if not node.children:
-                self._evictable_leaves.add(node)
+                self._list(node)
             node, count = node.parent, 1
         node.lock_ref -= count
         self._drop_if_empty(node)
@@ -233,21 +259,22 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------------------
 
-    def evict(self, num_blocks: int, namespaces: Callable[[str], bool] | None = None) -> npt.NDArray[np.int32]:
+    def evict(self, num_blocks: int, owner: str | None = None) -> npt.NDArray[np.int32]:
         """Drop at least `num_blocks` cached blocks (fewer if not that many are evictable), LRU first.
 
         A leaf larger than what is still needed loses only its tail blocks (a slice), so no more of the
-        cache is dropped than asked for. With `namespaces`, only leaves of the namespaces it accepts are
-        dropped (a tenant over its cache share); finding each costs a scan of the older leaves of others.
+        cache is dropped than asked for. With `owner`, only leaves of its namespaces are dropped (a tenant
+        over its cache share), found on its own list: no other owner's leaf is looked at.
         """
         freed: list[npt.NDArray[np.int32]] = []
         num_freed = 0
         removed: dict[str, list[npt.NDArray[np.int32]]] = {}  # one report per namespace per call
-        leaves = self._evictable_leaves
-        while num_freed < num_blocks and leaves:
-            leaf = leaves[0] if namespaces is None else next((n for n in leaves if namespaces(n.namespace)), None)
-            if leaf is None:
+        while num_freed < num_blocks:
+            leaves = self._evictable_leaves if owner is None else self._owner_leaves.get(owner)
+            if not leaves:
                 break
+            leaf = leaves[0]
+            self.num_leaves_visited += 1
             need = num_blocks - num_freed
             if self.touched is not None:
                 self.touched.add(leaf)
@@ -259,7 +286,7 @@ class RadixTree:
                 leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
             else:
                 dropped = leaf.block_ids
-                leaves.remove(leaf)
+                self._unlist(leaf)
                 self.unlink(leaf, to_host=False)
             freed.append(dropped)
             num_freed += len(dropped)
@@ -271,6 +298,11 @@ class RadixTree:
                 self.num_cached_blocks_in[namespace] = left
             else:
                 del self.num_cached_blocks_in[namespace]
+            owner_left = self.num_cached_blocks_of[owner_of(namespace)] - len(block_ids)
+            if owner_left:
+                self.num_cached_blocks_of[owner_of(namespace)] = owner_left
+            else:
+                del self.num_cached_blocks_of[owner_of(namespace)]
             if self.observer is not None:
                 self.observer.blocks_removed(namespace, block_ids)
         self.num_evictable_blocks -= num_freed
@@ -281,7 +313,7 @@ class RadixTree:
 
     def unlist_leaf(self, leaf: Node) -> None:
         """An evictable leaf leaves the LRU list (the host tier is evicting it)."""
-        self._evictable_leaves.remove(leaf)
+        self._unlist(leaf)
 
     def unlink(self, leaf: Node, to_host: bool) -> None:
         """Take an evicted leaf off the device tier: gone, or (`to_host`) moved among its parent's host children.
@@ -300,7 +332,7 @@ class RadixTree:
             if parent.parent is None:
                 self._drop_if_empty(parent)
             else:
-                self._evictable_leaves.add(parent)
+                self._list(parent)
 
     def _drop_if_empty(self, root: Node) -> None:
         """Forget a namespace with nothing cached and no holder, so namespaces cannot pile up."""
@@ -331,6 +363,10 @@ class RadixTree:
     def evictable_leaves(self) -> list[Node]:
         return list(self._evictable_leaves)
 
+    def evictable_leaves_by_owner(self) -> dict[str, list[Node]]:
+        """Each owner's evictable leaves, in its eviction order (for invariant checks)."""
+        return {owner: list(leaves) for owner, leaves in self._owner_leaves.items()}
+
     def is_listed_evictable(self, node: Node) -> bool:
         """Is `node` on the evictable list, found under its current LRU key? (O(log n), for the audit.)"""
         return node in self._evictable_leaves
@@ -339,6 +375,10 @@ class RadixTree:
     def num_listed_evictable(self) -> int:
         return len(self._evictable_leaves)
 
+    def count_restored(self, node: Node) -> None:
+        """A rebuilt node (restart) counts as cached, and evictable when unlocked."""
+        self._count_cached(node.namespace, len(node.block_ids), evictable=node.lock_ref == 0)
+
     def list_evictable(self, node: Node) -> None:
         """A rebuilt node (restart) joins the evictable list."""
-        self._evictable_leaves.add(node)
+        self._list(node)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from radixkv.tree.host_tier import BlockIds, HostTier
-from radixkv.tree.radix_node import lru_key
+from radixkv.tree.radix_node import lru_key, owner_of
 from radixkv.tree.radix_tree import RadixTree
 
 
@@ -63,8 +63,17 @@ def check_tree(tree: RadixTree) -> None:
     assert cached_in == tree.num_cached_blocks_in, (
         f"cached blocks per namespace {tree.num_cached_blocks_in} != {cached_in}"
     )
+    cached_of: dict[str, int] = {}
+    for namespace, n in cached_in.items():
+        cached_of[owner_of(namespace)] = cached_of.get(owner_of(namespace), 0) + n
+    assert cached_of == tree.num_cached_blocks_of, f"cached blocks per owner {tree.num_cached_blocks_of} != {cached_of}"
     listed = tree.evictable_leaves()
     assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
+    by_owner: dict[str, list[int]] = {}
+    for node in listed:
+        by_owner.setdefault(owner_of(node.namespace), []).append(node.node_id)
+    owners = {owner: [n.node_id for n in nodes] for owner, nodes in tree.evictable_leaves_by_owner().items()}
+    assert owners == by_owner, "an owner's evictable leaves != the LRU list restricted to its namespaces"
     keys = [lru_key(n) for n in listed]
     assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
     assert len(listed) == len(leaves), "a leaf is listed twice"

@@ -407,9 +407,9 @@ def test_a_cache_built_on_another_tree_evicts_through_it():
     calls = []
 
     class CountingTree(RadixTree):
-        def evict(self, num_blocks, namespaces=None):
+        def evict(self, num_blocks, owner=None):
             calls.append(num_blocks)
-            return super().evict(num_blocks, namespaces)
+            return super().evict(num_blocks, owner)
 
     tree = CountingTree(4)
     cache = KVCache(4, 4, tree=tree)

@@ -148,10 +148,10 @@ def test_eviction_limited_to_namespaces_takes_only_theirs_and_counts_per_namespa
         cache.release(seq.seq_id)
     cache.check_invariants()
     assert cache.tree.num_cached_blocks_in == {"a": 4, "b": 2}
-    assert cache.evict(3, namespaces=lambda ns: ns == "b") == 2, "only b's blocks, however old a's are"
+    assert cache.evict(3, owner="b") == 2, "only b's blocks, however old a's are"
     assert cache.tree.num_cached_blocks_in == {"a": 4}
     assert cache.match([100, 101, 102], "b") == 0 and cache.match([0, 1, 2, 3], "a") == 4
-    assert cache.evict(1, namespaces=lambda ns: ns == "a") == 1
+    assert cache.evict(1, owner="a") == 1
     assert cache.tree.num_cached_blocks_in == {"a": 3}
     assert cache.match([0, 1, 2, 3], "a") == 2, "the least recently used of a's leaves lost its tail block"
     cache.check_invariants()

@@ -92,13 +92,13 @@ def callers(shared) -> Iterator[dict[str, Caller]]:  # type: ignore[no-untyped-d
         caller.close()
 
 
-def metric(server, name: str) -> float:  # type: ignore[no-untyped-def]
-    """A server-wide gauge or counter (no labels), scraped."""
+def metric(server, name: str, labels: str = "") -> float:  # type: ignore[no-untyped-def]
+    """A gauge or counter (with these labels, as exported: '{pool="default"}'), scraped."""
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     for line in urllib.request.urlopen(url, timeout=60).read().decode().splitlines():
-        if line.startswith(f"{name} ") or line.startswith(f"{name}_total "):
+        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}_total{labels} "):
             return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
+    raise AssertionError(f"{name}{labels} not exported")
 
 
 def refused(call, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -253,6 +253,60 @@ def test_a_frame_whose_caller_left_stops_between_steps(frames) -> None:  # type:
     finally:
         beta.close()
         root.close()
+
+
+# -- 3. a tenant's eviction down to its share looks only at its own leaves ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_sizes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_suite.ServerProcess]:
+    """A big tenant (beta, an even share: half the pool) and a small one (alpha, 8 cached blocks)."""
+    d = tmp_path_factory.mktemp("two-sizes")
+    (d / "tenants.toml").write_text(
+        f'[tenants.alpha]\ntoken = "{TOKENS["alpha"]}"\nmax_cached_blocks = 8\n'
+        f'[tenants.beta]\ntoken = "{TOKENS["beta"]}"\n'
+    )
+    proc = _suite.ServerProcess(
+        ["--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=65536,dtype=float16",
+         "--auth-tokens", str(d / "tenants.toml"), "--metrics-port", "0", "--max-workers", "8"],
+        d / "server.log",
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0, (d / "server.log").read_text()[-2000:]
+
+
+def _cache_prompts(caller: Caller, session: str, first: int, count: int) -> None:
+    """`count` one-block prompts cached, 256 to a call: opened, written, released with cache."""
+    for start in range(first, first + count, 256):
+        prompts = [pb.Prompt(token_ids=[p, p, p, p, 0]) for p in range(start, min(start + 256, first + count))]
+        opened = caller.call("OpenSequences", pb.OpenSequencesRequest(session_id=session, prompts=prompts))
+        seq_ids = [s.seq_id for s in opened.sequences]  # type: ignore[attr-defined]
+        caller.call(
+            "CommitTokens", pb.CommitTokensRequest(session_id=session, seq_ids=seq_ids, num_tokens=[5] * len(seq_ids))
+        )
+        caller.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=seq_ids, cache=True))
+
+
+def test_evicting_a_tenant_to_its_share_looks_at_no_other_tenants_leaves(two_sizes) -> None:  # type: ignore[no-untyped-def]
+    """Before: the eviction scanned the global LRU list for the tenant's leaves, under the pool's lock, so every
+    one of beta's older cached prompts was visited (20,000 prompts: a 64-block release held the lock 392 ms).
+    Now each of alpha's evictions visits its own leaves only: the same count with 1,000 or 20,000 of beta's."""
+    alpha, beta = Caller(two_sizes.address, "alpha"), Caller(two_sizes.address, "beta")
+    visited = '{pool="default"}'
+    try:
+        mine, theirs = alpha.session(), beta.session()
+        _cache_prompts(alpha, mine, 1, 8)  # alpha at its share
+        work = []
+        for beta_prompts in (1_000, 20_000):
+            _cache_prompts(beta, theirs, 100_000 + len(work) * 1_000, beta_prompts - (1_000 if work else 0))
+            before = metric(two_sizes, "radixkv_eviction_leaves_visited", visited)
+            _cache_prompts(alpha, mine, 1_000 + 100 * len(work), 64)  # one call caching 64 past the share
+            work.append(metric(two_sizes, "radixkv_eviction_leaves_visited", visited) - before)
+        assert metric(two_sizes, "radixkv_blocks_cached", visited) == 20_000 + 8, "beta's prompts all stayed"
+        assert work[0] == work[1] == 64, f"leaves visited for 64 of alpha's evictions: {work}"
+    finally:
+        alpha.close()
+        beta.close()
 
 
 # -- 5. tenant settings parse strictly -----------------------------------------------------------------
