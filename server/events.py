@@ -55,6 +55,16 @@ class BlockEvent:
     digest_delta: int = 0  # what this event added to it, mod 2^64
 
 
+EVENT_BYTES = 256  # what a queued event costs besides its arrays: the record, its tuples' headers, the deque's slot
+ID_BYTES = 40  # per block id or hash in an event's tuples: a Python int (28-36 B) and its slot
+MAX_WATCHER_BYTES = 64 << 20  # queued per watcher: a watcher that stops reading keeps at most this much alive
+
+
+def event_bytes(event: BlockEvent) -> int:
+    """The most a queued event keeps alive: its tokens, its ids and hashes, its record."""
+    return EVENT_BYTES + len(event.token_bytes) + ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
+
+
 class EventSink(Protocol):
     """Told of every event as it happens, under the pool's lock: must not block (queue and return)."""
 
@@ -62,11 +72,16 @@ class EventSink(Protocol):
 
 
 class Watcher:
-    """One stream's bounded queue. When full, new events are dropped: the gap shows in the numbers."""
+    """One stream's queue, bounded in events and in bytes (`event_bytes`: a stored prompt's event carries its
+    tokens). When full, new events are dropped: the gap shows in the numbers."""
 
-    def __init__(self, accepts: Callable[[str], bool], max_events: int, digest: int = 0) -> None:
+    def __init__(
+        self, accepts: Callable[[str], bool], max_events: int, digest: int = 0, max_bytes: int = MAX_WATCHER_BYTES
+    ) -> None:
         self.accepts = accepts
         self._max_events = max_events
+        self._max_bytes = max_bytes
+        self.num_bytes = 0  # the queued events' `event_bytes`
         self._events: collections.deque[BlockEvent] = collections.deque()
         self._cond = threading.Condition()
         self.closed = False
@@ -76,8 +91,10 @@ class Watcher:
     def push(self, event: BlockEvent) -> None:
         with self._cond:
             self.digest = (self.digest + event.digest_delta) & WIRE_MASK
-            if len(self._events) < self._max_events:
+            size = event_bytes(event)
+            if len(self._events) < self._max_events and self.num_bytes + size <= self._max_bytes:
                 self._events.append(event)
+                self.num_bytes += size
                 self._queued_digest = self.digest
                 self._cond.notify()
 
@@ -87,6 +104,7 @@ class Watcher:
             self._cond.wait_for(lambda: self._events or self.closed, timeout)
             events = list(self._events)
             self._events.clear()
+            self.num_bytes = 0
             return events, self._queued_digest
 
     def close(self) -> None:
