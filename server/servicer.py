@@ -335,9 +335,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self, request_iterator: Iterator[pb.SessionRequest | Undecodable], context: grpc.ServicerContext
     ) -> Iterator[pb.SessionResponse]:
         # The caller is read now: the responses are produced after this returns (see session_stream).
-        responses = self._session_streams.serve(
-            self._service, current_caller(), request_iterator, self._observe, context.is_active
-        )
+        streams, caller = self._session_streams, current_caller()
+        responses = streams.serve(self._service, caller, request_iterator, self._observe, context.is_active)
         return translating_stream(context, "Session", responses)
 
     @translating_errors
