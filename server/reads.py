@@ -48,8 +48,8 @@ class KVReads:
 
     def block_checksums(
         self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, num_blocks: int
-    ) -> list[int]:
-        """The writers' checksums recorded for the session's sequence's blocks (0: none; server/block_checksums.py)."""
+    ) -> list[bytes]:
+        """The writers' digests recorded for the session's sequence's blocks (b"": none; server/block_checksums.py)."""
         pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owner(session, seq_id)

@@ -28,11 +28,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from radixkv.errors import FailedPrecondition, InvalidArgument, PermissionDenied, UnknownPool
+from radixkv.errors import FailedPrecondition, PermissionDenied, UnknownPool
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Commit, Step, StepResult
-from radixkv.server.block_checksums import table_range
+from radixkv.server.block_checksums import check_digests, table_range
 from radixkv.server.checks import Checks, Reply
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.idempotency import NO_REQUEST, RequestKey
@@ -205,19 +205,25 @@ class KVService:
         self.step(caller, session_id, pool_name, Step(commit=Commit(seq_ids, num_tokens)))
 
     def record_block_checksums(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, checksums: Sequence[int]
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        seq_id: int,
+        first_block: int,
+        digests: Sequence[bytes],
+        checksums: Sequence[int] = (),
     ) -> int:
-        """Attach writers' K/V checksums to the sequence's blocks the tree holds (server/block_checksums.py).
+        """Attach writers' K/V digests to the sequence's blocks the tree holds (server/block_checksums.py).
 
-        Needs no request id: a block keeps its first checksum, so recording again changes nothing."""
-        if any(c == 0 for c in checksums):
-            raise InvalidArgument("checksums", "a checksum is nonzero (0 reads as none)")
+        Needs no request id: a block keeps its first digest, so recording again changes nothing."""
+        check_digests(digests, checksums)
         pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
         with self.checks.locked(pool, session):
             pool.ledger.check_owner(session, seq_id)
-            blocks = table_range(pool.cache.block_table(seq_id), first_block, len(checksums), "first_block")
+            blocks = table_range(pool.cache.block_table(seq_id), first_block, len(digests), "first_block")
             held = [i for i, b in enumerate(blocks) if pool.events.hashes.get(b) is not None]  # in the tree
-            return pool.events.checksums.record([blocks[i] for i in held], [checksums[i] for i in held])
+            return pool.events.checksums.record([blocks[i] for i in held], [digests[i] for i in held])
 
     # -- what no step carries: the same preamble and request window around the core call -------------
 

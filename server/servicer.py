@@ -164,7 +164,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> pb.RecordBlockChecksumsResponse:
         num = self._service.record_block_checksums(
             current_caller(), request.session_id, request.pool, request.seq_id, request.first_block,
-            list(request.checksums),
+            list(request.digests), list(request.checksums),
         )  # fmt: skip
         return pb.RecordBlockChecksumsResponse(num_recorded=num)
 
@@ -172,10 +172,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def GetBlockChecksums(
         self, request: pb.GetBlockChecksumsRequest, context: grpc.ServicerContext
     ) -> pb.GetBlockChecksumsResponse:
-        checksums = self._reads.block_checksums(
+        digests = self._reads.block_checksums(
             current_caller(), request.session_id, request.pool, request.seq_id, request.first_block, request.num_blocks
         )
-        return pb.GetBlockChecksumsResponse(checksums=checksums)
+        return pb.GetBlockChecksumsResponse(digests=digests)
 
     @translating_errors
     def DescribeSequences(

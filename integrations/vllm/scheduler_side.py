@@ -88,7 +88,7 @@ class SchedulerSide:
             return
         first, last = local // self.block_size, (local + num_external_tokens) // self.block_size
         num_loadable = max(0, min(last, tracked.num_committed_blocks) - first)  # held: locked or committed
-        checksums: list[int] = []
+        checksums: list[bytes] = []
         if num_loadable and tracked.seq_id is not None:
             try:
                 checksums = self.client.checksums.get(tracked.seq_id, first, num_loadable)
@@ -120,11 +120,11 @@ class SchedulerSide:
             self._planned_saves.setdefault(req_id, set()).add(index)
         return plan
 
-    def worker_reported(self, saved: dict[str, dict[int, int]]) -> None:
-        """The worker finished the step's saves (`saved`: request -> block index -> checksum): commit and cache
+    def worker_reported(self, saved: dict[str, dict[int, bytes]]) -> None:
+        """The worker finished the step's saves (`saved`: request -> block index -> digest): commit and cache
         them in one step, record their checksums; then release requests vLLM finished meanwhile."""
         planned, self._planned_saves = self._planned_saves, {}
-        ready: list[tuple[Tracked, int, list[int]]] = []
+        ready: list[tuple[Tracked, int, list[bytes]]] = []
         for req_id, indices in planned.items():
             tracked = self.requests.get(req_id)
             if tracked is not None:
@@ -136,7 +136,7 @@ class SchedulerSide:
         for tracked in [t for t in self.requests.values() if t.finished and not t.in_flight]:
             self._release(tracked)
 
-    def _commit(self, ready: list[tuple[Tracked, int, list[int]]]) -> None:
+    def _commit(self, ready: list[tuple[Tracked, int, list[bytes]]]) -> None:
         ids = [t.seq_id for t, _, _ in ready]
         tokens = [t.num_committed_blocks * self.block_size for t, _, _ in ready]
         try:
