@@ -10,12 +10,13 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     head_dim = 128
     memory_fraction = 0.8   # or num_blocks = 4096, or memory_bytes = 17179869184
     host_num_blocks = 16384 # optional host tier (or host_memory_bytes): evicted prefixes move there
+    tenants = ["acme"]      # who may use it (absent: every tenant); map_pools maps only a pool one tenant uses
     [tenants.acme]
     token = "secret"
     namespaces = ["chat", "code"]   # "*": any namespace
     max_blocks = 2048               # per pool; absent: no quota
     max_cached_blocks = 4096        # per pool; absent: an even share of the pool when tenants are several
-    map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
+    map_pools = true                # may map (GetPool) the memory of a pool it alone uses (co-located workers)
     admin = false                   # may call the Debug service (--debug-rpc): it reads every tenant's blocks
     max_tokens_per_second = 5000    # token bucket: each open costs prompt + max_new_tokens; absent: no budget
 
@@ -66,6 +67,9 @@ class PoolConfig:
     host_memory_bytes: int | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
+    # Tenants that may use the pool (empty: every tenant). A pool's memory mapping (map_pools) is granted only
+    # for a pool that one tenant alone may use: a mapping writes every block of the pool (server/pool_access.py).
+    tenants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
@@ -95,7 +99,7 @@ class TenantConfig:
     namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
     max_blocks: int | None = None
     max_cached_blocks: int | None = None  # None: an even share of each pool's blocks (several tenants)
-    map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
+    map_pools: bool = False  # may map a pool's memory, read and write: only a pool this tenant alone uses
     admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
     max_tokens_per_second: float | None = None  # token bucket charged prompt + max_new_tokens per open; None: none
     publish_kv_events: bool = True  # False: the tenant's blocks never enter a pool's KV-events stream
@@ -167,6 +171,10 @@ class ServerConfig:
         tokens = [t.token for t in self.tenants]
         if len(set(tokens)) != len(tokens) or len({t.name for t in self.tenants}) != len(tokens):
             raise ValueError("tenant names and tokens must be unique")
+        for pool in self.pools:
+            unknown = sorted(set(pool.tenants) - {t.name for t in self.tenants})
+            if unknown:
+                raise ValueError(f"pool {pool.name!r}: tenants {unknown} are not configured tenants")
         published = [(t.name, t.publish_kv_events) for t in self.tenants]  # auth on: the stream's trust boundary
         object.__setattr__(self, "pools", tuple(
             dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
@@ -237,6 +245,7 @@ POOL_KEYS: dict[str, str] = {
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
+    "tenants": "tenants that may use the pool, a TOML list or a+b (unset: all); one alone to map it (map_pools)",
 }
 _DEFAULTS = {
     f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name != "kv_events"
@@ -272,7 +281,10 @@ def _check_pool_values(name: str, values: Mapping[str, Any]) -> None:
     if missing:
         raise ValueError(f"pool {name!r}: missing {', '.join(missing)}; radixkv serve --help lists every key")
     for key, value in values.items():
-        if key in _TEXT_KEYS:
+        if key == "tenants":
+            names = value.split("+") if isinstance(value, str) else value
+            ok, kind = isinstance(names, list | tuple) and all(isinstance(n, str) and n for n in names), "tenant names"
+        elif key in _TEXT_KEYS:
             ok, kind = isinstance(value, str), "text"
         elif key in _FLOAT_KEYS:
             ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
@@ -314,6 +326,9 @@ def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
     values = {k: v for k, v in values.items() if k not in events}
     _check_pool_values(name, values)
+    if "tenants" in values:
+        tenants = values["tenants"]
+        values = {**values, "tenants": tuple(tenants.split("+") if isinstance(tenants, str) else tenants)}
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
     kv_events = kv_events_config.from_mapping(name, events)
     return PoolConfig(

@@ -38,6 +38,7 @@ from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.idempotency import NO_REQUEST, RequestKey
 from radixkv.server.ledger import Pin
 from radixkv.server.miss_reasons import MissExplanation
+from radixkv.server.pool_access import PoolAccess
 from radixkv.server.pools import Pool
 from radixkv.server.restart import Written, snapshot_all
 from radixkv.server.sessions import Session, SessionRegistry
@@ -53,6 +54,7 @@ class KVService:
 
     def __init__(self, config: ServerConfig, pools: dict[str, Pool]) -> None:
         self.pools = pools
+        self.access = PoolAccess(config)
         self.checks = Checks(config)
         self.shares = self.checks.shares
         self.sessions = SessionRegistry(
@@ -92,10 +94,12 @@ class KVService:
         for pool in self.pools.values():
             pool.close()
 
-    def pool(self, name: str) -> Pool:
+    def pool(self, name: str, caller: Tenant) -> Pool:
+        """The pool named (default: "default") if the caller may use it (server/pool_access.py)."""
         pool = self.pools.get(name or DEFAULT_POOL)
         if pool is None:
             raise UnknownPool(name or DEFAULT_POOL)
+        self.access.check_use(pool.name, caller)
         return pool
 
     # -- sessions ---------------------------------------------------------------------------------
@@ -130,7 +134,7 @@ class KVService:
         self, caller: Tenant, session_id: str, pool_name: str, step: Step, request: RequestKey = NO_REQUEST
     ) -> StepResult:
         """A unary call as a step of one item (see `step.run_step`); its refusal names no item."""
-        pool = self.pool(pool_name)
+        pool = self.pool(pool_name, caller)
         return run_step(self.checks, pool, self.sessions.get(session_id, caller), step, self.unary, request)
 
     def open_sequences(
@@ -218,7 +222,7 @@ class KVService:
 
         Needs no request id: a block keeps its first digest, so recording again changes nothing."""
         check_digests(digests, checksums)
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
         with self.checks.locked(pool, session):
             pool.ledger.check_owner(session, seq_id)
             blocks = table_range(pool.cache.block_table(seq_id), first_block, len(digests), "first_block")
@@ -232,7 +236,7 @@ class KVService:
         request: RequestKey = NO_REQUEST,
     ) -> PreemptResult:  # fmt: skip
         """Preempt the session's sequences, all or none; they stay the session's, holding no block."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
 
         def apply() -> PreemptResult:
             ledger, cache = pool.ledger, pool.cache
@@ -253,7 +257,7 @@ class KVService:
     ) -> ResumeResult:
         """Resume one of the session's preempted sequences; its blocks count against the tenant's quota again, and
         the tokens it hands back to compute against its token budget."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
 
         def apply() -> ResumeResult:
             pool.ledger.check_owner(session, seq_id)
@@ -307,6 +311,6 @@ class KVService:
 
     def _prefix(self, caller: Tenant, pool_name: str, token_ids: TokenIds, namespace: str) -> tuple[Pool, bytes, str]:
         """A pin's pool, its tokens (their count checked before they are converted) and the tenant's namespace."""
-        pool = self.pool(pool_name)
+        pool = self.pool(pool_name, caller)
         self.checks.check_size(pool, num_tokens(token_ids))
         return pool, to_token_bytes(token_ids), caller.scope(namespace)
