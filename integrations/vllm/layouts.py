@@ -19,12 +19,38 @@ vLLM itself depends on) hashes at memory speed and releases the GIL, so blocks a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import blake3
 import torch
 
 CPU_ISAS = ("vec", "vec16")  # the CPU backend's ISAs whose block layout is checked (the AMX one packs tiles)
 TOKEN_MAJOR_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in `blocks`, first block, count) of each run of consecutive block ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, block in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == block:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, block, 1))
+    return out
+
+
+def write_blocks(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor, place: Any) -> None:
+    """`place(view, data)` for each run of consecutive `blocks` (vLLM allocates a request's blocks mostly in order):
+    each byte copied once, converted on the way; scattered blocks go through one block-contiguous buffer and one
+    `index_copy_`."""
+    spans = runs(blocks)
+    if len(spans) * 4 <= len(blocks):
+        for at, first, count in spans:
+            place(kv[first : first + count], data[at : at + count])
+        return
+    out = torch.empty((len(blocks), *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    place(out, data)
+    kv.index_copy_(0, torch.tensor(blocks, dtype=torch.int64, device=kv.device), out)
 
 
 class CpuLayout:
@@ -43,15 +69,17 @@ class CpuLayout:
         return torch.stack((k, v), 1)
 
     @staticmethod
-    def write(kv: torch.Tensor, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        """data: [n, 2, N, H, D] (any strides) into kv [B, H, N, 2D] at `blocks`: one transposing copy into a
-        block-contiguous buffer, then one copy of whole blocks."""
-        n, (_, num_heads, block_size, width) = len(blocks), kv.shape
-        head_dim = width // 2
-        out = torch.empty((n, num_heads, 2, block_size * head_dim), dtype=kv.dtype, device=kv.device)
-        out[:, :, 0].view(n, num_heads, head_dim, block_size).copy_(data[:, 0].permute(0, 2, 3, 1))  # K transposed
-        out[:, :, 1].view(n, num_heads, block_size, head_dim).copy_(data[:, 1].permute(0, 2, 1, 3))
-        kv.index_copy_(0, blocks, out.view(n, num_heads, block_size, width))
+    def place(view: torch.Tensor, data: torch.Tensor) -> None:
+        """data [n, 2, N, H, D] (any strides) into view [n, H, N, 2D] (contiguous blocks): K transposed, then V."""
+        n, num_heads, block_size, width = view.shape
+        x = view.view(n, num_heads, 2, block_size * (width // 2))
+        x[:, :, 0].view(n, num_heads, width // 2, block_size).copy_(data[:, 0].permute(0, 2, 3, 1))
+        x[:, :, 1].view(n, num_heads, block_size, width // 2).copy_(data[:, 1].permute(0, 2, 1, 3))
+
+    @staticmethod
+    def write(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor) -> None:
+        """data: [n, 2, N, H, D] (any strides) into kv [B, H, N, 2D] at `blocks`."""
+        write_blocks(kv, blocks, data, CpuLayout.place)
 
 
 class TokenMajorLayout:
@@ -66,8 +94,15 @@ class TokenMajorLayout:
         return torch.stack((x[..., :head_dim], x[..., head_dim:]), 1)
 
     @staticmethod
-    def write(kv: torch.Tensor, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        kv.index_copy_(0, blocks, torch.cat((data[:, 0], data[:, 1]), -1).permute(0, 2, 1, 3))
+    def place(view: torch.Tensor, data: torch.Tensor) -> None:
+        tokens = view.permute(0, 2, 1, 3)  # [n, N, H, 2D]
+        head_dim = view.shape[-1] // 2
+        tokens[..., :head_dim].copy_(data[:, 0])
+        tokens[..., head_dim:].copy_(data[:, 1])
+
+    @staticmethod
+    def write(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor) -> None:
+        write_blocks(kv, blocks, data, TokenMajorLayout.place)
 
 
 def layout_for(backend: str, isa: str | None) -> type[CpuLayout] | type[TokenMajorLayout]:

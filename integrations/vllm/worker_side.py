@@ -4,8 +4,9 @@ A step's loads run before its forward, in groups of `GROUP_BLOCKS` blocks pipeli
 copied out of the pool into a private staging tensor (`PoolRows.gather`, one whole-row copy per layer and K|V),
 its blocks' BLAKE3 digests are computed over that copy on a hashing thread (BLAKE3 releases the GIL) while the
 next group is copied, and only the blocks whose digest equals the one their saver recorded on the server are
-converted into vLLM's KV tensors (one transposing copy and one block copy per layer). The others, and the blocks
-the scheduler already knew it could not load, are reported by `take_load_errors`; vLLM recomputes them. So vLLM
+converted into vLLM's KV tensors (one transposing copy per layer and run of consecutive vLLM blocks). The others,
+and the blocks the scheduler already knew it could not load, are reported by `take_load_errors`; vLLM recomputes
+them. So vLLM
 never reads a byte that is not exactly what a saver wrote and vouched for, whatever happened to the pool
 meanwhile (a cryptographic digest kept by the server: a writer of pool memory can neither meet nor rewrite it).
 Saves run after the forward (`save`): vLLM's blocks are read from every layer into a staging tensor, written
@@ -76,9 +77,8 @@ class WorkerSide:
             if len(keep) < len(digests):
                 staged = staged[torch.tensor(keep, device=staged.device)]
             staged = staged.to(self.device, non_blocking=True)
-            blocks = torch.tensor(dst, dtype=torch.int64, device=self.device)
             for layer, kv in enumerate(self.kv_caches):
-                self.layout.write(kv, blocks, staged[:, layer])
+                self.layout.write(kv, dst, staged[:, layer])
         return len(digests) - len(keep)
 
     def save(self, plan: StepPlan) -> dict[str, dict[int, bytes]]:

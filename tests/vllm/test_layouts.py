@@ -38,8 +38,11 @@ def test_cpu_layout_is_what_the_engine_writes(isa: str, dtype: torch.dtype) -> N
     assert torch.equal(read[:, 1].reshape(num_tokens, HEADS, DIM), value)
 
     ours = torch.zeros_like(engine)
-    CpuLayout.write(ours, blocks, read)
+    CpuLayout.write(ours, [1, 2, 3], read)  # consecutive: converted straight into the blocks
     assert torch.equal(ours, engine)
+    scattered = torch.zeros_like(engine)
+    CpuLayout.write(scattered, [5, 0, 3], read)  # scattered: through one buffer
+    assert torch.equal(scattered[[5, 0, 3]], engine[[1, 2, 3]]) and not scattered[[1, 2, 4]].any()
 
 
 def test_token_major_layout_is_the_cuda_backends_split() -> None:
@@ -52,8 +55,10 @@ def test_token_major_layout_is_the_cuda_backends_split() -> None:
     read = TokenMajorLayout.read(kv, blocks)
     assert torch.equal(read[:, 0], key_cache[blocks]) and torch.equal(read[:, 1], value_cache[blocks])
     before = raw.clone()
-    TokenMajorLayout.write(kv, torch.tensor([5]), read[:1])
+    TokenMajorLayout.write(kv, [5], read[:1])
     assert torch.equal(raw[1, 5], before[1, 4]) and torch.equal(raw[0], before[0])  # only that block of that layer
+    TokenMajorLayout.write(kv, [1, 3], read[1:])
+    assert torch.equal(raw[1, 1], before[1, 0]) and torch.equal(raw[1, 3], before[1, 2])
 
 
 def test_unchecked_layouts_are_refused_by_name() -> None:

@@ -161,6 +161,7 @@ def test_a_local_hit_covering_radixkv_asks_nothing(
     assert again.plan.loads.indices == [] and again.plan.failed == []  # type: ignore[attr-defined]
     assert again.scheduled_new_reqs[0].num_computed_tokens == 192  # vLLM's own hit
     assert scheduler.connector.get_num_new_matched_tokens(scheduler.requests["b"], 192) == (0, False)
+    assert scheduler.connector._scheduler.requests["b"].seq_id is None  # type: ignore[union-attr]  # no Open either
 
 
 def test_chunked_prefill_saves_every_chunk(scheduler: Scheduler, server: ServerProcess, config: VllmConfig) -> None:
