@@ -67,9 +67,7 @@ class PoolConfig:
     host_memory_bytes: int | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
-    # Tenants that may use the pool (empty: every tenant). A pool's memory mapping (map_pools) is granted only
-    # for a pool that one tenant alone may use: a mapping writes every block of the pool (server/pool_access.py).
-    tenants: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: pool_access.py
 
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
@@ -171,10 +169,6 @@ class ServerConfig:
         tokens = [t.token for t in self.tenants]
         if len(set(tokens)) != len(tokens) or len({t.name for t in self.tenants}) != len(tokens):
             raise ValueError("tenant names and tokens must be unique")
-        for pool in self.pools:
-            unknown = sorted(set(pool.tenants) - {t.name for t in self.tenants})
-            if unknown:
-                raise ValueError(f"pool {pool.name!r}: tenants {unknown} are not configured tenants")
         published = [(t.name, t.publish_kv_events) for t in self.tenants]  # auth on: the stream's trust boundary
         object.__setattr__(self, "pools", tuple(
             dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
@@ -326,8 +320,7 @@ def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
     values = {k: v for k, v in values.items() if k not in events}
     _check_pool_values(name, values)
-    if "tenants" in values:
-        tenants = values["tenants"]
+    if isinstance(tenants := values.get("tenants", ()), str | list):  # TOML list, or a+b in a --pool flag
         values = {**values, "tenants": tuple(tenants.split("+") if isinstance(tenants, str) else tenants)}
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
     kv_events = kv_events_config.from_mapping(name, events)

@@ -16,7 +16,12 @@ from radixkv.server.tenants import Tenant
 
 class PoolAccess:
     def __init__(self, config: ServerConfig) -> None:
+        """ValueError (the server refuses to start) for a pool naming a tenant that is not configured."""
         everyone = frozenset(t.name for t in config.tenants)
+        for pool in config.pools:
+            unknown = sorted(set(pool.tenants) - everyone)
+            if unknown:
+                raise ValueError(f"pool {pool.name!r}: tenants {unknown} are not configured tenants")
         self.auth = bool(config.tenants)
         self.users = {p.name: frozenset(p.tenants) or everyone for p in config.pools}
 

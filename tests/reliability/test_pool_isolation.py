@@ -18,6 +18,7 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.errors import PermissionDenied
 from radixkv.server.config import config_from_mapping
+from radixkv.server.pool_access import PoolAccess
 from radixkv.server.process import ServerProcess
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "carol": "carol-token-0123456789"}
@@ -82,7 +83,7 @@ def test_a_pool_naming_an_unknown_tenant_is_refused_at_start() -> None:
         "tenants": {"alice": {"token": "t"}},
     }
     with pytest.raises(ValueError, match=r"pool 'p': tenants \['zed'\] are not configured tenants"):
-        config_from_mapping(data)
+        PoolAccess(config_from_mapping(data))  # as the server builds it, before it serves
     data["pools"]["p"]["tenants"] = [3]
     with pytest.raises(ValueError, match="pool 'p': tenants=\\[3\\] must be tenant names"):
         config_from_mapping(data)
