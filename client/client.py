@@ -335,7 +335,7 @@ class RadixKVClient:
 
     @property
     def checksums(self) -> BlockChecksums:
-        """The writers' K/V checksums of this session's sequences' blocks (`radixkv.client.block_checksums`)."""
+        """The writers' K/V digests of this session's sequences' blocks (`radixkv.client.block_checksums`)."""
         return BlockChecksums(self._call, self._stub, self.pool, self.session_id)
 
     def block_table(self, seq_id: int) -> list[int]:

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from radixkv.errors import InvalidArgument, PermissionDenied
+from radixkv.errors import InvalidArgument, PermissionDenied, UnknownPool
 from radixkv.server.auth import current_caller
+from radixkv.server.config import DEFAULT_POOL
 from radixkv.server.pools import Pool
 from radixkv.server.reads import KVReads
 from radixkv.server.service import KVService
@@ -50,14 +51,21 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
         if not caller.admin:
             raise PermissionDenied(f"tenant {caller.name!r} may not call the Debug service (admin)", tenant=caller.name)
 
+    def _pool(self, name: str) -> Pool:
+        """Any pool, whichever tenants it serves: an admin's Debug calls read (or break, in tests) every pool."""
+        pool = self._service.pools.get(name or DEFAULT_POOL)
+        if pool is None:
+            raise UnknownPool(name or DEFAULT_POOL)
+        return pool
+
     @translating_errors
     def CheckInvariants(
         self, request: pb.CheckInvariantsRequest, context: grpc.ServicerContext
     ) -> pb.CheckInvariantsResponse:
         self._check_admin()
-        pool = self._service.pool(request.pool)
+        pool = self._pool(request.pool)
         try:
-            self._reads.check_invariants(request.pool)
+            self._reads.check_invariants(pool)
             violation = ""
         except AssertionError as e:
             violation = str(e) or "assertion failed"
@@ -75,9 +83,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
         self, request: pb.ChecksumBlocksRequest, context: grpc.ServicerContext
     ) -> pb.ChecksumBlocksResponse:
         self._check_admin()
-        return pb.ChecksumBlocksResponse(
-            sha256=checksum_blocks(self._service.pool(request.pool), list(request.block_ids))
-        )
+        return pb.ChecksumBlocksResponse(sha256=checksum_blocks(self._pool(request.pool), list(request.block_ids)))
 
     @translating_errors
     def CorruptRefCount(
@@ -85,7 +91,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
     ) -> pb.CorruptRefCountResponse:
         """Breaks the pool on purpose (tests of the online audit); it stays broken until a restart."""
         self._check_admin()
-        pool = self._service.pool(request.pool)
+        pool = self._pool(request.pool)
         if not 0 <= request.block_id < pool.layout.num_blocks:
             raise InvalidArgument("block_id", f"must lie in [0, {pool.layout.num_blocks}), got {request.block_id}")
         if request.delta == 0:
@@ -101,7 +107,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
     ) -> Iterator[pb.StallStepsResponse]:
         """Holds the next step applied on the pool inside its lock until this call ends (or `max_seconds`)."""
         self._check_admin()
-        pool = self._service.pool(request.pool)
+        pool = self._pool(request.pool)
         if not 0 < request.max_seconds <= 60:
             raise InvalidArgument("max_seconds", f"must lie in (0, 60], got {request.max_seconds}")
         held, released = threading.Event(), threading.Event()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from radixkv.errors import PermissionDenied
 from radixkv.server.block_checksums import table_range
 from radixkv.server.events import BlockEvent
 from radixkv.server.miss_reasons import MissExplanation, explain_miss
@@ -30,7 +29,7 @@ class KVReads:
 
     def _pool(self, caller: Tenant, session_id: str, pool_name: str) -> Pool:
         """The pool, after checking the session when one is named."""
-        pool = self._service.pool(pool_name)
+        pool = self._service.pool(pool_name, caller)
         if session_id:
             self._sessions.get(session_id, caller)
         return pool
@@ -41,16 +40,16 @@ class KVReads:
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]
     ) -> list[tuple[int, int]]:
         """(num_tokens, num_computed_tokens) of each of the session's sequences."""
-        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+        pool, session = self._service.pool(pool_name, caller), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return [(pool.cache.num_tokens(s), pool.cache.num_computed_tokens(s)) for s in seq_ids]
 
     def block_checksums(
         self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, num_blocks: int
-    ) -> list[int]:
-        """The writers' checksums recorded for the session's sequence's blocks (0: none; server/block_checksums.py)."""
-        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+    ) -> list[bytes]:
+        """The writers' digests recorded for the session's sequence's blocks (b"": none; server/block_checksums.py)."""
+        pool, session = self._service.pool(pool_name, caller), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owner(session, seq_id)
             blocks = table_range(pool.cache.block_table(seq_id), first_block, num_blocks, "num_blocks")
@@ -60,21 +59,21 @@ class KVReads:
         self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_token_ids: Sequence[int]
     ) -> tuple[bool, int]:
         """(would this append fit the pool now, blocks available)."""
-        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+        pool, session = self._service.pool(pool_name, caller), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.can_append(seq_ids, num_token_ids), pool.cache.num_available_blocks()
 
     def freeable_blocks(self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int]) -> int:
         """Blocks releasing the session's `seq_ids` together would make available."""
-        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+        pool, session = self._service.pool(pool_name, caller), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             pool.ledger.check_owners(session, list(seq_ids))
             return pool.cache.freeable_blocks(seq_ids)
 
     def victims(self, caller: Tenant, session_id: str, pool_name: str, num_blocks: int) -> list[int]:
         """Which of the session's live sequences to preempt for `num_blocks` (see `KVCache.victims`)."""
-        pool, session = self._service.pool(pool_name), self._sessions.get(session_id, caller)
+        pool, session = self._service.pool(pool_name, caller), self._sessions.get(session_id, caller)
         with self._service.checks.locked(pool, session):
             cache = pool.cache
             candidates = [s for s in pool.ledger.sequences_of(session) if not cache.is_preempted(s)]
@@ -87,7 +86,7 @@ class KVReads:
     ) -> tuple[Pool, str, bytes]:
         """The pool, the tenant's namespace and the token key of a lookup; its size checked before the tokens are
         converted."""
-        pool = self._service.pool(pool_name)
+        pool = self._service.pool(pool_name, caller)
         self._service.checks.check_size(pool, num_tokens(token_ids))
         if session_id:
             self._sessions.get(session_id, caller)
@@ -125,10 +124,7 @@ class KVReads:
     def get_pool(self, caller: Tenant, session_id: str, pool_name: str) -> Pool:
         """The pool, for its layout and handle; only tenants trusted to map pool memory get one."""
         pool = self._pool(caller, session_id, pool_name)
-        if not caller.map_pools:
-            raise PermissionDenied(
-                f"tenant {caller.name!r} may not map pool memory (map_pools)", field="pool", tenant=caller.name
-            )
+        self._service.access.check_map(pool.name, caller)
         return pool
 
     def watch_events(
@@ -163,9 +159,8 @@ class KVReads:
             }
             return pool, digests, hub.num_events
 
-    def check_invariants(self, pool_name: str) -> None:
+    def check_invariants(self, pool: Pool) -> None:
         """Raises AssertionError naming the first broken invariant of the core or of the server's bookkeeping."""
-        pool = self._service.pool(pool_name)
         with pool.lock:
             pool.cache.check_invariants()
             pool.ledger.check_invariants(pool.cache)

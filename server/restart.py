@@ -141,7 +141,9 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
             ],
             "kv_checksums": kv_checksums(pool.storage, tree_block_ids),
             "host_kv_checksums": host_tier_checksums(pool, cache),
-            "block_checksums": pool.events.checksums.to_pairs(),  # writers' claims (server/block_checksums.py)
+            # Writers' digests (server/block_checksums.py); an older snapshot's "block_checksums" (linear,
+            # forgeable) are not read back: those blocks fail a connector's load and are recomputed.
+            "block_digests": pool.events.checksums.to_pairs(),
         }
         identity = pool_identity(pool, memory_id(memory.incarnation, memory.generation))
         data = dump(cache, identity, extras)
@@ -206,7 +208,7 @@ def adopt_snapshot(pool: Pool, memory: KeptMemory, limits: Limits) -> Adopted | 
     path.unlink()  # consumed: a crash from here on must not find it
     pool.cache = adopted.cache
     pool.events.adopt(adopted.cache)
-    pool.events.checksums.restore(adopted.extras.get("block_checksums", []), set(tree_block_ids))
+    pool.events.checksums.restore(adopted.extras.get("block_digests", []), set(tree_block_ids))
     pool.num_adopted_blocks = len(tree_block_ids)
     log.info(
         "snapshot adopted",

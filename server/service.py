@@ -28,16 +28,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from radixkv.errors import FailedPrecondition, InvalidArgument, PermissionDenied, UnknownPool
+from radixkv.errors import FailedPrecondition, PermissionDenied, UnknownPool
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Commit, Step, StepResult
-from radixkv.server.block_checksums import table_range
+from radixkv.server.block_checksums import check_digests, table_range
 from radixkv.server.checks import Checks, Reply
 from radixkv.server.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.idempotency import NO_REQUEST, RequestKey, WindowBytes
 from radixkv.server.ledger import Pin
 from radixkv.server.miss_reasons import MissExplanation
+from radixkv.server.pool_access import PoolAccess
 from radixkv.server.pools import Pool
 from radixkv.server.restart import Written, snapshot_all
 from radixkv.server.sessions import Session, SessionRegistry
@@ -53,6 +54,7 @@ class KVService:
 
     def __init__(self, config: ServerConfig, pools: dict[str, Pool]) -> None:
         self.pools = pools
+        self.access = PoolAccess(config)
         self.checks = Checks(config)
         self.shares = self.checks.shares
         self.sessions = SessionRegistry(
@@ -94,10 +96,12 @@ class KVService:
         for pool in self.pools.values():
             pool.close()
 
-    def pool(self, name: str) -> Pool:
+    def pool(self, name: str, caller: Tenant) -> Pool:
+        """The pool named (default: "default") if the caller may use it (server/pool_access.py)."""
         pool = self.pools.get(name or DEFAULT_POOL)
         if pool is None:
             raise UnknownPool(name or DEFAULT_POOL)
+        self.access.check_use(pool.name, caller)
         return pool
 
     # -- sessions ---------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ class KVService:
         self, caller: Tenant, session_id: str, pool_name: str, step: Step, request: RequestKey = NO_REQUEST
     ) -> StepResult:
         """A unary call as a step of one item (see `step.run_step`); its refusal names no item."""
-        pool = self.pool(pool_name)
+        pool = self.pool(pool_name, caller)
         return run_step(self.checks, pool, self.sessions.get(session_id, caller), step, self.unary, request)
 
     def open_sequences(
@@ -207,19 +211,25 @@ class KVService:
         self.step(caller, session_id, pool_name, Step(commit=Commit(seq_ids, num_tokens)))
 
     def record_block_checksums(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, first_block: int, checksums: Sequence[int]
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        seq_id: int,
+        first_block: int,
+        digests: Sequence[bytes],
+        checksums: Sequence[int] = (),
     ) -> int:
-        """Attach writers' K/V checksums to the sequence's blocks the tree holds (server/block_checksums.py).
+        """Attach writers' K/V digests to the sequence's blocks the tree holds (server/block_checksums.py).
 
-        Needs no request id: a block keeps its first checksum, so recording again changes nothing."""
-        if any(c == 0 for c in checksums):
-            raise InvalidArgument("checksums", "a checksum is nonzero (0 reads as none)")
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        Needs no request id: a block keeps its first digest, so recording again changes nothing."""
+        check_digests(digests, checksums)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
         with self.checks.locked(pool, session):
             pool.ledger.check_owner(session, seq_id)
-            blocks = table_range(pool.cache.block_table(seq_id), first_block, len(checksums), "first_block")
+            blocks = table_range(pool.cache.block_table(seq_id), first_block, len(digests), "first_block")
             held = [i for i, b in enumerate(blocks) if pool.events.hashes.get(b) is not None]  # in the tree
-            return pool.events.checksums.record([blocks[i] for i in held], [checksums[i] for i in held])
+            return pool.events.checksums.record([blocks[i] for i in held], [digests[i] for i in held])
 
     # -- what no step carries: the same preamble and request window around the core call -------------
 
@@ -228,7 +238,7 @@ class KVService:
         request: RequestKey = NO_REQUEST,
     ) -> PreemptResult:  # fmt: skip
         """Preempt the session's sequences, all or none; they stay the session's, holding no block."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
 
         def apply() -> PreemptResult:
             ledger, cache = pool.ledger, pool.cache
@@ -249,7 +259,7 @@ class KVService:
     ) -> ResumeResult:
         """Resume one of the session's preempted sequences; its blocks count against the tenant's quota again, and
         the tokens it hands back to compute against its token budget."""
-        pool, session = self.pool(pool_name), self.sessions.get(session_id, caller)
+        pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
 
         def apply() -> ResumeResult:
             pool.ledger.check_owner(session, seq_id)
@@ -303,6 +313,6 @@ class KVService:
 
     def _prefix(self, caller: Tenant, pool_name: str, token_ids: TokenIds, namespace: str) -> tuple[Pool, bytes, str]:
         """A pin's pool, its tokens (their count checked before they are converted) and the tenant's namespace."""
-        pool = self.pool(pool_name)
+        pool = self.pool(pool_name, caller)
         self.checks.check_size(pool, num_tokens(token_ids))
         return pool, to_token_bytes(token_ids), caller.scope(namespace)

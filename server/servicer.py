@@ -53,7 +53,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         if request.pool:
-            self._service.pool(request.pool)  # raises UnknownPool before a session exists
+            self._service.pool(request.pool, current_caller())  # UnknownPool, PermissionDenied before a session
         session = self._service.open_session(current_caller(), request.ttl_seconds)
         return pb.OpenSessionResponse(session_id=session.session_id, ttl_seconds=session.ttl)
 
@@ -164,7 +164,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> pb.RecordBlockChecksumsResponse:
         num = self._service.record_block_checksums(
             current_caller(), request.session_id, request.pool, request.seq_id, request.first_block,
-            list(request.checksums),
+            list(request.digests), list(request.checksums),
         )  # fmt: skip
         return pb.RecordBlockChecksumsResponse(num_recorded=num)
 
@@ -172,10 +172,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     def GetBlockChecksums(
         self, request: pb.GetBlockChecksumsRequest, context: grpc.ServicerContext
     ) -> pb.GetBlockChecksumsResponse:
-        checksums = self._reads.block_checksums(
+        digests = self._reads.block_checksums(
             current_caller(), request.session_id, request.pool, request.seq_id, request.first_block, request.num_blocks
         )
-        return pb.GetBlockChecksumsResponse(checksums=checksums)
+        return pb.GetBlockChecksumsResponse(digests=digests)
 
     @translating_errors
     def DescribeSequences(
@@ -310,7 +310,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     ) -> Iterator[pb.WatchEventsResponse]:
         # Not a generator itself: the caller is read and the request validated before this returns.
         caller = current_caller()
-        epoch = self._service.pool(request.pool).events.epoch
+        epoch = self._service.pool(request.pool, caller).events.epoch
         batches = self._reads.watch_events(
             caller,
             request.session_id,

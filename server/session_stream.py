@@ -207,7 +207,14 @@ class _Stream:
             step = step_of(request, self._unpack_ids)
             service = self._service
             reply = self._reply if max_bytes == self.max_message_bytes else Reply(max_bytes)
-            result = run_step(service.checks, service.pool(pool), session, step, reply, request_key("Session", request))
+            result = run_step(
+                service.checks,
+                service.pool(pool, session.tenant),
+                session,
+                step,
+                reply,
+                request_key("Session", request),
+            )
         except RadixKVError as e:
             log.debug("step refused", extra={"method": "Session", "reason": e.reason, **e.metadata})
             bound = self._session.session_id if self._session is not None else ""

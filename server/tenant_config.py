@@ -33,7 +33,7 @@ class TenantConfig:
     namespaces: tuple[str, ...] = (ANY_NAMESPACE,)
     max_blocks: int | None = None
     max_cached_blocks: int | None = None  # None: an even share of each pool's blocks (several tenants)
-    map_pools: bool = False  # a pool handle maps every tenant's K/V: only for trusted co-located workers
+    map_pools: bool = False  # may map a pool's memory, read and write: only a pool this tenant alone uses
     admin: bool = False  # may call radixkv.v1.Debug (when served): it reads every tenant's blocks
     max_tokens_per_second: float | None = None  # token bucket charged prompt + max_new_tokens per open; None: none
     publish_kv_events: bool = True  # False: the tenant's blocks never enter a pool's KV-events stream

@@ -60,7 +60,7 @@ class RadixKVMetadata(KVConnectorMetadata):
 
 @dataclasses.dataclass
 class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
-    saved: dict[str, dict[int, int]]  # request -> block index -> checksum of what the worker wrote
+    saved: dict[str, dict[int, bytes]]  # request -> block index -> digest of what the worker wrote
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, RadixKVWorkerMetadata), "one connector's metadata only"
@@ -115,7 +115,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             raise
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._saved: dict[str, dict[int, int]] = {}  # this step's saves, for build_connector_worker_meta
+        self._saved: dict[str, dict[int, bytes]] = {}  # this step's saves, for build_connector_worker_meta
         self._pool_info = info
         self._events: EventRelay | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -225,4 +225,4 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._client.close()
         if self._worker is not None:
-            self._worker.pool.close()
+            self._worker.close()

@@ -8,18 +8,49 @@ vLLM 0.32 hands a connector one view per layer, logically `[num_blocks, num_kv_h
 - token-major CUDA backends (`FLASH_ATTN`, `TRITON_ATTN`): per (block, head, token) K's `head_dim` then V's
   (`kv_cache.transpose(1, 2).split(head_size, dim=-1)` in those backends).
 radixkv's pool is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K at 0, V at 1), the layout
-orchestrators, the demo and the kernels read; blocks move between the two as `[2, n, block_size, H, D]`.
+orchestrators, the demo and the kernels read; one layer's blocks move between the two as `[n, 2, N, H, D]`.
 
-A block's checksum is over its bytes in radixkv's layout, every layer, K and V: the saver computes it over what it
-writes into the pool, the loader over what it copied out, before vLLM sees a byte of it.
+A block's digest is BLAKE3 (32 bytes) over its bytes in radixkv's layout, every layer, K then V: the bytes of
+`PoolRows.gather`'s `[n, L, 2, N, H, D]` staging, block by block. The saver computes it over what it writes into
+the pool, the loader over its private copy, before vLLM sees a byte of it. BLAKE3 (the `blake3` package, which
+vLLM itself depends on) hashes at memory speed and releases the GIL, so blocks are hashed on threads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import blake3
 import torch
 
 CPU_ISAS = ("vec", "vec16")  # the CPU backend's ISAs whose block layout is checked (the AMX one packs tiles)
 TOKEN_MAJOR_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in `blocks`, first block, count) of each run of consecutive block ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, block in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == block:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, block, 1))
+    return out
+
+
+def write_blocks(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor, place: Any) -> None:
+    """`place(view, data)` for each run of consecutive `blocks` (vLLM allocates a request's blocks mostly in order):
+    each byte copied once, converted on the way; scattered blocks go through one block-contiguous buffer and one
+    `index_copy_`."""
+    spans = runs(blocks)
+    if len(spans) * 4 <= len(blocks):
+        for at, first, count in spans:
+            place(kv[first : first + count], data[at : at + count])
+        return
+    out = torch.empty((len(blocks), *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    place(out, data)
+    kv.index_copy_(0, torch.tensor(blocks, dtype=torch.int64, device=kv.device), out)
 
 
 class CpuLayout:
@@ -29,21 +60,26 @@ class CpuLayout:
 
     @staticmethod
     def read(kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """kv: [B, H, N, 2D] (vLLM's view); blocks: int64 [n] -> [2, n, N, H, D]."""
+        """kv: [B, H, N, 2D] (vLLM's view); blocks: int64 [n] -> [n, 2, N, H, D]."""
         n, (_, num_heads, block_size, width) = len(blocks), kv.shape
         head_dim = width // 2
-        x = kv.index_select(0, blocks).reshape(n, num_heads, 2, block_size * head_dim)  # [n, H, 2, N*D]
-        k = x[:, :, 0].reshape(n, num_heads, head_dim, block_size).permute(0, 3, 1, 2)  # [n, N, H, D]
-        v = x[:, :, 1].reshape(n, num_heads, block_size, head_dim).permute(0, 2, 1, 3)  # [n, N, H, D]
-        return torch.stack((k, v))
+        x = kv.index_select(0, blocks).view(n, num_heads, 2, block_size * head_dim)  # [n, H, 2, N*D]
+        k = x[:, :, 0].view(n, num_heads, head_dim, block_size).permute(0, 3, 1, 2)  # [n, N, H, D]
+        v = x[:, :, 1].view(n, num_heads, block_size, head_dim).permute(0, 2, 1, 3)  # [n, N, H, D]
+        return torch.stack((k, v), 1)
 
     @staticmethod
-    def write(kv: torch.Tensor, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        """data: [2, n, N, H, D] into kv [B, H, N, 2D] at `blocks`."""
-        n, (_, num_heads, block_size, width) = len(blocks), kv.shape
-        kt = data[0].permute(0, 2, 3, 1).reshape(n, num_heads, -1)  # [n, H, D*N]: K transposed
-        v = data[1].permute(0, 2, 1, 3).reshape(n, num_heads, -1)  # [n, H, N*D]
-        kv.index_copy_(0, blocks, torch.stack((kt, v), 2).reshape(n, num_heads, block_size, width))
+    def place(view: torch.Tensor, data: torch.Tensor) -> None:
+        """data [n, 2, N, H, D] (any strides) into view [n, H, N, 2D] (contiguous blocks): K transposed, then V."""
+        n, num_heads, block_size, width = view.shape
+        x = view.view(n, num_heads, 2, block_size * (width // 2))
+        x[:, :, 0].view(n, num_heads, width // 2, block_size).copy_(data[:, 0].permute(0, 2, 3, 1))
+        x[:, :, 1].view(n, num_heads, block_size, width // 2).copy_(data[:, 1].permute(0, 2, 1, 3))
+
+    @staticmethod
+    def write(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor) -> None:
+        """data: [n, 2, N, H, D] (any strides) into kv [B, H, N, 2D] at `blocks`."""
+        write_blocks(kv, blocks, data, CpuLayout.place)
 
 
 class TokenMajorLayout:
@@ -55,11 +91,18 @@ class TokenMajorLayout:
     def read(kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         head_dim = kv.shape[-1] // 2
         x = kv.index_select(0, blocks).permute(0, 2, 1, 3)  # [n, N, H, 2D]
-        return torch.stack((x[..., :head_dim], x[..., head_dim:]))
+        return torch.stack((x[..., :head_dim], x[..., head_dim:]), 1)
 
     @staticmethod
-    def write(kv: torch.Tensor, blocks: torch.Tensor, data: torch.Tensor) -> None:
-        kv.index_copy_(0, blocks, torch.cat((data[0], data[1]), -1).permute(0, 2, 1, 3))
+    def place(view: torch.Tensor, data: torch.Tensor) -> None:
+        tokens = view.permute(0, 2, 1, 3)  # [n, N, H, 2D]
+        head_dim = view.shape[-1] // 2
+        tokens[..., :head_dim].copy_(data[:, 0])
+        tokens[..., head_dim:].copy_(data[:, 1])
+
+    @staticmethod
+    def write(kv: torch.Tensor, blocks: Sequence[int], data: torch.Tensor) -> None:
+        write_blocks(kv, blocks, data, TokenMajorLayout.place)
 
 
 def layout_for(backend: str, isa: str | None) -> type[CpuLayout] | type[TokenMajorLayout]:
@@ -79,23 +122,31 @@ def layout_for(backend: str, isa: str | None) -> type[CpuLayout] | type[TokenMaj
     )
 
 
-_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+class PoolRows:
+    """radixkv's pool `[L, 2, B, N, H, D]` as rows of one (layer, K|V, block) each, for whole-block copies."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.num_layers, _, self.num_blocks = data.shape[:3]
+        self.block_shape = tuple(data.shape[3:])  # (N, H, D)
+        self.rows = data.view(self.num_layers * 2 * self.num_blocks, -1)  # a view: the pool itself
+        self._planes = torch.arange(self.num_layers * 2, device=data.device) * self.num_blocks
+
+    def index(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The rows of `blocks`, block-major: block 0's layers (K, V each), then block 1's..."""
+        ids = torch.tensor(blocks, dtype=torch.int64, device=self.rows.device)
+        return (ids[:, None] + self._planes[None, :]).reshape(-1)
+
+    def gather(self, blocks: Sequence[int]) -> torch.Tensor:
+        """A private, contiguous copy of `blocks`: `[n, L, 2, N, H, D]` (one row copy each, memcpy's speed)."""
+        staged = self.rows.index_select(0, self.index(blocks))
+        return staged.view(len(blocks), self.num_layers, 2, *self.block_shape)
+
+    def scatter(self, blocks: Sequence[int], staged: torch.Tensor) -> None:
+        """Write `staged` `[n, L, 2, N, H, D]` (contiguous) into `blocks` of the pool."""
+        self.rows.index_copy_(0, self.index(blocks), staged.view(-1, self.rows.shape[1]))
 
 
-def block_checksums(blocks: torch.Tensor) -> list[int]:
-    """One nonzero 64-bit checksum per block of `blocks` [L, 2, n, N, H, D] (radixkv's layout, n blocks).
-
-    A position-weighted sum of the block's 32-bit words with odd 64-bit weights (wrapping): any change of one
-    word changes it, and independent changes cancel with probability ~2^-64. The same torch ops on CPU and
-    CUDA, batched over the step's blocks; bit 0 is set so that 0 stays "none" on the wire.
-    """
-    n = blocks.shape[2]
-    words = blocks.movedim(2, 0).contiguous().view(n, -1).view(torch.int32).to(torch.int64)  # [n, m]
-    key = (words.shape[1], str(words.device))
-    weights = _WEIGHTS.get(key)
-    if weights is None:
-        seeded = torch.Generator().manual_seed(0x5AD1C5)
-        weights = torch.randint(-(2**62), 2**62, (words.shape[1],), generator=seeded, dtype=torch.int64) | 1
-        weights = _WEIGHTS.setdefault(key, weights.to(words.device))
-    sums = (words * weights).sum(1) | 1
-    return [s & 0xFFFFFFFFFFFFFFFF for s in sums.tolist()]
+def block_digests(staged: torch.Tensor) -> list[bytes]:
+    """The 32-byte BLAKE3 digest of each block of `staged` `[n, L, 2, N, H, D]` (contiguous), over its raw bytes."""
+    raw = staged.detach().cpu().contiguous().view(torch.uint8).view(staged.shape[0], -1).numpy()
+    return [blake3.blake3(raw[i]).digest() for i in range(raw.shape[0])]

@@ -3,8 +3,8 @@
 Per vLLM request the connector holds one radixkv sequence, opened on the prompt when vLLM first allocates the
 request's blocks: the open locks the prefix radixkv holds (nobody evicts or rewrites it while the request lives)
 and allocates radixkv blocks for the rest of the prompt. Then, per step:
-- loads: the blocks promised to vLLM beyond its local hit, radixkv block -> vLLM block, each with the checksum its
-  saver recorded; a promised block the open did not lock, or that has no checksum, is a failed load at once;
+- loads: the blocks promised to vLLM beyond its local hit, radixkv block -> vLLM block, each with the digest its
+  saver recorded; a promised block the open did not lock, or that has no digest, is a failed load at once;
 - saves: the prompt's full blocks radixkv lacks, vLLM block -> radixkv block, once vLLM holds their K/V (its
   local hit at once, computed ones after the step that computes them: every chunk of a chunked prefill);
 - commits: what the worker reports saved, in order from the radixkv prefix (the computed watermark has no gaps);
@@ -24,9 +24,9 @@ class Copies:
     indices: list[int] = dataclasses.field(default_factory=list)
     src: list[int] = dataclasses.field(default_factory=list)
     dst: list[int] = dataclasses.field(default_factory=list)
-    checksums: list[int] = dataclasses.field(default_factory=list)  # loads: what each block must hash to
+    checksums: list[bytes] = dataclasses.field(default_factory=list)  # loads: each block's saver's digest
 
-    def add(self, req_id: str, index: int, src: int, dst: int, checksum: int = 0) -> None:
+    def add(self, req_id: str, index: int, src: int, dst: int, checksum: bytes = b"") -> None:
         self.req_ids.append(req_id)
         self.indices.append(index)
         self.src.append(src)
@@ -57,7 +57,7 @@ class Tracked:
     num_committed_blocks: int  # leading blocks below the sequence's watermark: the prefix the open locked, then ours
     next_save: int  # the first prompt block not planned for saving yet
     block_size: int
-    saved: dict[int, int] = dataclasses.field(default_factory=dict)  # reported saved, not committed: index -> checksum
+    saved: dict[int, bytes] = dataclasses.field(default_factory=dict)  # reported saved, not committed: index -> digest
     in_flight: set[int] = dataclasses.field(default_factory=set)  # planned saves not reported yet
     failed_from: int | None = None  # this step's first failed load: nothing at or past it is saved this step
     finished: bool = False  # vLLM finished it: released once no save is in flight
@@ -66,11 +66,11 @@ class Tracked:
     def num_prompt_blocks(self) -> int:
         return self.num_prompt_tokens // self.block_size
 
-    def plan_loads(self, plan: StepPlan, first: int, last: int, vllm_blocks: list[int], checksums: list[int]) -> None:
+    def plan_loads(self, plan: StepPlan, first: int, last: int, vllm_blocks: list[int], checksums: list[bytes]) -> None:
         """Blocks [first, last) promised: loads of those the sequence holds (its locked prefix and what it committed
-        since) with a checksum (`checksums` from `first`), failures of the rest."""
+        since) with a digest (`checksums` from `first`), failures of the rest."""
         for i in range(first, last):
-            checksum = checksums[i - first] if i - first < len(checksums) else 0
+            checksum = checksums[i - first] if i - first < len(checksums) else b""
             if i < self.num_committed_blocks and checksum and self.seq_id is not None:
                 plan.loads.add(self.req_id, i, self.table[i], vllm_blocks[i], checksum)
             else:
@@ -90,8 +90,8 @@ class Tracked:
         self.next_save = max(self.next_save, min(end, len(vllm_blocks)))
         self.failed_from = None
 
-    def take_saved(self, saved: dict[int, int], planned: set[int]) -> tuple[int, list[int]]:
-        """The worker saved `saved` (index -> checksum) of `planned`: (first block, checksums) newly committable.
+    def take_saved(self, saved: dict[int, bytes], planned: set[int]) -> tuple[int, list[bytes]]:
+        """The worker saved `saved` (index -> digest) of `planned`: (first block, digests) newly committable.
 
         A planned block it did not save (its step's load failed, the copy failed) is planned again from there.
         """
@@ -100,7 +100,7 @@ class Tracked:
         missing = [i for i in planned if i not in saved]
         if missing:
             self.next_save = min(self.next_save, min(missing))
-        first, checksums = self.num_committed_blocks, list[int]()
+        first, checksums = self.num_committed_blocks, list[bytes]()
         while first + len(checksums) in self.saved:
             checksums.append(self.saved.pop(first + len(checksums)))
         self.num_committed_blocks += len(checksums)

@@ -2,7 +2,8 @@
 
 vLLM's scheduler calls, per step: `num_new_matched_tokens` for a waiting request (a Match: whole blocks past
 vLLM's own hit, at least one prompt token left to compute), `after_alloc` once its blocks exist (the Open that
-locks radixkv's prefix and gives blocks for the rest, and the saver's checksums of the blocks to load),
+locks radixkv's prefix and gives blocks for the rest, and the saver's digests of the blocks to load; a prompt
+whose every full block vLLM holds itself costs no call at all: it was saved when vLLM computed or loaded it),
 `build_plan` (the worker's loads and saves), `worker_reported` with what the worker saved (one Step commits and
 caches every request's new blocks, then their checksums are recorded), `finished` (release once no save of the
 request is in flight). A radixkv call that fails never fails vLLM: the request falls back to computing, and
@@ -35,6 +36,7 @@ class SchedulerSide:
         self.namespace = namespace
         self.requests: dict[str, Tracked] = {}
         self._asked: dict[str, int] = {}  # request -> the local hit it was last asked about (block-aligned)
+        self._held_locally: set[str] = set()  # requests whose every full block vLLM held: no radixkv call at all
         self._plan = StepPlan()  # what the next metadata carries (loads and failures planned at allocation)
         self._planned_saves: dict[str, set[int]] = {}  # saves handed to the worker, awaiting its report
         self._quiet_until = 0.0  # monotonic time before which no match or open is tried (a call failed)
@@ -67,8 +69,12 @@ class SchedulerSide:
         if not prompt or namespace is None:
             return 0
         usable = (len(prompt) - 1) // self.block_size * self.block_size
-        if num_computed_tokens >= usable or self._quiet():
-            return 0  # the local hit covers all radixkv could add (or radixkv just failed): no call
+        if num_computed_tokens >= usable:  # vLLM holds it all: it was saved when computed (or loaded from radixkv)
+            self._held_locally.add(request.request_id)
+            return 0
+        self._held_locally.discard(request.request_id)
+        if self._quiet():
+            return 0  # radixkv just failed: no call
         try:
             held = self.client.match(prompt, namespace)
         except Exception as e:  # the server down or refusing: compute instead
@@ -82,13 +88,14 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self.requests.get(req_id)
         if tracked is None:
-            tracked = self.requests[req_id] = self._open(request)
+            local = req_id in self._held_locally
+            tracked = self.requests[req_id] = self._open(request, skip=local)
         local = self._asked.pop(req_id, 0)
         if num_external_tokens <= 0:
             return
         first, last = local // self.block_size, (local + num_external_tokens) // self.block_size
         num_loadable = max(0, min(last, tracked.num_committed_blocks) - first)  # held: locked or committed
-        checksums: list[int] = []
+        checksums: list[bytes] = []
         if num_loadable and tracked.seq_id is not None:
             try:
                 checksums = self.client.checksums.get(tracked.seq_id, first, num_loadable)
@@ -96,10 +103,11 @@ class SchedulerSide:
                 self._failed(f"checksums of {last - first} promised blocks", e)
         tracked.plan_loads(self._plan, first, last, vllm_blocks, checksums)
 
-    def _open(self, request: Any) -> Tracked:
+    def _open(self, request: Any, skip: bool) -> Tracked:
+        """The request's radixkv sequence; none (no call) when `skip`: vLLM holds the whole prompt itself."""
         prompt = request.prompt_token_ids or []
         namespace = self.namespace_of(request)
-        if namespace is not None and len(prompt) >= self.block_size and not self._quiet():
+        if not skip and namespace is not None and len(prompt) >= self.block_size and not self._quiet():
             try:
                 opened = self.client.open(prompt, namespace)
                 held = opened.num_cached_tokens // self.block_size
@@ -120,11 +128,11 @@ class SchedulerSide:
             self._planned_saves.setdefault(req_id, set()).add(index)
         return plan
 
-    def worker_reported(self, saved: dict[str, dict[int, int]]) -> None:
-        """The worker finished the step's saves (`saved`: request -> block index -> checksum): commit and cache
+    def worker_reported(self, saved: dict[str, dict[int, bytes]]) -> None:
+        """The worker finished the step's saves (`saved`: request -> block index -> digest): commit and cache
         them in one step, record their checksums; then release requests vLLM finished meanwhile."""
         planned, self._planned_saves = self._planned_saves, {}
-        ready: list[tuple[Tracked, int, list[int]]] = []
+        ready: list[tuple[Tracked, int, list[bytes]]] = []
         for req_id, indices in planned.items():
             tracked = self.requests.get(req_id)
             if tracked is not None:
@@ -136,7 +144,7 @@ class SchedulerSide:
         for tracked in [t for t in self.requests.values() if t.finished and not t.in_flight]:
             self._release(tracked)
 
-    def _commit(self, ready: list[tuple[Tracked, int, list[int]]]) -> None:
+    def _commit(self, ready: list[tuple[Tracked, int, list[bytes]]]) -> None:
         ids = [t.seq_id for t, _, _ in ready]
         tokens = [t.num_committed_blocks * self.block_size for t, _, _ in ready]
         try:
@@ -149,6 +157,7 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         """vLLM finished the request: release its sequence now, or after the saves in flight are reported."""
         self._asked.pop(req_id, None)
+        self._held_locally.discard(req_id)
         tracked = self.requests.get(req_id)
         if tracked is None:
             return

@@ -1,25 +1,34 @@
 """The connector in vLLM's worker: radixkv's pool mapped with `PoolView`, blocks copied between it and vLLM's.
 
-A step's loads run before its forward, all layers at once: the pool's blocks are gathered into one staging tensor
-(a private copy), each block's checksum over that copy is compared with the one its saver recorded, and only the
-blocks that match are written into vLLM's KV tensors, converted to the backend's layout. The others, and the
-blocks the scheduler already knew it could not load, are reported by `take_load_errors`; vLLM recomputes them.
-So vLLM never reads a byte that is not exactly what a saver wrote and vouched for, whatever happened to the pool
-or the server meanwhile. Saves run after the forward (`save`): vLLM's blocks are gathered from every layer,
-converted, checksummed and written into the sequence's own radixkv blocks; the scheduler commits what is reported.
+A step's loads run before its forward, in groups of `GROUP_BLOCKS` blocks pipelined over threads: each group is
+copied out of the pool into a private staging tensor (`PoolRows.gather`, one whole-row copy per layer and K|V),
+its blocks' BLAKE3 digests are computed over that copy on a hashing thread (BLAKE3 releases the GIL) while the
+next group is copied, and only the blocks whose digest equals the one their saver recorded on the server are
+converted into vLLM's KV tensors (one transposing copy per layer and run of consecutive vLLM blocks). The others,
+and the blocks the scheduler already knew it could not load, are reported by `take_load_errors`; vLLM recomputes
+them. So vLLM
+never reads a byte that is not exactly what a saver wrote and vouched for, whatever happened to the pool
+meanwhile (a cryptographic digest kept by the server: a writer of pool memory can neither meet nor rewrite it).
+Saves run after the forward (`save`): vLLM's blocks are read from every layer into a staging tensor, written
+into the sequence's own radixkv blocks with one row copy, and digested; the scheduler commits what is reported.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from radixkv.client import PoolView
-from radixkv.vllm.layouts import CpuLayout, TokenMajorLayout, block_checksums
-from radixkv.vllm.plan import StepPlan
+from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_digests
+from radixkv.vllm.plan import Copies, StepPlan
 
 log = logging.getLogger("radixkv.vllm")
+GROUP_BLOCKS = 8  # blocks per pipelined group: ~12 MB at SmolLM2-135M's 1.5 MB blocks, cache-sized
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
 class WorkerSide:
@@ -27,54 +36,71 @@ class WorkerSide:
         self, pool: PoolView, kv_caches: list[torch.Tensor], layout: type[CpuLayout] | type[TokenMajorLayout]
     ) -> None:
         self.pool = pool
+        self.rows = PoolRows(pool.data)
         self.kv_caches = kv_caches  # vLLM's per-layer views, in model layer order
         self.layout = layout
         self.device = kv_caches[0].device
         self._errors: set[int] = set()
         self.failed_reqs: set[str] = set()  # this step's requests with a failed load: none of their saves is valid
+        self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="radixkv-digest")
 
     def load(self, plan: StepPlan) -> None:
         """Copy the step's verified blocks into vLLM's tensors; the rest become load errors."""
         self._errors.update(plan.failed)
         self.failed_reqs = set()
-        if not plan.loads:
-            return
-        pool_blocks = torch.tensor(plan.loads.src, dtype=torch.int64, device=self.pool.data.device)
-        staged = self.pool.data.index_select(2, pool_blocks)  # [L, 2, n, N, H, D]: a private copy
-        good = [got == want for got, want in zip(block_checksums(staged), plan.loads.checksums, strict=True)]
-        for ok, req_id, vllm_block in zip(good, plan.loads.req_ids, plan.loads.dst, strict=True):
-            if not ok:
-                self._errors.add(vllm_block)
-                self.failed_reqs.add(req_id)
-        if not all(good):
-            log.warning(
-                "radixkv: %d of %d blocks failed their checksum; vLLM recomputes them", good.count(False), len(good)
-            )
-        keep = torch.tensor([i for i, ok in enumerate(good) if ok], dtype=torch.int64, device=staged.device)
-        if not len(keep):
-            return
-        dst = torch.tensor([b for b, ok in zip(plan.loads.dst, good, strict=True) if ok], dtype=torch.int64)
-        dst = dst.to(self.device)
-        staged = staged.index_select(2, keep).to(self.device)
-        for layer, kv in enumerate(self.kv_caches):
-            self.layout.write(kv, dst, staged[layer])
+        loads = plan.loads
+        pending: collections.deque[tuple[int, torch.Tensor, Future[list[bytes]]]] = collections.deque()
+        num_bad = 0
+        for start in range(0, len(loads), GROUP_BLOCKS):
+            staged = self.rows.gather(loads.src[start : start + GROUP_BLOCKS])  # private: the pool may change
+            pending.append((start, staged, self._hashers.submit(block_digests, staged)))
+            if len(pending) > HASH_THREADS:  # the oldest group's digests are ready (or nearly): place it
+                num_bad += self._place(loads, *pending.popleft())
+        while pending:
+            num_bad += self._place(loads, *pending.popleft())
+        if num_bad:
+            log.warning("radixkv: %d of %d blocks failed their digest; vLLM recomputes them", num_bad, len(loads))
 
-    def save(self, plan: StepPlan) -> dict[str, dict[int, int]]:
-        """Copy the step's computed blocks out; returns what was saved: request -> block index -> checksum."""
+    def _place(self, loads: Copies, start: int, staged: torch.Tensor, pending: Future[list[bytes]]) -> int:
+        """Write the group's blocks whose digest is their saver's into every layer; returns how many were not."""
+        digests = pending.result()
+        keep, dst = [], []
+        for j, got in enumerate(digests):
+            i = start + j
+            if got == loads.checksums[i]:
+                keep.append(j)
+                dst.append(loads.dst[i])
+            else:
+                self._errors.add(loads.dst[i])
+                self.failed_reqs.add(loads.req_ids[i])
+        if keep:
+            if len(keep) < len(digests):
+                staged = staged[torch.tensor(keep, device=staged.device)]
+            staged = staged.to(self.device, non_blocking=True)
+            for layer, kv in enumerate(self.kv_caches):
+                self.layout.write(kv, dst, staged[:, layer])
+        return len(digests) - len(keep)
+
+    def save(self, plan: StepPlan) -> dict[str, dict[int, bytes]]:
+        """Copy the step's computed blocks out; returns what was saved: request -> block index -> digest."""
         rows = [i for i, r in enumerate(plan.saves.req_ids) if r not in self.failed_reqs]
         if not rows:
             return {}
         src = torch.tensor([plan.saves.src[i] for i in rows], dtype=torch.int64, device=self.device)
-        staged = torch.stack([self.layout.read(kv, src) for kv in self.kv_caches])  # [L, 2, n, N, H, D]
-        staged = staged.to(self.pool.data.device, self.pool.data.dtype)
-        checksums = block_checksums(staged)
-        dst = torch.tensor([plan.saves.dst[i] for i in rows], dtype=torch.int64, device=self.pool.data.device)
-        self.pool.data.index_copy_(2, dst, staged)
-        saved: dict[str, dict[int, int]] = {}
-        for i, checksum in zip(rows, checksums, strict=True):
-            saved.setdefault(plan.saves.req_ids[i], {})[plan.saves.indices[i]] = checksum
+        staged = torch.empty((len(rows), self.rows.num_layers, 2, *self.rows.block_shape), dtype=self.pool.data.dtype)
+        staged = staged.to(self.pool.data.device)
+        for layer, kv in enumerate(self.kv_caches):
+            staged[:, layer] = self.layout.read(kv, src)
+        self.rows.scatter([plan.saves.dst[i] for i in rows], staged)
+        saved: dict[str, dict[int, bytes]] = {}
+        for i, digest in zip(rows, block_digests(staged), strict=True):
+            saved.setdefault(plan.saves.req_ids[i], {})[plan.saves.indices[i]] = digest
         return saved
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def close(self) -> None:
+        self._hashers.shutdown(wait=False)
+        self.pool.close()

@@ -930,18 +930,20 @@ class UpgradeResponse(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[PoolSnapshot, _Mapping]]] = ...) -> None: ...
 
 class RecordBlockChecksumsRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "seq_id", "first_block", "checksums")
+    __slots__ = ("pool", "session_id", "seq_id", "first_block", "checksums", "digests")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     seq_id: int
     first_block: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., first_block: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., first_block: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RecordBlockChecksumsResponse(_message.Message):
     __slots__ = ("num_recorded",)
@@ -964,7 +966,9 @@ class GetBlockChecksumsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GetBlockChecksumsResponse(_message.Message):
-    __slots__ = ("checksums",)
+    __slots__ = ("checksums", "digests")
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, checksums: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -357,18 +357,20 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RecordBlockChecksums(self, request, context):
-        """RecordBlockChecksums attaches the writer's checksum of each block's K/V bytes to blocks of the
-        session's sequence that the prefix tree now holds (an end-to-end check for a reader that copies
-        them out, as the vLLM connector does). A block keeps its first checksum until it leaves the tree
-        (evicted: forgotten); blocks the tree does not hold (not cached yet, or the sequence's own copy of
-        a prefix the tree holds in other blocks) are skipped. Carried across an upgrade with the snapshot.
+        """RecordBlockChecksums attaches the writer's digest of each block's K/V bytes (32 bytes, BLAKE3) to
+        blocks of the session's sequence that the prefix tree now holds (an end-to-end check for a reader
+        that copies them out, as the vLLM connector does). A block keeps its first digest until it leaves
+        the tree (evicted: forgotten); blocks the tree does not hold (not cached yet, or the sequence's own
+        copy of a prefix the tree holds in other blocks) are skipped. Carried across an upgrade with the
+        snapshot. The 64-bit `checksums` of earlier releases are refused (INVALID_ARGUMENT, field
+        checksums): a linear checksum can be forged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlockChecksums(self, request, context):
-        """GetBlockChecksums returns the checksums recorded for blocks of the session's sequence (0: none).
+        """GetBlockChecksums returns the digests recorded for blocks of the session's sequence (empty: none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -4,7 +4,7 @@
 the test-only Debug service on, so tests can ask the server to check its own invariants.
 `auth_server`: bearer tokens for tenants acme (namespaces chat, code; an 8-block quota) and globex
 (any namespace, no quota, may map pools, admin: may call Debug), served over TLS with a self-signed
-certificate made here.
+certificate made here; besides the shared pools, pool "globex" serves globex alone (the one it may map).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ POOL_FLAGS = [
     "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=256,dtype=float32,max_fork_children=8",
     "--pool", "tiny:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16",
 ]  # fmt: skip
+GLOBEX_POOL = "globex:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16,tenants=globex"
 ACME_TOKEN = "acme-secret-token"
 GLOBEX_TOKEN = "globex-secret-token"
 AUTH_TOKENS = f"""
@@ -82,7 +83,18 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory, tls_files: tuple[Path,
     tokens.write_text(AUTH_TOKENS)
     cert, key = tls_files
     proc = ServerProcess(
-        [*POOL_FLAGS, "--debug-rpc", "--auth-tokens", str(tokens), "--tls-cert", str(cert), "--tls-key", str(key)],
+        [
+            *POOL_FLAGS,
+            "--pool",
+            GLOBEX_POOL,
+            "--debug-rpc",
+            "--auth-tokens",
+            str(tokens),
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+        ],
         d / "server.log",
     )
     yield proc

@@ -128,11 +128,16 @@ def test_a_session_belongs_to_its_tenant(connect: Connect, tokens: dict[str, str
     assert acme.append(opened.seq_id, [8]).num_tokens == 4
 
 
-def test_only_trusted_tenants_get_a_pool_handle(connect: Connect, tokens: dict[str, str]) -> None:
-    # A handle maps the whole pool, every tenant's K/V included.
+def test_only_trusted_tenants_get_a_handle_and_only_of_their_own_pool(connect: Connect, tokens: dict[str, str]) -> None:
+    # A handle maps the whole pool, read and write: only a map_pools tenant gets one, of a pool it alone uses.
     with pytest.raises(PermissionDenied):
         connect(tokens["acme"]).get_pool()
-    assert connect(tokens["globex"]).get_pool().handle.WhichOneof("memory") == "shared_memory"
+    with pytest.raises(PermissionDenied, match="'default' also serves tenants \\['acme'\\]") as shared:
+        connect(tokens["globex"]).get_pool()
+    assert shared.value.metadata["field"] == "pool"
+    assert connect(tokens["globex"], pool="globex").get_pool().handle.WhichOneof("memory") == "shared_memory"
+    with pytest.raises(PermissionDenied, match="may not use pool 'globex'"):
+        connect(tokens["acme"], pool="globex")
 
 
 def _written(client: RadixKVClient, opened: OpenResult) -> int:

@@ -98,7 +98,7 @@ def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequen
     service2 = KVService(SERVER, {"default": second})
     assert restore_sessions(second, adopted.extras, service2.sessions, {"": ANONYMOUS}) == 0
     assert _state(second) == before and torch.equal(second.storage.data, kv_before)
-    KVReads(service2).check_invariants("default")
+    KVReads(service2).check_invariants(second)
     # The session goes on with the same sequence id, and its pin is still its own.
     result = service2.append_tokens(ANONYMOUS, session_id, "default", [seq_id], [1], [9])
     assert result.num_tokens == [len(PROMPTS[0]) + 4]
@@ -106,7 +106,7 @@ def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequen
     # A sequence preempted before the restart resumes under its id, its cached prefix hit again.
     resumed = service2.resume(ANONYMOUS, session_id, "default", parked_id)
     assert len(resumed.block_table) == len(PROMPTS[2] + [8, 8]) // 4 + 1
-    KVReads(service2).check_invariants("default")
+    KVReads(service2).check_invariants(second)
 
 
 def _refusal(tmp_path, memory, adopter_memory: Memory, tamper=None, pool_name="default", layout=None) -> Pool:

@@ -134,7 +134,9 @@ def test_the_client_checks_its_budget_columns_before_sending() -> None:
 
 def _step(service: KVService, session: Session, step: Step) -> StepResult:
     """As a Session stream runs a step."""
-    return run_step(service.checks, service.pool("default"), session, step, Reply(service.max_message_bytes))
+    return run_step(
+        service.checks, service.pool("default", session.tenant), session, step, Reply(service.max_message_bytes)
+    )
 
 
 @pytest.fixture

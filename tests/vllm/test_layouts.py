@@ -3,7 +3,7 @@
 The CPU backend: K and V written by vLLM's own cache op (`cpu_attn_reshape_and_cache`, what its attention layer
 calls) read back by `CpuLayout.read` exactly, and `CpuLayout.write` producing byte for byte what that op writes.
 The token-major CUDA backends: the split their attention does (`kv_cache.transpose(1, 2).split(head_size, -1)`),
-on a view strided as vLLM allocates it. And the block checksum: every change of a word is seen.
+on a view strided as vLLM allocates it. And the pool's rows: a gather is the blocks' bytes, digested per block.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make test
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402  # the engine's own op: the reference, in a test only
 
-from radixkv.vllm.layouts import CpuLayout, TokenMajorLayout, block_checksums, layout_for  # noqa: E402
+from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_digests, layout_for  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
 
@@ -33,13 +33,16 @@ def test_cpu_layout_is_what_the_engine_writes(isa: str, dtype: torch.dtype) -> N
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0)
 
     blocks = torch.tensor([1, 2, 3])
-    read = CpuLayout.read(engine, blocks)  # [2, n, N, H, D]
-    assert torch.equal(read[0].reshape(num_tokens, HEADS, DIM), key)
-    assert torch.equal(read[1].reshape(num_tokens, HEADS, DIM), value)
+    read = CpuLayout.read(engine, blocks)  # [n, 2, N, H, D]
+    assert torch.equal(read[:, 0].reshape(num_tokens, HEADS, DIM), key)
+    assert torch.equal(read[:, 1].reshape(num_tokens, HEADS, DIM), value)
 
     ours = torch.zeros_like(engine)
-    CpuLayout.write(ours, blocks, read)
+    CpuLayout.write(ours, [1, 2, 3], read)  # consecutive: converted straight into the blocks
     assert torch.equal(ours, engine)
+    scattered = torch.zeros_like(engine)
+    CpuLayout.write(scattered, [5, 0, 3], read)  # scattered: through one buffer
+    assert torch.equal(scattered[[5, 0, 3]], engine[[1, 2, 3]]) and not scattered[[1, 2, 4]].any()
 
 
 def test_token_major_layout_is_the_cuda_backends_split() -> None:
@@ -50,10 +53,12 @@ def test_token_major_layout_is_the_cuda_backends_split() -> None:
     key_cache, value_cache = kv.transpose(1, 2).split(DIM, dim=-1)  # flash_attn.py / triton_attn.py
     blocks = torch.tensor([4, 0, 2])
     read = TokenMajorLayout.read(kv, blocks)
-    assert torch.equal(read[0], key_cache[blocks]) and torch.equal(read[1], value_cache[blocks])
+    assert torch.equal(read[:, 0], key_cache[blocks]) and torch.equal(read[:, 1], value_cache[blocks])
     before = raw.clone()
-    TokenMajorLayout.write(kv, torch.tensor([5]), read[:, :1])
+    TokenMajorLayout.write(kv, [5], read[:1])
     assert torch.equal(raw[1, 5], before[1, 4]) and torch.equal(raw[0], before[0])  # only that block of that layer
+    TokenMajorLayout.write(kv, [1, 3], read[1:])
+    assert torch.equal(raw[1, 1], before[1, 0]) and torch.equal(raw[1, 3], before[1, 2])
 
 
 def test_unchecked_layouts_are_refused_by_name() -> None:
@@ -65,19 +70,32 @@ def test_unchecked_layouts_are_refused_by_name() -> None:
         layout_for("FLASHINFER", None)
 
 
-def test_a_checksum_sees_every_change() -> None:
+def test_pool_rows_gather_and_scatter_whole_blocks() -> None:
     gen = torch.Generator().manual_seed(2)
-    pool = torch.randn(4, 2, 5, BLOCK, HEADS, DIM, generator=gen)  # [L, 2, n, N, H, D]
-    sums = block_checksums(pool)
-    assert len(set(sums)) == 5 and all(s % 2 == 1 for s in sums) and block_checksums(pool.clone()) == sums
-    for index in [(0, 0, 2, 0, 0, 0), (3, 1, 2, BLOCK - 1, HEADS - 1, DIM - 1), (1, 0, 2, 7, 1, 33)]:
-        changed = pool.clone()
+    pool = torch.randn(4, 2, 7, BLOCK, HEADS, DIM, generator=gen)  # [L, 2, B, N, H, D]
+    rows = PoolRows(pool)
+    staged = rows.gather([5, 1, 3])
+    assert staged.shape == (3, 4, 2, BLOCK, HEADS, DIM) and staged.is_contiguous()
+    assert torch.equal(staged, pool[:, :, [5, 1, 3]].permute(2, 0, 1, 3, 4, 5))
+    staged[0] += 1  # a private copy: the pool is untouched
+    assert torch.equal(pool[:, :, 5], rows.gather([5])[0])
+    rows.scatter([0, 6], staged[:2])
+    assert torch.equal(pool[:, :, 0], staged[0]) and torch.equal(pool[:, :, 6], staged[1])
+
+
+def test_a_digest_sees_every_change() -> None:
+    gen = torch.Generator().manual_seed(3)
+    staged = torch.randn(5, 4, 2, BLOCK, HEADS, DIM, generator=gen)  # [n, L, 2, N, H, D]
+    digests = block_digests(staged)
+    assert len(set(digests)) == 5 and all(len(d) == 32 for d in digests) and block_digests(staged.clone()) == digests
+    for index in [(2, 0, 0, 0, 0, 0), (2, 3, 1, BLOCK - 1, HEADS - 1, DIM - 1), (2, 1, 0, 7, 1, 33)]:
+        changed = staged.clone()
         changed[index] = torch.nextafter(changed[index], torch.tensor(float("inf")))  # the smallest change
-        after = block_checksums(changed)
-        assert after[2] != sums[2] and after[:2] + after[3:] == sums[:2] + sums[3:]
-    swapped = pool.clone()
-    swapped[:, :, 2, 0], swapped[:, :, 2, 1] = pool[:, :, 2, 1], pool[:, :, 2, 0]  # two tokens exchanged
-    assert block_checksums(swapped)[2] != sums[2]
+        after = block_digests(changed)
+        assert after[2] != digests[2] and after[:2] + after[3:] == digests[:2] + digests[3:]
+    swapped = staged.clone()
+    swapped[2, :, :, 0], swapped[2, :, :, 1] = staged[2, :, :, 1], staged[2, :, :, 0]  # two tokens exchanged
+    assert block_digests(swapped)[2] != digests[2]
 
 
 def test_importing_radixkv_never_imports_vllm() -> None:

@@ -80,7 +80,12 @@ def request(req_id: str, prompt: list[int], config: VllmConfig) -> Request:
     return Request(req_id, prompt, SamplingParams(max_tokens=2), None, block_hasher=hasher)
 
 
-def cache_in_radixkv(server: ServerProcess, prompt: list[int], checksums: list[int]) -> None:
+def dg(n: int) -> bytes:
+    """A 32-byte digest standing for one block's."""
+    return n.to_bytes(32, "little")
+
+
+def cache_in_radixkv(server: ServerProcess, prompt: list[int], checksums: list[bytes]) -> None:
     """What a saver before us left: the prompt's full blocks cached, with `checksums` recorded from block 0."""
     with RadixKVClient(server.address) as client:
         opened = client.open(prompt)
@@ -95,14 +100,14 @@ def held(server: ServerProcess, prompt: list[int]) -> int:
         return client.match(prompt)
 
 
-def step(sched: Scheduler, saved: dict[str, dict[int, int]] | None = None) -> SchedulerOutput:
+def step(sched: Scheduler, saved: dict[str, dict[int, bytes]] | None = None) -> SchedulerOutput:
     """One scheduler step; the model's output: a token for each request whose prompt is done, and the worker's
-    report that it saved every block the plan asked for (checksum = 1000 + block index), less `saved` overrides."""
+    report that it saved every block the plan asked for (digest dg(1000 + block index)), less `saved` overrides."""
     out = sched.schedule()
     plan = out.kv_connector_metadata.plan  # type: ignore[union-attr]
-    report: dict[str, dict[int, int]] = {}
+    report: dict[str, dict[int, bytes]] = {}
     for req_id, index in zip(plan.saves.req_ids, plan.saves.indices, strict=True):
-        report.setdefault(req_id, {})[index] = 1000 + index
+        report.setdefault(req_id, {})[index] = dg(1000 + index)
     if saved is not None:
         report = saved
     ids = list(out.num_scheduled_tokens)
@@ -128,14 +133,14 @@ def test_radixkv_blocks_past_the_local_hit_are_loaded(
     scheduler: Scheduler, server: ServerProcess, config: VllmConfig
 ) -> None:
     prompt = prompt_of(1, 200)  # 6 full blocks and 8 tokens
-    cache_in_radixkv(server, prompt, [11, 12, 13, 14, 15, 16])
+    cache_in_radixkv(server, prompt, [dg(11), dg(12), dg(13), dg(14), dg(15), dg(16)])
     scheduler.add_request(request("r1", prompt, config))
     out = step(scheduler)
     plan = out.plan  # type: ignore[attr-defined]
     vllm_blocks = list(scheduler.kv_cache_manager.get_block_ids("r1")[0])
     assert out.num_scheduled_tokens == {"r1": 8}  # 192 loaded, the rest computed
     assert plan.loads.indices == list(range(6)) and plan.loads.dst == vllm_blocks[:6]
-    assert plan.loads.checksums == [11, 12, 13, 14, 15, 16] and plan.failed == []
+    assert plan.loads.checksums == [dg(11), dg(12), dg(13), dg(14), dg(15), dg(16)] and plan.failed == []
     assert len(set(plan.loads.src)) == 6
     assert out.scheduled_new_reqs[0].num_computed_tokens == 192
 
@@ -156,6 +161,7 @@ def test_a_local_hit_covering_radixkv_asks_nothing(
     assert again.plan.loads.indices == [] and again.plan.failed == []  # type: ignore[attr-defined]
     assert again.scheduled_new_reqs[0].num_computed_tokens == 192  # vLLM's own hit
     assert scheduler.connector.get_num_new_matched_tokens(scheduler.requests["b"], 192) == (0, False)
+    assert scheduler.connector._scheduler.requests["b"].seq_id is None  # type: ignore[union-attr]  # no Open either
 
 
 def test_chunked_prefill_saves_every_chunk(scheduler: Scheduler, server: ServerProcess, config: VllmConfig) -> None:
@@ -169,7 +175,7 @@ def test_chunked_prefill_saves_every_chunk(scheduler: Scheduler, server: ServerP
     assert saved_by_step == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
     with RadixKVClient(server.address) as client:
         opened = client.open(prompt)
-        assert client.checksums.get(opened.seq_id, 0, 9) == [1000 + i for i in range(9)]
+        assert client.checksums.get(opened.seq_id, 0, 9) == [dg(1000 + i) for i in range(9)]
         client.release(opened.seq_id, cache=False)
 
 
@@ -178,7 +184,7 @@ def test_an_unsaved_block_is_planned_again_and_nothing_past_it_committed(
 ) -> None:
     prompt = prompt_of(4, 300)
     scheduler.add_request(request("d", prompt, config))
-    step(scheduler, saved={"d": {0: 1000, 1: 1001, 3: 1003}})  # block 2 not written
+    step(scheduler, saved={"d": {0: dg(1000), 1: dg(1001), 3: dg(1003)}})  # block 2 not written
     assert held(server, prompt) == 2 * BLOCK
     out = step(scheduler)
     assert out.plan.saves.indices == [2, 3, 4, 5, 6, 7]  # type: ignore[attr-defined]
@@ -213,7 +219,7 @@ def test_the_server_gone_between_the_promise_and_the_lock(model_dir: Path, confi
             dataclasses.replace(config, kv_transfer_config=own), _role("SCHEDULER"), _kv_config()
         )
         prompt = prompt_of(6, 100)
-        cache_in_radixkv(proc, prompt, [61, 62, 63])
+        cache_in_radixkv(proc, prompt, [dg(61), dg(62), dg(63)])
         req = request("f", prompt, config)
         assert connector.get_num_new_matched_tokens(req, 0) == (96, False)
         proc.kill()
@@ -242,7 +248,7 @@ def test_a_full_pool_costs_that_request_alone(model_dir: Path, config: VllmConfi
             assert connector.get_num_new_matched_tokens(big, 0) == (0, False)
             connector.update_state_after_alloc(big, _blocks(list(range(7))), 0)
             small_prompt = prompt_of(10, 70)
-            cache_in_radixkv(proc, small_prompt, [91, 92])
+            cache_in_radixkv(proc, small_prompt, [dg(91), dg(92)])
             small = request("small", small_prompt, config)
             assert connector.get_num_new_matched_tokens(small, 0) == (64, False)  # asked at once, and answered
         finally:
@@ -295,7 +301,7 @@ def test_take_events_relays_radixkv_blocks_with_vllms_own_hashes(config: VllmCon
     )
     try:
         prompt = prompt_of(8, 100)
-        cache_in_radixkv(server, prompt, [81, 82, 83])
+        cache_in_radixkv(server, prompt, [dg(81), dg(82), dg(83)])
         stored: list[BlockStored] = []
         deadline = time.monotonic() + 60
         while not stored and time.monotonic() < deadline:  # the relay's thread delivers them: wait for it
