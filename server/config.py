@@ -10,12 +10,13 @@ A TOML file holds server options at the top level, one `[pools.NAME]` table per 
     head_dim = 128
     memory_fraction = 0.8   # or num_blocks = 4096, or memory_bytes = 17179869184
     host_num_blocks = 16384 # optional host tier (or host_memory_bytes): evicted prefixes move there
+    tenants = ["acme"]      # who may use it (absent: every tenant); map_pools maps only a pool one tenant uses
     [tenants.acme]
     token = "secret"
     namespaces = ["chat", "code"]   # "*": any namespace
     max_blocks = 2048               # per pool; absent: no quota
     max_cached_blocks = 4096        # per pool; absent: an even share of the pool when tenants are several
-    map_pools = true                # may GetPool a handle and map the KV memory (co-located workers)
+    map_pools = true                # may map (GetPool) the memory of a pool it alone uses (co-located workers)
     admin = false                   # may call the Debug service (--debug-rpc): it reads every tenant's blocks
     max_tokens_per_second = 5000    # token bucket: each open costs prompt + max_new_tokens; absent: no budget
 
@@ -65,6 +66,7 @@ class PoolConfig:
     host_memory_bytes: int | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
+    tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: pool_access.py
 
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
@@ -213,6 +215,7 @@ POOL_KEYS: dict[str, str] = {
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
+    "tenants": "tenants that may use the pool, a TOML list or a+b (unset: all); one alone to map it (map_pools)",
 }
 _DEFAULTS = {
     f.name: f.default for f in (*dataclasses.fields(PoolConfig), *dataclasses.fields(Limits)) if f.name != "kv_events"
@@ -248,7 +251,10 @@ def _check_pool_values(name: str, values: Mapping[str, Any]) -> None:
     if missing:
         raise ValueError(f"pool {name!r}: missing {', '.join(missing)}; radixkv serve --help lists every key")
     for key, value in values.items():
-        if key in _TEXT_KEYS:
+        if key == "tenants":
+            names = value.split("+") if isinstance(value, str) else value
+            ok, kind = isinstance(names, list | tuple) and all(isinstance(n, str) and n for n in names), "tenant names"
+        elif key in _TEXT_KEYS:
             ok, kind = isinstance(value, str), "text"
         elif key in _FLOAT_KEYS:
             ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
@@ -290,6 +296,8 @@ def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
     values = {k: v for k, v in values.items() if k not in events}
     _check_pool_values(name, values)
+    if isinstance(tenants := values.get("tenants", ()), str | list):  # TOML list, or a+b in a --pool flag
+        values = {**values, "tenants": tuple(tenants.split("+") if isinstance(tenants, str) else tenants)}
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
     kv_events = kv_events_config.from_mapping(name, events)
     return PoolConfig(
