@@ -33,15 +33,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import cbor2
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from radixkv.disk.block_io import DirectIO, aligned_buffer, fsync_dir
+from radixkv.disk.manifest import DiskTierError, check_manifest
 from radixkv.disk.object_format import (
+    ALIGN,
     CHECKSUM_BYTES,
-    FORMAT_VERSION,
     OBJECT_SUFFIX,
     DiskShape,
     ObjectRefused,
@@ -54,11 +54,6 @@ from radixkv.disk.object_format import (
 )
 
 log = logging.getLogger("radixkv.disk")
-MANIFEST = "radixkv-disk.cbor"
-
-
-class DiskTierError(Exception):
-    """The directory cannot serve as this pool's disk tier (another shape, not writable, full): said at start."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -81,7 +76,7 @@ class DiskStore:
         shape: DiskShape,
         capacity_bytes: int,
         *,
-        target_object_bytes: int = 1 << 20,
+        target_object_bytes: int = 2 << 20,
         durable: bool = True,
         io: DirectIO | None = None,
         num_threads: int = 8,
@@ -117,7 +112,7 @@ class DiskStore:
         try:
             objects.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(exist_ok=True)
-            self._check_manifest()
+            check_manifest(self.directory, self.shape)
             probe = tmp / f"probe-{secrets.token_hex(4)}"
             buf = aligned_buffer(1)
             self.io.write_file(probe, buf, len(buf), durable=True)
@@ -128,27 +123,6 @@ class DiskStore:
             self._count("torn")
             leftover.unlink(missing_ok=True)
         self.rebuild()
-
-    def _check_manifest(self) -> None:
-        path = self.directory / MANIFEST
-        mine = {"format_version": FORMAT_VERSION, "shape": self.shape.as_dict()}
-        if path.exists():
-            stored = cbor2.loads(path.read_bytes())
-            if stored.get("format_version") != FORMAT_VERSION:
-                raise DiskTierError(f"disk_dir {self.directory}: format version {stored.get('format_version')}")
-            differences = self.shape.differences(stored.get("shape", {}))
-            if differences:
-                raise DiskTierError(
-                    f"disk_dir {self.directory} holds another pool's blocks; fields that differ "
-                    f"(this pool, the directory's): {differences}"
-                )
-            return
-        part = self.directory / "tmp" / MANIFEST
-        part.write_bytes(cbor2.dumps(mine, canonical=True))
-        with open(part, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(part, path)
-        fsync_dir(self.directory)
 
     def rebuild(self) -> int:
         """Index every object in `objects/` from its header (oldest file first into the LRU); returns blocks."""
@@ -182,10 +156,12 @@ class DiskStore:
 
     def _read_header(self, path: Path, size: int) -> DiskObject | None:
         try:
-            prefix, got = self.io.read_range(path, 0, fixed_header_bytes())
-            length = header_length(bytes(prefix[:got]))
-            data, got = self.io.read_range(path, 0, length)
-            header = decode_header(bytes(data[:got]), self.shape, size)
+            with open(path, "rb") as f:  # buffered: a header is a page or two, read once per start
+                data = f.read(ALIGN)
+                length = header_length(data[: fixed_header_bytes()])
+                if length > len(data):
+                    data += f.read(length - len(data))
+            header = decode_header(data, self.shape, size)
         except ObjectRefused as e:
             self._refuse(path, e)
             return None
@@ -235,6 +211,11 @@ class DiskStore:
             n += 1
         return n
 
+    def sample(self) -> list[bytes]:
+        """The block hashes of the most recently used object (none when empty): what a bandwidth probe reads."""
+        with self._lock:
+            return list(next(reversed(self._objects.values())).hashes) if self._objects else []
+
     @property
     def num_objects(self) -> int:
         return len(self._objects)
@@ -272,8 +253,9 @@ class DiskStore:
         name = f"{hashes[0][:8].hex()}-{secrets.token_hex(6)}"
         sub = self._subdir(hashes[0])
         tmp, final = self.directory / "tmp" / (name + OBJECT_SUFFIX), sub / (name + OBJECT_SUFFIX)
-        buffer = aligned_buffer(size)
+        buffer = self.io.buffer(size)
         buffer[: len(header)] = header
+        buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
         np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
         try:
             sub.mkdir(exist_ok=True)
@@ -284,8 +266,6 @@ class DiskStore:
             self._unreserve(namespace, size)
             self._write_failed(e)
             return 0
-        finally:
-            buffer.close()
         split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
         obj = DiskObject(name, final, namespace, hashes, split, len(header), size)
         with self._lock:
@@ -353,36 +333,37 @@ class DiskStore:
                     runs.append((obj, slot, 1))
                 self._objects.move_to_end(obj.name)
         began = time.perf_counter()
-        parts = list(self._pool.map(self._read_run, runs))
-        out = []
-        for part in parts:
-            if part is None:
-                break
-            out.append(part)
-        got = np.concatenate(out) if out else np.empty((0, bb), np.uint8)
+        out = np.empty((sum(n for _, _, n in runs), bb), np.uint8)
+        starts = np.cumsum([0] + [n for _, _, n in runs]).tolist()
+        parts = [out[starts[i] : starts[i + 1]] for i in range(len(runs))]
+        verified = list(self._pool.map(self._read_run, runs, parts))
+        num_good = starts[verified.index(False)] if False in verified else len(out)
+        got = out[:num_good]
         with self._lock:
             self.read_seconds += time.perf_counter() - began
             self.num_read_blocks += len(got)
             self.num_read_bytes += got.nbytes
         return got
 
-    def _read_run(self, run: tuple[DiskObject, int, int]) -> npt.NDArray[np.uint8] | None:
+    def _read_run(self, run: tuple[DiskObject, int, int], into: npt.NDArray[np.uint8]) -> bool:
+        """Read `run`'s blocks into `into` and verify them; False (the object refused) on any damage."""
         obj, first, n = run
         bb = self.shape.bytes_per_block
         try:
             view, got = self.io.read_range(obj.path, obj.data_offset + first * bb, n * bb)
         except FileNotFoundError:
             self._forget(obj, ObjectRefused("missing", str(obj.path)))
-            return None
+            return False
         if got < n * bb:
             self._forget(obj, ObjectRefused("truncated", f"{obj.path}: {got} of {n * bb} bytes"))
-            return None
+            return False
         blocks = np.frombuffer(view, dtype=np.uint8, count=n * bb).reshape(n, bb)
         for i in range(n):
             if xxhash.xxh3_128_digest(blocks[i]) != obj.checksums[first + i]:
                 self._forget(obj, ObjectRefused("corrupt", f"{obj.path}: block {first + i} fails its checksum"))
-                return None
-        return blocks.copy()
+                return False
+        into[:] = blocks
+        return True
 
     def _forget(self, obj: DiskObject, error: ObjectRefused) -> None:
         with self._lock:
