@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from radixkv.disk.units import parse_bytes
+from radixkv.planning.plan import parse_bytes
 
 
 class DiskKeys(Protocol):
@@ -42,9 +42,11 @@ def check_disk_keys(pool: DiskKeys) -> None:
     if pool.disk_capacity is None:
         raise ValueError(f"pool {pool.name!r}: disk_dir needs disk_capacity (e.g. 200GiB)")
     try:
-        parse_bytes(pool.disk_capacity)
+        capacity = parse_bytes(pool.disk_capacity)
     except ValueError as e:
         raise ValueError(f"pool {pool.name!r}: disk_capacity {e}") from None
+    if capacity <= 0:
+        raise ValueError(f"pool {pool.name!r}: disk_capacity must be > 0")
     rate = pool.disk_prefill_tokens_per_s
     if rate is not None and not rate > 0:
         raise ValueError(f"pool {pool.name!r}: disk_prefill_tokens_per_s must be > 0")

@@ -33,13 +33,13 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.disk.block_io import DirectIO
+from radixkv.disk.continuation import Continuation, continuation
 from radixkv.disk.load_cost import LoadCost
 from radixkv.disk.shape import disk_shape
 from radixkv.disk.store import DiskStore
-from radixkv.disk.units import parse_bytes
+from radixkv.planning.plan import parse_bytes
 from radixkv.server.shares import Shares
 from radixkv.server.tenants import SCOPE_SEPARATOR
-from radixkv.tree.block_hash import chain_hashes
 from radixkv.tree.radix_tree import Node
 from radixkv.tree.token_ids import TOKEN_BYTES
 
@@ -167,47 +167,23 @@ class PoolDisk:
 
     # -- reading, for an open under the pool's lock ---------------------------------------------
 
-    def _continuation(self, key: bytes, namespace: str) -> tuple[Node, int, list[bytes]] | None:
-        """Where the prompt `key` leaves the device and host tiers (a node boundary), the blocks matched there, and
-        the hashes of the prompt's blocks past it (its last token is always computed, so not its last full block
-        when the prompt ends on one). None: nothing past the match, or the match ends inside a node."""
-        tree, host, bs = self.pool.cache.tree, self.pool.cache.host, self.pool.layout.block_size
-        assert host is not None
-        limit = (len(key) // TOKEN_BYTES - 1) // bs
-        root = tree.roots.get(namespace)
-        parent, start, parent_hash = root, 0, None
-        if root is not None:
-            match = tree.match(root, key, limit)
-            node = match.node
-            if node.parent is not None and match.num_blocks_in_node < len(node.block_ids):
-                return None
-            path, num_in_last, num_host = host.match(match, key, limit)
-            if path and num_in_last < len(path[-1].host_block_ids):
-                return None
-            parent, start = (path[-1] if path else node), match.num_blocks + num_host
-            if match.num_blocks and not num_host:  # the chain continues from a device block's known hash
-                parent_hash = self.pool.events.hashes.get(int(node.block_ids[-1]))
-        if start >= limit:
+    def _continuation(self, key: bytes, namespace: str) -> Continuation | None:
+        if not len(self.store):
             return None
-        tokens = np.frombuffer(key, dtype="<i4")
-        if parent_hash is not None:
-            hashes = chain_hashes(tokens[start * bs : limit * bs].tolist(), bs, namespace, parent_hash=parent_hash)
-        else:
-            hashes = chain_hashes(tokens[: limit * bs].tolist(), bs, namespace)[start:]
-        return (parent if parent is not None else tree.root(namespace)), start, hashes
+        return continuation(self.pool.cache, key, namespace, self.pool.events.hashes.get)
 
     def num_on_disk_tokens(self, key: bytes, namespace: str) -> int:
         """Tokens past the device and host match that the disk holds (Match's count; reads no block)."""
-        found = self._continuation(key, namespace) if len(self.store) else None
-        return 0 if found is None else self.store.num_on_disk(found[2]) * self.pool.layout.block_size
+        found = self._continuation(key, namespace)
+        return 0 if found is None else self.store.num_on_disk(found.hashes) * self.pool.layout.block_size
 
     def promote(self, key: bytes, namespace: str) -> int:
         """Bring the disk blocks continuing `key`'s match into the host tier when loading them beats recomputing;
         returns the tokens brought (an open then loads them as a host hit)."""
-        found = self._continuation(key, namespace) if len(self.store) else None
+        found = self._continuation(key, namespace)
         if found is None:
             return 0
-        parent, start, hashes = found
+        parent, start, hashes = found.parent, found.start, found.hashes
         num = self.store.num_on_disk(hashes)
         if not num or not self.cost.worth_loading(num):
             return 0
@@ -220,9 +196,11 @@ class PoolDisk:
         assert host is not None
         bs, bb = self.pool.layout.block_size, self.pool.layout.block_size * TOKEN_BYTES
         tokens = key[start * bb : (start + len(data)) * bb]
-        node = host.adopt(parent, tokens, lambda host_ids: self._fill(host_ids, data))
+        tree = self.pool.cache.tree
+        node = host.adopt(parent or tree.root(namespace), tokens, lambda host_ids: self._fill(host_ids, data))
         if node is None:
-            self.pool.cache.tree.drop_empty_roots()
+            if parent is None:
+                tree.drop_empty_roots()  # the root made for it
             return 0
         self.num_promoted_blocks += len(data)
         self.num_hit_tokens += len(data) * bs

@@ -340,9 +340,18 @@ class HostTier:
         first = token_bytes[: self.block_bytes]
         assert first not in parent.host_children and first not in parent.children, "adopt's caller: a miss here"
         num = len(token_bytes) // self.block_bytes
+        # The host-only path down to `parent` must not make the room (as `plan_load` keeps a path it will load).
+        held, node = 0, parent
+        while node.parent is not None and not len(node.block_ids):
+            held, node = held + len(node.host_block_ids), node.parent
         was_leaf = parent in self._leaves
-        self._leaves.discard(parent)  # its own eviction must not make the room
-        if not self._make_room(num):
+        self._leaves.discard(parent)
+        self._protected[parent.node_id] = (parent, held)
+        try:
+            room = self._make_room(num)
+        finally:
+            del self._protected[parent.node_id]
+        if not room:
             if was_leaf:
                 self._leaves.add(parent)
             return None
