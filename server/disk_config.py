@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from radixkv.planning.plan import parse_bytes
 
@@ -18,7 +18,6 @@ class DiskKeys(Protocol):
     disk_prefill_tokens_per_s: float | None
     host_num_blocks: int | None
     host_memory_bytes: int | None
-    __dataclass_fields__: dict[str, Any]
 
 
 P = TypeVar("P", bound=DiskKeys)
@@ -64,7 +63,10 @@ def with_disk(pools: tuple[P, ...], disk_dir: str | None, capacity: str | None) 
     if capacity is None:
         raise ValueError("--disk-dir needs --disk-capacity (e.g. 200GiB)")
     each = str(parse_bytes(capacity) // len(pools))
-    return tuple(
-        p if p.disk_dir else dataclasses.replace(p, disk_dir=str(Path(disk_dir) / p.name), disk_capacity=each)
-        for p in pools
-    )
+    own = {"disk_capacity": each}
+    return tuple(p if p.disk_dir else _replace(p, disk_dir=str(Path(disk_dir) / p.name), **own) for p in pools)
+
+
+def _replace(pool: P, **changes: str) -> P:
+    replaced: P = dataclasses.replace(cast(Any, pool), **changes)  # a PoolConfig: a dataclass the Protocol can't say
+    return replaced

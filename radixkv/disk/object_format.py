@@ -22,6 +22,7 @@ directory (that one can write any K/V into the cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Any
 
@@ -64,14 +65,19 @@ class DiskShape:
     hash_contract: tuple[tuple[str, Any], ...]  # HashContract's fields, in order
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["hash_contract"] = dict(self.hash_contract)
-        return d
+        return dict(_as_dict(self))
 
     def differences(self, other: dict[str, Any]) -> dict[str, tuple[object, object]]:
         """Field -> (this shape's value, `other`'s), for every field `other` (a stored shape) disagrees on."""
-        mine = self.as_dict()
-        return {k: (v, other.get(k)) for k, v in mine.items() if other.get(k) != v}
+        return {k: (v, other.get(k)) for k, v in _as_dict(self).items() if other.get(k) != v}
+
+
+@functools.lru_cache(maxsize=16)
+def _as_dict(shape: DiskShape) -> dict[str, Any]:
+    """Once per shape: a rebuild compares every object's header with it (do not mutate the result)."""
+    d = dataclasses.asdict(shape)
+    d["hash_contract"] = dict(shape.hash_contract)
+    return d
 
 
 def block_checksums(blocks: npt.NDArray[np.uint8]) -> bytes:
