@@ -20,6 +20,8 @@ class MatchExplanation:
     block_index: int  # the first uncached block
     evicted_at_unix_ns: int = 0  # EVICTED: when
     other_namespace: str = ""  # OTHER_NAMESPACE: where the same tokens are cached
+    num_host_cached_tokens: int = 0  # Match only: past num_cached_tokens, in the host tier (vLLM's medium "CPU")
+    num_disk_cached_tokens: int = 0  # Match only: past those, in the disk tier (vLLM's medium "STORAGE")
 
     @classmethod
     def from_response(cls, response: pb.MatchResponse | pb.OpenedSequence | pb.StepOpened) -> MatchExplanation:
@@ -29,4 +31,6 @@ class MatchExplanation:
             response.miss_block_index,
             response.evicted_at_unix_ns,
             response.other_namespace,
-        )
+            *((response.num_host_cached_tokens, response.num_disk_cached_tokens)
+              if isinstance(response, pb.MatchResponse) else ()),
+        )  # fmt: skip

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from radixkv.disk.simulated import SimulatedDisk
 from radixkv.kv_cache import KVCache
 from radixkv.memory.layout import DTYPE_ALIASES, DTYPE_BYTES
 from radixkv.planning.model_shape import MODEL_SHAPES, ModelShape, resolve_model
@@ -45,17 +46,22 @@ def _simulate(args: argparse.Namespace) -> int:
     infinite = working_set(trace, args.block_size)
     live_floor = int(infinite.peak_in_use_blocks * LIVE_HEADROOM)  # the live sequences must fit
     num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), live_floor)
-    cache = KVCache(num_blocks, args.block_size)
+    disk_blocks = infinite.num_blocks if args.disk_blocks < 0 else args.disk_blocks
+    cache = KVCache(num_blocks, args.block_size, host_num_blocks=num_blocks // 2 if disk_blocks else 0)
+    disk = SimulatedDisk(cache, disk_blocks) if disk_blocks else None
     print(
         f"trace: {len(trace):,} requests, {sum(r.num_tokens for r in trace):,} tokens "
         f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
     )
     print(f"pool: {num_blocks:,} blocks of {args.block_size} tokens; the working set is {infinite.num_blocks:,} blocks")
+    if disk is not None:
+        print(f"disk tier: {disk_blocks:,} blocks, through a host tier of {num_blocks // 2:,} blocks")
     if num_blocks >= infinite.num_blocks:
         why = "" if args.num_blocks else f"its live sequences need {live_floor:,} blocks at their peak, so "
         print(f"(this trace is too short for eviction: {why}the pool holds its whole working set; try more --tokens)")
     started = time.perf_counter()
-    result = replay(cache, trace, timed=False, check=cache.check_invariants if args.check else None)
+    check = cache.check_invariants if args.check else None
+    result = replay(cache, trace, timed=False, check=check, before_open=disk.promote if disk is not None else None)
     stats = cache.stats()
     print(
         f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s "
@@ -64,6 +70,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(
         f"hit ratio {result.hit_ratio:.3f} (an infinite cache: {infinite.hit_ratio:.3f}); evicted "
         f"{result.num_evicted_blocks:,} blocks"
+        + (f"; {disk.num_promoted_blocks:,} blocks loaded from disk" if disk is not None else "")
     )
     print(
         f"copy-on-write copies {stats.num_cow_copies:,}; forked {stats.num_forked_sequences:,}; peak in use "
@@ -165,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     simulate.add_argument(
         "--pool-fraction", type=float, default=0.15, help="of the working set, for the default pool (default 0.15)"
     )
+    simulate.add_argument(
+        "--disk-blocks", type=int, default=0,
+        help="a disk tier of this many blocks, over a host tier half the pool's size (-1: the working set; 0: none)",
+    )  # fmt: skip
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)
 

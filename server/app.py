@@ -30,6 +30,7 @@ from radixkv.server.config import (
 )
 from radixkv.server.debug import DebugServicer
 from radixkv.server.decoding import DecodingInterceptor
+from radixkv.server.disk_tier import PoolDisk, attach_disk
 from radixkv.server.flags import parse_args
 from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
@@ -132,6 +133,8 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
         for pool_config in config.pools:
             pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size, keeper)
         service = KVService(config, pools)
+        for pool_config in config.pools:
+            attach_disk(pools[pool_config.name], pool_config, service.shares)
         _restore_sessions(service, config)
         metrics = ServerMetrics(service)
         assert config.max_streams is not None and config.max_streams_per_peer is not None
@@ -259,6 +262,10 @@ def serve(config: ServerConfig) -> int:
     announcement = {"event": "serving", "port": port, "metrics_port": server.metrics_port, "kv_events": kv_events}
     if server.keeper is not None:
         announcement["keeper"] = _keeper_summary(server)
+    disks = {name: p.disk for name, p in server.service.pools.items() if isinstance(p.disk, PoolDisk)}
+    if disks:  # what each pool's disk tier rebuilt from its directory alone
+        announcement["disk"] = {n: {"blocks": len(d.store), "rebuild_s": d.store.rebuild_seconds}
+                                for n, d in disks.items()}  # fmt: skip
     print(json.dumps(announcement), flush=True)
     status = 0
     while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits

@@ -36,6 +36,7 @@ from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
 from radixkv.server.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
+from radixkv.server.disk_config import DISK_KEYS, with_disk
 from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
@@ -64,6 +65,9 @@ class PoolConfig:
     # The host tier (same layout in host memory; pinned when CUDA is present), by at most one of these; none: no tier.
     host_num_blocks: int | None = None
     host_memory_bytes: int | None = None
+    disk_dir: str | None = None
+    disk_capacity: str | None = None
+    disk_prefill_tokens_per_s: float | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
     tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: pool_access.py
@@ -130,6 +134,8 @@ class ServerConfig:
     # this socket, or to the one on this state directory, started there when none listens. Neither: own it.
     keeper_socket: str | None = None
     state_dir: str | None = None
+    disk_dir: str | None = None  # every pool's disk tier under DIR/POOL, disk_capacity split evenly between them
+    disk_capacity: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -140,6 +146,7 @@ class ServerConfig:
         tokens = [t.token for t in self.tenants]
         if len(set(tokens)) != len(tokens) or len({t.name for t in self.tenants}) != len(tokens):
             raise ValueError("tenant names and tokens must be unique")
+        object.__setattr__(self, "pools", with_disk(self.pools, self.disk_dir, self.disk_capacity))
         published = [(t.name, t.publish_kv_events) for t in self.tenants]  # auth on: the stream's trust boundary
         object.__setattr__(self, "pools", tuple(
             dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
@@ -212,6 +219,7 @@ POOL_KEYS: dict[str, str] = {
     "max_pinned_fraction": "fraction of the pool pins may keep resident",
     "host_num_blocks": "host tier size in blocks (host memory, same layout): evicted prefixes move there",
     "host_memory_bytes": "host tier size as a byte budget; give at most one of host_num_blocks, host_memory_bytes",
+    **DISK_KEYS,
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
@@ -294,7 +302,7 @@ def default_pool(shape: ModelShape, *, device: str, memory_fraction: float | Non
 def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     """A pool from `key: value` pairs; the core's `Limits` fields and the `kv_events_*` keys beside the layout."""
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
-    values = {k: v for k, v in values.items() if k not in events}
+    values = {k: str(v) if k == "disk_capacity" else v for k, v in values.items() if k not in events}
     _check_pool_values(name, values)
     if isinstance(tenants := values.get("tenants", ()), str | list):  # TOML list, or a+b in a --pool flag
         values = {**values, "tenants": tuple(tenants.split("+") if isinstance(tenants, str) else tenants)}

@@ -63,6 +63,19 @@ MAX_WATCHER_BYTES = 64 << 20  # queued per watcher: a watcher that stops reading
 def event_bytes(event: BlockEvent) -> int:
     """The most a queued event keeps alive: its tokens, its ids and hashes, its record."""
     return EVENT_BYTES + len(event.token_bytes) + ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
+class DiskTier(Protocol):
+    """A pool's disk tier as the hub, the steps and the reads use it (`radixkv.server.disk_tier.PoolDisk`); every
+    call but `close` under the pool's lock."""
+
+    def stored(self, node: Node, hashes: list[bytes]) -> None: ...
+
+    def removed(self, block_ids: npt.NDArray[np.int32]) -> None: ...
+
+    def promote(self, key: bytes, namespace: str) -> int: ...
+
+    def num_on_disk_tokens(self, key: bytes, namespace: str) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class EventSink(Protocol):
@@ -167,6 +180,7 @@ class EventHub:
         self.sinks: list[EventSink] = []
         self.tombstones = Tombstones(max_tombstones)
         self.checksums = BlockChecksums(cache.pool.num_blocks)  # writers' K/V checksums of tree blocks
+        self.disk: DiskTier | None = None  # the pool's disk tier (server/disk_tier.py), told of each block
         self._tree.observer = self
 
     def adopt(self, cache: KVCache) -> None:
@@ -201,7 +215,10 @@ class EventHub:
 
     def blocks_stored(self, node: Node) -> None:
         """A new leaf of the tree: all its blocks are newly cached (hashed here, once)."""
-        wires = tuple(wire_hash(h) for h in self.hashes.store(node))
+        hashes = self.hashes.store(node)
+        if self.disk is not None:
+            self.disk.stored(node, hashes)
+        wires = tuple(wire_hash(h) for h in hashes)
         delta = self._add_to_digest(node.namespace, wires, 1)
         self.num_events += 1
         number = self._next_number(node.namespace)
@@ -209,6 +226,8 @@ class EventHub:
             self._publish(self._stored_event(number, node, delta))
 
     def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
+        if self.disk is not None:
+            self.disk.removed(block_ids)
         hashes = tuple(wire_hash(h) for h in self.hashes.remove(block_ids))
         self.checksums.forget(block_ids)
         self.tombstones.bury(namespace, hashes)

@@ -148,6 +148,8 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         metavar="DIR",
         help="as --keeper DIR/keeper.sock, starting `radixkv keeper --state-dir DIR` (detached) if none runs there",
     )
+    parser.add_argument("--disk-dir", metavar="DIR", help="a disk tier per pool in DIR/POOL (needs a host tier)")
+    parser.add_argument("--disk-capacity", metavar="SIZE", help="the disk tier's byte cap, split between pools: 200GiB")
     parser.add_argument("--debug-rpc", action="store_true", default=None, help="serve radixkv.v1.Debug (tests only)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = parser.parse_args(args)

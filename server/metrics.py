@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixkv.server.config import DEFAULT_POOL
+from radixkv.server.disk_metrics import DiskCollector
 from radixkv.server.interceptors import Behaviour, WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.status import forget_refusal, last_refusal
 
@@ -195,6 +196,7 @@ class ServerMetrics:
     def __init__(self, service: KVService) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(service))
+        self.registry.register(DiskCollector(service.pools))
         self._latency = Histogram(
             "radixkv_rpc_duration_seconds",
             "Unary RPC handling time.",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.kv_cache import KVCache, Limits
 from radixkv.memory.layout import PoolLayout
-from radixkv.server.events import EventHub
+from radixkv.server.events import DiskTier, EventHub
 from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.ledger import PoolLedger
 from radixkv.server.tenants import SCOPE_SEPARATOR
@@ -68,6 +68,7 @@ class Pool:
         self.snapshot_refusals: dict[str, int] = {}  # why -> snapshots refused at start (server/restart.py)
         self.num_adopted_blocks = 0  # cached blocks adopted from the previous server's snapshot
         self.adopted_extras: dict[str, Any] | None = None  # the adopted snapshot's sessions, until restored
+        self.disk: DiskTier | None = None  # the disk tier under the host tier (server/disk_tier.py), if any
 
     def publish_kv_events(self, config: KVEventsConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.kv_events`), from now on; the
@@ -101,6 +102,8 @@ class Pool:
 
     def close(self) -> None:
         """Wake every event stream and drop the memory: freed if this process owns it, else left to the keeper."""
+        if self.disk is not None:
+            self.disk.close()  # writes what is pending first
         with self.lock:
             self.events.close_all()
             publisher, self.kv_publisher = self.kv_publisher, None

@@ -94,23 +94,26 @@ class KVReads:
 
     def match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
-    ) -> tuple[int, int]:
-        """(device tokens, host tokens), as `KVCache.match_tiers`."""
+    ) -> tuple[int, int, int]:
+        """(device tokens, host tokens, disk tokens): `KVCache.match_tiers`, then what the disk tier continues."""
         pool, core_namespace, key = self._probe(caller, session_id, pool_name, token_ids, namespace)
         with pool.lock:
-            return pool.cache.match_tiers(key, core_namespace)
+            num_cached, num_host = pool.cache.match_tiers(key, core_namespace)
+            num_disk = pool.disk.num_on_disk_tokens(key, core_namespace) if pool.disk is not None else 0
+        return num_cached, num_host, num_disk
 
     def explain_match(
         self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str
-    ) -> tuple[int, int, MissExplanation]:
+    ) -> tuple[int, int, int, MissExplanation]:
         """`match`, and why the device's cached prefix ends there (hashes one block; see `miss_reasons`)."""
         pool, core_namespace, key = self._probe(caller, session_id, pool_name, token_ids, namespace)
         with pool.lock:
             num_cached, num_host = pool.cache.match_tiers(key, core_namespace)
+            num_disk = pool.disk.num_on_disk_tokens(key, core_namespace) if pool.disk is not None else 0
             explanation = explain_miss(pool.cache, pool.events, caller, key, core_namespace, num_cached)
             reason = explanation.reason.name
             pool.num_miss_tokens[reason] = pool.num_miss_tokens.get(reason, 0) + explanation.num_missed_tokens
-        return num_cached, num_host, explanation
+        return num_cached, num_host, num_disk, explanation
 
     # -- pool-wide --------------------------------------------------------------------------------
 

@@ -229,18 +229,19 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
     @translating_errors
     def Match(self, request: pb.MatchRequest, context: grpc.ServicerContext) -> pb.MatchResponse:
         if request.explain:
-            num, num_host, why = self._reads.explain_match(
+            num, num_host, num_disk, why = self._reads.explain_match(
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, num_host_cached_tokens=num_host, miss_reason=wire_reason(why),
+                num_cached_tokens=num, num_host_cached_tokens=num_host, num_disk_cached_tokens=num_disk,
+                miss_reason=wire_reason(why),
                 miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
             )  # fmt: skip
-        num, num_host = self._reads.match(
+        num, num_host, num_disk = self._reads.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
-        return pb.MatchResponse(num_cached_tokens=num, num_host_cached_tokens=num_host)
+        return pb.MatchResponse(num_cached_tokens=num, num_host_cached_tokens=num_host, num_disk_cached_tokens=num_disk)
 
     @translating_errors
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:

@@ -90,8 +90,10 @@ def replay(
     release_after: int = 32,
     timed: bool = False,
     check: Callable[[], None] | None = None,
+    before_open: Callable[[Tokens, str], object] | None = None,
 ) -> ReplayResult:
-    """Run the trace through `cache`; with `timed`, record each operation's duration."""
+    """Run the trace through `cache`; with `timed`, record each operation's duration. `before_open(prompt,
+    namespace)` runs before each open (a simulated disk tier brings the prompt's blocks into the host tier)."""
     pending: collections.deque[list[int]] = collections.deque()
     op_seconds: dict[str, list[float]] = {"open": [], "fork": [], "append": [], "cache": [], "release": []}
     clock = time.perf_counter
@@ -99,6 +101,8 @@ def replay(
     peak_in_use = 0
     start = clock()
     for request in trace:
+        if before_open is not None:
+            before_open(request.prompt, request.namespace)
         t0 = clock()
         opened = cache.open(request.prompt, request.namespace)
         cache.commit([opened.seq_id], [len(request.prompt)])  # the prefill wrote the prompt's K/V

@@ -21,6 +21,7 @@ its copy-on-write copies, then its loads, then runs its step. That order is safe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 import numpy as np
@@ -326,6 +327,48 @@ class HostTier:
         assert pos == len(device_ids), "load: device blocks and host path disagree"
         self.stats.num_loaded_blocks += pos
         return path[-1], np.concatenate(pairs)
+
+    def adopt(self, parent: Node, token_bytes: bytes, fill: Callable[[BlockIds], bool]) -> Node | None:
+        """Hang a host-only node of `token_bytes` under `parent` (a node boundary where the device and host match of
+        these tokens ends): host blocks are made room for and allocated, `fill` writes their K/V (the disk tier),
+        and the node joins the host LRU as most recently used, so an open loads it back like any host hit.
+
+        None (nothing changes) when the host tier has no room, an allocated block is the target of an offload not
+        yet handed out, or `fill` returns False. `fill` writes host memory at once: sound when the pool's worker has
+        applied every earlier result (the demo's worker and radixkv's clients apply each before their next call).
+        """
+        first = token_bytes[: self.block_bytes]
+        assert first not in parent.host_children and first not in parent.children, "adopt's caller: a miss here"
+        num = len(token_bytes) // self.block_bytes
+        # The host-only path down to `parent` must not make the room (as `plan_load` keeps a path it will load).
+        held, node = 0, parent
+        while node.parent is not None and not len(node.block_ids):
+            held, node = held + len(node.host_block_ids), node.parent
+        was_leaf = parent in self._leaves
+        self._leaves.discard(parent)
+        self._protected[parent.node_id] = (parent, held)
+        try:
+            room = self._make_room(num)
+        finally:
+            del self._protected[parent.node_id]
+        if not room:
+            if was_leaf:
+                self._leaves.add(parent)
+            return None
+        host_ids = self.pool.allocate(num)
+        # `fill` writes now, and an offload still queued into a block just freed would land after it: refuse those.
+        queued = any(np.isin(host_ids, pairs[:, 1]).any() for pairs in self._pending)
+        if queued or not fill(host_ids):
+            self.pool.free_exclusive(host_ids)
+            if was_leaf:
+                self._leaves.add(parent)
+            return None
+        node = Node(token_bytes, NO_BLOCKS, parent, parent.namespace, last_access=self.tree.tick())
+        node.host_block_ids = host_ids
+        parent.host_children[first] = node
+        self._leaves.add(node)
+        self.num_cached_blocks += num
+        return node
 
     def _split(self, node: Node, k: int) -> Node:
         """Split host-only `node` after its first `k` blocks; returns the new upper node (`node` keeps the tail)."""

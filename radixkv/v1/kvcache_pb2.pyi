@@ -267,20 +267,22 @@ class MatchRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("num_cached_tokens", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace", "num_host_cached_tokens")
+    __slots__ = ("num_cached_tokens", "miss_reason", "miss_block_index", "evicted_at_unix_ns", "other_namespace", "num_host_cached_tokens", "num_disk_cached_tokens")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
     MISS_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     EVICTED_AT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_cached_tokens: int
     miss_reason: MissReason
     miss_block_index: int
     evicted_at_unix_ns: int
     other_namespace: str
     num_host_cached_tokens: int
-    def __init__(self, num_cached_tokens: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_disk_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., miss_block_index: _Optional[int] = ..., evicted_at_unix_ns: _Optional[int] = ..., other_namespace: _Optional[str] = ..., num_host_cached_tokens: _Optional[int] = ..., num_disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("pool", "session_id", "token_ids", "namespace", "request_id")

@@ -1,0 +1,135 @@
+"""Files in and out of page-aligned memory: O_DIRECT where the filesystem takes it, buffered I/O where not.
+
+O_DIRECT keeps the page cache out of the way (a disk tier 10-100x DRAM would only churn it, and a measured
+read bandwidth would measure DRAM). It needs the buffer, offset and length aligned to the device's logical
+block: buffers come from anonymous `mmap` (page-aligned), offsets and lengths are multiples of `ALIGN`.
+tmpfs and some overlay filesystems refuse O_DIRECT (EINVAL at open or at the first read/write): the file is
+then reopened without it, once, and the directory remembers (`DirectIO.direct`).
+
+`os.preadv`/`os.pwritev` release the GIL, so a thread pool keeps many requests in flight on two cores.
+`throttle_bytes_per_s` (tests, benchmarks) makes every read take at least bytes / rate seconds: a slow disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+from radixkv.disk.object_format import ALIGN
+from radixkv.memory.block_pool import cdiv
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_CHUNK = 8 << 20  # bytes per pwritev/preadv call: bounded by the kernel's 2 GiB and friendlier to the queue
+
+
+def aligned_buffer(num_bytes: int) -> mmap.mmap:
+    """Zeroed, page-aligned memory of `num_bytes` rounded up to ALIGN."""
+    return mmap.mmap(-1, max(ALIGN, cdiv(num_bytes, ALIGN) * ALIGN))
+
+
+class DirectIO:
+    """Reads and writes whole aligned files under one directory; `direct` says whether O_DIRECT is in use.
+
+    Each thread reuses one aligned buffer (`buffer`), grown as needed: a fresh mapping per request would cost a
+    page fault per 4 KiB, as much CPU as the copy itself.
+    """
+
+    def __init__(self, use_direct: bool = True, throttle_bytes_per_s: float | None = None) -> None:
+        self.direct = use_direct and bool(_O_DIRECT)
+        self.throttle_bytes_per_s = throttle_bytes_per_s
+        self._local = threading.local()
+
+    def buffer(self, num_bytes: int) -> mmap.mmap:
+        """This thread's aligned buffer, at least `num_bytes` (rounded up to ALIGN); valid until its next call."""
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < num_bytes:
+            buf = self._local.buf = aligned_buffer(max(num_bytes, 1 << 20))
+        return buf
+
+    def _open(self, path: Path, flags: int) -> int:
+        if self.direct:
+            try:
+                return os.open(path, flags | _O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        return os.open(path, flags, 0o644)
+
+    def write_file(self, path: Path, buffer: mmap.mmap, num_bytes: int, durable: bool) -> None:
+        """Write the first `num_bytes` (a multiple of ALIGN) of `buffer` as a new file `path`; fsync if `durable`."""
+        assert num_bytes % ALIGN == 0, "write_file writes whole aligned pages"
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            view = memoryview(buffer)
+            try:
+                _pwrite_all(fd, view, num_bytes)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self.direct = False  # the filesystem took O_DIRECT at open and refused it at write
+                os.close(fd)
+                fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+                _pwrite_all(fd, view, num_bytes)
+            if durable:
+                os.fdatasync(fd)  # the data and the size; the name is made durable by the directory's fsync
+        finally:
+            os.close(fd)
+
+    def read_range(self, path: Path, offset: int, num_bytes: int) -> tuple[memoryview, int]:
+        """Bytes [offset, offset + num_bytes) of `path`: a view into an aligned buffer, and how many were read
+        (fewer at the end of a short file), valid until this thread's next request. Offset and length are widened
+        to ALIGN for the read."""
+        start = offset - offset % ALIGN
+        length = cdiv(offset + num_bytes - start, ALIGN) * ALIGN
+        buffer = self.buffer(length)
+        began = time.perf_counter()
+        fd = self._open(path, os.O_RDONLY)
+        try:
+            try:
+                got = _pread_all(fd, memoryview(buffer), length, start)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self.direct = False
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+                got = _pread_all(fd, memoryview(buffer), length, start)
+        finally:
+            os.close(fd)
+        if self.throttle_bytes_per_s:
+            time.sleep(max(0.0, got / self.throttle_bytes_per_s - (time.perf_counter() - began)))
+        skip = offset - start
+        return memoryview(buffer)[skip : skip + num_bytes], max(0, min(num_bytes, got - skip))
+
+
+def _pwrite_all(fd: int, view: memoryview, num_bytes: int) -> None:
+    pos = 0
+    while pos < num_bytes:
+        n = os.pwritev(fd, [view[pos : min(num_bytes, pos + _CHUNK)]], pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        pos += n
+
+
+def _pread_all(fd: int, view: memoryview, num_bytes: int, offset: int) -> int:
+    pos = 0
+    while pos < num_bytes:
+        n = os.preadv(fd, [view[pos : min(num_bytes, pos + _CHUNK)]], offset + pos)
+        if n <= 0:
+            break  # end of file
+        pos += n
+    return pos
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames into `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
