@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from radixkv.kv_cache import Limits
-from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
+from radixkv.memory.layout import DTYPE_BYTES, PoolLayout, canonical_dtype
 from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
 from radixkv.server.kv_events_config import KVEventsConfig
@@ -313,6 +313,8 @@ def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     """A pool from `key: value` pairs; the core's `Limits` fields and the `kv_events_*` keys beside the layout."""
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
     values = {k: v for k, v in values.items() if k not in events}
+    if isinstance(values.get("dtype"), str):  # fp8 is float8_e4m3fn here as in plan and demo
+        values = {**values, "dtype": canonical_dtype(values["dtype"])}
     _check_pool_values(name, values)
     limits = Limits(**{k: v for k, v in values.items() if k in _LIMIT_FIELDS})
     kv_events = kv_events_config.from_mapping(name, events)

@@ -23,6 +23,7 @@ from radixkv.kernels import (
     store_kv,
 )
 from radixkv.kernels.backend import INTERPRETED, pick_backend
+from radixkv.server.process import patient
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
@@ -233,7 +234,7 @@ def test_cpu_defaults_to_torch_without_interpreter():
         "    raise SystemExit('triton on CPU without the interpreter was accepted')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patient(120))
     assert result.returncode == 0, result.stderr
 
 

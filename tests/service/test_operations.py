@@ -20,6 +20,7 @@ from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownSequence
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.step import Append, Step
+from radixkv.server.process import patient
 
 
 def test_health_reports_serving_for_the_server_and_the_service(server) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +130,7 @@ def test_sigterm_stops_gracefully_and_frees_the_pool_memory(start_server) -> Non
     events = iter(client.watch_events(include_snapshot=True))
     assert next(events).snapshot  # the stream is open on the server
     proc.proc.send_signal(signal.SIGTERM)
-    assert proc.proc.wait(timeout=20) == 0
+    assert proc.proc.wait(timeout=patient(120)) == 0
     assert list(events) == []  # the stream ended cleanly (OK), not cut off
     assert not os.path.exists(f"/dev/shm/{segment}")
     client.close()  # the server and its sessions are gone: closing still succeeds
