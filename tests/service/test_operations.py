@@ -83,6 +83,8 @@ def test_metrics_expose_pool_gauges_counters_and_rpc_latency(server) -> None:  #
         assert _sample(text, "radixkv_live_sequences", pool) == stats.num_live_sequences >= 1
         assert _sample(text, "radixkv_hit_tokens_total", pool) == stats.num_hit_tokens >= 16
         assert _sample(text, "radixkv_requested_tokens_total", pool) == stats.num_requested_tokens
+        ratio = _sample(text, "radixkv_prefix_hit_ratio", pool)
+        assert 0 < ratio == stats.num_hit_tokens / stats.num_requested_tokens, "hits / requested, since the start"
         for name in ("radixkv_evicted_blocks_total", "radixkv_allocation_failures_total", "radixkv_cow_copies_total"):
             _sample(text, name, pool)
         assert _sample(text, "radixkv_sessions") >= 1
