@@ -12,15 +12,17 @@ closure), so a bare GPU image runs it from a checkout (`benchmarks/gpu_check.sh`
 
 Started from the checkout root, Python finds this folder as a top-level `kernels` before Hugging Face's
 package of that name (transformers 5 imports it). Imported under that name, this module yields: it loads
-the installed `kernels` in its place, or says which name to import if none is installed.
+the installed `kernels` in its place; with none installed it stays empty (transformers then finds no
+`__version__` and takes kernels as absent), each name saying to import radixkv.kernels.
 """
 
 import sys
 
 if __name__ == "kernels":  # the checkout root is on sys.path: not radixkv.kernels
 
-    def _yield_to_installed() -> None:
-        """Put the installed top-level `kernels` (Hugging Face's) in sys.modules in place of this folder."""
+    def _yield_to_installed() -> bool:
+        """Put the installed top-level `kernels` (Hugging Face's) in sys.modules in place of this folder; False if
+        none is installed."""
         import importlib.machinery
         import importlib.util
         import os
@@ -29,11 +31,7 @@ if __name__ == "kernels":  # the checkout root is on sys.path: not radixkv.kerne
         path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
         spec = importlib.machinery.PathFinder.find_spec("kernels", path)
         if spec is None or spec.loader is None:
-            del sys.modules["kernels"]
-            raise ModuleNotFoundError(
-                f"No module named 'kernels' is installed ({root}/kernels is radixkv's: import radixkv.kernels)",
-                name="kernels",
-            )
+            return False
         module = importlib.util.module_from_spec(spec)
         sys.modules["kernels"] = module  # the import system hands back what sys.modules holds after this file
         try:
@@ -41,8 +39,16 @@ if __name__ == "kernels":  # the checkout root is on sys.path: not radixkv.kerne
         except BaseException:
             del sys.modules["kernels"]
             raise
+        return True
 
-    _yield_to_installed()
+    if not _yield_to_installed():
+        # None installed: an empty module whose every name says where radixkv's kernels are. transformers probes
+        # `kernels` this way (import, then its __version__) and takes it as absent.
+        def __getattr__(name: str) -> object:
+            raise AttributeError(
+                f"kernels.{name}: no `kernels` package is installed; this top-level `kernels` is radixkv's folder, "
+                "imported as radixkv.kernels"
+            )
 else:
     from radixkv.kernels.copy_blocks import copy_blocks, copy_blocks_reference
     from radixkv.kernels.decode_plan import DecodeConfig, DecodePlan, choose_split_len, plan_decode
