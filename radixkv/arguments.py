@@ -17,11 +17,22 @@ from radixkv.planning.plan import parse_bytes
 USAGE_ERROR = 2  # the exit status of a command-line mistake, as argparse's own
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Each flag's default after its help, unless the help says it already or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = "(default" in text or "default:" in text
+        if shown or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block: the line says the fix) and the defaults in `--help`."""
 
     def __init__(self, **kwargs: object) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(**kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> NoReturn:
