@@ -16,6 +16,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.errors import ServerRestarted, UnknownSequence, UnknownSession
 from radixkv.server.app import create_server, parse_args
+from radixkv.server.process import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -46,7 +47,7 @@ def _until_reachable(call: Callable[[], object], wait_until: Callable[..., bool]
 
 def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_recovers(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
     first = start_server(*POOL)
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     try:
         prompt = list(range(40, 52))
         opened = client.open(prompt + [1], "restart")
@@ -105,7 +106,7 @@ def test_a_sequence_id_from_before_a_restart_names_nothing_after_it() -> None:
     server, port = create_server(config, "127.0.0.1:0")
     server.start()
     try:
-        client = RadixKVClient(f"127.0.0.1:{port}", timeout=5)
+        client = RadixKVClient(f"127.0.0.1:{port}", timeout=patient(60))
         old = client.open([1, 2, 3]).seq_id
     finally:
         server.stop(0)

@@ -106,7 +106,7 @@ class Load:
 
     def _run(self, i: int) -> None:
         try:
-            client = RadixKVClient(self.address, session_ttl=60, timeout=5)
+            client = RadixKVClient(self.address, session_ttl=60, timeout=patient(60))
             history = [50_000 + i] * 5
             while not self._stop.is_set():
                 try:
@@ -137,7 +137,7 @@ class Load:
 
 def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     block_ids = _warm(client)
     debug = Debug(first.address)
     checksum = debug.checksum(block_ids)
@@ -180,7 +180,7 @@ def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper
 def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
     zmq_flags = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     first = _serve(keeper, tmp_path / "server1.log", *zmq_flags)
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     router = Router([first.address], block_size=BLOCK_SIZE, health_interval=0.2)
     _warm(client)
     before = client.verify()
@@ -232,7 +232,7 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
 
 def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     _warm(client)
     assert first.stop() == 0
     snapshot = Path(keeper.announcement["state_dir"]) / "snapshots" / "default.snapshot"
@@ -257,7 +257,7 @@ def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(k
 
 def test_a_sigkill_of_the_server_is_a_cold_start(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     _warm(client)
     first.kill()
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port))
@@ -279,7 +279,7 @@ def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_
     with pytest.raises(grpc.RpcError) as refused:
         _upgrade(server.address)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    with RadixKVClient(server.address, timeout=5) as client:
+    with RadixKVClient(server.address, timeout=patient(60)) as client:
         assert client.match(PROMPTS[0]) == 0
 
 
@@ -292,7 +292,7 @@ def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(t
         with pytest.raises(grpc.RpcError) as refused:
             _upgrade(server.address)  # its memory dies with it now: an upgrade would lose the cache
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        with RadixKVClient(server.address, timeout=5) as client:
+        with RadixKVClient(server.address, timeout=patient(60)) as client:
             assert client.match(PROMPTS[0]) == 0
         assert server.stop() == 0
         assert not (tmp_path / "state" / "snapshots" / "default.snapshot").exists(), "nothing to adopt was written"
