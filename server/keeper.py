@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from radixkv.extras import install_hint
 from radixkv.server.keeper_protocol import (
     LOCK_NAME,
     MAX_FRAME_BYTES,
@@ -318,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run(ns.state_dir.absolute(), sys.stdout, ns.idle_timeout)
     except ModuleNotFoundError as e:
-        print(f"radixkv keeper: needs the {e.name} package: pip install 'radixkv[server]'", file=sys.stderr)
+        print(f"radixkv keeper: needs the {e.name} package: {install_hint('server')}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError, ValueError) as e:
         print(f"radixkv keeper: {e}", file=sys.stderr)

@@ -88,6 +88,12 @@ class _PoolCollector:
         gauges = {name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, _, doc in _GAUGES}
         counters = {name: CounterMetricFamily(name, doc, labels=["pool"]) for name, _, doc in _COUNTERS}
         usage = GaugeMetricFamily("radixkv_block_usage_ratio", "Blocks in use / blocks in the pool.", labels=["pool"])
+        hits = GaugeMetricFamily(
+            "radixkv_prefix_hit_ratio",
+            "Prompt tokens served from the prefix cache / prompt tokens opened, since the pool started "
+            "(radixkv_hit_tokens_total / radixkv_requested_tokens_total; 0 before any open).",
+            labels=["pool"],
+        )
         watchers = GaugeMetricFamily("radixkv_event_watchers", "Open WatchEvents streams.", labels=["pool"])
         misses = CounterMetricFamily(
             "radixkv_miss_tokens", "Tokens past the cached prefix, by reason (Match with explain only).",
@@ -147,11 +153,13 @@ class _PoolCollector:
                 for state, field in _HOST_STATES:
                     host_blocks.add_metric([pool.name, state], getattr(stats, field))
             usage.add_metric([pool.name], stats.usage_ratio)
+            hits.add_metric([pool.name], stats.hit_ratio)
             watchers.add_metric([pool.name], pool.events.num_watchers)
             restart_safe.add_metric([pool.name], 1 if pool.restart_safe() else 0)
         yield from gauges.values()
         yield from counters.values()
         yield usage
+        yield hits
         yield watchers
         yield misses
         yield host_blocks

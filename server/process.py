@@ -11,6 +11,7 @@ Standard library only: importing this module loads neither torch nor grpc.
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -19,6 +20,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
+
+STOP_SECONDS = 120.0  # a graceful stop (drain, snapshot, free the pools) on an idle machine takes well under a second
+START_SECONDS = 300.0  # a child's start: importing torch and grpc, building the pools
+
+
+def patient(seconds: float) -> float:
+    """A bound for a wait on an event, stretched on a loaded machine: `seconds` while no more processes are runnable
+    than there are cores, else times the runnable processes per core (load 14 on 2 cores: 7x). RADIXKV_WAIT_SCALE
+    multiplies it further. The one place the tests, the demo and the benchmarks scale their bounds: a wait ends when
+    its event happens, so a generous bound costs nothing unless something is broken."""
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        load = 1.0
+    return seconds * max(1.0, load) * float(os.environ.get("RADIXKV_WAIT_SCALE", "1"))
 
 
 class _Announced:
@@ -41,8 +57,8 @@ class _Announced:
         assert self.proc.stdout is not None
         with selectors.DefaultSelector() as selector:
             selector.register(self.proc.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout):
-                raise RuntimeError(f"{self.proc.args!r} did not announce itself within {timeout} s{self._log_tail()}")
+            if not selector.select(bound := patient(timeout)):
+                raise RuntimeError(f"{self.proc.args!r} did not announce itself within {bound:.0f} s{self._log_tail()}")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.proc.args!r} exited ({self.proc.wait()}) before {event}{self._log_tail()}")
@@ -57,12 +73,13 @@ class _Announced:
         self._log.flush()
         return f"; log: {self.log_path.read_text()[-2000:]}"
 
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited in `timeout` s; the exit status (0 after a graceful stop)."""
+    def stop(self, timeout: float = STOP_SECONDS) -> int:
+        """SIGTERM, then SIGKILL if it has not exited in `patient(timeout)` s; the exit status (0 after a graceful
+        stop)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(patient(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -103,7 +120,7 @@ class ServerProcess(_Announced):
         self,
         args: Sequence[str],
         log_path: Path | None = None,
-        timeout: float = 60.0,
+        timeout: float = START_SECONDS,
         *,
         keeper: str | Path | None = None,
         state_dir: str | Path | None = None,
@@ -126,7 +143,11 @@ class KeeperProcess(_Announced):
     `kill()` is SIGKILL (the next keeper on DIR starts cold). `socket` is the path servers attach to."""
 
     def __init__(
-        self, state_dir: str | Path, log_path: Path | None = None, timeout: float = 60.0, args: Sequence[str] = ()
+        self,
+        state_dir: str | Path,
+        log_path: Path | None = None,
+        timeout: float = START_SECONDS,
+        args: Sequence[str] = (),
     ) -> None:
         command = [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir), *args]
         super().__init__(command, "keeping", log_path, timeout, "ab")

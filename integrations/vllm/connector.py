@@ -84,7 +84,13 @@ def check_pool(layout: PoolLayout, engine: dict[str, object], where: str) -> Non
     """One ValueError naming every field where the pool and the engine differ, with both values."""
     diffs = [f"{k} {getattr(layout, k)} (radixkv) != {v} (vLLM)" for k, v in engine.items() if getattr(layout, k) != v]
     if diffs:
-        raise ValueError(f"RadixKVConnector: pool {where} does not match the engine: {', '.join(diffs)}")
+        fix = (
+            f"serve a pool shaped for this engine (radixkv serve --model MODEL --block-size {engine['block_size']} "
+            f"--kv-dtype {engine['dtype']})"
+        )
+        if all(getattr(layout, k) == engine[k] for k in ("num_layers", "num_kv_heads", "head_dim")):
+            fix += f", or start vLLM with --block-size {layout.block_size} --dtype {layout.dtype}"
+        raise ValueError(f"RadixKVConnector: pool {where} does not match the engine: {', '.join(diffs)}; {fix}")
 
 
 class RadixKVConnector(KVConnectorBase_V1):

@@ -108,7 +108,9 @@ def _gguf_shape(path: str) -> ModelShape:
     try:
         import gguf
     except ImportError:
-        raise ValueError("--model: reading a GGUF file needs the gguf package: pip install 'radixkv[server]'") from None
+        from radixkv.extras import install_hint
+
+        raise ValueError(f"--model: reading a GGUF file needs the gguf package: {install_hint('server')}") from None
     try:
         fields = gguf.GGUFReader(path).fields
     except (OSError, ValueError) as e:

@@ -94,7 +94,11 @@ def plan_capacity(
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB' (2^30), '80GB' (10^9, as SI and disk vendors write it), '512MiB', '1e9' -> bytes."""
+    """'80GiB' (2^30), '80GB' (10^9, as SI and disk vendors write it), '512MiB' -> bytes; '0' alone needs no unit.
+
+    Raises:
+        ValueError: not a size, or a number without a unit (80 could be bytes or GiB: it says which to write).
+    """
     units = {"tib": 2**40, "tb": 10**12, "gib": GIB, "gb": GB, "mib": MIB, "mb": 10**6, "kib": 1024, "kb": 1000, "b": 1}
     cleaned = text.strip().lower().replace(" ", "")
     unit = next((u for u in units if cleaned.endswith(u)), "")
@@ -107,6 +111,8 @@ def parse_bytes(text: str) -> int:
         ) from None
     if value < 0:
         raise ValueError(f"{text!r}: a size must be >= 0")
+    if not unit and value != 0:
+        raise ValueError(f"{text!r} has no unit: write {number}GiB (2^30 bytes) or {number}GB (10^9 bytes)")
     return int(value)
 
 

@@ -74,7 +74,14 @@ def test_plan_rejects_bad_input(kwargs, message):
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("80GiB", 80 * GIB), ("16 GB", 16 * 10**9), ("16 GiB", 16 * GIB), ("512MiB", 512 * MIB), ("1000", 1000)],
+    [
+        ("80GiB", 80 * GIB),
+        ("16 GB", 16 * 10**9),
+        ("16 GiB", 16 * GIB),
+        ("512MiB", 512 * MIB),
+        ("1000B", 1000),
+        ("0", 0),
+    ],
 )
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value

@@ -16,6 +16,7 @@ from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.memory.memory_sizing import free_memory_bytes, layout_for_memory
 from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.memory.storage import TORCH_DTYPES, KVStorage
+from radixkv.server.process import patient
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
 HAS_SHM_DIR = os.path.isdir("/dev/shm")
@@ -287,7 +288,7 @@ if __name__ == "__main__":
         for _ in range(2):
             p = multiprocessing.get_context("spawn").Process(target=child, args=(handle.to_dict(),))
             p.start()
-            p.join(60)
+            p.join(patient(120))
             assert p.exitcode == 0, p.exitcode
         assert os.path.exists(os.path.join("/dev/shm", handle.name)), "a child's exit unlinked the segment"
         assert bool((s.data[1, 0, 2] == 5.0).all())
@@ -299,7 +300,7 @@ if __name__ == "__main__":
 def test_a_spawned_child_shares_the_creators_tracker_and_leaves_its_registration(tmp_path):
     script = tmp_path / "spawned.py"
     script.write_text(SPAWNED)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=patient(180))
     assert result.returncode == 0, result.stderr
     assert "resource_tracker" not in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not shm_exists(result.stdout.strip()), "the creator's exit unlinks"

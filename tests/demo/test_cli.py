@@ -93,6 +93,7 @@ def test_demo_runs_with_an_fp8_pool(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("--beam-width", "0", "expected an integer of at least 1, got 0"),
         ("--max-new-tokens", "0", "expected an integer of at least 1, got 0"),
         ("--num-blocks", "-3", "expected an integer of at least 1, got -3"),
+        ("--block-size", "3", "3 is not a power of two: use 2 or 4"),
         ("--host-blocks", "many", "expected an integer, got 'many'"),
         ("--temperature", "-1", "expected a number >= 0 (0 is greedy), got -1.0"),
         ("--top-p", "0", "expected a number in (0, 1], got 0.0"),
@@ -105,7 +106,7 @@ def test_a_bad_value_is_a_usage_error_before_anything_loads(
     with pytest.raises(SystemExit) as exited:
         main(["--model", "tiny", flag, value])
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and f"radixkv demo: error: argument {flag}: {message}" in err
+    assert exited.value.code == 2 and err == f"radixkv demo: argument {flag}: {message} (see radixkv demo --help)\n"
     assert "Traceback" not in err
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.server.process import ServerProcess
+from radixkv.server.process import STOP_SECONDS, ServerProcess, patient
 
 BLOCK_SIZE = 4
 
@@ -62,7 +62,7 @@ class FleetServer:
         """SIGKILL: no graceful stop, as a crashed pod."""
         self.server.kill()
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def stop(self, timeout: float = STOP_SECONDS) -> int:
         return self.server.stop(timeout)
 
 
@@ -80,8 +80,9 @@ def start_fleet_server(tmp_path: Path) -> Iterator[Callable[..., FleetServer]]:
         server.stop()
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.02) -> bool:
+    """Poll `predicate` until true or `patient(timeout)` seconds pass (the bound stretches on a loaded machine)."""
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True

@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from radixkv.errors import ERRORS_BY_REASON
+from radixkv.server.process import patient
 from radixkv.server.status import STATUS_BY_REASON
 
 
@@ -111,7 +112,7 @@ def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1",
          "-subj", f"/CN={name}", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
+        check=True, capture_output=True, timeout=patient(120),
     )  # fmt: skip
     return cert, key
 

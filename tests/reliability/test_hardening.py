@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded
 from radixkv.sequences.step import Commit, Step
+from radixkv.server.process import patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -138,7 +139,7 @@ def test_sixteen_streams_without_a_token_leave_health_and_unary_calls_answered(s
 
     def reflection_requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
         yield reflection_pb2.ServerReflectionRequest(list_services="")
-        done.wait(60)  # then hold the stream open, as an idle client does
+        done.wait(patient(120))  # then hold the stream open, as an idle client does
 
     try:
         for i, channel in enumerate(channels):

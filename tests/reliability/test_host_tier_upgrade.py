@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process import KeeperProcess, ServerProcess, patient
 from tests.reliability.conftest import Debug
 from tests.reliability.test_upgrade import _once_reachable
 from tests.service.test_host_tier import apply, read_kv, write_kv
@@ -64,7 +64,7 @@ def _evict_prompt_to_the_host_tier(client: RadixKVClient, view: PoolView) -> tup
 
 def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     with PoolView.from_client(client) as view:
         written, _ = _evict_prompt_to_the_host_tier(client, view)
     assert first.stop() == 0  # SIGTERM: a graceful stop writes the snapshot
@@ -89,7 +89,7 @@ def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(k
 
 def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    with RadixKVClient(first.address, timeout=5) as client, PoolView.from_client(client) as view:
+    with RadixKVClient(first.address, timeout=patient(60)) as client, PoolView.from_client(client) as view:
         _, host_blocks = _evict_prompt_to_the_host_tier(client, view)
         assert first.stop() == 0
         view.host_data[0, 0, host_blocks[0], 0, 0, 0] += 1.0  # the keeper's memory, mapped still: one K value
@@ -97,7 +97,7 @@ def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_pat
     try:
         (refused,) = _log_lines(tmp_path / "server2.log", "snapshot refused: starting cold")
         assert refused["why"] == "HOST_KV_CHECKSUM"
-        with RadixKVClient(second.address, timeout=5) as client:
+        with RadixKVClient(second.address, timeout=patient(60)) as client:
             assert client.match_tiers(PROMPT) == (0, 0), "nothing adopted"
             assert client.stats().num_host_blocks_free == 16
         Debug(second.address).check()
@@ -108,7 +108,7 @@ def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_pat
 def test_a_sequence_swapped_out_before_a_restart_resumes_after_it_with_its_kv(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     tokens = list(range(50, 61))  # 11 tokens: 3 blocks, none cached in the tree while it lives
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     with PoolView.from_client(client) as view:
         opened = client.open(tokens)
         written = write_kv(view, opened.block_table, len(tokens), seed=11)

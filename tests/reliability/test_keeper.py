@@ -28,7 +28,7 @@ from radixkv.client import PoolView, RadixKVClient
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.shm_segment import SHM_DIR
 from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process import KeeperProcess, ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
@@ -125,7 +125,7 @@ def test_a_keeper_killed_under_a_running_server_leaves_it_serving_but_not_restar
 
     keeper.kill()
     log = tmp_path / "server.log"
-    assert wait_until(lambda: "keeper lost" in log.read_text(), timeout=10)
+    assert wait_until(lambda: "keeper lost" in log.read_text(), timeout=patient(120))
     assert _restart_safe(server) == 0
     # The server serves on from its own mapping (CPU memory stays mapped until it exits)...
     assert _checksum(server, table) == checksum
@@ -194,7 +194,7 @@ def test_a_layout_mismatch_stops_the_server_with_a_clear_error(tmp_path: Path) -
 
 def _keeper_cli(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "radixkv.cli", "keeper", "--state-dir", str(state), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+    return subprocess.run(command, capture_output=True, text=True, timeout=patient(120))
 
 
 def test_serve_without_a_keeper_listening_refuses(tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_firs
     with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
         second = subprocess.run(
             [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(tmp_path / "state")],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, timeout=patient(120),
         )  # fmt: skip
         assert second.returncode == 1
         assert "another keeper is running" in second.stderr

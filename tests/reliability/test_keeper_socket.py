@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixkv.extras import install_hint
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.shm_segment import SHM_DIR
 from radixkv.memory.storage import KVStorage
@@ -31,6 +32,7 @@ from radixkv.server.keeper import KeeperServer
 from radixkv.server.keeper_client import KeeperClient
 from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
 from radixkv.server.keeper_registry import STATE_FILE, Keeper
+from radixkv.server.process import patient
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
 GOOD_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 16, "dtype": "float32"}
@@ -45,7 +47,7 @@ def keeper(tmp_path: Path) -> Iterator[KeeperServer]:
     thread.start()
     yield server
     server.stop()
-    thread.join(5)
+    thread.join(patient(120))
     server.close()
     server.keeper.close()
 
@@ -271,9 +273,9 @@ def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> 
         "import sys; sys.modules['torch'] = None; from radixkv.server.keeper import main; "
         f"sys.exit(main(['--state-dir', {str(tmp_path / 'state')!r}]))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
     assert result.returncode == 2, result.stderr
-    assert "needs the torch package: pip install 'radixkv[server]'" in result.stderr
+    assert f"needs the torch package: {install_hint('server')}" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -309,7 +311,7 @@ def test_past_the_limit_the_longest_idle_connection_makes_room_and_a_holder_neve
             holder.close()
     finally:
         server.stop()
-        thread.join(5)
+        thread.join(patient(120))
         server.close()
         server.keeper.close()
 
@@ -331,7 +333,7 @@ def test_a_connection_silent_past_the_idle_timeout_is_dropped_and_one_that_spoke
         silent.close()
     finally:
         server.stop()
-        thread.join(5)
+        thread.join(patient(120))
         server.close()
         server.keeper.close()
 

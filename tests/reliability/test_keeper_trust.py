@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from radixkv.server.keeper_protocol import recv_frame, send_frame
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process import KeeperProcess, ServerProcess, patient
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
@@ -73,18 +73,18 @@ def _serve(log: Path, *keeper_flags: str) -> tuple[int | None, str]:
     line = proc.stdout.readline()  # the serving line, or nothing when it exits
     if line and json.loads(line).get("event") == "serving":
         proc.terminate()
-        proc.wait(30)
+        proc.wait(patient(120))
         proc.stdout.close()
         return None, log.read_text()
     proc.stdout.close()
-    return proc.wait(60), log.read_text()
+    return proc.wait(patient(120)), log.read_text()
 
 
 def _list_as_nobody(state_dir: Path) -> list[dict[str, object]]:
     """The pools nobody's keeper holds, asked by nobody."""
     result = subprocess.run(
         [*AS_NOBODY, sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir), "--list"],
-        capture_output=True, cwd="/", timeout=120, check=True,
+        capture_output=True, cwd="/", timeout=patient(120), check=True,
     )  # fmt: skip
     pools: list[dict[str, object]] = json.loads(result.stdout)["pools"]
     return pools
@@ -120,7 +120,7 @@ def test_a_server_refuses_a_state_dir_and_a_keeper_of_another_user(tmp: Path) ->
         assert _list_as_nobody(state) == [], "the other user's keeper was handed a pool"
     finally:
         keeper.terminate()
-        keeper.wait(30)
+        keeper.wait(patient(120))
         assert keeper.stdout is not None
         keeper.stdout.close()
 
@@ -187,7 +187,7 @@ def _still_open(sock: socket.socket) -> bool:
 def _check(state: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state), "--check"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=patient(120),
     )  # fmt: skip
 
 
@@ -233,5 +233,5 @@ def test_a_connection_that_never_asks_is_dropped_and_one_that_holds_a_pool_is_no
 def _list(state: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state), "--list"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True, text=True, timeout=patient(120), check=True,
     )  # fmt: skip

@@ -16,6 +16,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.errors import ServerRestarted, UnknownSequence, UnknownSession
 from radixkv.server.app import create_server, parse_args
+from radixkv.server.process import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -40,13 +41,13 @@ def _until_reachable(call: Callable[[], object], wait_until: Callable[..., bool]
             outcome.append(e)
         return True
 
-    assert wait_until(attempt, timeout=30, interval=0.2), "the restarted server never became reachable"
+    assert wait_until(attempt, timeout=60, interval=0.2), "the restarted server never became reachable"
     return outcome[-1]
 
 
 def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_recovers(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
     first = start_server(*POOL)
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     try:
         prompt = list(range(40, 52))
         opened = client.open(prompt + [1], "restart")
@@ -59,7 +60,7 @@ def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_rec
         with pytest.raises(grpc.RpcError) as down:
             client.append(opened.seq_id, [2])
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE  # transport: retry later, nothing is lost yet
-        assert wait_until(lambda: not (SHM / old_segment).exists(), timeout=10), "the crashed server's segment lingers"
+        assert wait_until(lambda: not (SHM / old_segment).exists(), timeout=60), "the crashed server's segment lingers"
 
         second = start_server(*POOL, "--port", str(first.port))  # the same address: the client's channel reconnects
         raised = _until_reachable(lambda: client.append(opened.seq_id, [2]), wait_until)
@@ -105,7 +106,7 @@ def test_a_sequence_id_from_before_a_restart_names_nothing_after_it() -> None:
     server, port = create_server(config, "127.0.0.1:0")
     server.start()
     try:
-        client = RadixKVClient(f"127.0.0.1:{port}", timeout=5)
+        client = RadixKVClient(f"127.0.0.1:{port}", timeout=patient(60))
         old = client.open([1, 2, 3]).seq_id
     finally:
         server.stop(0)

@@ -26,7 +26,7 @@ import zmq
 
 from radixkv.client import PoolView, RadixKVClient, Router
 from radixkv.errors import RadixKVError, ServerRestarted
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process import KeeperProcess, ServerProcess, patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import TOKENS, Debug
@@ -106,7 +106,7 @@ class Load:
 
     def _run(self, i: int) -> None:
         try:
-            client = RadixKVClient(self.address, session_ttl=60, timeout=5)
+            client = RadixKVClient(self.address, session_ttl=60, timeout=patient(60))
             history = [50_000 + i] * 5
             while not self._stop.is_set():
                 try:
@@ -131,13 +131,13 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=30)
+            thread.join(timeout=patient(120))
         assert not self.errors, self.errors
 
 
 def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     block_ids = _warm(client)
     debug = Debug(first.address)
     checksum = debug.checksum(block_ids)
@@ -145,13 +145,13 @@ def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper
     live = client.open(PROMPTS[0] + [5, 5, 5])  # mid-decode across the restart
     client.commit([live.seq_id], [len(PROMPTS[0]) + 3])
     load = Load(first.address)
-    assert wait_until(lambda: min(load.num_turns) >= 3, timeout=30)
+    assert wait_until(lambda: min(load.num_turns) >= 3, timeout=60)
 
     response = _upgrade(first.address)
     (written,) = response.snapshots
     assert written.pool == "default" and written.num_cached_blocks >= len(block_ids)
     assert written.num_live_sequences >= 1
-    assert first.proc.wait(30) == 0, "the server exits once the upgrade call has answered"
+    assert first.proc.wait(patient(120)) == 0, "the server exits once the upgrade call has answered"
     turns_at_upgrade = list(load.num_turns)
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port))
     try:
@@ -180,11 +180,11 @@ def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper
 def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
     zmq_flags = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     first = _serve(keeper, tmp_path / "server1.log", *zmq_flags)
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     router = Router([first.address], block_size=BLOCK_SIZE, health_interval=0.2)
     _warm(client)
     before = client.verify()
-    assert wait_until(lambda: router.status()[0].digest == before.digest, timeout=10)
+    assert wait_until(lambda: router.status()[0].digest == before.digest, timeout=60)
     routed_before = [router.num_cached_blocks(first.address, p) for p in PROMPTS]
     assert all(routed_before)
     assert first.stop() == 0  # SIGTERM: the same snapshot as Upgrade
@@ -194,7 +194,7 @@ def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, w
         assert after.digest == before.digest and after.epoch != before.epoch
         assert after.digests == before.digests and after.num_blocks == before.num_blocks
         # The router sees a new incarnation whose snapshot is the index it held: the same prefixes route here.
-        assert wait_until(lambda: router.status()[0].epoch == after.epoch and router.status()[0].healthy, timeout=20)
+        assert wait_until(lambda: router.status()[0].epoch == after.epoch and router.status()[0].healthy, timeout=60)
         assert router.status()[0].digest == after.digest and router.status()[0].num_rebuilds == 1
         assert [router.num_cached_blocks(first.address, p) for p in PROMPTS] == routed_before
         # vLLM's stream of the new incarnation opens with the adopted blocks, not AllBlocksCleared.
@@ -232,7 +232,7 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
 
 def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     _warm(client)
     assert first.stop() == 0
     snapshot = Path(keeper.announcement["state_dir"]) / "snapshots" / "default.snapshot"
@@ -257,7 +257,7 @@ def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(k
 
 def test_a_sigkill_of_the_server_is_a_cold_start(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
     first = _serve(keeper, tmp_path / "server1.log")
-    client = RadixKVClient(first.address, session_ttl=60, timeout=5)
+    client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     _warm(client)
     first.kill()
     second = _serve(keeper, tmp_path / "server2.log", "--port", str(first.port))
@@ -279,7 +279,7 @@ def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_
     with pytest.raises(grpc.RpcError) as refused:
         _upgrade(server.address)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    with RadixKVClient(server.address, timeout=5) as client:
+    with RadixKVClient(server.address, timeout=patient(60)) as client:
         assert client.match(PROMPTS[0]) == 0
 
 
@@ -288,11 +288,11 @@ def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(t
     server = _serve(keeper, tmp_path / "server.log")
     try:
         keeper.kill()
-        assert wait_until(lambda: "keeper lost" in (tmp_path / "server.log").read_text(), timeout=10)
+        assert wait_until(lambda: "keeper lost" in (tmp_path / "server.log").read_text(), timeout=60)
         with pytest.raises(grpc.RpcError) as refused:
             _upgrade(server.address)  # its memory dies with it now: an upgrade would lose the cache
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        with RadixKVClient(server.address, timeout=5) as client:
+        with RadixKVClient(server.address, timeout=patient(60)) as client:
             assert client.match(PROMPTS[0]) == 0
         assert server.stop() == 0
         assert not (tmp_path / "state" / "snapshots" / "default.snapshot").exists(), "nothing to adopt was written"

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from radixkv.server.process import ServerProcess
+from radixkv.server.process import ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL_FLAGS = [
@@ -161,8 +161,9 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
         proc.stop()
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
+def _wait_until(predicate: Callable[[], bool], timeout: float = 60.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until true or `patient(timeout)` seconds pass (the bound stretches on a loaded machine)."""
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import radixkv.server.session_stream
+from radixkv.server.process import patient
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step_ab.py"
 
@@ -23,7 +24,7 @@ def test_a_round_of_each_way_against_bare_grpc(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(BENCH), "--build", "this=.", "--ways", ways, "--rounds", "1", "--per", "10",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=patient(240),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())

@@ -13,6 +13,7 @@ import numpy as np
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
 from radixkv.sequences.results import OpenResult
+from radixkv.server.process import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -144,7 +145,7 @@ def test_eight_clients_mixing_everything_leave_a_consistent_pool(server, debug, 
 
     final = _snapshot(server.address, namespaces)
     stream.cancel()
-    reader.join(timeout=10)
+    reader.join(timeout=patient(120))
     watcher.close()
     # Replaying the stream (snapshot, then events numbered on from it with no gap) rebuilds exactly
     # the blocks the tree holds now.

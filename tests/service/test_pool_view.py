@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
+from radixkv.server.process import patient
 
 WORKER = Path(__file__).with_name("kv_worker.py")
 
@@ -35,7 +36,7 @@ def test_kv_written_by_a_worker_is_what_the_server_holds(server, debug) -> None:
         before_untouched = debug.checksum(untouched)
         result = subprocess.run(
             [sys.executable, str(WORKER), server.address, json.dumps(slots), json.dumps(table), str(seed)],
-            capture_output=True, text=True, timeout=120, check=True,
+            capture_output=True, text=True, timeout=patient(120), check=True,
         )  # fmt: skip
         worker_checksum = result.stdout.strip()
         # The server hashes its own mapping of the pool: the worker's writes landed there, bit for bit.

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from radixkv.server.process import patient
+
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "radixkv" / "v1"
 
@@ -33,12 +35,12 @@ def _buf() -> str:
     """The buf CLI from the `buf-bin` wheel of the test extra: beside this interpreter, else on PATH."""
     beside = Path(sys.executable).parent / "buf"
     found = str(beside) if beside.exists() else shutil.which("buf")
-    assert found, "buf is missing: pip install 'radixkv[test]' (it brings buf-bin)"
+    assert found, "buf is missing: pip install buf-bin (radixkv's test extra brings it)"
     return found
 
 
 def test_buf_lint_is_clean() -> None:
-    result = subprocess.run([_buf(), "lint"], cwd=ROOT / "proto", capture_output=True, text=True, timeout=120)
+    result = subprocess.run([_buf(), "lint"], cwd=ROOT / "proto", capture_output=True, text=True, timeout=patient(120))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -72,5 +74,5 @@ def test_buf_breaking_catches_a_renumbered_field(tmp_path: Path) -> None:
 
 def test_importing_the_client_does_not_import_torch() -> None:
     code = "import radixkv.client, sys; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -7,14 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from radixkv.server.process import patient
+
 HERE = Path(__file__).resolve().parent
 
 
-def run_engine(out: Path, model: Path, *flags: str, timeout: float = 400) -> dict:
-    """tests/vllm/engine_run.py in a fresh process (an engine of its own), at a lower priority; its JSON."""
+ENGINE_SECONDS = 900.0  # an engine's start and a few prompts: about a minute on an idle 2-core machine
+
+
+def run_engine(out: Path, model: Path, *flags: str, timeout: float = ENGINE_SECONDS) -> dict:
+    """tests/vllm/engine_run.py in a fresh process (an engine of its own), at a lower priority; its JSON. The bound
+    stretches with the machine's load (`patient`)."""
     command = ["nice", "-n", "5", sys.executable, str(HERE / "engine_run.py"), str(out), "--model", str(model), *flags]
     log = out.with_suffix(".log")
     with log.open("wb") as f:
-        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=patient(timeout), check=False)
     assert done.returncode == 0, log.read_text()[-3000:]
     return json.loads(out.read_text())

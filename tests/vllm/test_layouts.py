@@ -15,6 +15,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make test
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402  # the engine's own op: the reference, in a test only
 
+from radixkv.server.process import patient  # noqa: E402
 from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_digests, layout_for  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
@@ -110,5 +111,5 @@ def test_importing_radixkv_never_imports_vllm() -> None:
         "radixkv.vllm.RadixKVConnector\n"
         "assert 'vllm' in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(300))
     assert done.returncode == 0, done.stderr[-2000:]
