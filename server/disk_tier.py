@@ -40,6 +40,7 @@ from radixkv.disk.store import DiskStore
 from radixkv.planning.plan import parse_bytes
 from radixkv.server.shares import Shares
 from radixkv.server.tenants import SCOPE_SEPARATOR
+from radixkv.tree.block_hash import wire_hash
 from radixkv.tree.radix_tree import Node
 from radixkv.tree.token_ids import TOKEN_BYTES
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixkv.disk")
 FLUSH_INTERVAL_S = 0.5
+MEDIUM_STORAGE = "STORAGE"  # vLLM's medium of a storage tier (vllm.v1.kv_offload.base.Medium.STORAGE)
 THROTTLE_ENV = "RADIXKV_DISK_THROTTLE_BYTES_PER_S"  # tests and benchmarks: reads as slow as this (a slow disk)
 REPROBE_S = 60.0
 
@@ -78,6 +80,9 @@ class PoolDisk:
         self.num_promoted_blocks = 0  # read from disk into the host tier for an open
         self.num_hit_tokens = 0  # tokens those blocks hold
         self._last_probe = 0.0
+        self._changes: list[tuple[str, bool, list[bytes]]] = []  # objects written or removed, for the KV events
+        self._changes_lock = threading.Lock()  # a leaf lock: the store tells from any thread, holding nothing
+        self.store.on_change = self._changed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"radixkv-disk-{pool.name}", daemon=True)
 
@@ -141,12 +146,22 @@ class PoolDisk:
                 log.exception("disk tier %s: a flush failed", self.pool.name)
 
     def flush(self) -> int:
-        """Write every block published so far that is not on disk; returns how many were written."""
+        """Write every block published so far that is not on disk; returns how many were written. Publishes the
+        objects written and removed since the last flush as KV events of medium STORAGE."""
         with self.pool.lock:
             if self._pending:
                 self._stage(list(self._pending))
             staged, self._staged = self._staged, []
+            with self._changes_lock:
+                changes, self._changes = self._changes, []
+            publisher = self.pool.kv_publisher
+            for namespace, stored, hashes in changes if publisher is not None else ():
+                publisher.publish_tier(namespace, stored, [wire_hash(h) for h in hashes], MEDIUM_STORAGE)
         return sum(self.store.put(namespace, hashes, data) for namespace, hashes, data in staged)
+
+    def _changed(self, namespace: str, stored: bool, hashes: list[bytes]) -> None:
+        with self._changes_lock:
+            self._changes.append((namespace, stored, hashes))
 
     def _probe(self) -> None:
         """Measure the read bandwidth on one stored object (the cost rule's estimate)."""

@@ -43,6 +43,7 @@ from radixkv.server.kv_events_wire import (
     digest_payload,
     removed_event,
     stored_event,
+    tier_event,
 )
 from radixkv.server.kv_replay import ReplayBuffer, ReplayServer
 from radixkv.tree.block_hash import WIRE_MASK, mix64
@@ -154,6 +155,12 @@ class ZmqEventPublisher:
             self._queue.put((stored_event(event, self.block_size), self._digest, self._num_events))
         else:
             self._queue.put((removed_event(event), self._digest, self._num_events))
+
+    def publish_tier(self, namespace: str, stored: bool, wire_hashes: list[int], medium: str) -> None:
+        """Queue blocks another tier took or dropped (`tier_event`; under the pool's lock: never blocks). They move
+        neither the digest nor the event count, which describe the device tier."""
+        if self.publishes(namespace):
+            self._queue.put((tier_event(stored, wire_hashes, medium), self._digest, self._num_events))
 
     def close(self) -> None:
         """Send what is queued, then stop both threads and close the sockets."""

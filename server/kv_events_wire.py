@@ -82,6 +82,15 @@ def stored_event(event: BlockEvent, block_size: int) -> BlockStored:
     )
 
 
+def tier_event(stored: bool, wire_hashes: list[int], medium: str) -> BlockStored | BlockRemoved:
+    """Blocks another tier (the disk's, medium STORAGE) took or dropped, as vLLM's offloading connector reports its
+    tiers' blocks it has no token metadata for: hashes only (no parent, no tokens, block_size 0)."""
+    if stored:
+        return BlockStored(block_hashes=wire_hashes, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                           medium=medium, lora_name=None)  # fmt: skip
+    return BlockRemoved(block_hashes=wire_hashes, medium=medium)
+
+
 def removed_event(event: BlockEvent) -> BlockRemoved:
     return BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM_GPU)
 

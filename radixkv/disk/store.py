@@ -99,6 +99,9 @@ class DiskStore:
         self.read_seconds = 0.0
         self.rebuild_seconds = 0.0
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-io")
+        # Told (namespace, True: stored / False: removed, block hashes) of every object written or removed after
+        # the rebuild, from whichever thread did it, holding nothing: it must only queue.
+        self.on_change: Callable[[str, bool, list[bytes]], None] | None = None
 
     # -- start ------------------------------------------------------------------------------------
 
@@ -272,7 +275,12 @@ class DiskStore:
             self._add(obj)
             self.num_written_blocks += len(hashes)
             self.num_written_bytes += len(hashes) * self.shape.bytes_per_block
+        self._tell(obj, True)
         return len(hashes)
+
+    def _tell(self, obj: DiskObject, stored: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(obj.namespace, stored, obj.hashes)
 
     def _write_failed(self, error: OSError) -> None:
         self.num_write_errors += 1
@@ -303,6 +311,7 @@ class DiskStore:
             self.bytes_in[tenant] = self.bytes_in.get(tenant, 0) + size
         for v in victims:
             v.path.unlink(missing_ok=True)
+            self._tell(v, False)
         return True
 
     def _unreserve(self, namespace: str, size: int) -> None:
@@ -369,6 +378,7 @@ class DiskStore:
         with self._lock:
             self._drop(obj)
         self._refuse(obj.path, error)
+        self._tell(obj, False)
 
     def read_bandwidth(self) -> float | None:
         """Bytes per second the reads so far took (None before the first)."""

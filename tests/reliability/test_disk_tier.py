@@ -12,14 +12,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.disk.object_format import OBJECT_SUFFIX
 from radixkv.kernels import swap_blocks
 from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.tree.block_hash import chain_hashes, wire_hash
 
 BS, H, D = 4, 2, 8
 POOL = f"disk:num_layers=2,num_kv_heads={H},head_dim={D},block_size={BS},num_blocks=16,dtype=float32,host_num_blocks=16"
@@ -172,3 +175,27 @@ def test_committed_blocks_reach_disk_within_the_window_and_the_cap_holds(tmp_pat
         assert sum(p.stat().st_size for p in objects(disk_dir)) <= cap
         assert metric(server, "radixkv_disk_evicted_blocks") > 0
     assert np.all([p.stat().st_size % 4096 == 0 for p in objects(disk_dir)])
+
+
+def test_blocks_written_to_disk_are_kv_events_of_medium_storage(tmp_path: Path) -> None:
+    """vLLM's medium names: the device's blocks are "GPU" events, the disk tier's "STORAGE" ones (hashes only, as
+    vLLM's offloading connector reports a tier's blocks it has no tokens for)."""
+    disk_dir = tmp_path / "disk-tier"
+    extra = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", "disk-test"]
+    with serve(tmp_path / "a.log", disk_dir, *extra) as server, zmq.Context() as ctx:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(server.announcement["kv_events"]["disk"]["endpoint"])
+        write_prompt(server, PROMPT, seed=4)
+        expected = {wire_hash(h) for h in chain_hashes(PROMPT[:12], BS)}
+        on_disk: set[int] = set()
+        deadline = time.monotonic() + WAIT_S
+        while not expected <= on_disk:
+            assert time.monotonic() < deadline, f"no STORAGE events for {expected - on_disk}"
+            if not sub.poll(1000):
+                continue
+            _, _, payload = sub.recv_multipart()
+            for event in msgspec.msgpack.decode(payload)[1]:
+                if event.get("medium") == "STORAGE" and event["type"] == "BlockStored":
+                    on_disk.update(event["block_hashes"])
+        sub.close(linger=0)

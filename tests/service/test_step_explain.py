@@ -122,7 +122,7 @@ def test_host_tier_explains_a_match_and_an_open_loads_past_it(start_server) -> N
         _cache(client, prompt, "")
         fillers = [client.open([_BASE + 6000 + i] * 16).seq_id for i in range(2)]  # 8 blocks: the prompt's go to host
         why = client.match(prompt, explain=True)
-        assert why == MatchExplanation(0, "HOST_TIER", 0)
+        assert why == MatchExplanation(0, "HOST_TIER", 0, num_host_cached_tokens=8)
         assert client.match(prompt[:4], explain=True).reason == "HOST_TIER"  # one host-resident block past nothing
         client.release_many(fillers, cache=False)
         unary, stream = _twins(client, prompt, "")
