@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from radixkv.server.config import DEFAULT_POOL
 from radixkv.server.interceptors import Behaviour, WrappingInterceptor, method_of, wrap_handler
+from radixkv.server.kv_events_metrics import EventsCollector
 from radixkv.server.status import forget_refusal, last_refusal
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class ServerMetrics:
     def __init__(self, service: KVService) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(service))
+        self.registry.register(EventsCollector(service))
         self._latency = Histogram(
             "radixkv_rpc_duration_seconds",
             "Unary RPC handling time.",
