@@ -23,8 +23,9 @@ class KVEvent:
     """One change to a namespace's cached blocks.
 
     `sequence_number` grows by one per event within a namespace: a jump means events were missed,
-    so rebuild from a new stream with `include_snapshot=True`. Snapshot events carry the number the
-    snapshot is current to.
+    so rebuild from a new stream with `include_snapshot=True`. It starts again at 1 when the namespace's
+    cache emptied and fills again (the server keeps nothing of a namespace without cached blocks).
+    Snapshot events carry the number the snapshot is current to.
     """
 
     sequence_number: int
@@ -37,13 +38,13 @@ class KVEvent:
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # content hashes (low 64 bits), beside block_ids
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before these; None at the root
     epoch: int = 0  # the server's incarnation: a new value means it restarted (rebuild, do not patch)
-    seq: int = 0  # pool-wide event count up to the end of the response this event came in
+    seq: int = 0  # the caller's event count (its tenant's; the pool's, auth off) up to the end of the response
     namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EventBatch:
-    """One WatchEvents response: the server's epoch, the pool-wide event count, and its events."""
+    """One WatchEvents response: the server's epoch, the caller's event count (its tenant's), and its events."""
 
     epoch: int
     seq: int

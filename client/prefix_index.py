@@ -42,7 +42,7 @@ class PrefixIndex:
         self.num_divergences = 0  # digests that disagreed with the server's
         self.digests: dict[str, int] = {}  # namespace -> digest of the blocks this index holds there
         self.num_events_to_drop = 0  # test hook: skip applying this many events (numbers still advance)
-        self._numbers: dict[str, int] = {}  # namespace -> last sequence number applied
+        self._numbers: dict[str, int] = {}  # namespace with cached blocks -> last sequence number applied
 
     @property
     def digest(self) -> int:
@@ -78,7 +78,9 @@ class PrefixIndex:
             return Verdict.NEW_EPOCH
         for event in batch.events:
             last = self._numbers.get(event.namespace)
-            if last is not None and event.sequence_number != last + 1:
+            # 1: the namespace's cache emptied and fills again (the server forgot its numbers with it); anything
+            # missed before that shows in the digest.
+            if last is not None and event.sequence_number not in (last + 1, 1):
                 self.num_resyncs += 1
                 return Verdict.GAP
             self._numbers[event.namespace] = event.sequence_number
@@ -99,8 +101,9 @@ class PrefixIndex:
         digest = (self.digests.get(event.namespace, 0) + sign * sum(mix64(h) for h in event.block_hashes)) & WIRE_MASK
         if digest:
             self.digests[event.namespace] = digest
-        else:
+        else:  # nothing cached there: the server keeps nothing of it either
             self.digests.pop(event.namespace, None)
+            self._numbers.pop(event.namespace, None)
 
     def _diverged(self) -> Verdict:
         self.num_divergences += 1

@@ -23,7 +23,7 @@ class VerifyResult:
     num_blocks: dict[str, int]  # namespace -> its cached blocks
     digest: int  # of all of them
     epoch: int
-    seq: int  # the pool-wide event count they are current to
+    seq: int  # the event count they are current to: the caller tenant's (the pool's, auth off), no one else's
     hash_contract: HashContract
 
 

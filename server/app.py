@@ -42,7 +42,7 @@ from radixkv.server.service import KVService
 from radixkv.server.servicer import KVCacheServicer
 from radixkv.server.session_stream import SessionStreams
 from radixkv.server.stream_gate import StreamBound, StreamGate
-from radixkv.server.tenants import ANONYMOUS, Tenant
+from radixkv.server.tenants import ANONYMOUS, SCOPE_SEPARATOR, Tenant
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 if TYPE_CHECKING:
@@ -131,7 +131,8 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
     keeper = _connect_keeper(config)
     try:
         for pool_config in config.pools:
-            pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size, keeper)
+            prefixes = frozenset(f"{t.name}{SCOPE_SEPARATOR}" for t in config.tenants)
+            pools[pool_config.name] = build_pool(pool_config, config.watch_queue_size, keeper, prefixes)
         service = KVService(config, pools)
         for pool_config in config.pools:
             attach_disk(pools[pool_config.name], pool_config, service.shares)

@@ -4,7 +4,10 @@ Every event names its blocks twice: by block id (this process's memory) and by c
 (`radixkv.tree.block_hash`, vLLM's scheme, stable across processes). The hub keeps the block_id -> hash
 table, so each hash is computed once, when its block enters the tree. `epoch` names this hub's
 incarnation (random per server start), so a consumer tells a restart from a gap; `num_events`
-counts every event of the pool. Sinks (the ZMQ publisher) get each event as it happens.
+counts every event of the pool, `num_events_in` those of each tenant (what a tenant may be told: never
+another tenant's count). A namespace's numbers, digest and block count go when its last cached block
+does, so names that come and go leave nothing behind. Sinks (the ZMQ publisher) get the events of each
+hold of the pool's lock as one unit (`flush`, called as the lock is released).
 
 `EventHub` is the tree's observer (`RadixTree.observer`): every block the tree takes (cache,
 release, fork) and every block it evicts (an allocation running short) is reported to it from
@@ -30,6 +33,7 @@ import numpy.typing as npt
 
 from radixkv.kv_cache import KVCache
 from radixkv.server.block_checksums import BlockChecksums
+from radixkv.server.tenants import SCOPE_SEPARATOR
 from radixkv.tree.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
 from radixkv.tree.radix_tree import Node
 
@@ -50,7 +54,7 @@ class BlockEvent:
     block_hashes: tuple[int, ...] = ()  # low 64 bits of each block's content hash, beside block_ids
     parent_block_hash: int | None = None  # BLOCKS_STORED: hash of the block before them; None at the root
     extra_keys: tuple[ExtraKeys, ...] = ()  # BLOCKS_STORED: per block as events carry them (the untagged salt)
-    pool_sequence_number: int = 0  # every event of the pool, +1 each; a snapshot's events carry the last one
+    pool_sequence_number: int = 0  # every event of its tenant (of the pool, auth off), +1 each; a snapshot's: the last
     namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
     digest_delta: int = 0  # what this event added to it, mod 2^64
 
@@ -81,9 +85,10 @@ class DiskTier(Protocol):
 
 
 class EventSink(Protocol):
-    """Told of every event as it happens, under the pool's lock: must not block (queue and return)."""
+    """Told of the events of each hold of the pool's lock, in order, under that lock: must not block (queue and
+    return). One unit is one call's work: a block stored and removed within it never existed for anyone else."""
 
-    def publish(self, event: BlockEvent) -> None: ...
+    def publish_unit(self, events: list[BlockEvent]) -> None: ...
 
 
 class Watcher:
@@ -171,12 +176,15 @@ class EventHub:
     def __init__(self, cache: KVCache, max_events_per_watcher: int, max_tombstones: int = 65_536) -> None:
         self._tree = cache.tree
         self._max_events = max_events_per_watcher
-        self._numbers: dict[str, int] = {}  # namespace -> last sequence number issued
+        self._numbers: dict[str, int] = {}  # namespace with cached blocks -> last sequence number issued
         self._watchers: tuple[Watcher, ...] = ()
         self._watchers_lock = threading.Lock()
         self.hashes = BlockHashes(cache.block_size)
         self.epoch = secrets.randbits(63) + 1  # this incarnation; never 0, which reads as "unset" on the wire
         self.num_events = 0  # every event of the pool, all namespaces
+        self.tenant_prefixes: frozenset[str] = frozenset()  # auth on: "<tenant>/" of every tenant (set at start)
+        self.num_events_in: dict[str, int] = {}  # tenant prefix -> its events (auth on; bounded by the tenants)
+        self._unit: list[BlockEvent] = []  # the events of this hold of the pool's lock, for the sinks (`flush`)
         self.digests: dict[str, int] = {}  # namespace -> digest of its cached blocks, O(1) per block
         self.num_blocks: dict[str, int] = {}  # namespace -> cached blocks
         self.sinks: list[EventSink] = []
@@ -199,9 +207,42 @@ class EventHub:
             self._add_to_digest(node.namespace, tuple(wire_hash(h) for h in self.hashes.store(node)), 1)
 
     def _next_number(self, namespace: str) -> int:
+        """Count one event of `namespace`: the pool's, its tenant's, its own; returns its own number. Called after
+        the digest moved: a namespace left without cached blocks forgets its number (the next event is 1)."""
+        self.num_events += 1
+        prefix = self._tenant_prefix(namespace)
+        if prefix:
+            self.num_events_in[prefix] = self.num_events_in.get(prefix, 0) + 1
         number = self._numbers.get(namespace, 0) + 1
-        self._numbers[namespace] = number
+        if namespace in self.num_blocks:
+            self._numbers[namespace] = number
+        else:
+            self._numbers.pop(namespace, None)
         return number
+
+    def num_events_seen_by(self, prefix: str) -> int:
+        """The event count a caller whose namespaces start with `prefix` may read: its tenant's ("" with auth
+        off: the pool's). Never moved by another tenant's activity."""
+        return self.num_events_in.get(prefix, 0) if prefix else self.num_events
+
+    def num_events_of(self, accepts: Callable[[str], bool]) -> int:
+        """Events of the tenants whose namespaces `accepts` takes (every event, auth off): where a stream that
+        publishes only those starts counting."""
+        if not self.tenant_prefixes:
+            return self.num_events
+        return sum(n for prefix, n in self.num_events_in.items() if accepts(prefix))
+
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces the hub keeps anything for (numbers, digests, block counts): those with cached blocks."""
+        return len(self._numbers.keys() | self.num_blocks.keys())
+
+    def flush(self) -> None:
+        """Hand this hold's events to the sinks as one unit (the pool's lock calls it as it is released)."""
+        if self._unit:
+            unit, self._unit = self._unit, []
+            for sink in self.sinks:
+                sink.publish_unit(unit)
 
     def _add_to_digest(self, namespace: str, wires: tuple[int, ...], sign: int) -> int:
         """Move `namespace`'s digest by the blocks `wires` (sign +1 stored, -1 removed); returns the delta."""
@@ -222,7 +263,6 @@ class EventHub:
             self.disk.stored(node, hashes)
         wires = tuple(wire_hash(h) for h in hashes)
         delta = self._add_to_digest(node.namespace, wires, 1)
-        self.num_events += 1
         number = self._next_number(node.namespace)
         if self.sinks or self._watchers:  # nobody listening: the table, digest and numbers are all that must move
             self._publish(self._stored_event(number, node, delta))
@@ -234,7 +274,6 @@ class EventHub:
         self.checksums.forget(block_ids)
         self.tombstones.bury(namespace, hashes)
         delta = self._add_to_digest(namespace, hashes, -1)
-        self.num_events += 1
         number = self._next_number(namespace)
         if not (self.sinks or self._watchers):
             return
@@ -247,7 +286,7 @@ class EventHub:
                 kind,
                 ids,
                 block_hashes=hashes,
-                pool_sequence_number=self.num_events,
+                pool_sequence_number=self._count_for(namespace),
                 namespace_digest=self.digests.get(namespace, 0),
                 digest_delta=delta,
             )  # fmt: skip
@@ -267,14 +306,26 @@ class EventHub:
             tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
             None if parent_hash is None else wire_hash(parent_hash),
             tuple(self.hashes.event_extra_keys(node)),
-            self.num_events,
+            self._count_for(node.namespace),
             self.digests.get(node.namespace, 0),
             delta,
         )
 
+    def _tenant_prefix(self, namespace: str) -> str | None:
+        """ "<tenant>/" of `namespace` (auth on), "" with auth off, None for a name of no tenant."""
+        if not self.tenant_prefixes:
+            return ""
+        prefix = namespace[: namespace.find(SCOPE_SEPARATOR) + 1]
+        return prefix if prefix in self.tenant_prefixes else None
+
+    def _count_for(self, namespace: str) -> int:
+        """The count an event of `namespace` carries: its tenant's, never the pool's (auth off: the pool's)."""
+        prefix = self._tenant_prefix(namespace)
+        return 0 if prefix is None else self.num_events_seen_by(prefix)
+
     def _publish(self, event: BlockEvent) -> None:
-        for sink in self.sinks:
-            sink.publish(event)
+        if self.sinks:
+            self._unit.append(event)
         for watcher in self._watchers:
             if watcher.accepts(event.namespace):
                 watcher.push(event)

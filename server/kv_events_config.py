@@ -27,6 +27,7 @@ from typing import Any
 
 PREFIX = "kv_events_"
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "::0", "[::0]"})
+MIN_BATCH_BYTES = 4096  # room for one block of any block size a pool may have (the publisher checks its own)
 INSECURE_FLAG = "--kv-events-insecure-publish-tenant-prompts"
 BIND_ALL_FLAG = "--kv-events-bind-all-interfaces"
 
@@ -41,7 +42,11 @@ class KVEventsConfig:
     replay_endpoint: str | None = None  # ROUTER answering replay requests (always bound)
     digest_endpoint: str | None = None  # PUB carrying the pool's digest after every batch (never the vLLM socket)
     buffer_steps: int = 10_000  # batches kept for replay
-    max_replays: int = 8  # replays served at once, one per peer; further requests are dropped
+    buffer_bytes: int = 64 << 20  # payload bytes kept for replay: the oldest batches go first past it
+    max_batch_bytes: int = 256 << 10  # one batch's payload at most; a larger event is split into chained events
+    max_replays: int = 8  # replays served at once, one per peer; further requests wait (one per peer)
+    max_replay_peers: int = 64  # connections to the replay socket at once; one more is refused at its handshake
+    replay_seconds: int = 30  # a replay's time budget: past it (or past 1 s while a peer waits) it is cut short
     bind_all_interfaces: bool = False  # allow a wildcard host: every interface, every network on it
     insecure_publish_tenant_prompts: bool = False  # with auth on: publish to whoever connects, knowingly
     curve_secret_key: str | None = None  # this publisher's secret certificate (zmq.auth format)
@@ -51,8 +56,14 @@ class KVEventsConfig:
     def __post_init__(self) -> None:
         if self.buffer_steps < 1:
             raise ValueError("kv_events_buffer_steps must be >= 1")
-        if self.max_replays < 1:
-            raise ValueError("kv_events_max_replays must be >= 1")
+        for key in ("buffer_bytes", "max_replays", "max_replay_peers", "replay_seconds"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"kv_events_{key} must be >= 1")
+        if not MIN_BATCH_BYTES <= self.max_batch_bytes <= self.buffer_bytes:
+            raise ValueError(
+                f"kv_events_max_batch_bytes must lie in [{MIN_BATCH_BYTES}, kv_events_buffer_bytes "
+                f"({self.buffer_bytes})], got {self.max_batch_bytes}"
+            )
         if (self.curve_secret_key is None) != (self.curve_allowed_keys is None):
             raise ValueError("give both kv_events_curve_secret_key and kv_events_curve_allowed_keys, or neither")
         if self.curve_secret_key is not None and not os.path.isfile(self.curve_secret_key):
@@ -116,7 +127,12 @@ KEYS: dict[str, str] = {  # pool key -> meaning, in --help order
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint that replays missed event batches (bound)",
     "kv_events_digest_endpoint": "ZMQ PUB endpoint for the pool's digest after every batch (bound; own socket)",
     "kv_events_buffer_steps": "event batches kept for replay",
-    "kv_events_max_replays": "replays served at once (one per peer; more are dropped)",
+    "kv_events_buffer_bytes": "bytes of event batches kept for replay (the oldest go first past it)",
+    "kv_events_max_batch_bytes": "bytes of one batch at most; a larger event is split into chained events",
+    "kv_events_max_replays": "replays served at once (one per peer; others wait, one request per peer)",
+    "kv_events_max_replay_peers": "connections to the replay socket at once; more are refused at the handshake",
+    "kv_events_replay_seconds": "a replay's time budget; past it, or past 1 s while another peer waits, it ends "
+    "early (the consumer asks again from there)",
     "kv_events_bind_all_interfaces": "true: allow a wildcard host (*, 0.0.0.0, ::) in the endpoints above",
     "kv_events_insecure_publish_tenant_prompts": "true: with auth on, publish tenants' prompts to any peer",
     "kv_events_curve_secret_key": "ZMQ CURVE: this publisher's secret certificate file (zmq.auth format)",

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from radixkv.server.config import DEFAULT_POOL
 from radixkv.server.disk_metrics import DiskCollector
 from radixkv.server.interceptors import Behaviour, WrappingInterceptor, method_of, wrap_handler
+from radixkv.server.kv_events_metrics import EventsCollector
 from radixkv.server.status import forget_refusal, last_refusal
 
 if TYPE_CHECKING:
@@ -205,6 +206,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(service))
         self.registry.register(DiskCollector(service.pools))
+        self.registry.register(EventsCollector(service))
         self._latency = Histogram(
             "radixkv_rpc_duration_seconds",
             "Unary RPC handling time.",

@@ -17,8 +17,13 @@ if TYPE_CHECKING:
     from radixkv.server.keeper_client import KeeperClient
 
 
-def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None) -> Pool:
-    """Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory, or attach
+def build_pool(
+    config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None,
+    tenant_prefixes: frozenset[str] = frozenset(),
+) -> Pool:  # fmt: skip
+    """`tenant_prefixes`: "<tenant>/" of every tenant (auth on), so each tenant's event count is its own.
+
+    Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory, or attach
     the memory `keeper` keeps for this pool (the same bytes a previous server left, when the layout matches).
 
     Raises:
@@ -45,6 +50,7 @@ def build_pool(config: PoolConfig, watch_queue_size: int, keeper: KeeperClient |
         config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
         reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
     )  # fmt: skip
+    pool.events.tenant_prefixes = tenant_prefixes
     if attachment is not None:
         adopted = adopt_snapshot(pool, attachment, config.limits)
         pool.adopted_extras = adopted.extras if adopted is not None else None

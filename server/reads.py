@@ -151,7 +151,8 @@ class KVReads:
 
     def verify(self, caller: Tenant, session_id: str, pool_name: str) -> tuple[Pool, dict[str, tuple[int, int]], int]:
         """The pool, the caller's namespaces (its own names) -> (digest, num_blocks), and the event count they
-        are current to. Only the caller's own namespaces: a tenant never learns another's."""
+        are current to: its tenant's (the pool's, auth off). Only the caller's own: a tenant never learns another's
+        namespaces, nor how active another is."""
         pool = self._pool(caller, session_id, pool_name)
         with pool.lock:
             hub = pool.events
@@ -160,7 +161,7 @@ class KVReads:
                 for ns, digest in hub.digests.items()
                 if caller.owns(ns)
             }
-            return pool, digests, hub.num_events
+            return pool, digests, hub.num_events_seen_by(caller.prefix)
 
     def check_invariants(self, pool: Pool) -> None:
         """Raises AssertionError naming the first broken invariant of the core or of the server's bookkeeping."""
