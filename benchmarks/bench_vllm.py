@@ -59,6 +59,7 @@ def engine_main(args: argparse.Namespace) -> None:
     """Serve the documents one at a time (`passes` times each), timing each request's first token."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3000")  # a busy shared CPU: minutes per step
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
