@@ -67,8 +67,9 @@ class BlockChecksums:
         """Take a snapshot's pairs back, keeping only well-formed ones of blocks the adopted tree holds."""
         self.recorded[:] = False
         for block_id, digest in pairs:
-            ok = isinstance(block_id, int) and isinstance(digest, bytes) and len(digest) == DIGEST_BYTES
-            if ok and block_id in tree_block_ids and 0 <= block_id < len(self.recorded):
+            if not (isinstance(block_id, int) and isinstance(digest, bytes) and len(digest) == DIGEST_BYTES):
+                continue
+            if block_id in tree_block_ids and 0 <= block_id < len(self.recorded):
                 self.values[block_id] = np.frombuffer(digest, dtype=np.uint8)
                 self.recorded[block_id] = True
 

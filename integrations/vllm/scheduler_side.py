@@ -88,8 +88,7 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self.requests.get(req_id)
         if tracked is None:
-            local = req_id in self._held_locally
-            tracked = self.requests[req_id] = self._open(request, skip=local)
+            tracked = self.requests[req_id] = self._open(request, skip=req_id in self._held_locally)
         local = self._asked.pop(req_id, 0)
         if num_external_tokens <= 0:
             return

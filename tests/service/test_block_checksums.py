@@ -88,3 +88,20 @@ def test_refusals_name_the_field(server: ServerProcess) -> None:
         with pytest.raises(UnknownSequence):
             stranger.checksums.get(seq, 0, 1)
         client.release(seq)
+
+
+def test_digests_cross_a_snapshot_and_old_linear_checksums_are_dropped() -> None:
+    """What an upgrade's snapshot carries (msgpack, as radixkv.state.snapshot writes it): the digests of blocks the
+    adopted tree holds come back; an older snapshot's 64-bit checksums (forgeable) and malformed pairs do not."""
+    import msgpack
+
+    from radixkv.server.block_checksums import BlockChecksums
+
+    table = BlockChecksums(8)
+    assert table.record([1, 2, 5], [d(1), d(2), d(5)]) == 3
+    pairs = msgpack.unpackb(msgpack.packb(table.to_pairs(), use_bin_type=True), raw=False)
+    adopted = BlockChecksums(8)
+    adopted.restore(pairs, tree_block_ids={1, 5})  # block 2 left the tree before the snapshot
+    assert adopted.get([1, 2, 5]) == [d(1), b"", d(5)]
+    adopted.restore([[1, 12345], [5, b"short"], [9, d(9)]], tree_block_ids={1, 5, 9})
+    assert adopted.get([1, 5]) == [b"", b""]
