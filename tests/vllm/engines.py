@@ -10,8 +10,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_engine(out: Path, model: Path, *flags: str, timeout: float = 400) -> dict:
-    """tests/vllm/engine_run.py in a fresh process (an engine of its own), at a lower priority; its JSON."""
+def run_engine(out: Path, model: Path, *flags: str, timeout: float = 1200) -> dict:
+    """tests/vllm/engine_run.py in a fresh process (an engine of its own), at a lower priority; its JSON.
+    `timeout`: generous, an engine starts in 30-60 s on 2 idle cores and in minutes on a loaded machine."""
     command = ["nice", "-n", "5", sys.executable, str(HERE / "engine_run.py"), str(out), "--model", str(model), *flags]
     log = out.with_suffix(".log")
     with log.open("wb") as f:
