@@ -34,6 +34,7 @@ from radixkv.server.process import KeeperProcess, ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(3600)  # a hang guard: engine starts wait patient(...) each, longer on a loaded machine
 BLOCK = 32
+START = 600  # seconds a server or keeper may take to come up: minutes on a loaded machine
 
 
 def loadable(run: dict) -> list[int]:
@@ -62,9 +63,9 @@ def test_engines_share_radixkv_across_processes_an_upgrade_and_failures(model_di
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "600"]
     reference = run_engine(tmp_path / "reference.json", model_dir)["token_ids"]
-    keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
+    keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log", timeout=START)
     try:
-        with ServerProcess(flags, tmp_path / "server.log", keeper=keeper.socket) as server:
+        with ServerProcess(flags, tmp_path / "server.log", keeper=keeper.socket, timeout=START) as server:
             port = server.port
             a = run_engine(tmp_path / "a.json", model_dir, "--connector", server.address, "--max-batched", "256")
             b = run_engine(tmp_path / "b.json", model_dir, "--connector", server.address)
@@ -76,7 +77,7 @@ def test_engines_share_radixkv_across_processes_an_upgrade_and_failures(model_di
 
         # SIGTERM above wrote the snapshot; the new server adopts it (and the checksums) from the keeper's memory.
         new_flags = [*flags, "--port", str(port)]
-        with ServerProcess(new_flags, tmp_path / "upgraded.log", keeper=keeper.socket) as upgraded:
+        with ServerProcess(new_flags, tmp_path / "upgraded.log", keeper=keeper.socket, timeout=START) as upgraded:
             corrupt_last_loadable_block(upgraded.address, prompts[longest])
             c = run_engine(
                 tmp_path / "c.json", model_dir, "--connector", upgraded.address, "--prefix-caching",

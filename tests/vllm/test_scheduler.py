@@ -36,12 +36,14 @@ from radixkv.vllm.connector import RadixKVConnector, RadixKVWorkerMetadata  # no
 
 BLOCK = 32
 NUM_VLLM_BLOCKS = 100
+START = 600  # seconds a server may take to come up: minutes on a loaded machine (tests/vllm/matrix.py runs five vLLMs)
+pytestmark = pytest.mark.timeout(1800)  # a test's first one builds vLLM's config (imports): minutes under load
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "64"]
-    with ServerProcess(flags, tmp_path_factory.mktemp("server") / "server.log") as proc:
+    with ServerProcess(flags, tmp_path_factory.mktemp("server") / "server.log", timeout=START) as proc:
         yield proc
 
 
@@ -213,7 +215,7 @@ def test_promises_radixkv_cannot_keep_are_failed_loads(
 def test_the_server_gone_between_the_promise_and_the_lock(model_dir: Path, config: VllmConfig, tmp_path: Path) -> None:
     """vLLM asks, radixkv answers, radixkv dies before vLLM allocates: every promised block is a failed load."""
     flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "16"]
-    proc = ServerProcess(flags, tmp_path / "server.log")
+    proc = ServerProcess(flags, tmp_path / "server.log", timeout=START)
     try:
         own = dataclasses.replace(
             config.kv_transfer_config, kv_connector_extra_config={"radixkv_address": proc.address}
@@ -239,7 +241,7 @@ def test_a_full_pool_costs_that_request_alone(model_dir: Path, config: VllmConfi
     """An open radixkv refuses (OutOfBlocks: the pool cannot hold the prompt) leaves that request without loads or
     saves; the next request still asks radixkv, which answers (a refusal is not a server that is down)."""
     flags = ["--model", str(model_dir), "--block-size", str(BLOCK), "--kv-dtype", "float32", "--num-blocks", "4"]
-    with ServerProcess(flags, tmp_path / "server.log") as proc:
+    with ServerProcess(flags, tmp_path / "server.log", timeout=START) as proc:
         own = dataclasses.replace(
             config.kv_transfer_config, kv_connector_extra_config={"radixkv_address": proc.address}
         )
@@ -262,7 +264,7 @@ def test_a_pool_shaped_otherwise_is_refused_at_start_naming_both_values(
     model_dir: Path, config: VllmConfig, tmp_path: Path
 ) -> None:
     flags = ["--model", str(model_dir), "--block-size", "16", "--kv-dtype", "float16", "--num-blocks", "8"]
-    with ServerProcess(flags, tmp_path / "server.log") as proc:
+    with ServerProcess(flags, tmp_path / "server.log", timeout=START) as proc:
         own = dataclasses.replace(
             config.kv_transfer_config, kv_connector_extra_config={"radixkv_address": proc.address}
         )
