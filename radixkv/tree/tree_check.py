@@ -65,8 +65,7 @@ def check_tree(tree: RadixTree) -> None:
     )
     listed = tree.evictable_leaves()
     assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
-    keys = [lru_key(n) for n in listed]
-    assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
+    tree.check_order(listed)
     assert len(listed) == len(leaves), "a leaf is listed twice"
 
 
