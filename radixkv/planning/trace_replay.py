@@ -142,6 +142,9 @@ def replay(
         if retention is not None:
             cache.expire()
         tokens = np.concatenate((request.token_ids, extra))  # one more token: open recomputes the last one
+        if request.num_units + 1 > num_blocks:  # larger than the whole cache: served uncached, as a server refuses
+            hits += cache.match(request.token_ids) // UNIT_IDS
+            continue
         opened = cache.open(tokens)
         hits += opened.num_cached_tokens // UNIT_IDS
         cache.commit([opened.seq_id], [len(tokens)])
