@@ -39,6 +39,7 @@ from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
+from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -302,6 +303,13 @@ class AsyncRadixKVClient:
     async def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         request = m.prefix_request(pb.UnpinRequest, self.pool, self.session_id, token_ids, namespace)
         await self._apply(self._stub.Unpin, request)
+
+    async def retain(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, retention: Retention = NO_RETENTION
+    ) -> int:
+        """As `RadixKVClient.retain`."""
+        request = m.retain_request(self.pool, self.session_id, token_ids, namespace, retention)
+        return (await self._apply(self._stub.Retain, request)).num_retained_tokens
 
     # -- pool -------------------------------------------------------------------------------------
 

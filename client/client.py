@@ -6,14 +6,12 @@ same exceptions. The client opens a session on construction, renews its lease in
 and keeps each sequence's block table from the deltas the server sends (`block_table(seq_id)`).
 Thread-safe: share one client between a scheduler's threads.
 
-Failures and restarts (the README's "Restarts" and "The keeper" say more): while the server is
-unreachable, calls raise `grpc.RpcError` UNAVAILABLE (retry; a mutating call is retried with its
-request id, a step re-sent on a new stream). After a restart without a keeper, or a crash, every
-call on the old session raises `ServerRestarted`; after the lease ran out, `UnknownSession` (its
-base class): `reopen()` recovers from both (a new session, the old block tables forgotten). An
-upgrade that keeps the cache (a keeper holds the pools) refuses calls `ServerRestarting`
-(UNAVAILABLE) until the next server has adopted the snapshot, with the session, its sequences
-and pins, and the same pool memory.
+Failures and restarts (the README's "Restarts" and "The keeper"): while the server is unreachable, calls
+raise `grpc.RpcError` UNAVAILABLE (a mutating call is retried with its request id, a step re-sent on a new
+stream). After a restart without a keeper, or a crash, every call on the old session raises
+`ServerRestarted`; after the lease ran out, `UnknownSession` (its base class): `reopen()` recovers from both.
+An upgrade that keeps the cache (a keeper holds the pools) refuses calls `ServerRestarting` (UNAVAILABLE)
+until the next server has adopted the snapshot, with the session, its sequences and pins, the same memory.
 """
 
 from __future__ import annotations
@@ -45,6 +43,7 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
 from radixkv.tree.block_hash import HashContract
+from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -68,18 +67,10 @@ class RadixKVClient:
     """
 
     def __init__(
-        self,
-        address: str,
-        *,
-        pool: str = "default",
-        token: str | None = None,
-        tls_root_cert: bytes | str | None = None,
-        tls_server_name: str | None = None,
-        session_ttl: float = 30.0,
-        timeout: float = 30.0,
-        max_message_bytes: int = 64 * 2**20,
-        block_size: int | None = None,
-    ) -> None:
+        self, address: str, *, pool: str = "default", token: str | None = None,
+        tls_root_cert: bytes | str | None = None, tls_server_name: str | None = None, session_ttl: float = 30.0,
+        timeout: float = 30.0, max_message_bytes: int = 64 * 2**20, block_size: int | None = None,
+    ) -> None:  # fmt: skip
         credentials, options = channel_settings(max_message_bytes, tls_root_cert, tls_server_name)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options)
@@ -374,6 +365,13 @@ class RadixKVClient:
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         request = m.prefix_request(pb.UnpinRequest, self.pool, self.session_id, token_ids, namespace)
         self._apply(self._stub.Unpin, request)
+
+    def retain(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, retention: Retention = NO_RETENTION
+    ) -> int:
+        """A soft retention hint on the cached prefix (TTL, priority, end of session; see `KVCache.retain`)."""
+        request = m.retain_request(self.pool, self.session_id, token_ids, namespace, retention)
+        return self._apply(self._stub.Retain, request).num_retained_tokens
 
     # -- pool -------------------------------------------------------------------------------------
 

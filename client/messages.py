@@ -22,6 +22,7 @@ from radixkv.memory.layout import PoolLayout
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.stats import Stats
+from radixkv.tree.retention import Retention
 from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -200,6 +201,15 @@ def prefix_request(
     """A Match, Pin or Unpin request (`extra`: e.g. Match's explain)."""
     fields = dict(pool=pool, session_id=session_id, token_ids=token_list(token_ids), namespace=namespace, **extra)
     return build(message, "", **fields)
+
+
+def retain_request(pool: str, session_id: str, token_ids: TokenIds, namespace: str, retention: Retention) -> Request:
+    """A Retain request carrying `retention` (checked here, as the server checks it)."""
+    hint = pb.Retention(
+        ttl_seconds=retention.ttl_s, priority=retention.priority, refresh=retention.refresh,
+        end_session=retention.end_session,
+    )  # fmt: skip
+    return prefix_request(pb.RetainRequest, pool, session_id, token_ids, namespace, retention=hint)
 
 
 def stats_result(response: pb.StatsResponse) -> Stats:

@@ -107,6 +107,23 @@ def _version() -> str:
         return "radixkv (not installed: no version)"
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from radixkv.planning import replay_report
+
+    capacities = [replay_report.parse_tokens(c) for c in args.capacity_tokens or ["1M"]]
+    if args.ttl < 0:
+        raise ValueError(f"--ttl: must be >= 0 seconds, got {args.ttl}")
+    if args.concurrency <= 0:
+        raise ValueError(f"--concurrency: must be > 0, got {args.concurrency}")
+    report = replay_report.run(
+        args.traces, args.concurrency, capacities, args.policy, ttl_s=args.ttl, seed=args.seed, jobs=args.jobs
+    )
+    print(replay_report.format_report(report))
+    if args.out:
+        replay_report.write_json(report, args.out)
+    return 0
+
+
 # The commands that live in a subsystem: the modules each runs (imported only when asked for, in this
 # order) and the extras that install what they import. The demo's server runs in a child process, so the
 # demo imports the server's modules here too: a missing server extra is this one line, not the child's log.
@@ -186,6 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     simulate.add_argument("--check", action="store_true", help="run the invariant checker after every request (slow)")
     simulate.set_defaults(run=_simulate)
+
+    replay_cmd = sub.add_parser(
+        "replay", help="replay agent traces through the core: eviction policies next to LRU, MIN and infinite"
+    )
+    replay_cmd.add_argument("--traces", required=True, metavar="DIR", help="a folder of *.json.gz sessions")
+    replay_cmd.add_argument("--concurrency", type=float, default=32.0, metavar="K", help="sessions in flight, mean")
+    replay_cmd.add_argument(
+        "--capacity-tokens", action="append", metavar="N", help="cache size, e.g. 1M or 500k; repeatable (default 1M)"
+    )
+    replay_cmd.add_argument("--policy", default="all", metavar="NAME|all", help="agent, lru, slru, tlru or all")
+    replay_cmd.add_argument("--ttl", type=float, default=0.0, metavar="SECONDS", help="also: infinite cache, TTL")
+    replay_cmd.add_argument("--seed", type=int, default=7, help="for the sessions' start times (default 7)")
+    replay_cmd.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per core)")
+    replay_cmd.add_argument("--out", metavar="FILE.json", help="write the points as JSON")
+    replay_cmd.set_defaults(run=_replay)
 
     args = parser.parse_args(argv)
     try:

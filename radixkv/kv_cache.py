@@ -26,12 +26,14 @@ from radixkv.sequences.fork import check_fork, fork
 from radixkv.sequences.invariants import check_holders, check_reservations
 from radixkv.sequences.publish import publish, release
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
+from radixkv.sequences.retain import expire, retain
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
 from radixkv.tree.host_tier import HostTier, ResultScope
 from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.tree.pins import Pins
 from radixkv.tree.radix_tree import Node, RadixTree
+from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.tree.token_ids import TokenIds, TokenKey
 from radixkv.tree.tree_check import check_host_tier
 
@@ -96,10 +98,9 @@ class KVCache:
     ) -> OpenResult:
         """Start a sequence: reuse the longest cached prefix, allocate blocks for the rest.
 
-        A fully cached prompt still recomputes its last token (the model needs its logits), so the
-        match stops one token short, in whole blocks. With `max_new_tokens`, admission by token budget
-        (`radixkv.pressure.budget`): its growth is reserved, or NotAdmitted. Raises InvalidArgument,
-        LimitExceeded, OutOfBlocks, NotAdmitted, and then nothing changes.
+        A fully cached prompt still recomputes its last token (the model needs its logits), so the match stops
+        one token short, in whole blocks. With `max_new_tokens`, admission by token budget (its growth reserved,
+        or NotAdmitted). Raises InvalidArgument, LimitExceeded, OutOfBlocks, NotAdmitted; then nothing changes.
         """
         budgets, ranks = [max_new_tokens] if max_new_tokens else None, [priority] if priority else None  # None: all 0
         return self.open_many([(token_ids, namespace)], max_new_tokens=budgets, priorities=ranks)[0]
@@ -144,13 +145,9 @@ class KVCache:
             raise
 
     def lock_prefix(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> OpenResult:
-        """Lock the cached prefix of `token_ids` (whole blocks) without allocating anything.
-
-        Returns a sequence holding just that prefix: `num_cached_tokens` tokens, all computed, its
-        `block_table` the cached blocks, no slots. It keeps them from eviction until `release`,
-        and may be appended to like any sequence. Unlike `open`, the match may cover every token:
-        pass `token_ids[:-1]` to keep the last token for the model. A miss gives an empty sequence.
-        """
+        """Lock the cached prefix of `token_ids` (whole blocks) without allocating anything: a sequence holding just
+        that prefix (all computed, no slots) until `release`, appendable. Unlike `open`, the match may cover every
+        token (pass `token_ids[:-1]` to keep the last for the model). A miss gives an empty sequence."""
         key = self._key(token_ids, "token_ids")
         try:
             opened = lock_prefix(self._blocks, self._sequences, self._root(namespace), key, namespace)
@@ -173,12 +170,9 @@ class KVCache:
         return self._append(*append_many_args(requests)).results()
 
     def append_batch(self, seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids: TokenIds) -> AppendBatch:
-        """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`.
-
-        All or none. Validation runs once for the batch and the plan in columns, so a step of hundreds
-        of sequences costs well under a microsecond each. Each sequence's earlier tokens count as computed
-        from now on (see `commit`).
-        """
+        """One decode step in columns: sequence i appends the next `num_token_ids[i]` of `token_ids`, all or none.
+        Validated once for the batch and planned in columns (well under a microsecond a sequence); earlier tokens
+        count as computed from now on (see `commit`)."""
         return self._append(seq_ids, *append_args(seq_ids, num_token_ids, token_ids))
 
     def _append(self, seq_ids: Sequence[int], counts: list[int], key: bytes) -> AppendBatch:
@@ -186,12 +180,9 @@ class KVCache:
         return append(self._blocks, self._sequences, seq_ids, counts, key, self.limits.max_tokens_per_request)
 
     def can_append(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> bool:
-        """Would appending `num_tokens[i]` tokens to each `seq_ids[i]` (one `append_batch`) succeed?
-
-        Counts new blocks, copy-on-write copies and what eviction could free exactly as `append_batch`
-        does; False where it would raise OutOfBlocks or LimitExceeded. Raises InvalidArgument or
-        UnknownSequence where the query itself is malformed.
-        """
+        """Would appending `num_tokens[i]` tokens to each `seq_ids[i]` (one `append_batch`) succeed? Counted as
+        `append_batch` counts; False where it would raise OutOfBlocks or LimitExceeded (InvalidArgument or
+        UnknownSequence where the query is malformed)."""
         counts = append_counts(seq_ids, num_tokens, "num_tokens")
         try:
             needed, drawn = self._blocks_to_append(seq_ids, counts)
@@ -332,6 +323,17 @@ class KVCache:
     def unpin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Drop one pin taken by `pin` with the same tokens (in whole blocks)."""
         self._pins.unpin(self._key(token_ids, "token_ids"), namespace)
+
+    def retain(
+        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, retention: Retention = NO_RETENTION
+    ) -> int:
+        """A soft hint on the cached prefix of `token_ids` (TTL, priority, end of session: `radixkv.tree.retention`);
+        returns the tokens it covers. `expire()` evicts what a TTL let go, at once."""
+        root = existing_root(self.tree, namespace)
+        return retain(self._blocks, root, self._key(token_ids, "token_ids"), retention) if root is not None else 0
+
+    def expire(self) -> int:
+        return expire(self._blocks)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from radixkv.server.sizes import num_tokens
 from radixkv.server.step import run_step
 from radixkv.server.streams import WatchStreams
 from radixkv.server.tenants import Tenant
+from radixkv.tree.retention import Retention
 from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
 
 
@@ -310,6 +311,19 @@ class KVService:
             pool.cache.unpin(pin.token_bytes, core_namespace)
 
         self.checks.applied_once(pool, session, request, apply, lambda _: 1)
+
+    def retain(
+        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str,
+        retention: tuple[float, int, bool, bool], request: RequestKey = NO_REQUEST,
+    ) -> int:  # fmt: skip
+        """A soft retention hint on the cached prefix (`radixkv.tree.retention`); returns the tokens it covers.
+        Nothing to quota: a hint orders eviction and holds nothing."""
+        pool, key, core_namespace = self._prefix(caller, pool_name, token_ids, namespace)
+        session = self.sessions.get(session_id, caller)
+        hint = Retention(*retention)  # InvalidArgument names the field before anything is applied
+        return self.checks.applied_once(
+            pool, session, request, lambda: pool.cache.retain(key, core_namespace, hint), lambda _: 1
+        )
 
     def _prefix(self, caller: Tenant, pool_name: str, token_ids: TokenIds, namespace: str) -> tuple[Pool, bytes, str]:
         """A pin's pool, its tokens (their count checked before they are converted) and the tenant's namespace."""

@@ -1,14 +1,10 @@
 """`radixkv.v1.KVCache` on the wire: each method turns its request into one `KVService` call and the
-result into its response.
+result into its response. Nothing here decides anything: sessions, ownership, quotas, namespaces and
+locking live in `KVService`; refusals become statuses in `status.translating_errors`.
 
-Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
-`KVService`; refusals become statuses in `status.translating_errors`.
-
-The caller (the tenant every call is made on behalf of) is `auth.current_caller()`: the auth
-interceptor maps the call's bearer token to its tenant and sets it for the call's thread before the
-method runs (without auth every caller is `ANONYMOUS`). The interceptors and their order are in
-`interceptors.py`; the call's deadline, which the service checks after waiting for a pool's lock,
-is recorded by `translating_errors` (`deadlines.py`).
+The caller is `auth.current_caller()`: the auth interceptor maps the call's bearer token to its tenant
+for the call's thread before the method runs (without auth: `ANONYMOUS`). The interceptors and their
+order are in `interceptors.py`; `translating_errors` records the call's deadline (`deadlines.py`).
 """
 
 from __future__ import annotations
@@ -260,6 +256,15 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         return pb.UnpinResponse()
 
     @translating_errors
+    def Retain(self, request: pb.RetainRequest, context: grpc.ServicerContext) -> pb.RetainResponse:
+        key, r = request_key("Retain", request), request.retention
+        retention = (r.ttl_seconds, r.priority, r.refresh if r.HasField("refresh") else True, r.end_session)
+        num = self._service.retain(
+            current_caller(), request.session_id, request.pool, request.token_ids, request.namespace, retention, key
+        )
+        return pb.RetainResponse(num_retained_tokens=num)
+
+    @translating_errors
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats, num_available, num_tombstones, tombstone_bytes = self._reads.stats(
             current_caller(), request.session_id, request.pool
@@ -374,13 +379,9 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
 
 def _layout(layout: PoolLayout) -> pb.PoolLayout:
     return pb.PoolLayout(
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-        num_blocks=layout.num_blocks,
-        dtype=layout.dtype,
-    )
+        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+        block_size=layout.block_size, num_blocks=layout.num_blocks, dtype=layout.dtype,
+    )  # fmt: skip
 
 
 def _handle(handle: PoolHandle) -> pb.PoolHandle:

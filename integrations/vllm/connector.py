@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import radixkv.vllm.compat as compat
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.memory.layout import PoolLayout
-from radixkv.vllm import compat
 from radixkv.vllm.events import EventRelay
 from radixkv.vllm.layouts import layout_for
 from radixkv.vllm.plan import StepPlan

@@ -28,6 +28,7 @@ from radixkv.pressure.budget import Budget
 from radixkv.pressure.limits import Limits
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence
 from radixkv.state.host_state import capture_host, rebuild_host, swapped_records
+from radixkv.state.retention_state import capture_retention, restore_retention
 from radixkv.stats import Stats
 from radixkv.tree.lock_counts import holders_through, lock_refs
 from radixkv.tree.radix_node import Node
@@ -105,6 +106,7 @@ def capture(cache: KVCache) -> dict[str, Any]:
         # Likewise: without it, forked sequences restore without families (what they share by count is
         # published once its other holders go, as before families were kept).
         "families": _families(cache),
+        "retention": capture_retention(nodes, tree.policy.clock()),  # likewise: without it, no hints
     }
 
 
@@ -139,6 +141,7 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
             raise ValueError("the snapshot has a host tier; this pool has none")
         rebuild_host(cache.host, host_state, nodes, roots)  # before any LRU list: it renumbers the nodes
     swapped = swapped_records(host_state)
+    restore_retention(nodes, state.get("retention"), tree.policy.clock())  # before any node is listed
 
     def node_at(i: int) -> Node:
         return nodes[i] if i >= 0 else roots[-1 - i]

@@ -34,6 +34,18 @@ class Node:
     # and its host-only children (no device blocks), which device walks never see.
     host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
     host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
+    # Eviction order and retention (`radixkv.tree.eviction`, `radixkv.tree.retention`): the key it is listed
+    # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
+    # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
+    evict_key: tuple | None = None
+    used_s: float = 0.0
+    gap_s: float = -1.0
+    num_uses: int = 0
+    high_water: int = 0
+    retain_until_s: float = 0.0
+    retain_ttl_s: float = 0.0
+    retain_priority: int = 0
+    ended: bool = False
 
     @property
     def is_root(self) -> bool:

@@ -4,21 +4,24 @@ A node holds a run of whole blocks: `token_bytes` (int32, `len(block_ids) * bloc
 their `block_ids`. Children are keyed by the bytes of their first block, so a walk costs one dict
 lookup and one memcmp per node, never a Python loop per token. The tree owns one hold (ref_count)
 on each block it keeps; the caller (`KVCache`) turns the block ids the tree drops into decrefs.
-Eviction takes the least recently used unlocked leaf's tail blocks (O(log n) per leaf touched); an owner's
-eviction (a tenant past its cache share) takes its own least recently used leaf from its own list, never
-looking at another owner's leaves (O(log n) per leaf too, however many leaves others cache).
+Eviction takes the first unlocked leaf's tail blocks in the policy's order (`radixkv.tree.eviction`; LRU by
+default; O(log n) per leaf touched); an owner's eviction (a tenant past its cache share) takes its own least
+recently used leaf from its own list, never looking at another owner's leaves (O(log n) per leaf too, however
+many leaves others cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
+from radixkv.tree.eviction import EvictionPolicy
 from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key, owner_of
+from radixkv.tree.retention import inherit, stamp
 from radixkv.tree.token_ids import TOKEN_BYTES, common_blocks
 
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key", "owner_of"]
@@ -46,13 +49,18 @@ class RadixTree:
     only through `unlink` and `attach_loaded`).
     """
 
-    def __init__(self, block_size: int, observer: TreeObserver | None = None) -> None:
+    def __init__(
+        self, block_size: int, observer: TreeObserver | None = None, policy: EvictionPolicy | None = None
+    ) -> None:
         self.block_size = block_size
         self.observer = observer
         self.block_bytes = block_size * TOKEN_BYTES
         self.roots: dict[str, Node] = {}
-        self._evictable_leaves: SortedList = SortedList(key=lru_key)
-        self._owner_leaves: dict[str, SortedList] = {}  # the same leaves by owner (`owner_of` their namespace)
+        self.policy = policy if policy is not None else EvictionPolicy()  # an empty one is falsy
+        self._evictable_leaves = self.policy  # the unlocked leaves, in eviction order
+        # The same leaves by owner (`owner_of` their namespace), least recently used first: a tenant over its
+        # cache share gives up its own LRU leaves (the key is stable while listed: see the class docstring).
+        self._owner_leaves: dict[str, SortedList] = {}
         self.num_evictable_blocks = 0
         self.num_pinned_blocks = 0
         self.num_cached_blocks = 0
@@ -110,6 +118,7 @@ class RadixTree:
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         if self.touched is not None:
             self.touched.update((node, upper, node.parent))
+        inherit(upper, node)
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
         if len(node.host_block_ids) and self.host is not None:  # a host copy splits with it
@@ -231,6 +240,7 @@ class RadixTree:
         stamped with this access as it joins the evictable ones."""
         now = self.tick()
         touched = self.touched
+        now_s = 0.0
         while node.parent is not None:
             if touched is not None:
                 touched.add(node)
@@ -239,6 +249,8 @@ class RadixTree:
             node.last_access = now
             if node.lock_ref:
                 return
+            now_s = now_s or self.policy.clock()
+            stamp(node, now_s)
             self.num_evictable_blocks += len(node.block_ids)
             if not node.children:
                 self._list(node)
@@ -266,14 +278,42 @@ class RadixTree:
         cache is dropped than asked for. With `owner`, only leaves of its namespaces are dropped (a tenant
         over its cache share), found on its own list: no other owner's leaf is looked at.
         """
+        leaves = self._evictable_leaves
+
+        def pick(need: int) -> Node | None:
+            if need <= 0 or not leaves:
+                return None
+            if owner is None:
+                return leaves.first()
+            own = self._owner_leaves.get(owner)
+            return own[0] if own else None
+
+        return self._evict(num_blocks, pick)
+
+    def evict_expired(self, now: float) -> npt.NDArray[np.int32]:
+        """Drop the unlocked leaves whose TTL ran out by `now` (policy clock), and their parents whose TTL ran out
+        with them: a TTL's hosted-API meaning, for a caller that wants it (`radixkv replay --ttl`)."""
+        expired = self._evictable_leaves.expire(now)
+
+        def pick(need: int) -> Node | None:
+            while expired:
+                leaf = expired.pop()
+                if leaf.evict_key is not None and not leaf.children:
+                    parent = leaf.parent
+                    if parent is not None and parent.parent is not None and 0 < parent.retain_until_s <= now:
+                        expired.append(parent)  # goes once it is a leaf
+                    return leaf
+            return None
+
+        return self._evict(1 << 62, pick)
+
+    def _evict(self, num_blocks: int, pick: Callable[[int], Node | None]) -> npt.NDArray[np.int32]:
+        """Drop leaves `pick(blocks still needed)` names (a tail, where a leaf holds more) until it names none."""
         freed: list[npt.NDArray[np.int32]] = []
         num_freed = 0
         removed: dict[str, list[npt.NDArray[np.int32]]] = {}  # one report per namespace per call
-        while num_freed < num_blocks:
-            leaves = self._evictable_leaves if owner is None else self._owner_leaves.get(owner)
-            if not leaves:
-                break
-            leaf = leaves[0]
+        leaves = self._evictable_leaves
+        while (leaf := pick(num_blocks - num_freed)) is not None:
             self.num_leaves_visited += 1
             need = num_blocks - num_freed
             if self.touched is not None:
@@ -284,6 +324,7 @@ class RadixTree:
                 keep = len(leaf.block_ids) - need
                 dropped, leaf.block_ids = leaf.block_ids[keep:], leaf.block_ids[:keep]
                 leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
+                leaves.relist(leaf)  # a key may read its tail (the oracle's next use)
             else:
                 dropped = leaf.block_ids
                 self._unlist(leaf)
@@ -361,11 +402,21 @@ class RadixTree:
         return np.concatenate([NO_BLOCKS, *(node.block_ids for _, node in self.nodes())])
 
     def evictable_leaves(self) -> list[Node]:
+        """In eviction order."""
         return list(self._evictable_leaves)
 
     def evictable_leaves_by_owner(self) -> dict[str, list[Node]]:
-        """Each owner's evictable leaves, in its eviction order (for invariant checks)."""
+        """Each owner's evictable leaves, least recently used first (for invariant checks)."""
         return {owner: list(leaves) for owner, leaves in self._owner_leaves.items()}
+
+    def check_order(self, listed: list[Node]) -> None:
+        """Raise AssertionError where `listed` (the evictable leaves) breaks the policy's order."""
+        if type(self.policy) is EvictionPolicy:  # plain LRU: the order is the leaves' LRU keys
+            keys = [lru_key(n) for n in listed]
+            assert keys == sorted(keys) or self.policy._retained or self.policy._doomed, (
+                "evictable leaf list out of LRU order: a listed node's last_access was written"
+            )
+        self.policy.check(listed)
 
     def is_listed_evictable(self, node: Node) -> bool:
         """Is `node` on the evictable list, found under its current LRU key? (O(log n), for the audit.)"""
@@ -382,3 +433,8 @@ class RadixTree:
     def list_evictable(self, node: Node) -> None:
         """A rebuilt node (restart) joins the evictable list."""
         self._list(node)
+
+    def relist(self, node: Node) -> None:
+        """A listed leaf's retention changed: it moves to its new place in the order."""
+        if node.evict_key is not None:
+            self._evictable_leaves.relist(node)

@@ -69,13 +69,17 @@ def check_tree(tree: RadixTree) -> None:
     assert cached_of == tree.num_cached_blocks_of, f"cached blocks per owner {tree.num_cached_blocks_of} != {cached_of}"
     listed = tree.evictable_leaves()
     assert {n.node_id for n in listed} == leaves, "evictable leaf list != unlocked leaves"
-    by_owner: dict[str, list[int]] = {}
+    by_owner: dict[str, set[int]] = {}
     for node in listed:
-        by_owner.setdefault(owner_of(node.namespace), []).append(node.node_id)
-    owners = {owner: [n.node_id for n in nodes] for owner, nodes in tree.evictable_leaves_by_owner().items()}
-    assert owners == by_owner, "an owner's evictable leaves != the LRU list restricted to its namespaces"
-    keys = [lru_key(n) for n in listed]
-    assert keys == sorted(keys), "evictable leaf list out of LRU order: a listed node's last_access was written"
+        by_owner.setdefault(owner_of(node.namespace), set()).add(node.node_id)
+    owners = tree.evictable_leaves_by_owner()
+    assert {o: {n.node_id for n in nodes} for o, nodes in owners.items()} == by_owner, (
+        "an owner's evictable leaves != the evictable leaves of its namespaces"
+    )
+    for owner, nodes in owners.items():
+        keys = [lru_key(n) for n in nodes]
+        assert keys == sorted(keys), f"owner {owner!r}'s leaves out of LRU order: a listed last_access was written"
+    tree.check_order(listed)
     assert len(listed) == len(leaves), "a leaf is listed twice"
 
 

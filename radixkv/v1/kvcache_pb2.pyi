@@ -974,3 +974,37 @@ class GetBlockChecksumsResponse(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, checksums: _Optional[_Iterable[int]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("ttl_seconds", "priority", "refresh", "end_session")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FIELD_NUMBER: _ClassVar[int]
+    END_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: float
+    priority: int
+    refresh: bool
+    end_session: bool
+    def __init__(self, ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., refresh: _Optional[bool] = ..., end_session: _Optional[bool] = ...) -> None: ...
+
+class RetainRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "token_ids", "namespace", "retention", "request_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    retention: Retention
+    request_id: int
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("num_retained_tokens",)
+    NUM_RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_retained_tokens: int
+    def __init__(self, num_retained_tokens: _Optional[int] = ...) -> None: ...

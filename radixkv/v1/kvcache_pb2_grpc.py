@@ -165,6 +165,11 @@ class KVCacheStub:
                 request_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/radixkv.v1.KVCache/Retain',
+                request_serializer=radixkv_dot_v1_dot_kvcache__pb2.RetainRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_kvcache__pb2.RetainResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -376,6 +381,15 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Retain gives the cached prefix of token_ids a soft retention hint: a TTL (refreshed on each use unless
+        refresh is false), a priority, or the end of a session (its own branch may go first). A hint orders
+        eviction and never refuses an admission; hard pins stay Pin's, bounded by quota.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -508,6 +522,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.GetBlockChecksums,
                     request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=radixkv_dot_v1_dot_kvcache__pb2.RetainRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_kvcache__pb2.RetainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1213,6 +1232,33 @@ class KVCache:
             '/radixkv.v1.KVCache/GetBlockChecksums',
             radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsRequest.SerializeToString,
             radixkv_dot_v1_dot_kvcache__pb2.GetBlockChecksumsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.KVCache/Retain',
+            radixkv_dot_v1_dot_kvcache__pb2.RetainRequest.SerializeToString,
+            radixkv_dot_v1_dot_kvcache__pb2.RetainResponse.FromString,
             options,
             channel_credentials,
             insecure,

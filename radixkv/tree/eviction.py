@@ -1,0 +1,277 @@
+"""Which unlocked leaf the radix tree evicts first: the eviction policies, each an ordered set of leaves.
+
+The tree lists a leaf here when it becomes evictable and takes it out when it is locked or evicted; a policy
+only orders (SGLang's "eviction policy is just a priority key"). The key a leaf was listed under is stored on
+it (`Node.evict_key`), so a key may read fields that change while the leaf is listed (its depth, after a
+split) without breaking removal. The policies (`make_policy`):
+
+- `lru`: least recently used first (the tree clock).
+- `slru`: SGLang's segmented LRU: leaves hit fewer than `threshold` times go before the others, LRU within.
+- `tlru`: SGLang's tail-optimized LRU (arXiv:2510.15152): a leaf that starts past the branch's high-water
+  depth plus `q_hat` minus `xi` tokens cannot push the branch's next prefill over `xi`, so it goes first.
+- `agent` (the default for agent traffic): predicts each branch's next use from its own pauses (`AgentPolicy`).
+- an oracle (`KeyedPolicy`): a key the caller computes (Belady's MIN in `radixkv replay`).
+
+Retention hints (`radixkv.tree.retention`) sit above every policy, in tiers: leaves of an ended session (or of a
+negative priority) go before all others; leaves kept by a TTL or a positive priority after all others, until
+the TTL runs out (`first` moves an expired one back among the others). Soft: nothing is ever refused for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from itertools import chain
+
+from sortedcontainers import SortedList
+
+from radixkv.tree.radix_node import Node, lru_key
+from radixkv.tree.retention import DOOMED, NORMAL, RETAINED, tier
+
+__all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "make_policy"]
+
+POLICIES = ("agent", "lru", "slru", "tlru")
+
+
+def _stored(node: Node) -> object:
+    return node.evict_key
+
+
+def _until(node: Node) -> float:
+    return node.evict_key[2]  # the deadline it was listed with (a hint may write a new one before relisting)
+
+
+class EvictionPolicy:
+    """The evictable leaves in eviction order (LRU here; a subclass changes `key`, or the normal tier's lists).
+
+    `first()` is the next victim; iteration goes in eviction order (the normal tier's, approximately, for a
+    policy with more than one list). `clock` (seconds) stamps each use (`radixkv.tree.retention.stamp`).
+    """
+
+    name = "lru"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._normal: SortedList = SortedList(key=_stored)
+        self._doomed: SortedList = SortedList(key=_stored)
+        self._retained: SortedList = SortedList(key=_stored)
+        self._expiring: SortedList = SortedList(key=_until)  # retained leaves with a deadline, soonest first
+
+    def key(self, node: Node) -> tuple:
+        return lru_key(node)
+
+    # -- the normal tier (a policy with its own lists overrides these three) ----------------------------------
+
+    def add_normal(self, node: Node) -> None:
+        node.evict_key = (NORMAL, *self.key(node))
+        self._normal.add(node)
+
+    def remove_normal(self, node: Node) -> None:
+        self._normal.remove(node)
+
+    def first_normal(self) -> Node | None:
+        return self._normal[0] if self._normal else None
+
+    def iter_normal(self) -> Iterator[Node]:
+        return iter(self._normal)
+
+    def num_normal(self) -> int:
+        return len(self._normal)
+
+    # -- the tiers --------------------------------------------------------------------------------------------
+
+    def add(self, node: Node) -> None:
+        t = tier(node, self.clock() if node.retain_until_s else 0.0)
+        if t == NORMAL:
+            self.add_normal(node)
+        elif t == DOOMED:
+            node.evict_key = (DOOMED, node.retain_priority, *lru_key(node))
+            self._doomed.add(node)
+        else:
+            node.evict_key = (RETAINED, node.retain_priority, node.retain_until_s or float("inf"), *lru_key(node))
+            self._retained.add(node)
+            if node.retain_until_s:
+                self._expiring.add(node)  # after the key: `_until` reads it
+
+    def remove(self, node: Node) -> None:
+        t = node.evict_key[0]
+        if t == NORMAL:
+            self.remove_normal(node)
+        elif t == DOOMED:
+            self._doomed.remove(node)
+        else:
+            self._retained.remove(node)
+            if _until(node) != float("inf"):
+                self._expiring.remove(node)
+        node.evict_key = None
+
+    def discard(self, node: Node) -> None:
+        if node.evict_key is not None:
+            self.remove(node)
+
+    def relist(self, node: Node) -> None:
+        """A listed leaf's retention or tail changed: list it again under its new key."""
+        self.remove(node)
+        self.add(node)
+
+    def first(self) -> Node | None:
+        if self._doomed:
+            return self._doomed[0]
+        if self._expiring:
+            self.expire(self.clock())
+        node = self.first_normal()
+        return node if node is not None else (self._retained[0] if self._retained else None)
+
+    def expire(self, now: float) -> list[Node]:
+        """Move the retained leaves whose deadline passed back among the others; returns them."""
+        expired = []
+        while self._expiring and _until(self._expiring[0]) <= now:
+            node = self._expiring[0]
+            self.remove(node)
+            node.retain_until_s, node.retain_priority = 0.0, 0  # an expired priority decays to the default
+            self.add(node)
+            expired.append(node)
+        return expired
+
+    def __contains__(self, node: Node) -> bool:
+        t = node.evict_key[0] if node.evict_key is not None else None
+        if t is None:
+            return False
+        lists = {DOOMED: self._doomed, RETAINED: self._retained}
+        return node in lists[t] if t in lists else self.contains_normal(node)
+
+    def contains_normal(self, node: Node) -> bool:
+        return node in self._normal
+
+    def __len__(self) -> int:
+        return len(self._doomed) + self.num_normal() + len(self._retained)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __iter__(self) -> Iterator[Node]:
+        return chain(self._doomed, self.iter_normal(), self._retained)
+
+    def check(self, listed: list[Node]) -> None:
+        """Raise AssertionError when a listed leaf is out of its tier's order."""
+        for sub in (self._doomed, self._retained):
+            keys = [n.evict_key for n in sub]
+            assert keys == sorted(keys), f"{self.name}: a retention tier is out of order"
+        assert all(n.evict_key is not None for n in listed), f"{self.name}: a listed leaf has no key"
+
+
+class KeyedPolicy(EvictionPolicy):
+    """A policy whose normal order is one key per leaf, computed by `key_fn` when the leaf is listed."""
+
+    def __init__(self, name: str, key_fn: Callable[[Node], tuple], clock: Callable[[], float] = time.monotonic):
+        super().__init__(clock)
+        self.name, self.key = name, key_fn
+
+
+class SLRU(EvictionPolicy):
+    """Probationary (hit fewer than `threshold` times) before protected; LRU within each segment."""
+
+    name = "slru"
+
+    def __init__(self, threshold: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(clock)
+        self.threshold = threshold
+
+    def key(self, node: Node) -> tuple:
+        return (node.num_uses - 1 >= self.threshold, *lru_key(node))  # the first use put it in the tree
+
+
+def depth_blocks(node: Node) -> int:
+    """Blocks above `node` on its path (a walk to the root)."""
+    depth, parent = 0, node.parent
+    while parent is not None:
+        depth += len(parent.block_ids)
+        parent = parent.parent
+    return depth
+
+
+class TLRU(EvictionPolicy):
+    """Tail-optimized LRU, in tokens: `xi`, the prefill a turn may recompute within its latency target;
+    `q_hat`, the next prompt's expected new tokens. The branch's history is the leaf's high-water end."""
+
+    name = "tlru"
+
+    def __init__(self, block_size: int, xi: int = 16384, q_hat: int = 2048, clock=time.monotonic) -> None:
+        super().__init__(clock)
+        self.block_size, self.xi, self.q_hat = block_size, xi, q_hat
+
+    def key(self, node: Node) -> tuple:
+        start = depth_blocks(node)
+        node.high_water = max(node.high_water, start + len(node.block_ids))  # a trimmed tail keeps it
+        budget = max(0, node.high_water * self.block_size + self.q_hat - self.xi)
+        return (start * self.block_size < budget, *lru_key(node))
+
+
+class AgentPolicy(EvictionPolicy):
+    """Predicts each leaf's next use from its branch's last pause, and evicts the leaf needed last.
+
+    An agent session re-sends its whole context every few seconds while tools run, then pauses for minutes
+    while a person reads, then comes back or ends; all its cached prefix is reused at its next request. So a
+    leaf last used at `used_s` after a pause of `gap_s` is due at `used_s + gap_s` (a new leaf takes its
+    parent's pause; `default_gap_s` where nothing is known). Two lists: leaves still due (evict the one due
+    last first: it holds capacity longest for one hit), and overdue ones, whose expected wait grows with how
+    long they have been idle (`now + (now - used_s)`; oldest first). The victim is whichever of the two heads
+    is expected back later. LRU is the case of equal pauses with nobody overdue; unlike it, a session that
+    comes back every few seconds keeps its context while one that paused for minutes gives way.
+    """
+
+    name = "agent"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, default_gap_s: float = 20.0) -> None:
+        super().__init__(clock)
+        self.default_gap_s = default_gap_s
+        self._overdue: SortedList = SortedList(key=_stored)  # _normal holds the leaves still due
+
+    def add_normal(self, node: Node) -> None:
+        gap = node.gap_s if node.gap_s >= 0 else self.default_gap_s
+        node.evict_key = (NORMAL, node.used_s + gap, node.node_id)
+        self._normal.add(node)
+
+    def remove_normal(self, node: Node) -> None:
+        if node.evict_key[1] == -1.0:
+            self._overdue.remove(node)
+        else:
+            self._normal.remove(node)
+
+    def contains_normal(self, node: Node) -> bool:
+        return node in (self._overdue if node.evict_key[1] == -1.0 else self._normal)
+
+    def first_normal(self) -> Node | None:
+        due, overdue = self._normal, self._overdue
+        if not due and not overdue:
+            return None
+        now = self.clock()
+        while due and due[0].evict_key[1] < now:  # no longer due: among the overdue, by when it was last used
+            node = due.pop(0)
+            node.evict_key = (NORMAL, -1.0, node.used_s, node.node_id)
+            overdue.add(node)
+        if not overdue:
+            return due[-1]
+        if not due:
+            return overdue[0]
+        latest_due, idlest = due[-1], overdue[0]
+        return idlest if 2 * now - idlest.used_s >= latest_due.evict_key[1] else latest_due
+
+    def iter_normal(self) -> Iterator[Node]:
+        return chain(self._overdue, reversed(self._normal))
+
+    def num_normal(self) -> int:
+        return len(self._normal) + len(self._overdue)
+
+
+def make_policy(name: str, block_size: int, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """The policy named `name` (one of POLICIES) for a tree of `block_size`-token blocks."""
+    if name == "lru":
+        return EvictionPolicy(clock)
+    if name == "slru":
+        return SLRU(clock=clock)
+    if name == "tlru":
+        return TLRU(block_size, clock=clock)
+    if name == "agent":
+        return AgentPolicy(clock)
+    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

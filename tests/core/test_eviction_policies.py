@@ -1,0 +1,165 @@
+"""Eviction policies and retention hints in the core: each order holds, hints are soft, and they survive a snapshot."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from radixkv.errors import InvalidArgument, OutOfBlocks
+from radixkv.kv_cache import KVCache
+from radixkv.memory.layout import PoolLayout
+from radixkv.state.snapshot import PoolIdentity, dump, load
+from radixkv.tree.eviction import POLICIES, KeyedPolicy, make_policy
+from radixkv.tree.radix_tree import RadixTree
+from radixkv.tree.retention import Retention
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(policy: str = "lru", num_blocks: int = 16) -> tuple[KVCache, Clock]:
+    clock = Clock()
+    return KVCache(num_blocks, BS, tree=RadixTree(BS, policy=make_policy(policy, BS, clock))), clock
+
+
+def cache_prompt(cache: KVCache, tokens: list[int], namespace: str = "default") -> None:
+    opened = cache.open(tokens + [0], namespace)
+    cache.commit([opened.seq_id], [len(tokens) + 1])
+    cache.release(opened.seq_id)
+    cache.check_invariants()
+
+
+def prompt(first: int, num_blocks: int) -> list[int]:
+    return list(range(first, first + num_blocks * BS))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_keeps_the_invariants_under_random_traffic(policy: str):
+    cache, clock = make(policy, 24)
+    rng = random.Random(policy)
+    contexts = [prompt(1000 * i, 2) for i in range(6)]
+    for step in range(300):
+        clock.now += rng.choice([1, 5, 60])
+        i = rng.randrange(len(contexts))
+        if rng.random() < 0.15:
+            contexts[i] = contexts[i][: BS * rng.randint(1, max(1, len(contexts[i]) // BS))]  # a branch
+        contexts[i] = contexts[i] + list(range(100_000 + step * 10, 100_000 + step * 10 + rng.randint(1, 9)))
+        contexts[i] = contexts[i][: 8 * BS]
+        try:
+            cache_prompt(cache, contexts[i][: len(contexts[i]) // BS * BS])
+        except OutOfBlocks:
+            pass
+        if rng.random() < 0.1:
+            cache.retain(contexts[rng.randrange(6)], retention=Retention(ttl_s=rng.choice([0, 30]), priority=1))
+        if rng.random() < 0.05:
+            cache.retain(contexts[rng.randrange(6)], retention=Retention(end_session=True))
+        cache.check_invariants()
+
+
+def test_a_ttl_keeps_a_prefix_ahead_of_lru_but_never_refuses_an_admission():
+    cache, clock = make("lru", 8)
+    kept, other = prompt(100, 2), prompt(200, 2)
+    cache_prompt(cache, kept)
+    clock.now += 1
+    cache_prompt(cache, other)
+    assert cache.retain(kept, retention=Retention(ttl_s=300)) == 2 * BS
+    cache_prompt(cache, prompt(300, 5))  # 6 blocks with the partial one: 2 evicted, the unhinted ones
+    assert cache.match(kept) == 2 * BS and cache.match(other) == 0
+    cache_prompt(cache, prompt(400, 7))  # the whole pool: the TTL gives way rather than refuse
+    assert cache.match(kept) == 0
+
+
+def test_an_expired_ttl_and_its_priority_decay_to_the_default():
+    cache, clock = make("lru", 8)
+    old, new = prompt(100, 2), prompt(200, 2)
+    cache_prompt(cache, old)
+    cache.retain(old, retention=Retention(ttl_s=60, priority=9))
+    clock.now += 10
+    cache_prompt(cache, new)
+    clock.now += 100  # old's TTL ran out: it is plain LRU again, and older than new
+    cache_prompt(cache, prompt(300, 5))  # 6 blocks, 4 free
+    assert cache.match(old) == 0 and cache.match(new) == 2 * BS
+    leaf = cache.tree.evictable_leaves()
+    assert all(n.retain_priority == 0 for n in leaf)
+
+
+def test_a_ttl_refreshes_on_use_unless_asked_not_to_and_expire_drops_what_ran_out():
+    cache, clock = make("lru", 16)
+    refreshed, fixed = prompt(100, 2), prompt(200, 2)
+    for tokens, refresh in ((refreshed, True), (fixed, False)):
+        cache_prompt(cache, tokens)
+        cache.retain(tokens, retention=Retention(ttl_s=60, refresh=refresh))
+    clock.now += 50
+    cache_prompt(cache, refreshed)
+    cache_prompt(cache, fixed)
+    clock.now += 20  # 70 s after the hint, 20 s after the last use
+    assert cache.expire() == 2
+    assert cache.match(refreshed) == 2 * BS and cache.match(fixed) == 0
+    cache.check_invariants()
+
+
+def test_end_of_session_drops_its_own_branch_first_not_the_shared_prefix():
+    cache, clock = make("lru", 12)
+    system = prompt(1, 1)
+    done, live = system + prompt(100, 2), system + prompt(200, 2)
+    cache_prompt(cache, done)
+    clock.now += 1
+    cache_prompt(cache, live)
+    assert cache.retain(done, retention=Retention(end_session=True)) == 3 * BS
+    cache_prompt(cache, prompt(900, 8))  # needs 2 of the 5 cached blocks back: the ended branch's
+    assert cache.match(live) == 3 * BS and cache.match(done) == BS  # the shared system prompt stays
+
+
+def test_a_bad_hint_is_refused_naming_the_field():
+    with pytest.raises(InvalidArgument) as e:
+        Retention(ttl_s=-1)
+    assert e.value.field == "retention.ttl_s"
+    with pytest.raises(InvalidArgument) as e:
+        Retention(priority=10**9)
+    assert e.value.field == "retention.priority"
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("fifo", BS)
+
+
+def test_an_oracle_key_orders_eviction():
+    """A keyed policy (MIN in `radixkv replay`): the leaf with the lowest key goes first."""
+    rank = {100: 0, 200: 2, 300: 1}
+    clock = Clock()
+    policy = KeyedPolicy("min", lambda n: (rank.get(int.from_bytes(n.token_bytes[:4], "little"), 9), n.node_id), clock)
+    cache = KVCache(8, BS, tree=RadixTree(BS, policy=policy))
+    for first in (100, 200, 300):
+        cache_prompt(cache, prompt(first, 2))
+    cache_prompt(cache, prompt(900, 3))  # 4 blocks, 2 free: the lowest key (100) goes
+    assert [cache.match(prompt(f, 2)) for f in (100, 200, 300)] == [0, 2 * BS, 2 * BS]
+
+
+def test_hints_survive_a_snapshot_and_an_older_snapshot_restores_unhinted():
+    cache, _ = make("lru", 16)
+    kept = prompt(100, 2)
+    cache_prompt(cache, kept)
+    cache.retain(kept, retention=Retention(ttl_s=600, priority=3))
+    identity = PoolIdentity("default", PoolLayout(2, 1, 4, BS, 16), "mem-1")
+    restored = load(dump(cache, identity), identity).cache
+    nodes = [n for _, n in restored.tree.nodes()]
+    assert nodes and all(n.retain_priority == 3 and n.retain_ttl_s == 600 for n in nodes)
+    assert all(590 < n.retain_until_s - restored.tree.policy.clock() <= 600 for n in nodes)
+    import radixkv.state.cache_state as cs
+
+    original = cs.capture_retention
+    cs.capture_retention = lambda nodes, now: None  # as a snapshot from before hints
+    try:
+        old = load(dump(cache, identity), identity).cache
+    finally:
+        cs.capture_retention = original
+    assert all(n.retain_priority == 0 and not n.retain_until_s for _, n in old.tree.nodes())
+    assert old.match(kept) == 2 * BS
+    np.testing.assert_array_equal(old.tree.tree_block_ids(), restored.tree.tree_block_ids())
