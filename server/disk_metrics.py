@@ -28,6 +28,7 @@ _COUNTERS = (
     ("radixkv_disk_evicted_blocks", "Blocks removed from the disk tier for room (LRU, or a tenant over its share)."),
     ("radixkv_disk_skipped_loads", "Disk hits left to recompute: reading them was slower than computing them."),
     ("radixkv_disk_write_errors", "Writes that failed (disk full, read-only, I/O error): the blocks stayed in memory."),
+    ("radixkv_disk_unwritten_blocks", "Committed blocks evicted before the writer came, with 1 GiB already waiting."),
 )
 
 
@@ -41,7 +42,7 @@ def values(disk: PoolDisk) -> dict[str, float]:
         "radixkv_disk_rebuild_seconds": store.rebuild_seconds, "radixkv_disk_written_blocks": store.num_written_blocks,
         "radixkv_disk_read_blocks": store.num_read_blocks, "radixkv_disk_hit_tokens": disk.num_hit_tokens,
         "radixkv_disk_evicted_blocks": store.num_evicted_blocks, "radixkv_disk_skipped_loads": cost.num_skipped_loads,
-        "radixkv_disk_write_errors": store.num_write_errors,
+        "radixkv_disk_write_errors": store.num_write_errors, "radixkv_disk_unwritten_blocks": disk.num_unwritten_blocks,
     }  # fmt: skip
 
 

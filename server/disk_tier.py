@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixkv.disk")
 FLUSH_INTERVAL_S = 0.5
+MAX_FLUSH_BYTES = 256 << 20  # copied out per flush at most, and kept for a retry: bounds the writer's memory
+MAX_STAGED_BYTES = 1 << 30  # copied at eviction and waiting for the writer, at most
 MEDIUM_STORAGE = "STORAGE"  # vLLM's medium of a storage tier (vllm.v1.kv_offload.base.Medium.STORAGE)
 THROTTLE_ENV = "RADIXKV_DISK_THROTTLE_BYTES_PER_S"  # tests and benchmarks: reads as slow as this (a slow disk)
 REPROBE_S = 60.0
@@ -79,6 +81,7 @@ class PoolDisk:
         self._staged: list[tuple[str, list[bytes], npt.NDArray[np.uint8]]] = []  # copied when the device dropped them
         self.num_promoted_blocks = 0  # read from disk into the host tier for an open
         self.num_hit_tokens = 0  # tokens those blocks hold
+        self.num_unwritten_blocks = 0  # committed blocks the device dropped while MAX_STAGED_BYTES waited already
         self._last_probe = 0.0
         self._changes: list[tuple[str, bool, list[bytes]]] = []  # objects written or removed, for the KV events
         self._changes_lock = threading.Lock()  # a leaf lock: the store tells from any thread, holding nothing
@@ -111,8 +114,15 @@ class PoolDisk:
         if not self._pending:
             return
         ids = [b for b in np.asarray(block_ids).tolist() if b in self._pending]
-        if ids:
-            self._stage(ids)
+        if not ids:
+            return
+        staged = sum(len(hashes) for _, hashes, _ in self._staged) * self.pool.layout.bytes_per_block
+        if staged >= MAX_STAGED_BYTES:  # commits outrun the disk: these never reach it (counted), memory stays bounded
+            for b in ids:
+                del self._pending[b]
+            self.num_unwritten_blocks += len(ids)
+            return
+        self._stage(ids)
 
     def _stage(self, ids: list[int]) -> None:
         data = self._gather(ids)
@@ -146,18 +156,31 @@ class PoolDisk:
                 log.exception("disk tier %s: a flush failed", self.pool.name)
 
     def flush(self) -> int:
-        """Write every block published so far that is not on disk; returns how many were written. Publishes the
+        """Write the blocks published so far that are not on disk (at most `MAX_FLUSH_BYTES` of them copied out per
+        flush; the rest wait for the next); returns how many were written. A batch whose write failed (disk full,
+        read-only) is kept for the next flush while what waits stays under `MAX_FLUSH_BYTES`. Publishes the
         objects written and removed since the last flush as KV events of medium STORAGE."""
+        bpb = self.pool.layout.bytes_per_block
         with self.pool.lock:
-            if self._pending:
-                self._stage(list(self._pending))
+            room = max(0, MAX_FLUSH_BYTES // bpb - sum(len(hashes) for _, hashes, _ in self._staged))
+            if self._pending and room:
+                self._stage(list(self._pending)[:room])
             staged, self._staged = self._staged, []
             with self._changes_lock:
                 changes, self._changes = self._changes, []
             publisher = self.pool.kv_publisher
             for namespace, stored, hashes in changes if publisher is not None else ():
                 publisher.publish_tier(namespace, stored, [wire_hash(h) for h in hashes], MEDIUM_STORAGE)
-        return sum(self.store.put(namespace, hashes, data) for namespace, hashes, data in staged)
+        num, errors = 0, self.store.num_write_errors
+        for namespace, hashes, data in staged:
+            num += self.store.put(namespace, hashes, data)
+            if self.store.num_write_errors > errors:  # not on disk, and not for want of room: try again next time
+                keep = [i for i, h in enumerate(hashes) if h not in self.store]
+                with self.pool.lock:
+                    if sum(len(h) for _, h, _ in self._staged) + len(keep) <= MAX_FLUSH_BYTES // bpb:
+                        self._staged.append((namespace, [hashes[i] for i in keep], data[keep]))
+                errors = self.store.num_write_errors
+        return num
 
     def _changed(self, namespace: str, stored: bool, hashes: list[bytes]) -> None:
         with self._changes_lock:

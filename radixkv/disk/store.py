@@ -98,7 +98,9 @@ class DiskStore:
         self.num_written_bytes = self.num_read_bytes = 0
         self.read_seconds = 0.0
         self.rebuild_seconds = 0.0
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-io")
+        # Reads have threads of their own: an open waiting on its disk hit never queues behind a batch of writes.
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-write")
+        self._read_pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-read")
         # Told (namespace, True: stored / False: removed, block hashes) of every object written or removed after
         # the rebuild, from whichever thread did it, holding nothing: it must only queue.
         self.on_change: Callable[[str, bool, list[bytes]], None] | None = None
@@ -345,7 +347,7 @@ class DiskStore:
         out = np.empty((sum(n for _, _, n in runs), bb), np.uint8)
         starts = np.cumsum([0] + [n for _, _, n in runs]).tolist()
         parts = [out[starts[i] : starts[i + 1]] for i in range(len(runs))]
-        verified = list(self._pool.map(self._read_run, runs, parts))
+        verified = list(self._read_pool.map(self._read_run, runs, parts))
         num_good = starts[verified.index(False)] if False in verified else len(out)
         got = out[:num_good]
         with self._lock:
@@ -386,6 +388,7 @@ class DiskStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
 
     def check_invariants(self) -> None:
         with self._lock:

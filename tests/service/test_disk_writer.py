@@ -1,0 +1,89 @@
+"""The disk tier's writer and reader inside one server process's pool: the bytes a worker wrote reach the disk (also
+when the device drops them before the writer comes), a failed write is kept and written by a later flush, and a
+disk hit comes back into host-tier blocks bit for bit."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixkv.disk.block_io import DirectIO
+from radixkv.server.config import PoolConfig
+from radixkv.server.disk_tier import PoolDisk
+from radixkv.server.pool_setup import build_pool
+from radixkv.server.pools import Pool
+from radixkv.server.shares import Shares
+from radixkv.tree.token_ids import to_token_bytes
+
+BS = 4
+PROMPT = list(range(1, 15))  # 3 full blocks and 2 tokens
+
+
+class FailingIO(DirectIO):
+    failing = False
+
+    def write_file(self, path: Path, buffer: object, num_bytes: int, durable: bool) -> None:
+        if self.failing:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().write_file(path, buffer, num_bytes, durable)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Pool]:
+    config = PoolConfig("p", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=8, dtype="float32",
+                        host_num_blocks=8)  # fmt: skip
+    built = build_pool(config, 16)
+    yield built
+    built.close()
+
+
+def disk_of(pool: Pool, path: Path) -> PoolDisk:
+    """A started disk tier without its thread: the test flushes."""
+    disk = PoolDisk(pool, path, 64 << 20, None, Shares(0))
+    disk.store.io = FailingIO()
+    disk.store.open()
+    pool.disk, pool.events.disk = disk, disk
+    return disk
+
+
+def cache_prompt(pool: Pool, seed: int) -> torch.Tensor:
+    """Open, write K/V as a worker would, commit and release cached; returns the prompt's full blocks' K/V."""
+    with pool.lock:
+        opened = pool.cache.open(PROMPT)
+        table = torch.tensor(opened.block_table[:3].tolist())
+        kv = torch.randn(2, 2, 3, BS, 2, 8, generator=torch.Generator().manual_seed(seed))
+        pool.storage.data[:, :, table] = kv
+        pool.cache.commit([opened.seq_id], [len(PROMPT)])
+        pool.cache.release(opened.seq_id)
+    return kv
+
+
+def test_a_failed_write_is_kept_and_a_block_dropped_before_the_writer_is_written(pool: Pool, tmp_path: Path) -> None:
+    disk = disk_of(pool, tmp_path / "d")
+    written = cache_prompt(pool, seed=1)
+    assert disk.num_pending == 3
+    with pool.lock:
+        assert pool.cache.evict(3) == 3  # the device drops them before the writer came: copied now
+        assert pool.cache.host is not None
+        pool.cache.host.take_offloads()
+        pool.cache.host.evict(3)  # and the host tier too: the disk is the only copy left
+    assert isinstance(disk.store.io, FailingIO)
+    disk.store.io.failing = True
+    assert disk.flush() == 0 and disk.store.num_write_errors == 1 and disk.num_pending == 3, "kept for a retry"
+    disk.store.io.failing = False
+    assert disk.flush() == 3 and disk.num_pending == 0
+    with pool.lock:
+        assert disk.promote(to_token_bytes(PROMPT), "default") == 12
+        opened = pool.cache.open(PROMPT)
+    assert opened.num_host_hit_tokens == 12
+    host = pool.host_storage
+    assert host is not None
+    loaded = host.data[:, :, torch.tensor(opened.loads[:, 0].tolist())]
+    assert torch.equal(loaded, written), "the disk's bytes land in the host blocks the open loads from"
+    pool.cache.check_invariants()
+    disk.store.close()
