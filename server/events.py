@@ -66,12 +66,27 @@ class EventSink(Protocol):
     def publish_unit(self, events: list[BlockEvent]) -> None: ...
 
 
-class Watcher:
-    """One stream's bounded queue. When full, new events are dropped: the gap shows in the numbers."""
+WATCH_QUEUE_BYTES = 32 << 20  # a WatchEvents stream's queue at most, besides its count (`watch_queue_size`)
+_EVENT_BYTES = 360  # a BlockEvent's fixed part; with _ID_BYTES, 552 for a 2-block event (tracemalloc: 447)
+_ID_BYTES = 40  # a block id or hash: an int object and its tuple slot
 
-    def __init__(self, accepts: Callable[[str], bool], max_events: int, digest: int = 0) -> None:
+
+def event_bytes(event: BlockEvent) -> int:
+    """About the memory `event` holds while queued (erring high): its tokens, ids and hashes, the rest."""
+    return _EVENT_BYTES + len(event.token_bytes) + _ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
+
+
+class Watcher:
+    """One stream's queue, bounded in events and in bytes. When full, new events are dropped: the gap shows in
+    the numbers, and the consumer resyncs from a snapshot."""
+
+    def __init__(
+        self, accepts: Callable[[str], bool], max_events: int, digest: int = 0, max_bytes: int = WATCH_QUEUE_BYTES
+    ) -> None:
         self.accepts = accepts
         self._max_events = max_events
+        self._max_bytes = max_bytes
+        self.num_bytes = 0  # of the events queued
         self._events: collections.deque[BlockEvent] = collections.deque()
         self._cond = threading.Condition()
         self.closed = False
@@ -81,8 +96,10 @@ class Watcher:
     def push(self, event: BlockEvent) -> None:
         with self._cond:
             self.digest = (self.digest + event.digest_delta) & WIRE_MASK
-            if len(self._events) < self._max_events:
+            size = event_bytes(event)
+            if len(self._events) < self._max_events and self.num_bytes + size <= self._max_bytes:
                 self._events.append(event)
+                self.num_bytes += size
                 self._queued_digest = self.digest
                 self._cond.notify()
 
@@ -92,6 +109,7 @@ class Watcher:
             self._cond.wait_for(lambda: self._events or self.closed, timeout)
             events = list(self._events)
             self._events.clear()
+            self.num_bytes = 0
             return events, self._queued_digest
 
     def close(self) -> None:
