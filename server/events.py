@@ -59,16 +59,6 @@ class BlockEvent:
     digest_delta: int = 0  # what this event added to it, mod 2^64
 
 
-EVENT_BYTES = 256  # what a queued event costs besides its arrays: the record, its tuples' headers, the deque's slot
-ID_BYTES = 40  # per block id or hash in an event's tuples: a Python int (28-36 B) and its slot
-MAX_WATCHER_BYTES = 64 << 20  # queued per watcher: a watcher that stops reading keeps at most this much alive
-
-
-def event_bytes(event: BlockEvent) -> int:
-    """The most a queued event keeps alive: its tokens, its ids and hashes, its record."""
-    return EVENT_BYTES + len(event.token_bytes) + ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
-
-
 class DiskTier(Protocol):
     """A pool's disk tier as the hub, the steps and the reads use it (`radixkv.server.disk_tier.PoolDisk`); every
     call but `close` under the pool's lock."""
@@ -91,17 +81,27 @@ class EventSink(Protocol):
     def publish_unit(self, events: list[BlockEvent]) -> None: ...
 
 
+WATCH_QUEUE_BYTES = 32 << 20  # a WatchEvents stream's queue at most, besides its count (`watch_queue_size`)
+EVENT_BYTES = 360  # a BlockEvent's fixed part; with ID_BYTES, 552 for a 2-block event (tracemalloc: 447)
+ID_BYTES = 40  # a block id or hash: an int object and its tuple slot
+
+
+def event_bytes(event: BlockEvent) -> int:
+    """About the memory `event` holds while queued (erring high): its tokens, ids and hashes, the rest."""
+    return EVENT_BYTES + len(event.token_bytes) + ID_BYTES * (len(event.block_ids) + len(event.block_hashes))
+
+
 class Watcher:
-    """One stream's queue, bounded in events and in bytes (`event_bytes`: a stored prompt's event carries its
-    tokens). When full, new events are dropped: the gap shows in the numbers."""
+    """One stream's queue, bounded in events and in bytes. When full, new events are dropped: the gap shows in
+    the numbers, and the consumer resyncs from a snapshot."""
 
     def __init__(
-        self, accepts: Callable[[str], bool], max_events: int, digest: int = 0, max_bytes: int = MAX_WATCHER_BYTES
+        self, accepts: Callable[[str], bool], max_events: int, digest: int = 0, max_bytes: int = WATCH_QUEUE_BYTES
     ) -> None:
         self.accepts = accepts
         self._max_events = max_events
         self._max_bytes = max_bytes
-        self.num_bytes = 0  # the queued events' `event_bytes`
+        self.num_bytes = 0  # of the events queued
         self._events: collections.deque[BlockEvent] = collections.deque()
         self._cond = threading.Condition()
         self.closed = False

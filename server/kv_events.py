@@ -43,7 +43,7 @@ import zmq
 
 from radixkv.server.events import BlockEvent, EventKind
 from radixkv.server.kv_events_config import KVEventsConfig
-from radixkv.server.kv_events_sockets import StreamSockets
+from radixkv.server.kv_events_sockets import PeerGate, StreamSockets
 from radixkv.server.kv_events_wire import (
     BATCH_OVERHEAD,
     AllBlocksCleared,
@@ -125,27 +125,38 @@ class ZmqEventPublisher:
         self.num_coalesced_blocks = 0  # blocks stored and removed within one call: published by neither
         self._sockets = StreamSockets(config)
         self.replay: ReplayServer | None = None
+        self.subscriber_gates: list[PeerGate] = []  # of the bound PUB sockets: at most max_subscribers each
         opened: list[zmq.Socket[bytes]] = []
         try:
-            self._pub, self.endpoint = self._sockets.open(zmq.PUB, config.endpoint, config.connect)
+            if config.connect:
+                self._pub, self.endpoint = self._sockets.open(zmq.PUB, config.endpoint, connect=True)
+            else:
+                self._pub, self.endpoint, gate = self._sockets.open_gated(
+                    zmq.PUB, config.endpoint, config.max_subscribers
+                )
+                self.subscriber_gates.append(gate)
             opened.append(self._pub)
             self.replay_endpoint: str | None = None
+            self._digest_pub: zmq.Socket[bytes] | None = None
             if config.replay_endpoint is not None:
                 router, self.replay_endpoint, gate = self._sockets.open_gated(
-                    config.replay_endpoint, config.max_replay_peers
+                    zmq.ROUTER, config.replay_endpoint, config.max_replay_peers
                 )
                 opened.append(router)
                 self.replay = ReplayServer(
                     router, self.buffer, self.topic, config.max_replays, config.replay_seconds, gate
                 )
-            self._digest_pub: zmq.Socket[bytes] | None = None
             self.digest_endpoint: str | None = None
             if config.digest_endpoint is not None:
-                self._digest_pub, self.digest_endpoint = self._sockets.open(zmq.PUB, config.digest_endpoint)
+                self._digest_pub, self.digest_endpoint, gate = self._sockets.open_gated(
+                    zmq.PUB, config.digest_endpoint, config.max_subscribers
+                )
+                self.subscriber_gates.append(gate)
                 opened.append(self._digest_pub)
         except BaseException:
-            if self.replay is not None and self.replay.gate is not None:
-                self.replay.gate.close()  # its monitor socket, before the context ends
+            gates = [*self.subscriber_gates, *([self.replay.gate] if self.replay and self.replay.gate else [])]
+            for gate in gates:
+                gate.close()  # its monitor socket, before the context ends
             for socket in opened:
                 socket.close(linger=0)
             self._sockets.close()
@@ -236,6 +247,8 @@ class ZmqEventPublisher:
             self._thread.join(timeout=5)
         if self.replay is not None:
             self.replay.close()
+        for gate in self.subscriber_gates:
+            gate.close()
         self._pub.close(linger=0)
         if self._digest_pub is not None:
             self._digest_pub.close(linger=0)

@@ -43,9 +43,10 @@ class KVEventsConfig:
     digest_endpoint: str | None = None  # PUB carrying the pool's digest after every batch (never the vLLM socket)
     buffer_steps: int = 10_000  # batches kept for replay
     buffer_bytes: int = 64 << 20  # payload bytes kept for replay: the oldest batches go first past it
-    max_batch_bytes: int = 256 << 10  # one batch's payload at most; a larger event is split into chained events
+    max_batch_bytes: int = 64 << 10  # one batch's payload at most; a larger event is split into chained events
     max_replays: int = 8  # replays served at once, one per peer; further requests wait (one per peer)
     max_replay_peers: int = 64  # connections to the replay socket at once; one more is refused at its handshake
+    max_subscribers: int = 8  # connections to each bound PUB socket (events, digest) at once; likewise refused
     replay_seconds: int = 30  # a replay's time budget: past it (or past 1 s while a peer waits) it is cut short
     bind_all_interfaces: bool = False  # allow a wildcard host: every interface, every network on it
     insecure_publish_tenant_prompts: bool = False  # with auth on: publish to whoever connects, knowingly
@@ -56,7 +57,7 @@ class KVEventsConfig:
     def __post_init__(self) -> None:
         if self.buffer_steps < 1:
             raise ValueError("kv_events_buffer_steps must be >= 1")
-        for key in ("buffer_bytes", "max_replays", "max_replay_peers", "replay_seconds"):
+        for key in ("buffer_bytes", "max_replays", "max_replay_peers", "max_subscribers", "replay_seconds"):
             if getattr(self, key) < 1:
                 raise ValueError(f"kv_events_{key} must be >= 1")
         if not MIN_BATCH_BYTES <= self.max_batch_bytes <= self.buffer_bytes:
@@ -131,6 +132,7 @@ KEYS: dict[str, str] = {  # pool key -> meaning, in --help order
     "kv_events_max_batch_bytes": "bytes of one batch at most; a larger event is split into chained events",
     "kv_events_max_replays": "replays served at once (one per peer; others wait, one request per peer)",
     "kv_events_max_replay_peers": "connections to the replay socket at once; more are refused at the handshake",
+    "kv_events_max_subscribers": "subscribers of each bound PUB socket (events, digest) at once; more are refused",
     "kv_events_replay_seconds": "a replay's time budget; past it, or past 1 s while another peer waits, it ends "
     "early (the consumer asks again from there)",
     "kv_events_bind_all_interfaces": "true: allow a wildcard host (*, 0.0.0.0, ::) in the endpoints above",

@@ -62,6 +62,14 @@ class EventsCollector:
         namespaces = GaugeMetricFamily(
             "radixkv_event_namespaces", "Namespaces the event hub keeps numbers and digests for.", labels=["pool"]
         )
+        subscribers = GaugeMetricFamily(
+            "radixkv_kv_events_subscribers", "Connections to the bound PUB sockets (events, digest), each at most "
+            "kv_events_max_subscribers.", labels=["pool"],
+        )  # fmt: skip
+        refused = CounterMetricFamily(
+            "radixkv_kv_events_refused_subscribers", "Connections refused at kv_events_max_subscribers.",
+            labels=["pool"],
+        )  # fmt: skip
         families = {name: _family(name, kind, what) for name, kind, what, _ in (*_PUBLISHER, *_REPLAY, *_GATE)}
         families.update({name: _family(name, "gauge", what) for name, what, _ in _RING})
         for pool in self._service.pools.values():
@@ -70,6 +78,8 @@ class EventsCollector:
                 publisher = pool.kv_publisher
             if publisher is None:
                 continue
+            subscribers.add_metric([pool.name], sum(g.num_peers for g in publisher.subscriber_gates))
+            refused.add_metric([pool.name], sum(g.num_refused for g in publisher.subscriber_gates))
             sources = [(_PUBLISHER, publisher), (tuple((n, "gauge", w, a) for n, w, a in _RING), publisher.buffer)]
             if publisher.replay is not None:
                 sources.append((_REPLAY, publisher.replay))
@@ -79,4 +89,6 @@ class EventsCollector:
                 for name, _, _, attribute in rows:
                     families[name].add_metric([pool.name], getattr(source, attribute))
         yield namespaces
+        yield subscribers
+        yield refused
         yield from families.values()

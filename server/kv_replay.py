@@ -10,8 +10,8 @@ holds live batches back), the replay socket has its own thread and reads the bat
 `ReplayBuffer`, a ring bounded in batches and in bytes that the publisher writes under a short lock.
 Everything a peer can make this socket hold is bounded, in bytes and in aggregate:
 
-- peers: at most `kv_events_max_replay_peers` connections at once (`PeerGate`, consulted at each
-  handshake: one more is refused and closed by ZMQ); each holds at most `RECV_HWM` requests of at most
+- peers: at most `kv_events_max_replay_peers` connections at once (`kv_events_sockets.PeerGate`, consulted
+  at each handshake: one more is refused and closed by ZMQ); each holds at most `RECV_HWM` requests of at most
   `MAX_FRAME_BYTES` a frame (a larger frame disconnects it), and what it held goes with it;
 - replays: at most `max_replays` at once, one per peer, each at most `SEND_HWM` batches queued
   (`ROUTER_MANDATORY`, `NOBLOCK`), a batch at most `kv_events_max_batch_bytes`, and `SEND_BUFFER_BYTES` in
@@ -38,7 +38,8 @@ import threading
 import time
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
+
+from radixkv.server.kv_events_sockets import PeerGate
 
 log = logging.getLogger("radixkv.server.kv_replay")
 
@@ -55,7 +56,6 @@ _REQUESTS_PER_PASS = 16  # read per pass, so a flood of requests cannot starve t
 _FLOOD_PAUSE_SECONDS = 0.01  # after a pass that read its fill: requests beyond ~1,600/s wait in ZMQ's queues
 _IDLE_POLL_MS = 50  # how soon a request is seen (and a stop) when nothing is being replayed
 _BLOCKED_POLL_MS = 5  # the wait before retrying peers whose high-water mark is full
-_MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
 class ReplayBuffer:
@@ -97,56 +97,6 @@ class ReplayBuffer:
             assert self.num_bytes == sum(map(len, self._payloads.values())), "the ring's byte count drifted"
             assert self.num_bytes <= self.max_bytes, "the ring holds more bytes than its bound"
             assert list(self._payloads) == list(range(self._first, self._next)), "the ring holds a gap"
-
-
-class PeerGate:
-    """Who may connect to the replay socket: at most `max_peers` connections at once.
-
-    ZMQ reports each accepted and each closed connection on a monitor socket; the stream's ZAP handler
-    (`radixkv.server.kv_events_sockets`) asks `admit` at each handshake, after reading those reports, so the
-    connection being decided is already counted. A refused one is closed by ZMQ and leaves the count.
-    """
-
-    def __init__(self, socket: zmq.Socket[bytes], max_peers: int) -> None:
-        self.max_peers = max_peers
-        self._monitor = socket.get_monitor_socket(_MONITORED)
-        self._lock = threading.Lock()  # the monitor socket is read from the ZAP thread and the replay thread
-        self._connected: set[int] = set()  # file descriptors of the open connections
-        self._closed = False
-        self.num_refused = 0  # connections refused at the cap
-
-    def admit(self) -> bool:
-        """Whether the connection now in its handshake may stay (False once closed: the stream is stopping)."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._read()
-            if len(self._connected) <= self.max_peers:
-                return True
-            self.num_refused += 1
-            return False
-
-    @property
-    def num_peers(self) -> int:
-        """Connections open now (those being refused included, until ZMQ has closed them)."""
-        with self._lock:
-            if not self._closed:
-                self._read()
-            return len(self._connected)
-
-    def _read(self) -> None:
-        while self._monitor.poll(0):
-            event = parse_monitor_message(self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._connected.add(event["value"])
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._connected.discard(event["value"])
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._connected.clear()
-            self._monitor.close(linger=0)
 
 
 class _Replay:

@@ -230,6 +230,26 @@ def test_replay_peers_are_capped_and_what_they_hold_goes_with_them(start: Callab
     assert seqs and seqs == list(range(seqs[0], seqs[-1] + 1)) and seqs[0] == 0
 
 
+def test_subscribers_of_each_pub_socket_are_capped(start: Callable[..., ServerProcess]) -> None:
+    """The same class on the PUB sockets: each queues up to 1,000 batches per subscriber, so their number is bounded
+    too (kv_events_max_subscribers): 40 subscribers of a cap of 4 leave 4 connected, the rest refused, and a
+    subscriber within the cap reads every batch."""
+    server = start("--pool", _pool(4, 256, kv_events_max_subscribers=4))
+    kv = server.announcement["kv_events"]["default"]
+    subs = [_socket(zmq.SUB, kv["endpoint"], RECONNECT_IVL=2000) for _ in range(40)]
+    try:
+        assert wait_until(lambda: metrics(server)["radixkv_kv_events_refused_subscribers"] >= 36)
+        assert metrics(server)["radixkv_kv_events_subscribers"] <= 8  # 4, and those being refused right now
+        with RadixKVClient(server.address) as client:
+            _write(client, [1, 2, 3, 4, 5])
+        received = [sub for sub in subs if sub.poll(5_000 if sub is subs[0] else 0)]
+        assert 1 <= len(received) <= 4, f"{len(received)} subscribers got the batch"
+    finally:
+        for sub in subs:
+            sub.close()
+    assert wait_until(lambda: metrics(server)["radixkv_kv_events_subscribers"] == 0)
+
+
 # -- 8: slow, steady readers ---------------------------------------------------------------------------------------
 
 
