@@ -79,6 +79,7 @@ def engine_main(args: argparse.Namespace) -> None:
     llm = LLM(
         model=args.model, dtype="float32", enforce_eager=True, block_size=BLOCK, max_model_len=4096,
         max_num_batched_tokens=4096, enable_prefix_caching=True, kv_transfer_config=transfer, seed=0,
+        disable_log_stats=False,  # get_metrics below: vLLM's prompt tokens by source
     )  # fmt: skip
     docs = documents(llm.get_tokenizer(), args.count)
     one = SamplingParams(temperature=0.0, max_tokens=1)

@@ -154,7 +154,7 @@ def test_a_local_hit_covering_radixkv_asks_nothing(
     scheduler: Scheduler, server: ServerProcess, config: VllmConfig
 ) -> None:
     prompt = prompt_of(2, 200)
-    cache_in_radixkv(server, prompt[:128] + [1], [21, 22, 23, 24])  # radixkv: the first 4 blocks
+    cache_in_radixkv(server, prompt[:128] + [1], [dg(21), dg(22), dg(23), dg(24)])  # radixkv: the first 4 blocks
     scheduler.add_request(request("a", prompt, config))
     first = step(scheduler)
     assert first.plan.loads.indices == [0, 1, 2, 3]  # type: ignore[attr-defined]
