@@ -4,8 +4,8 @@
                      kv_connector_extra_config={"radixkv_address": "HOST:PORT", "radixkv_pool": "default"})
 
 Only `radixkv.vllm.connector` (and `events` and `compat`, which it imports) import vLLM, and only when the class
-is asked for: `import radixkv` never pulls vLLM in, and `radixkv.vllm.layouts` / `radixkv.vllm.plan` (torch, plain
-Python) serve without it.
+is asked for: `import radixkv` never pulls vLLM in, and `radixkv.vllm.layouts` / `radixkv.vllm.plan` (torch,
+plain Python) serve without it.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import radixkv.vllm.compat as compat
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.memory.layout import PoolLayout
+from radixkv.vllm.compat import check_supported, external_hit_sources
 from radixkv.vllm.events import EventRelay
 from radixkv.vllm.layouts import layout_for
 from radixkv.vllm.plan import StepPlan
@@ -97,7 +97,7 @@ class RadixKVConnector(KVConnectorBase_V1):
     """vLLM's KV connector over a radixkv server: a shared prefix store that outlives vLLM processes."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        compat.check_supported()
+        check_supported()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # Our own references, kept from the public hooks: the base class's underscored fields are its own.
         self._config = vllm_config
@@ -139,7 +139,7 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         """vLLM's label for where hits came from (0.32 and later call it)."""
-        return compat.external_hit_sources(self._pool_info.device, num_external_tokens)
+        return external_hit_sources(self._pool_info.device, num_external_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -31,7 +31,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from radixkv.client import RadixKVClient  # noqa: E402
 from radixkv.server.process import ServerProcess  # noqa: E402
-from radixkv.vllm import compat  # noqa: E402
+from radixkv.vllm.compat import VERSION  # noqa: E402
 from radixkv.vllm.connector import RadixKVConnector, RadixKVWorkerMetadata  # noqa: E402
 
 BLOCK = 32
@@ -118,7 +118,7 @@ def step(sched: Scheduler, saved: dict[str, dict[int, bytes]] | None = None) -> 
         sched.requests[r].num_computed_tokens + out.num_scheduled_tokens[r] >= sched.requests[r].num_tokens for r in ids
     ]
     # vLLM 0.34 dropped ModelRunnerOutput.req_id_to_index (the order of req_ids says it); 0.33 and older need it.
-    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if compat.VERSION < (0, 34) else {}
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if VERSION < (0, 34) else {}
     result = ModelRunnerOutput(
         req_ids=ids,
         sampled_token_ids=[[7] if d else [] for d in done],
