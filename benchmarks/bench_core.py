@@ -57,7 +57,8 @@ class WholeLeafTree(RadixTree):
         freed: list[int] = []
         leaves = self._evictable_leaves
         while len(freed) < num_blocks and leaves:
-            leaf = leaves.pop(0)
+            leaf = leaves.first()
+            leaves.remove(leaf)
             freed.extend(leaf.block_ids.tolist())
             self.num_cached_blocks_in[leaf.namespace] -= len(leaf.block_ids)  # tenant shares: unused here, kept exact
             if not self.num_cached_blocks_in[leaf.namespace]:

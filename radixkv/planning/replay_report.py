@@ -10,11 +10,12 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from radixkv.planning.trace_replay import load_sessions, next_uses, replay, schedule
 from radixkv.tree.eviction import POLICIES
 
-_state: dict = {}  # a worker's events and MIN's use lists, set before the pool forks
+_state: dict[str, Any] = {}  # a worker's events and MIN's use lists, set before the pool forks
 
 
 def parse_tokens(text: str) -> int:
@@ -38,7 +39,7 @@ def _one(job: tuple[int | None, str, float]) -> float:
 def run(
     traces: str, concurrency: float, capacities: list[int], policy: str, *, ttl_s: float = 0.0, seed: int = 7,
     jobs: int = 0,
-) -> dict:  # fmt: skip
+) -> dict[str, Any]:  # fmt: skip
     """Replay and return `{"points": [...], "infinite": h, "ttl": ..., "seconds": s}` (see `format_report`)."""
     started = time.perf_counter()
     policies = list(POLICIES) if policy == "all" else [policy]
@@ -78,7 +79,7 @@ def gap_closed(hits: dict[str, float], policy: str) -> float | None:
     return (hits[policy] - hits["lru"]) / gap if gap > 1e-9 else None
 
 
-def format_report(report: dict) -> str:
+def format_report(report: dict[str, Any]) -> str:
     points = report["points"]
     names = [p for p in points[0]["policies"] if p not in ("infinite", "default")] if points else []
     others = [p for p in names if p not in ("lru", "min")]
@@ -98,7 +99,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(report: dict, path: str) -> None:
+def write_json(report: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump({k: v for k, v in report.items()}, f, indent=1)
         f.write("\n")

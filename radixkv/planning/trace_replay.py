@@ -110,7 +110,7 @@ def next_uses(events: list[tuple[float, Request]]) -> dict[int, list[int]]:
 def _min_policy(uses: dict[int, list[int]], position: list[int], clock: _Clock) -> EvictionPolicy:
     """Belady's MIN as a key: the leaf whose last unit is next used farthest ahead goes first."""
 
-    def key(node: Node) -> tuple:
+    def key(node: Node) -> tuple[float, int]:
         unit = int.from_bytes(node.token_bytes[-4:], "little", signed=True)
         times = uses.get(unit, ())
         k = bisect.bisect_right(times, position[0])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from itertools import chain
+from typing import Any
 
 from sortedcontainers import SortedList
 
@@ -33,12 +34,21 @@ __all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "make_policy"]
 POLICIES = ("agent", "lru", "slru", "tlru")
 
 
-def _stored(node: Node) -> object:
+Key = tuple[Any, ...]
+
+
+def _stored(node: Node) -> Key:
+    assert node.evict_key is not None, "a listed leaf has its key"
     return node.evict_key
 
 
 def _until(node: Node) -> float:
-    return node.evict_key[2]  # the deadline it was listed with (a hint may write a new one before relisting)
+    return float(_stored(node)[2])  # the deadline it was listed with (a hint may write a new one before relisting)
+
+
+def _node(item: object) -> Node:
+    assert isinstance(item, Node), "the lists hold nodes"
+    return item
 
 
 class EvictionPolicy:
@@ -57,7 +67,7 @@ class EvictionPolicy:
         self._retained: SortedList = SortedList(key=_stored)
         self._expiring: SortedList = SortedList(key=_until)  # retained leaves with a deadline, soonest first
 
-    def key(self, node: Node) -> tuple:
+    def key(self, node: Node) -> Key:
         return lru_key(node)
 
     # -- the normal tier (a policy with its own lists overrides these three) ----------------------------------
@@ -70,7 +80,7 @@ class EvictionPolicy:
         self._normal.remove(node)
 
     def first_normal(self) -> Node | None:
-        return self._normal[0] if self._normal else None
+        return _node(self._normal[0]) if self._normal else None
 
     def iter_normal(self) -> Iterator[Node]:
         return iter(self._normal)
@@ -94,7 +104,7 @@ class EvictionPolicy:
                 self._expiring.add(node)  # after the key: `_until` reads it
 
     def remove(self, node: Node) -> None:
-        t = node.evict_key[0]
+        t = _stored(node)[0]
         if t == NORMAL:
             self.remove_normal(node)
         elif t == DOOMED:
@@ -116,11 +126,11 @@ class EvictionPolicy:
 
     def first(self) -> Node | None:
         if self._doomed:
-            return self._doomed[0]
+            return _node(self._doomed[0])
         if self._expiring:
             self.expire(self.clock())
         node = self.first_normal()
-        return node if node is not None else (self._retained[0] if self._retained else None)
+        return node if node is not None else (_node(self._retained[0]) if self._retained else None)
 
     def expire(self, now: float) -> list[Node]:
         """Move the retained leaves whose deadline passed back among the others; returns them."""
@@ -163,9 +173,12 @@ class EvictionPolicy:
 class KeyedPolicy(EvictionPolicy):
     """A policy whose normal order is one key per leaf, computed by `key_fn` when the leaf is listed."""
 
-    def __init__(self, name: str, key_fn: Callable[[Node], tuple], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str, key_fn: Callable[[Node], Key], clock: Callable[[], float] = time.monotonic):
         super().__init__(clock)
-        self.name, self.key = name, key_fn
+        self.name, self.key_fn = name, key_fn
+
+    def key(self, node: Node) -> Key:
+        return self.key_fn(node)
 
 
 class SLRU(EvictionPolicy):
@@ -177,7 +190,7 @@ class SLRU(EvictionPolicy):
         super().__init__(clock)
         self.threshold = threshold
 
-    def key(self, node: Node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.num_uses - 1 >= self.threshold, *lru_key(node))  # the first use put it in the tree
 
 
@@ -196,11 +209,13 @@ class TLRU(EvictionPolicy):
 
     name = "tlru"
 
-    def __init__(self, block_size: int, xi: int = 16384, q_hat: int = 2048, clock=time.monotonic) -> None:
+    def __init__(
+        self, block_size: int, xi: int = 16384, q_hat: int = 2048, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(clock)
         self.block_size, self.xi, self.q_hat = block_size, xi, q_hat
 
-    def key(self, node: Node) -> tuple:
+    def key(self, node: Node) -> Key:
         start = depth_blocks(node)
         node.high_water = max(node.high_water, start + len(node.block_ids))  # a trimmed tail keeps it
         budget = max(0, node.high_water * self.block_size + self.q_hat - self.xi)
@@ -233,29 +248,29 @@ class AgentPolicy(EvictionPolicy):
         self._normal.add(node)
 
     def remove_normal(self, node: Node) -> None:
-        if node.evict_key[1] == -1.0:
+        if _stored(node)[1] == -1.0:
             self._overdue.remove(node)
         else:
             self._normal.remove(node)
 
     def contains_normal(self, node: Node) -> bool:
-        return node in (self._overdue if node.evict_key[1] == -1.0 else self._normal)
+        return node in (self._overdue if _stored(node)[1] == -1.0 else self._normal)
 
     def first_normal(self) -> Node | None:
         due, overdue = self._normal, self._overdue
         if not due and not overdue:
             return None
         now = self.clock()
-        while due and due[0].evict_key[1] < now:  # no longer due: among the overdue, by when it was last used
+        while due and _stored(due[0])[1] < now:  # no longer due: among the overdue, by when it was last used
             node = due.pop(0)
             node.evict_key = (NORMAL, -1.0, node.used_s, node.node_id)
             overdue.add(node)
         if not overdue:
-            return due[-1]
+            return _node(due[-1])
         if not due:
-            return overdue[0]
-        latest_due, idlest = due[-1], overdue[0]
-        return idlest if 2 * now - idlest.used_s >= latest_due.evict_key[1] else latest_due
+            return _node(overdue[0])
+        latest_due, idlest = _node(due[-1]), _node(overdue[0])
+        return idlest if 2 * now - idlest.used_s >= _stored(latest_due)[1] else latest_due
 
     def iter_normal(self) -> Iterator[Node]:
         return chain(self._overdue, reversed(self._normal))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -37,7 +37,7 @@ class Node:
     # Eviction order and retention (`radixkv.tree.eviction`, `radixkv.tree.retention`): the key it is listed
     # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
     # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
-    evict_key: tuple | None = None
+    evict_key: tuple[Any, ...] | None = None
     used_s: float = 0.0
     gap_s: float = -1.0
     num_uses: int = 0

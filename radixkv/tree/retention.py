@@ -77,7 +77,7 @@ def apply(path: list[Node], retention: Retention, now: float) -> list[Node]:
     node another branch or a live holder shares.
     """
     if retention.end_session:
-        own = []
+        own: list[Node] = []
         for node in reversed(path):
             if node.lock_ref or node.pin_ref or len(node.children) > (1 if own else 0):
                 break  # a live holder, a pin or another branch shares it
