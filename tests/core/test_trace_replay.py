@@ -13,7 +13,20 @@ from radixkv.cli import main
 from radixkv.planning.replay_report import gap_closed, parse_tokens
 from radixkv.planning.trace_replay import load_sessions, replay, schedule, ttl_oracle
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "agentic-traces"
+_ROOT = Path(__file__).resolve().parents[2]
+# The shared traces sit beside the checkout (../shared), or beside the folder of worktrees.
+SHARED = (
+    next(
+        (
+            p
+            for p in (_ROOT.parent / "shared", _ROOT.parent.parent / "shared")
+            if (p / "data" / "agentic-traces").is_dir()
+        ),
+        _ROOT.parent / "shared",
+    )
+    / "data"
+    / "agentic-traces"
+)
 
 
 def write_session(folder: Path, name: str, seed: int, num_requests: int = 12) -> None:
