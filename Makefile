@@ -35,7 +35,7 @@ demo: $(STAMP)
 # servers on two cores, more threads only contend and spin (11-14% more CPU time).
 test: $(STAMP)
 	@echo "== the test suite on three workers: about 5 minutes on two idle cores, longer on a loaded machine (its waits"
-	@echo "   stretch with the load: radixkv.server.process.patient); a dot per test as each ends, the slow files first"
+	@echo "   stretch with the load: radixkv.server.process.spawn.patient); a dot per test as each ends, the slow files first"
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy

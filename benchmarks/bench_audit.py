@@ -4,7 +4,7 @@ For each pool size a real server process (`--audit-interval`, `--audit-slice-ms`
 the client to about 90% of its blocks (cached prefixes in several namespaces, and a few open
 sequences), then left to audit while a client opens, commits and releases; the hold times come from
 the server's own `radixkv_audit_slice_seconds` histogram and `radixkv_audit_max_slice_seconds` gauge.
-A run copies the pool over several slices and recounts the copy off the lock (server/audit_image.py),
+A run copies the pool over several slices and recounts the copy off the lock (server/process/audit_image.py),
 so the longest hold should stay near the slice budget whatever the pool's size. `p99_slice_ms` is
 read from the histogram (its bucket's upper bound). The comparison inside the run: the longest slice
 as a multiple of the median client-side Open round trip on the same pool.
@@ -29,13 +29,13 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 from radixkv.client import RadixKVClient
-from radixkv.server.audit import check_pool
-from radixkv.server.audit_image import PoolImage
-from radixkv.server.config import PoolConfig
-from radixkv.server.pool_setup import build_pool
-from radixkv.server.process import ServerProcess
-from radixkv.server.sessions import Session
-from radixkv.server.tenants import Tenant
+from radixkv.server.process.audit import check_pool
+from radixkv.server.process.audit_image import PoolImage
+from radixkv.server.process.pool_setup import build_pool
+from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.rules.config import PoolConfig
+from radixkv.server.rules.sessions import Session
+from radixkv.server.rules.tenants import Tenant
 
 BLOCK_SIZE = 16
 PROMPT_BLOCKS = 64  # blocks per filling prompt (1024 tokens)

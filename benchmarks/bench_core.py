@@ -36,9 +36,9 @@ import numpy as np
 
 from radixkv import KVCache
 from radixkv.planning.workload import Request, WorkingSet, make_trace, replay, working_set
-from radixkv.server.events import EventHub
-from radixkv.server.miss_reasons import explain_miss
-from radixkv.server.tenants import ANONYMOUS
+from radixkv.server.events.hub import EventHub
+from radixkv.server.rules.miss_reasons import explain_miss
+from radixkv.server.rules.tenants import ANONYMOUS
 from radixkv.tree.radix_tree import RadixTree
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))

@@ -36,7 +36,7 @@ import numpy as np
 
 from radixkv.client import Balance, RadixKVClient, Router
 from radixkv.errors import RadixKVError
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 
 BLOCK_SIZE = 16
 NUM_INSTANCES = 4
@@ -282,7 +282,7 @@ def bench_hash_cost(total_tokens: int, num_blocks: int = 4096) -> dict[str, Any]
     from radixkv.kv_cache import KVCache
     from radixkv.planning.workload import make_trace as make_core_trace
     from radixkv.planning.workload import replay
-    from radixkv.server.events import EventHub
+    from radixkv.server.events.hub import EventHub
     from radixkv.tree.block_hash import block_hash
 
     trace = make_core_trace(total_tokens, seed=0)

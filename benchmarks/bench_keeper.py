@@ -26,10 +26,10 @@ import torch
 
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.storage import KVStorage
-from radixkv.server.keeper import KeeperServer
-from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.keeper_protocol import socket_path
-from radixkv.server.keeper_registry import Keeper
+from radixkv.server.keeper.keeper_client import KeeperClient
+from radixkv.server.keeper.keeper_protocol import socket_path
+from radixkv.server.keeper.keeper_registry import Keeper
+from radixkv.server.process.keeper import KeeperServer
 
 
 def _layout(num_bytes: int) -> PoolLayout:

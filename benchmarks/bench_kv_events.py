@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from radixkv.client import RadixKVClient
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.tree.block_hash import chain_hashes, wire_hash
 
 BLOCK_SIZE = 16

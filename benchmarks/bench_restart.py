@@ -34,7 +34,7 @@ import grpc
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import RadixKVError
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -11,7 +11,7 @@ Runs a real server process on 127.0.0.1 and measures, in one run:
   - single open + release per second, one item per call or per step message, unary against the
     stream, with 1, 4 and 16 client processes, blocking and asyncio clients; on the stream once with
     one step in flight per client and once with PIPELINE open + release cycles in flight (steps
-    queued together leave in one message, client/pipeline.py), each step still one item;
+    queued together leave in one message, client/session/pipeline.py), each step still one item;
   - the wire encodings the stream uses: token ids and slots as packed bytes against repeated fields, and a
     decode step's append columns (ids, counts, results) packed against repeated.
 Prints a table (ratios within this run); `--out FILE.json` writes the numbers; `--quick` finishes in
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.sequences.step import Step
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_decode import CADENCES, cpu_seconds  # noqa: E402 - a sibling script, not a package

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 

@@ -114,7 +114,7 @@ def worker() -> None:
     from radixkv.client.aio import AsyncRadixKVClient
     from radixkv.kv_cache import KVCache
     from radixkv.sequences.step import Append, Step
-    from radixkv.server.process import ServerProcess
+    from radixkv.server.process.spawn import ServerProcess
 
     server = ServerProcess(["--pool", POOL, "--log-level", "warning"])
     prompts = [(list(range(1000 * i, 1000 * i + 100)), "bench") for i in range(BATCH)]
@@ -217,10 +217,10 @@ def worker() -> None:
         "piped": piped,
         "core": core,
     }
-    import radixkv.server.session_stream
+    import radixkv.server.wire.session_stream
 
     try:
-        serve(ways, server.pid, radixkv.server.session_stream.__file__)
+        serve(ways, server.pid, radixkv.server.wire.session_stream.__file__)
     finally:
         runner.run(aio.__aexit__(None, None, None))
         runner.close()

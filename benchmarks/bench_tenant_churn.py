@@ -33,13 +33,13 @@ from typing import Any
 import grpc
 import zmq
 
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
 TOKENS = {"churn": "churn-token-0000000", "control": "control-token-00000"}
 POOL = "num_layers=1,num_kv_heads=1,head_dim=8,block_size=4,num_blocks=4096,dtype=float16"
-FRAME_STEPS = 64  # what the clients send in one frame (client/pipeline.py MAX_FRAME_STEPS)
+FRAME_STEPS = 64  # what the clients send in one frame (client/session/pipeline.py MAX_FRAME_STEPS)
 
 
 class Churn:

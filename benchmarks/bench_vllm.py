@@ -228,7 +228,7 @@ def main() -> None:
         engine_main(args)
         return
 
-    from radixkv.server.process import ServerProcess
+    from radixkv.server.process.spawn import ServerProcess
 
     model, count = Path(args.model).resolve(), 3 if args.quick else 6
     with tempfile.TemporaryDirectory() as tmp:

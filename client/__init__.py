@@ -4,14 +4,14 @@ Importing this package never imports torch: an orchestrator needs none. `PoolVie
 when a view is opened.
 """
 
-from radixkv.client.client import RadixKVClient
 from radixkv.client.errors import HashContractMismatch
-from radixkv.client.events import EventStream, KVEvent, KVEventKind
-from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_info import PoolInfo
-from radixkv.client.pool_view import PoolView
-from radixkv.client.router import Balance, InstanceStatus, NoInstanceAvailable, Router
-from radixkv.client.verify import VerifyResult
+from radixkv.client.fleet.events import EventStream, KVEvent, KVEventKind
+from radixkv.client.fleet.router import Balance, InstanceStatus, NoInstanceAvailable, Router
+from radixkv.client.fleet.verify import VerifyResult
+from radixkv.client.session.client import RadixKVClient
+from radixkv.client.session.match_explanation import MatchExplanation
+from radixkv.client.worker.pool_info import PoolInfo
+from radixkv.client.worker.pool_view import PoolView
 
 __all__ = [
     "Balance",

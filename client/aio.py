@@ -23,16 +23,16 @@ from typing import Any, Literal, TypeVar, overload
 import grpc
 import grpc.aio
 
-import radixkv.client.messages as m
-import radixkv.client.retries as retries
-import radixkv.client.step_messages as sm
-from radixkv.client.aio_stream import AsyncPending, AsyncSessionSteps
-from radixkv.client.block_tables import BlockTables
-from radixkv.client.channels import channel_settings
+import radixkv.client.session.messages as m
+import radixkv.client.session.retries as retries
+import radixkv.client.session.step_messages as sm
 from radixkv.client.errors import error_from_rpc
-from radixkv.client.events import KVEvent, event_batch
-from radixkv.client.match_explanation import MatchExplanation
-from radixkv.client.pool_info import PoolInfo
+from radixkv.client.fleet.events import KVEvent, event_batch
+from radixkv.client.session.aio_stream import AsyncPending, AsyncSessionSteps
+from radixkv.client.session.channels import channel_settings
+from radixkv.client.session.match_explanation import MatchExplanation
+from radixkv.client.worker.block_tables import BlockTables
+from radixkv.client.worker.pool_info import PoolInfo
 from radixkv.errors import RadixKVError, UnknownSession
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.pressure.preemption import PreemptResult, ResumeResult

@@ -2,7 +2,7 @@
 
 The demo (and its tests) talk to a real server in another process, as an orchestrator would: the
 pool's memory belongs to that process, and the worker here maps it. Starting and stopping the
-child is `radixkv.server.process.ServerProcess`'s job; this only shapes the pool.
+child is `radixkv.server.process.spawn.ServerProcess`'s job; this only shapes the pool.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from radixkv.memory.layout import PoolLayout
-from radixkv.server import process
+from radixkv.server.process import spawn as process
 
 POOL_NAME = "default"
 

@@ -128,9 +128,9 @@ def _replay(args: argparse.Namespace) -> int:
 # order) and the extras that install what they import. The demo's server runs in a child process, so the
 # demo imports the server's modules here too: a missing server extra is this one line, not the child's log.
 DELEGATED = {
-    "serve": (("radixkv.server.app",), "server"),
-    "keeper": (("radixkv.server.keeper",), "server"),
-    "demo": (("radixkv.server.app", "radixkv.demo.main"), "demo,server"),
+    "serve": (("radixkv.server.process.app",), "server"),
+    "keeper": (("radixkv.server.process.keeper",), "server"),
+    "demo": (("radixkv.server.process.app", "radixkv.demo.main"), "demo,server"),
 }
 
 

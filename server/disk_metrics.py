@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from radixkv.server.disk_tier import PoolDisk
 
 if TYPE_CHECKING:
-    from radixkv.server.pools import Pool
+    from radixkv.server.rules.pools import Pool
 
 _GAUGES = (
     ("radixkv_disk_bytes", "Bytes of the disk tier's objects (headers included), plus those being written."),

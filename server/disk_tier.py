@@ -38,15 +38,15 @@ from radixkv.disk.load_cost import LoadCost
 from radixkv.disk.shape import disk_shape
 from radixkv.disk.store import DiskStore
 from radixkv.planning.plan import parse_bytes
-from radixkv.server.shares import Shares
-from radixkv.server.tenants import SCOPE_SEPARATOR
+from radixkv.server.rules.shares import Shares
+from radixkv.server.rules.tenants import SCOPE_SEPARATOR
 from radixkv.tree.block_hash import wire_hash
 from radixkv.tree.radix_tree import Node
 from radixkv.tree.token_ids import TOKEN_BYTES
 
 if TYPE_CHECKING:
-    from radixkv.server.config import PoolConfig
-    from radixkv.server.pools import Pool
+    from radixkv.server.rules.config import PoolConfig
+    from radixkv.server.rules.pools import Pool
 
 log = logging.getLogger("radixkv.disk")
 FLUSH_INTERVAL_S = 0.5

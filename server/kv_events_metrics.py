@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from radixkv.server.service import KVService
+    from radixkv.server.rules.service import KVService
 
 _PUBLISHER = (  # (name, kind, what, attribute of ZmqEventPublisher)
     ("radixkv_kv_events_batches", "counter", "KV-event batches published.", "num_batches"),

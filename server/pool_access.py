@@ -10,8 +10,8 @@ With auth off every caller is the one trusted tenant and every pool may be mappe
 from __future__ import annotations
 
 from radixkv.errors import PermissionDenied
-from radixkv.server.config import ServerConfig
-from radixkv.server.tenants import Tenant
+from radixkv.server.rules.config import ServerConfig
+from radixkv.server.rules.tenants import Tenant
 
 
 class PoolAccess:

@@ -97,8 +97,8 @@ def test_no_package_imports_itself_through_others() -> None:
 def test_the_graph_reads_the_product() -> None:
     """The walk sees the package and its edges (a rename cannot make the checks vacuous)."""
     graph = import_graph(ROOT)
-    assert "radixkv.kv_cache" in graph and "radixkv.server.step" in graph and "radixkv.client" in graph
-    assert "radixkv.kv_cache" in graph["radixkv.server.pools"]
+    assert "radixkv.kv_cache" in graph and "radixkv.server.rules.step" in graph and "radixkv.client" in graph
+    assert "radixkv.kv_cache" in graph["radixkv.server.rules.pools"]
     assert not any(name.startswith("radixkv.v1") for name in graph)
 
 
@@ -120,7 +120,7 @@ def test_a_cycle_held_by_a_type_only_or_lazy_import_is_found(tmp_path: Path) -> 
             "radixkv/tree/radix_tree.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
             "    from radixkv.tree.host_tier import HostTier\n",
             "radixkv/tree/host_tier.py": "def load():\n    from radixkv.tree import radix_tree\n",
-            "server/app.py": "import radixkv.kv_cache\n",
+            "server/process/app.py": "import radixkv.kv_cache\n",
         },
     )
     graph = import_graph(tmp_path)
@@ -141,7 +141,7 @@ def test_a_cycle_between_packages_is_found_where_modules_have_none(tmp_path: Pat
             "radixkv/tree/pins.py": "from radixkv.sequences.admission import num_newly_locked\n",
             "radixkv/tree/radix_tree.py": "",
             "radixkv/sequences/admission.py": "from radixkv.tree.radix_tree import RadixTree\n",
-            "client/client.py": "from radixkv.tree.pins import Pins\n",
+            "client/session/client.py": "from radixkv.tree.pins import Pins\n",
         },
     )
     graph = import_graph(tmp_path)

@@ -140,18 +140,19 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
             "radixkv/memory/storage.py": "import torch\nfrom radixkv.memory.layout import PoolLayout\n",
             "kernels/k.py": "import triton\nfrom radixkv.demo.model import Llama\n",
             "kernels/k2.py": "import numpy as np\nfrom radixkv.sequences.handoff import StepArrays\n",  # the core
-            "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.app\n",
+            "client/c.py": "from radixkv.v1 import kvcache_pb2\nimport radixkv.server.process.app\n",
             "server/s.py": (
                 "import grpc\nfrom radixkv.memory.storage import KVStorage\nfrom radixkv.client import PoolView\n"
             ),
-            "demo/d.py": "from radixkv.server.app import serve\nfrom radixkv.client import RadixKVClient\n",  # fine
+            # fine
+            "demo/d.py": "from radixkv.server.process.app import serve\nfrom radixkv.client import RadixKVClient\n",
             "integrations/vllm/v.py": "import vllm\nfrom radixkv.client import PoolView\n",  # fine
             "server/t.py": "from radixkv.vllm.plan import StepPlan\n",
             "tests/test_x.py": "import torch\nimport radixkv.server\n",  # not the package
         },
     )
     assert violations(tmp_path) == [
-        "client/c.py:2: client imports radixkv.server.app",
+        "client/c.py:2: client imports radixkv.server.process.app",
         "kernels/k.py:2: kernels imports radixkv.demo.model",
         "kernels/k2.py:2: kernels imports radixkv.sequences.handoff",
         "radixkv/bad_core.py:1: core imports torch",

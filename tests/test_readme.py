@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

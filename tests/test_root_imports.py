@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,8 @@
 
 Kept apart from `radixkv.memory.storage` because building and checking a handle needs no torch: the client and
 the keeper read handles before (or without) mapping any memory. The wire form is the edges' business: the
-server writes it (`radixkv.server.servicer`), the client reads it (`radixkv.client.pool_view.handle_from_proto`).
+server writes it (`radixkv.server.wire.servicer`), the client reads it
+(`radixkv.client.worker.pool_view.handle_from_proto`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 from radixkv.cli import main
 from radixkv.extras import install_hint
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 
 def test_plan_prints_the_capacity_arithmetic(capsys):
@@ -61,7 +61,7 @@ def test_plan_tells_gb_from_gib(capsys):
 
 
 def test_plan_echoes_every_assumption_and_the_pool_that_serves_it(capsys):
-    from radixkv.server.config import parse_pool_flag
+    from radixkv.server.rules.config import parse_pool_flag
 
     argv = ["plan", "--model", "meta-llama/Llama-3.2-3B-Instruct", "--dtype", "bfloat16", "--block-size", "32"]
     assert main([*argv, "--utilization", "0.8", "--weights", "7GB", "--gpu-memory", "24GiB"]) == 0
@@ -159,7 +159,7 @@ def test_the_core_commands_need_no_extra(tmp_path):
 
 
 def test_a_missing_module_of_radixkv_itself_is_a_bug_not_an_extra(tmp_path):
-    done = run_without(tmp_path, ["radixkv.server.app"], "serve", "--help")
+    done = run_without(tmp_path, ["radixkv.server.process.app"], "serve", "--help")
     assert done.returncode == 1 and "Traceback" in done.stderr and "pip install" not in done.stderr
 
 

@@ -16,7 +16,7 @@ from radixkv.memory.layout import DTYPE_BYTES, PoolLayout
 from radixkv.memory.memory_sizing import free_memory_bytes, layout_for_memory
 from radixkv.memory.pool_handle import LAYOUT_FIELDS, PoolHandle
 from radixkv.memory.storage import TORCH_DTYPES, KVStorage
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
 HAS_SHM_DIR = os.path.isdir("/dev/shm")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.server.process import STOP_SECONDS, ServerProcess, patient
+from radixkv.server.process.spawn import STOP_SECONDS, ServerProcess, patient
 
 BLOCK_SIZE = 4
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from radixkv.errors import OutOfBlocks
 from radixkv.kv_cache import KVCache
-from radixkv.server.events import EventHub, EventKind, Tombstones
+from radixkv.server.events.hub import EventHub, EventKind, Tombstones
 from radixkv.tree.block_hash import chain_hashes, digest_of, mix64, wire_hash
 
 

@@ -1,4 +1,4 @@
-"""The KV-events digest (`radixkv.server.kv_events`): on its own socket after every batch, equal to what a
+"""The KV-events digest (`radixkv.server.events.kv_events`): on its own socket after every batch, equal to what a
 consumer recounts from the batches it applied; and the vLLM-format socket left to vLLM's frames alone.
 
 Decoders: vLLM 0.33/0.34's own (msgspec structs, `vllm_wire.py`), llm-d v0.10.0's and Dynamo's rules
@@ -19,7 +19,7 @@ import zmq
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
-from radixkv.server.kv_events import digest_topic
+from radixkv.server.events.kv_events import digest_topic
 from radixkv.tree.block_hash import digest_of
 
 
@@ -88,7 +88,8 @@ def _collect(sub: zmq.Socket, quiet_ms: int = 500) -> list[tuple[str, int, bytes
     return messages
 
 
-def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(start_fleet_server) -> None:
     server: FleetServer = start_fleet_server(num_blocks=40)
     events = _subscribe(server.events_endpoint, server.topic)
     digests = _subscribe(server.digest_endpoint, digest_topic(server.topic))
@@ -121,7 +122,8 @@ def test_every_batch_is_followed_by_the_pools_digest_which_a_consumer_recounts(s
     assert final == consumer.digest
 
 
-def test_a_dropped_batch_shows_as_a_digest_that_no_longer_matches(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_dropped_batch_shows_as_a_digest_that_no_longer_matches(start_fleet_server) -> None:
     server: FleetServer = start_fleet_server(num_blocks=64)
     events = _subscribe(server.events_endpoint, server.topic)
     digests = _subscribe(server.digest_endpoint, "")
@@ -146,7 +148,8 @@ def test_a_dropped_batch_shows_as_a_digest_that_no_longer_matches(start_fleet_se
     assert matched[0] and not any(matched[1:]), matched
 
 
-def test_every_frame_on_the_vllm_socket_is_a_batch_every_router_decodes(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_every_frame_on_the_vllm_socket_is_a_batch_every_router_decodes(start_fleet_server) -> None:
     """A subscriber of every topic (Dynamo's listener, a plain vLLM consumer) and llm-d's "kv@" filter receive
     the same frames: vLLM batches only; the digests are on their own socket."""
     server: FleetServer = start_fleet_server(num_blocks=40)
@@ -172,9 +175,9 @@ def test_every_frame_on_the_vllm_socket_is_a_batch_every_router_decodes(start_fl
 
 def test_an_adopted_stream_carries_the_digest_of_what_it_announced_so_far() -> None:
     """After a restart that adopted a snapshot the stream opens with BlockStored events, batch by batch here."""
-    from radixkv.server.events import BlockEvent, EventKind
-    from radixkv.server.kv_events import ZmqEventPublisher
-    from radixkv.server.kv_events_config import KVEventsConfig
+    from radixkv.server.events.hub import BlockEvent, EventKind
+    from radixkv.server.events.kv_events import ZmqEventPublisher
+    from radixkv.server.events.kv_events_config import KVEventsConfig
 
     adopted = [
         BlockEvent(1, "", EventKind.BLOCKS_STORED, (i,), bytes(4 * BLOCK_SIZE), None, (1000 + i,), None, (None,))

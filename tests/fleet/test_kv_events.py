@@ -146,7 +146,8 @@ def random_workload(client: RadixKVClient, rng: random.Random, num_ops: int) -> 
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_events_decode_with_vllms_structs_and_match_the_tree(start_fleet_server, seed: int) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_events_decode_with_vllms_structs_and_match_the_tree(start_fleet_server, seed: int) -> None:
     server: FleetServer = start_fleet_server(num_blocks=40)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -186,7 +187,8 @@ def test_events_decode_with_vllms_structs_and_match_the_tree(start_fleet_server,
     sub.close()
 
 
-def test_replay_from_a_seq_returns_that_batch_onwards_then_the_end_marker(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_replay_from_a_seq_returns_that_batch_onwards_then_the_end_marker(start_fleet_server) -> None:
     server: FleetServer = start_fleet_server(num_blocks=64)
     with RadixKVClient(server.address) as client:
         for i in range(6):
@@ -225,7 +227,8 @@ def test_the_replay_frames_are_vllms_exactly(start_fleet_server) -> None:  # typ
         dealer.close()
 
 
-def test_a_split_reannounces_nothing_and_a_fork_nothing_until_cached(start_fleet_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_split_reannounces_nothing_and_a_fork_nothing_until_cached(start_fleet_server) -> None:
     server: FleetServer = start_fleet_server(num_blocks=64)
     consumer = Consumer()
     with RadixKVClient(server.address) as client:
@@ -247,7 +250,7 @@ def test_a_split_reannounces_nothing_and_a_fork_nothing_until_cached(start_fleet
 
 
 def test_kv_events_flags_configure_the_one_pool_and_refuse_ambiguity() -> None:
-    from radixkv.server.app import parse_args
+    from radixkv.server.process.app import parse_args
 
     pool = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8"
     config, _ = parse_args(
@@ -268,8 +271,8 @@ def test_kv_events_flags_configure_the_one_pool_and_refuse_ambiguity() -> None:
 
 
 def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
-    from radixkv.server.kv_events import ZmqEventPublisher
-    from radixkv.server.kv_events_config import KVEventsConfig
+    from radixkv.server.events.kv_events import ZmqEventPublisher
+    from radixkv.server.events.kv_events_config import KVEventsConfig
 
     with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):
         ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:not-a-port", "kv@x@m"), block_size=4)

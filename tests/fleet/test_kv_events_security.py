@@ -16,8 +16,8 @@ import zmq
 import zmq.auth
 
 from radixkv.client import RadixKVClient
-from radixkv.server.app import main, parse_args
-from radixkv.server.kv_events_config import BIND_ALL_FLAG, INSECURE_FLAG
+from radixkv.server.events.kv_events_config import BIND_ALL_FLAG, INSECURE_FLAG
+from radixkv.server.process.app import main, parse_args
 from radixkv.tree.block_hash import cache_salt
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
@@ -89,7 +89,8 @@ def _stored(sub: zmq.Socket, wait_ms: int) -> list[object]:
     return stored
 
 
-def test_with_auth_the_publisher_refuses_to_start_unless_secured_or_opted_in(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_with_auth_the_publisher_refuses_to_start_unless_secured_or_opted_in(tmp_path, capsys) -> None:
     args = ["serve", "--pool", POOL, "--auth-tokens", _tokens(tmp_path), "--kv-events-endpoint", "tcp://127.0.0.1:0"]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -101,7 +102,8 @@ def test_with_auth_the_publisher_refuses_to_start_unless_secured_or_opted_in(tmp
 
 
 @pytest.mark.parametrize("host", ["*", "0.0.0.0", "[::]"])
-def test_a_wildcard_endpoint_is_refused_unless_asked_for_by_name(host: str, capsys) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_wildcard_endpoint_is_refused_unless_asked_for_by_name(host: str, capsys) -> None:
     for key in ("--kv-events-endpoint", "--kv-events-replay-endpoint", "--kv-events-digest-endpoint"):
         extra = [] if key == "--kv-events-endpoint" else ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
         assert main(["serve", "--pool", POOL, *extra, key, f"tcp://{host}:5557"]) == 2
@@ -112,7 +114,8 @@ def test_a_wildcard_endpoint_is_refused_unless_asked_for_by_name(host: str, caps
     parse_args(["serve", "--pool", POOL, "--kv-events-endpoint", "tcp://picker:5557", "--kv-events-connect"])
 
 
-def test_opted_in_any_subscriber_reads_every_tenants_prompts_as_the_flag_says(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_opted_in_any_subscriber_reads_every_tenants_prompts_as_the_flag_says(start_fleet_server, tmp_path) -> None:
     server: FleetServer = start_fleet_server(extra=("--auth-tokens", _tokens(tmp_path), INSECURE_FLAG))
     sub = _sub(server.events_endpoint)
     try:
@@ -125,7 +128,8 @@ def test_opted_in_any_subscriber_reads_every_tenants_prompts_as_the_flag_says(st
     assert stored[0].extra_keys[0] == (cache_salt("acme/chat"),)
 
 
-def test_secured_with_curve_only_allowed_subscribers_receive_anything(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_secured_with_curve_only_allowed_subscribers_receive_anything(start_fleet_server, tmp_path) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()
     allowed.mkdir()
@@ -163,7 +167,8 @@ def test_secured_with_curve_only_allowed_subscribers_receive_anything(start_flee
     assert {tuple(e.token_ids) for e in read} >= {tuple(ACME[: 2 * BLOCK_SIZE]), tuple(GLOBEX[: 2 * BLOCK_SIZE])}
 
 
-def test_a_tenant_withheld_from_the_stream_has_no_event_in_it(start_fleet_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_tenant_withheld_from_the_stream_has_no_event_in_it(start_fleet_server, tmp_path) -> None:
     server: FleetServer = start_fleet_server(
         extra=("--auth-tokens", _tokens(tmp_path, acme_publishes=False), INSECURE_FLAG)
     )

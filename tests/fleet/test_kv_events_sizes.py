@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.server.events import BlockEvent, EventKind, Watcher, event_bytes
-from radixkv.server.kv_events_wire import (
+from radixkv.server.events.hub import BlockEvent, EventKind, Watcher, event_bytes
+from radixkv.server.events.kv_events_wire import (
     BATCH_OVERHEAD,
     ENCODER,
     BlockRemoved,
@@ -19,7 +19,7 @@ from radixkv.server.kv_events_wire import (
     min_batch_bytes,
     split,
 )
-from radixkv.server.kv_replay import ReplayBuffer
+from radixkv.server.events.kv_replay import ReplayBuffer
 
 BLOCK_SIZE = 4
 
@@ -102,7 +102,8 @@ def test_coalescing_a_unit_changes_nothing_a_consumer_ends_up_knowing(data: st.D
             events.append(_stored(hashes, parent))
     kept = coalesce(events)
     assert _apply(start + kept) == _apply(start + events)
-    assert sum(len(e.block_hashes) for e in kept) <= sum(len(e.block_hashes) for e in events)  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    assert sum(len(e.block_hashes) for e in kept) <= sum(len(e.block_hashes) for e in events)
 
 
 def test_stored_then_removed_in_one_unit_publishes_nothing() -> None:

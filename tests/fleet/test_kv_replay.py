@@ -16,10 +16,10 @@ from types import ModuleType
 import pytest
 import zmq
 
-from radixkv.server.events import BlockEvent, EventKind
-from radixkv.server.kv_events import ZmqEventPublisher
-from radixkv.server.kv_events_config import KVEventsConfig
-from radixkv.server.kv_replay import SEND_HWM, ReplayBuffer
+from radixkv.server.events.hub import BlockEvent, EventKind
+from radixkv.server.events.kv_events import ZmqEventPublisher
+from radixkv.server.events.kv_events_config import KVEventsConfig
+from radixkv.server.events.kv_replay import SEND_HWM, ReplayBuffer
 
 
 def _sibling(name: str) -> ModuleType:

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from radixkv.client import RadixKVClient
-from radixkv.server.kv_events_config import INSECURE_FLAG
+from radixkv.server.events.kv_events_config import INSECURE_FLAG
 from radixkv.tree.block_hash import cache_salt
 
 
@@ -99,7 +99,8 @@ def _chains(stored: list[object], prompts: list[list[int]]) -> dict[tuple[int, .
     ],
     ids=["unsalted", "salted", "tenant-scoped", "tenant-default"],
 )
-def test_every_hash_is_the_one_vllm_computes_for_the_same_request(servers, auth, namespace, salt, first):  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_every_hash_is_the_one_vllm_computes_for_the_same_request(servers, auth, namespace, salt, first):
     server: FleetServer = servers[auth]
     prompts = _prompts(first)
     _cache(server, prompts, namespace, "acme-token" if auth else None)
@@ -130,7 +131,8 @@ def test_llm_d_keys_a_salted_request_as_the_blocks_it_indexed(servers) -> None: 
             tokens,
             model,
             BLOCK_SIZE,
-            routers.parse_raw_extra_keys([list(k) if k else None for k in event.extra_keys]),  # type: ignore[attr-defined]
+            # type: ignore[attr-defined]
+            routers.parse_raw_extra_keys([list(k) if k else None for k in event.extra_keys]),
         )
         num_blocks = len(tokens) // BLOCK_SIZE
         request = routers.llm_d_keys(

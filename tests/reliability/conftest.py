@@ -21,8 +21,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from radixkv.errors import ERRORS_BY_REASON
-from radixkv.server.process import patient
-from radixkv.server.status import STATUS_BY_REASON
+from radixkv.server.process.spawn import patient
+from radixkv.server.wire.status import STATUS_BY_REASON
 
 
 def _load(path: Path, name: str) -> ModuleType:
@@ -170,7 +170,8 @@ def assert_defined_refusal(error: grpc.RpcError) -> str:
     info = error_info(error)
     code = error.code()  # type: ignore[attr-defined]
     assert info is not None, f"{code} without an ErrorInfo: {error.details()}"  # type: ignore[attr-defined]
-    assert info.reason in ERRORS_BY_REASON, f"unknown reason {info.reason} ({error.details()})"  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    assert info.reason in ERRORS_BY_REASON, f"unknown reason {info.reason} ({error.details()})"
     assert STATUS_BY_REASON[info.reason] == code, f"{info.reason} came with {code}"
     return str(info.reason)
 

@@ -21,7 +21,7 @@ import zmq
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.disk.object_format import OBJECT_SUFFIX
 from radixkv.kernels import swap_blocks
-from radixkv.server.process import KeeperProcess, ServerProcess
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess
 from radixkv.tree.block_hash import chain_hashes, wire_hash
 
 BS, H, D = 4, 2, 8

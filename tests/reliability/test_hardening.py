@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded
 from radixkv.sequences.step import Commit, Step
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -90,7 +90,8 @@ class Tenant:
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
 
     def session(self) -> str:
-        session_id = self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)).session_id  # type: ignore[attr-defined]
+        # type: ignore[attr-defined]
+        session_id = self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)).session_id
         self.sessions.append(session_id)
         return str(session_id)
 
@@ -133,7 +134,8 @@ def refused(call, *args, **kwargs):  # type: ignore[no-untyped-def]
 # -- 1. streams cannot starve anything -------------------------------------------------------------
 
 
-def test_sixteen_streams_without_a_token_leave_health_and_unary_calls_answered(shared, tenants) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_sixteen_streams_without_a_token_leave_health_and_unary_calls_answered(shared, tenants) -> None:
     channels = [grpc.insecure_channel(shared.address) for _ in range(16)]
     streams, refusals, done = [], [], threading.Event()
 
@@ -225,7 +227,8 @@ def test_one_tenant_cannot_take_every_watch_stream(tenants, shared) -> None:  # 
             channel.close()
 
 
-def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants) -> None:
     alpha, beta = tenants["alpha"], tenants["beta"]
     session = alpha.session()
     prompts = [[p] * (16 * BLOCK_SIZE) + [0] for p in range(1, 6)]  # 16 full blocks each, then one token
@@ -248,10 +251,12 @@ def test_pins_count_against_the_block_quota_and_pinned_blocks_are_shared(tenants
     seq = beta.open(other, [8] * (4 * BLOCK_SIZE) + [0])
     beta.call("CommitTokens", pb.CommitTokensRequest(session_id=other, seq_ids=[seq], num_tokens=[4 * BLOCK_SIZE + 1]))
     beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=other, seq_ids=[seq]))
-    assert beta.call("Pin", pb.PinRequest(session_id=other, token_ids=[8] * (4 * BLOCK_SIZE))).num_pinned_tokens == 16  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    assert beta.call("Pin", pb.PinRequest(session_id=other, token_ids=[8] * (4 * BLOCK_SIZE))).num_pinned_tokens == 16
 
 
-def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_path) -> None:
     """Cached blocks count against a cache share: past it a tenant evicts its own oldest blocks, not others'."""
     tokens = {"alpha": "alpha-cache-0000", "beta": "beta-cache-11111", "gamma": "gamma-cache-2222"}
     (tmp_path / "tenants.toml").write_text(
@@ -302,7 +307,8 @@ def test_one_tenant_cannot_keep_the_pool_resident_by_caching(start_server, tmp_p
             client.close()
 
 
-def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path) -> None:
     tokens = {"alpha": "alpha-seqs-00000", "beta": "beta-seqs-111111"}
     (tmp_path / "tenants.toml").write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()))
     srv = start_server(
@@ -327,7 +333,8 @@ def test_one_tenant_cannot_take_every_sequence_of_a_pool(start_server, tmp_path)
 # -- 3. a call applies and its response arrives, or it changes nothing -------------------------
 
 
-def test_a_response_over_the_message_limit_is_refused_before_anything_is_opened(tenants, shared) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_response_over_the_message_limit_is_refused_before_anything_is_opened(tenants, shared) -> None:
     beta = tenants["beta"]
     session = beta.session()
     code, reason, metadata = refused(beta.open, session, list(range(MAX_TOKENS)))  # a 33 KB request, a ~40 KB response
@@ -337,14 +344,16 @@ def test_a_response_over_the_message_limit_is_refused_before_anything_is_opened(
         "max_message_bytes",
         str(MAX_MESSAGE_BYTES),
     )
-    assert beta.call("Stats", pb.StatsRequest()).stats.num_live_sequences == 0  # type: ignore[attr-defined]  # nothing opened
+    # type: ignore[attr-defined]  # nothing opened
+    assert beta.call("Stats", pb.StatsRequest()).stats.num_live_sequences == 0
     seq = beta.open(session, list(range(MAX_TOKENS // 8)))  # one that fits is opened, and its response arrives
     num = MAX_TOKENS - MAX_TOKENS // 8  # within the token limit, but its slots would not fit the response
     append = pb.AppendTokensRequest(session_id=session, seq_ids=[seq], num_token_ids=[num], token_ids=[1] * num)
     assert refused(beta.call, "AppendTokens", append)[2]["limit"] == "max_message_bytes"
 
 
-def test_calls_that_time_out_while_waiting_are_applied_once_after_retries(tenants) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_calls_that_time_out_while_waiting_are_applied_once_after_retries(tenants) -> None:
     """Appends with a tight deadline race slow opens on the same pool. Some time out: the server either
     refused them after taking the lock (deadline passed) or applied them as the client gave up. Retried
     with their request ids, every append is applied exactly once: the sequence grows by one per append."""
@@ -383,7 +392,8 @@ def test_calls_that_time_out_while_waiting_are_applied_once_after_retries(tenant
     assert beta.call("AppendTokens", final).num_tokens == [3 + 50 + 1]  # type: ignore[attr-defined]
 
 
-def test_a_retried_request_id_is_answered_with_the_first_result_and_applied_once(tenants) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_retried_request_id_is_answered_with_the_first_result_and_applied_once(tenants) -> None:
     beta = tenants["beta"]
     session = beta.session()
     open_request = pb.OpenSequencesRequest(
@@ -402,7 +412,8 @@ def test_a_retried_request_id_is_answered_with_the_first_result_and_applied_once
     assert (code, reason, metadata["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", "request_id")
 
 
-def test_the_client_sends_request_ids_and_retries_a_lost_response(tenants, shared) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_the_client_sends_request_ids_and_retries_a_lost_response(tenants, shared) -> None:
     """A client whose first attempt times out after the server applied it gets the first result on retry."""
     with RadixKVClient(shared.address, token=TOKENS["beta"], timeout=10) as client:
         opened = client.open([1, 2, 3, 4, 5])
@@ -432,7 +443,8 @@ class _Lost(grpc.RpcError):
 
 
 @pytest.mark.parametrize("method", ["Match", "Pin", "Unpin", "OpenSequences", "AppendTokens"])
-def test_every_token_limit_is_checked_before_the_tokens_are_read(tenants, method) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_every_token_limit_is_checked_before_the_tokens_are_read(tenants, method) -> None:
     beta = tenants["beta"]
     session = beta.session()
     tokens = [0] * (MAX_TOKENS + 1)
@@ -489,7 +501,8 @@ def test_an_empty_batch_is_a_no_op_everywhere(tenants) -> None:  # type: ignore[
     session = beta.session()
     assert beta.call("AppendTokens", pb.AppendTokensRequest(session_id=session)) == pb.AppendTokensResponse()
     assert beta.call("OpenSequences", pb.OpenSequencesRequest(session_id=session)) == pb.OpenSequencesResponse()
-    assert beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session)).num_released_sequences == 0  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    assert beta.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session)).num_released_sequences == 0
 
 
 def test_refusals_are_counted_by_limit_and_streams_are_counted(tenants, shared) -> None:  # type: ignore[no-untyped-def]

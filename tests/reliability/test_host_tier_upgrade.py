@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.server.process import KeeperProcess, ServerProcess, patient
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess, patient
 from tests.reliability.conftest import Debug
 from tests.reliability.test_upgrade import _once_reachable
 from tests.service.test_host_tier import apply, read_kv, write_kv
@@ -62,7 +62,8 @@ def _evict_prompt_to_the_host_tier(client: RadixKVClient, view: PoolView) -> tup
     return written, host_blocks
 
 
-def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(keeper, tmp_path) -> None:
     first = _serve(keeper, tmp_path / "server1.log")
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     with PoolView.from_client(client) as view:
@@ -87,7 +88,8 @@ def test_a_prefix_on_the_host_tier_loads_back_with_the_same_kv_after_a_restart(k
         second.stop()
 
 
-def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_path) -> None:
     first = _serve(keeper, tmp_path / "server1.log")
     with RadixKVClient(first.address, timeout=patient(60)) as client, PoolView.from_client(client) as view:
         _, host_blocks = _evict_prompt_to_the_host_tier(client, view)
@@ -105,7 +107,8 @@ def test_a_changed_host_byte_is_refused_and_the_pool_starts_cold(keeper, tmp_pat
         second.stop()
 
 
-def test_a_sequence_swapped_out_before_a_restart_resumes_after_it_with_its_kv(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_sequence_swapped_out_before_a_restart_resumes_after_it_with_its_kv(keeper, tmp_path) -> None:
     tokens = list(range(50, 61))  # 11 tokens: 3 blocks, none cached in the tree while it lives
     first = _serve(keeper, tmp_path / "server1.log")
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))

@@ -27,8 +27,8 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.shm_segment import SHM_DIR
-from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.process import KeeperProcess, ServerProcess, patient
+from radixkv.server.keeper.keeper_client import KeeperClient
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
@@ -221,7 +221,7 @@ def test_serve_with_a_state_dir_starts_a_detached_keeper_that_outlives_the_serve
 def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_first(tmp_path: Path) -> None:
     with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
         second = subprocess.run(
-            [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(tmp_path / "state")],
+            [sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(tmp_path / "state")],
             capture_output=True, text=True, timeout=patient(120),
         )  # fmt: skip
         assert second.returncode == 1

@@ -27,12 +27,12 @@ from radixkv.extras import install_hint
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.shm_segment import SHM_DIR
 from radixkv.memory.storage import KVStorage
-from radixkv.server import keeper as keeper_module
-from radixkv.server.keeper import KeeperServer
-from radixkv.server.keeper_client import KeeperClient
-from radixkv.server.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
-from radixkv.server.keeper_registry import STATE_FILE, Keeper
-from radixkv.server.process import patient
+from radixkv.server.keeper.keeper_client import KeeperClient
+from radixkv.server.keeper.keeper_protocol import MAX_FRAME_BYTES, KeeperError, recv_frame, socket_path
+from radixkv.server.keeper.keeper_registry import STATE_FILE, Keeper
+from radixkv.server.process import keeper as keeper_module
+from radixkv.server.process.keeper import KeeperServer
+from radixkv.server.process.spawn import patient
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
 GOOD_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 16, "dtype": "float32"}
@@ -270,7 +270,7 @@ def test_a_new_keeper_removes_what_a_dead_keeper_left_and_nothing_else(tmp_path:
 
 def test_the_keeper_without_torch_names_the_extra_to_install(tmp_path: Path) -> None:
     code = (
-        "import sys; sys.modules['torch'] = None; from radixkv.server.keeper import main; "
+        "import sys; sys.modules['torch'] = None; from radixkv.server.process.keeper import main; "
         f"sys.exit(main(['--state-dir', {str(tmp_path / 'state')!r}]))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=patient(120))

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.server.keeper_protocol import recv_frame, send_frame
-from radixkv.server.process import KeeperProcess, ServerProcess, patient
+from radixkv.server.keeper.keeper_protocol import recv_frame, send_frame
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess, patient
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
@@ -52,7 +52,7 @@ def _nobodys_keeper(state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     os.chown(state_dir, NOBODY, NOBODY)
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [*AS_NOBODY, sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir)],
+            [*AS_NOBODY, sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(state_dir)],
             stdout=subprocess.PIPE, stderr=err, cwd="/",
         )  # fmt: skip
     assert proc.stdout is not None
@@ -65,7 +65,7 @@ def _nobodys_keeper(state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
 def _serve(log: Path, *keeper_flags: str) -> tuple[int | None, str]:
     """Start `radixkv serve` with these keeper flags: (its exit status, its stderr); None if it started serving
     (it attached), after which it is stopped."""
-    command = [sys.executable, "-m", "radixkv.server.app", "serve", "--host", "127.0.0.1", "--port", "0",
+    command = [sys.executable, "-m", "radixkv.server.process.app", "serve", "--host", "127.0.0.1", "--port", "0",
                "--pool", POOL, *keeper_flags]  # fmt: skip
     with open(log, "wb") as err:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
@@ -83,7 +83,7 @@ def _serve(log: Path, *keeper_flags: str) -> tuple[int | None, str]:
 def _list_as_nobody(state_dir: Path) -> list[dict[str, object]]:
     """The pools nobody's keeper holds, asked by nobody."""
     result = subprocess.run(
-        [*AS_NOBODY, sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state_dir), "--list"],
+        [*AS_NOBODY, sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(state_dir), "--list"],
         capture_output=True, cwd="/", timeout=patient(120), check=True,
     )  # fmt: skip
     pools: list[dict[str, object]] = json.loads(result.stdout)["pools"]
@@ -145,7 +145,7 @@ def test_the_keeper_answers_no_other_user_even_when_its_socket_is_opened_up(tmp:
         os.chmod(state, 0o755)
         os.chmod(keeper.socket, 0o666)  # the file modes no longer keep nobody out: the peer's uid must
         probe = (  # the keeper refuses on connect: its reply may come before the request is sent
-            "import contextlib, socket, sys; from radixkv.server.keeper_protocol import recv_frame, send_frame\n"
+            "import contextlib, socket, sys; from radixkv.server.keeper.keeper_protocol import recv_frame, send_frame\n"
             "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
             "with contextlib.suppress(OSError): send_frame(s, {'op': 'hello'})\n"
             "print(recv_frame(s, 30).decode())"
@@ -186,7 +186,7 @@ def _still_open(sock: socket.socket) -> bool:
 
 def _check(state: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state), "--check"],
+        [sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(state), "--check"],
         capture_output=True, text=True, timeout=patient(120),
     )  # fmt: skip
 
@@ -232,6 +232,6 @@ def test_a_connection_that_never_asks_is_dropped_and_one_that_holds_a_pool_is_no
 
 def _list(state: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "radixkv.server.keeper", "--state-dir", str(state), "--list"],
+        [sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(state), "--list"],
         capture_output=True, text=True, timeout=patient(120), check=True,
     )  # fmt: skip

@@ -20,8 +20,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixkv.client import RadixKVClient
-from radixkv.client.prefix_index import PrefixIndex
-from radixkv.server.process import ServerProcess
+from radixkv.client.fleet.prefix_index import PrefixIndex
+from radixkv.server.process.spawn import ServerProcess
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 

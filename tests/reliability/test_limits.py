@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from radixkv.server.app import parse_args
+from radixkv.server.process.app import parse_args
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -70,7 +70,8 @@ def test_max_tokens_per_request_counts_each_prompt_and_the_whole_batch(
     assert hardened_debug.check("big").num_live_sequences == 1
 
 
-def test_forks_are_limited_per_call_and_per_session(session: Session, refusal, hardened_debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_forks_are_limited_per_call_and_per_session(session: Session, refusal, hardened_debug) -> None:
     (parent,) = session.open([[1, 2, 3]])
     nine = pb.ForkSequenceRequest(pool="big", session_id=session.id, seq_id=parent, num_children=9)
     assert refusal(session.stub.ForkSequence, nine) == (
@@ -184,7 +185,8 @@ def test_max_sessions(hardened, hardened_debug, refusal, limits) -> None:  # typ
                 stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
 
 
-def test_a_message_over_the_size_limit_is_refused_by_the_transport(session: Session, refusal) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_message_over_the_size_limit_is_refused_by_the_transport(session: Session, refusal) -> None:
     huge = pb.MatchRequest(session_id=session.id, token_ids=[2**31 - 1] * 300_000)  # ~1.5 MB > the server's 1 MiB
     assert refusal(session.stub.Match, huge) == (LIMITED, None, {})  # before any handler: no ErrorInfo
     assert session.stub.Match(pb.MatchRequest(session_id=session.id, token_ids=[1]), timeout=10).num_cached_tokens == 0

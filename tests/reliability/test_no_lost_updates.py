@@ -1,6 +1,6 @@
 """Concurrency: eight threads of batched open/append/fork/release at once lose no update and share no writable block.
 
-The server serialises each pool behind one lock (see `radixkv.server.service`); if any update
+The server serialises each pool behind one lock (see `radixkv.server.rules.service`); if any update
 escaped it, a counter would drift from what clients were told, or two live sequences would be handed
 the same fresh block. Both are checked exactly: every counter's change equals the sum of what the
 clients saw, and a shared registry of the blocks each live sequence was given to write fails the

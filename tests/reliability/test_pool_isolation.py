@@ -17,9 +17,9 @@ import torch
 
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.errors import PermissionDenied
-from radixkv.server.config import config_from_mapping
 from radixkv.server.pool_access import PoolAccess
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.rules.config import config_from_mapping
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "carol": "carol-token-0123456789"}
 SHAPE = "num_layers=2,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=32,dtype=float32"

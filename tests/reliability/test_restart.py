@@ -15,8 +15,8 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import ServerRestarted, UnknownSequence, UnknownSession
-from radixkv.server.app import create_server, parse_args
-from radixkv.server.process import patient
+from radixkv.server.process.app import create_server, parse_args
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -45,7 +45,8 @@ def _until_reachable(call: Callable[[], object], wait_until: Callable[..., bool]
     return outcome[-1]
 
 
-def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_recovers(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_crash_and_restart_reads_as_unavailable_then_server_restarted_then_recovers(start_server, wait_until) -> None:
     first = start_server(*POOL)
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     try:

@@ -19,7 +19,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded, QuotaExceeded, TokenBudget
 from radixkv.sequences.step import Append, Step
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 16
@@ -134,7 +134,8 @@ def test_fork_and_append_are_charged_to_the_token_budget_in_session_steps(
     connect: Callable[[str], RadixKVClient],
 ) -> None:
     stepper = connect("stepper")
-    opened = retry_budget(lambda: stepper.step(Step(opens=[([1, 2, 3, 4], "")], max_new_tokens=[100]))).opened  # type: ignore[attr-defined]
+    # type: ignore[attr-defined]
+    opened = retry_budget(lambda: stepper.step(Step(opens=[([1, 2, 3, 4], "")], max_new_tokens=[100]))).opened
     seq = opened[0].seq_id
     # Tokens the open paid for (its max_new_tokens) are not charged again when they come.
     stepper.step(Step(append=Append([seq], [100], list(range(100)))))

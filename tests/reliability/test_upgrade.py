@@ -26,7 +26,7 @@ import zmq
 
 from radixkv.client import PoolView, RadixKVClient, Router
 from radixkv.errors import RadixKVError, ServerRestarted
-from radixkv.server.process import KeeperProcess, ServerProcess, patient
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess, patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import TOKENS, Debug
@@ -135,7 +135,8 @@ class Load:
         assert not self.errors, self.errors
 
 
-def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper, tmp_path, wait_until) -> None:
     first = _serve(keeper, tmp_path / "server1.log")
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     block_ids = _warm(client)
@@ -177,7 +178,8 @@ def test_an_upgrade_under_load_keeps_sessions_sequences_hits_and_kv_bytes(keeper
         second.stop()
 
 
-def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_adopted_events_and_digest_are_the_ones_routers_hold(keeper, tmp_path, wait_until) -> None:
     zmq_flags = ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     first = _serve(keeper, tmp_path / "server1.log", *zmq_flags)
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
@@ -230,7 +232,8 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
         socket.close()
 
 
-def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(keeper, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(keeper, tmp_path) -> None:
     first = _serve(keeper, tmp_path / "server1.log")
     client = RadixKVClient(first.address, session_ttl=60, timeout=patient(60))
     _warm(client)
@@ -274,7 +277,8 @@ def test_a_sigkill_of_the_server_is_a_cold_start(keeper, tmp_path) -> None:  # t
         second.stop()
 
 
-def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_server) -> None:
     server = start_server(*POOL)
     with pytest.raises(grpc.RpcError) as refused:
         _upgrade(server.address)
@@ -283,7 +287,8 @@ def test_upgrade_without_a_keeper_is_refused_and_the_server_keeps_serving(start_
         assert client.match(PROMPTS[0]) == 0
 
 
-def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(tmp_path, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(tmp_path, wait_until) -> None:
     keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
     server = _serve(keeper, tmp_path / "server.log")
     try:
@@ -301,7 +306,8 @@ def test_upgrade_after_the_keeper_died_is_refused_and_the_server_keeps_serving(t
 
 
 @pytest.mark.parametrize(("tenant", "code"), [("acme", "PERMISSION_DENIED"), ("globex", "FAILED_PRECONDITION")])
-def test_upgrade_is_for_admins_only(secure, certificates, tenant: str, code: str) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_upgrade_is_for_admins_only(secure, certificates, tenant: str, code: str) -> None:
     credentials = grpc.ssl_channel_credentials(certificates["server"][0].read_bytes())
     metadata = (("authorization", f"Bearer {TOKENS[tenant]}"),)
     with grpc.secure_channel(secure.address, credentials) as channel, pytest.raises(grpc.RpcError) as refused:

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from radixkv.server.process import ServerProcess, patient
+from radixkv.server.process.spawn import ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 POOL_FLAGS = [

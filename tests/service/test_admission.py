@@ -32,7 +32,7 @@ from radixkv.errors import (
     UnknownSequence,
 )
 from radixkv.sequences.step import Append, Step
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import Debug

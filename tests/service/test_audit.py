@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from radixkv.client import RadixKVClient
-from radixkv.server.app import parse_args
-from radixkv.server.audit import PoolAuditor, check_digests, check_pool
-from radixkv.server.config import PoolConfig
-from radixkv.server.pool_setup import build_pool
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.app import parse_args
+from radixkv.server.process.audit import PoolAuditor, check_digests, check_pool
+from radixkv.server.process.pool_setup import build_pool
+from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.rules.config import PoolConfig
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 
@@ -102,7 +102,8 @@ def test_corrupt_ref_count_refuses_a_bad_block_id_and_a_zero_delta(server: Serve
             assert field in str(info.value.details())
 
 
-def test_audit_interval_comes_from_the_flag_or_the_toml_and_must_not_be_negative(tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_audit_interval_comes_from_the_flag_or_the_toml_and_must_not_be_negative(tmp_path) -> None:
     pool = ["--pool", "p:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8"]
     assert parse_args([*pool])[0].audit_interval_seconds == 0
     assert parse_args([*pool, "--audit-interval", "2.5"])[0].audit_interval_seconds == 2.5
@@ -117,7 +118,8 @@ def test_audit_interval_comes_from_the_flag_or_the_toml_and_must_not_be_negative
         parse_args([*pool, "--audit-slice-ms", "0"])
 
 
-def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_files, tokens) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_files, tokens) -> None:
     credentials = grpc.ssl_channel_credentials(tls_files[0].read_bytes())
     with grpc.secure_channel(auth_server.address, credentials) as channel:
         debug = debug_pb2_grpc.DebugStub(channel)

@@ -1,4 +1,4 @@
-"""The audit's copy of a pool (`radixkv.server.audit_image`) taken over many lock holds while the pool changes
+"""The audit's copy of a pool (`radixkv.server.process.audit_image`) taken over many lock holds while the pool changes
 between them: it always recounts clean (no false alarm), and still catches a count corrupted mid-copy.
 
 Each test interleaves one copy slice of (almost) zero budget, so one node per slice, with one random
@@ -15,13 +15,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from radixkv.errors import RadixKVError
-from radixkv.server.audit import PoolAuditor
-from radixkv.server.audit_image import PoolImage
-from radixkv.server.config import PoolConfig
-from radixkv.server.pool_setup import build_pool
-from radixkv.server.pools import Pool
-from radixkv.server.sessions import Session
-from radixkv.server.tenants import Tenant
+from radixkv.server.process.audit import PoolAuditor
+from radixkv.server.process.audit_image import PoolImage
+from radixkv.server.process.pool_setup import build_pool
+from radixkv.server.rules.config import PoolConfig
+from radixkv.server.rules.pools import Pool
+from radixkv.server.rules.sessions import Session
+from radixkv.server.rules.tenants import Tenant
 
 BLOCK_SIZE = 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import InvalidArgument, UnknownSequence
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import kvcache_pb2 as pb
 
 BLOCK = 4
@@ -95,7 +95,7 @@ def test_digests_cross_a_snapshot_and_old_linear_checksums_are_dropped() -> None
     adopted tree holds come back; an older snapshot's 64-bit checksums (forgeable) and malformed pairs do not."""
     import msgpack
 
-    from radixkv.server.block_checksums import BlockChecksums
+    from radixkv.server.events.block_checksums import BlockChecksums
 
     table = BlockChecksums(8)
     assert table.record([1, 2, 5], [d(1), d(2), d(5)]) == 3

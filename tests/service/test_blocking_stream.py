@@ -1,4 +1,4 @@
-"""The blocking client's Session stream (client/step_stream.py), on gRPC's public stream API.
+"""The blocking client's Session stream (client/session/step_stream.py), on gRPC's public stream API.
 
 A stream the server refuses raises the unary call's exception, a closed one fails what is in flight
 and leaves nothing behind, threads sharing one client each get their own results, and no more than
@@ -13,14 +13,15 @@ import grpc
 import pytest
 
 from radixkv.client import RadixKVClient
-from radixkv.client.pipeline import MAX_IN_FLIGHT
+from radixkv.client.session.pipeline import MAX_IN_FLIGHT
 from radixkv.errors import LimitExceeded
 from radixkv.sequences.step import Append, Step
-from radixkv.server.idempotency import DEFAULT_MAX_RESULTS
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.rules.idempotency import DEFAULT_MAX_RESULTS
 
 
-def test_the_blocking_client_keeps_at_most_max_in_flight_steps_unanswered(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_the_blocking_client_keeps_at_most_max_in_flight_steps_unanswered(server: ServerProcess, debug) -> None:
     """A client submitting more steps than MAX_IN_FLIGHT reads the oldest answers first: what a broken stream
     would re-send never outgrows what the server's request window keeps."""
     with RadixKVClient(server.address) as client:
@@ -31,7 +32,8 @@ def test_the_blocking_client_keeps_at_most_max_in_flight_steps_unanswered(server
             futures.append(client.submit(Step(append=Append([seq_id], [1], [token]))))
             most = max(most, len(client._steps._stream._in_flight))  # type: ignore[union-attr]
         assert most == MAX_IN_FLIGHT, most
-        assert [f.result().appended.num_tokens for f in futures][-1] == [5 + MAX_IN_FLIGHT + 40]  # type: ignore[union-attr]
+        # type: ignore[union-attr]
+        assert [f.result().appended.num_tokens for f in futures][-1] == [5 + MAX_IN_FLIGHT + 40]
         assert client.num_tokens(seq_id) == 5 + MAX_IN_FLIGHT + 40
         client.step(Step(releases=[([seq_id], False)]))
     debug.check()
@@ -41,7 +43,8 @@ def test_the_server_keeps_more_results_than_a_client_keeps_unanswered() -> None:
     assert DEFAULT_MAX_RESULTS >= 2 * MAX_IN_FLIGHT
 
 
-def test_a_stream_the_server_refuses_raises_the_unary_exception(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_stream_the_server_refuses_raises_the_unary_exception(start_server, wait_until) -> None:
     srv = start_server("--max-session-streams", "1")
     with RadixKVClient(srv.address) as holder, RadixKVClient(srv.address) as refused:
         holder.step(Step())  # the one stream allowed
@@ -75,7 +78,8 @@ def test_closing_a_stream_with_a_step_in_flight_fails_it_and_the_next_step_reope
     debug.check()
 
 
-def test_threads_sharing_one_client_each_get_their_own_results(server: ServerProcess, debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_threads_sharing_one_client_each_get_their_own_results(server: ServerProcess, debug) -> None:
     errors: list[BaseException] = []
     with RadixKVClient(server.address) as client:
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from radixkv.extras import install_hint
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 
 def radixkv(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -65,7 +65,7 @@ def test_serve_on_cuda_without_a_device_names_the_fix() -> None:
 
 
 def test_fp8_means_float8_e4m3fn_in_serve_as_in_plan_and_demo() -> None:
-    from radixkv.server.flags import parse_args
+    from radixkv.server.process.flags import parse_args
 
     config, _ = parse_args(["--device", "cpu", "--kv-dtype", "fp8", "--num-blocks", "8"])
     assert config.pools[0].dtype == "float8_e4m3fn"

@@ -13,10 +13,10 @@ from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownPool
 from radixkv.kv_cache import Limits
 from radixkv.memory.layout import PoolLayout
-from radixkv.server import flags
-from radixkv.server.app import main, parse_args
-from radixkv.server.config import PoolConfig
-from radixkv.server.kv_events_config import KVEventsConfig
+from radixkv.server.events.kv_events_config import KVEventsConfig
+from radixkv.server.process import flags
+from radixkv.server.process.app import main, parse_args
+from radixkv.server.rules.config import PoolConfig
 
 SMOLLM2 = (30, 3, 64)
 

@@ -13,7 +13,7 @@ import numpy as np
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
 from radixkv.sequences.results import OpenResult
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -101,7 +101,8 @@ def _snapshot(address: str, namespaces: list[str]) -> dict[str, set[int]]:
     return held
 
 
-def test_eight_clients_mixing_everything_leave_a_consistent_pool(server, debug, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_eight_clients_mixing_everything_leave_a_consistent_pool(server, debug, wait_until) -> None:
     namespaces = ["conc-0", "conc-1"]
     baseline = debug.check()
     watcher = RadixKVClient(server.address)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.server.config import config_from_mapping, pool_keys_help
-from radixkv.server.flags import parse_args
+from radixkv.server.process.flags import parse_args
+from radixkv.server.rules.config import config_from_mapping, pool_keys_help
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "num_blocks": 16}
 TIERED = {**SHAPE, "host_num_blocks": 16}

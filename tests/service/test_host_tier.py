@@ -19,7 +19,7 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.kernels import swap_blocks
 from radixkv.sequences.step import Step
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 4
@@ -140,7 +140,7 @@ def test_match_and_metrics_count_the_host_tier(server) -> None:  # type: ignore[
 
 
 def test_pool_keys_size_the_host_tier() -> None:
-    from radixkv.server.config import parse_pool_flag
+    from radixkv.server.rules.config import parse_pool_flag
 
     base = "p:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32"
     assert parse_pool_flag(base + ",host_num_blocks=32").host_num_blocks == 32
@@ -153,8 +153,8 @@ def test_pool_keys_size_the_host_tier() -> None:
 
 def test_host_memory_bytes_sizes_by_the_layout() -> None:
     from radixkv.memory.layout import PoolLayout
-    from radixkv.server.config import parse_pool_flag
-    from radixkv.server.pool_setup import build_pool
+    from radixkv.server.process.pool_setup import build_pool
+    from radixkv.server.rules.config import parse_pool_flag
 
     config = parse_pool_flag("p:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=8,dtype=float32,"
                              "host_memory_bytes=10000")  # fmt: skip
@@ -200,7 +200,8 @@ def test_swap_needs_a_host_tier(server) -> None:  # type: ignore[no-untyped-def]
     check_invariants(server.address, "plain")
 
 
-def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wait_until) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wait_until) -> None:
     import re
 
     server = start_server("--pool", TIERED, "--audit-interval", "0.02", "--metrics-port", "0", pool_flags=False)
@@ -225,9 +226,9 @@ def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wa
 def test_response_bounds_leave_room_for_transfers() -> None:
     """A request is refused up front when its response could outgrow the message: with a host tier, every block
     handed out may carry an offload and a load, so the bound grows by two transfers per block."""
-    from radixkv.server.config import parse_pool_flag
-    from radixkv.server.pool_setup import build_pool
-    from radixkv.server.sizes import append_response_bytes, message_bytes_needed, open_response_bytes
+    from radixkv.server.process.pool_setup import build_pool
+    from radixkv.server.rules.config import parse_pool_flag
+    from radixkv.server.rules.sizes import append_response_bytes, message_bytes_needed, open_response_bytes
 
     shape = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float32"
     plain, tiered = (build_pool(parse_pool_flag(f"p:{shape}{extra}"), 16) for extra in ("", ",host_num_blocks=64"))

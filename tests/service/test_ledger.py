@@ -16,9 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixkv.errors import LimitExceeded, NotPinned, QuotaExceeded, RadixKVError, UnknownSequence
 from radixkv.kv_cache import KVCache
 from radixkv.sequences.results import AppendBatch
-from radixkv.server.ledger import Pin, PoolLedger
-from radixkv.server.sessions import Session
-from radixkv.server.tenants import Tenant
+from radixkv.server.rules.ledger import Pin, PoolLedger
+from radixkv.server.rules.sessions import Session
+from radixkv.server.rules.tenants import Tenant
 
 BLOCK_SIZE = 4
 HOST_SHARE = 12  # host blocks each tenant's swapped-out sequences may hold

@@ -14,7 +14,7 @@ import pytest
 
 from radixkv.client import MatchExplanation, RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
-from radixkv.server.events import Tombstones
+from radixkv.server.events.hub import Tombstones
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import ACME_TOKEN, GLOBEX_TOKEN

@@ -20,7 +20,7 @@ from radixkv.client import RadixKVClient
 from radixkv.errors import UnknownSequence
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.step import Append, Step
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 
 def test_health_reports_serving_for_the_server_and_the_service(server) -> None:  # type: ignore[no-untyped-def]
@@ -148,7 +148,10 @@ def test_a_bad_configuration_exits_2_naming_the_problem(tmp_path) -> None:  # ty
     ]
     for args in bad:
         result = subprocess.run(
-            [sys.executable, "-m", "radixkv.server.app", "serve", *args], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "radixkv.server.process.app", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("radixkv serve: ")

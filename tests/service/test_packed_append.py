@@ -13,7 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
-from radixkv.client import RadixKVClient, step_messages
+from radixkv.client import RadixKVClient
+from radixkv.client.session import step_messages
 from radixkv.errors import InvalidArgument
 from radixkv.sequences.step import Append, Step
 from radixkv.v1 import kvcache_pb2 as pb
@@ -97,7 +98,8 @@ def packed(a: pb.StepAppended) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("counts_packed", [False, True], ids=["decode step, ones implied", "counts packed"])
-def test_a_packed_append_is_the_repeated_one_answered_packed(stream: Stream, debug, counts_packed: bool) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_packed_append_is_the_repeated_one_answered_packed(stream: Stream, debug, counts_packed: bool) -> None:
     prompts = [list(range(10 * i, 10 * i + n)) for i, n in enumerate([3, 4, 5, 8, 1])]
     first, second = stream.open(prompts), stream.open(prompts)
     for step in range(6):  # sequences fill their last blocks and take new ones on the way
@@ -131,7 +133,8 @@ BAD = [  # (name, the append for a live sequence s, the field it is refused for)
 
 
 @pytest.mark.parametrize(("build", "field"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_a_bad_packed_append_is_refused_naming_its_field(stream: Stream, debug, build, field) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_bad_packed_append_is_refused_naming_its_field(stream: Stream, debug, build, field) -> None:
     (seq,) = stream.open([[1, 2, 3]])
     response = stream.step(pb.SessionRequest(append=build(seq)))
     assert response.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -147,7 +150,8 @@ def test_an_unknown_packed_sequence_is_refused_as_a_repeated_one(stream: Stream)
     assert by_packed.error == by_repeated.error and by_packed.error.reason == "UNKNOWN_SEQUENCE"
 
 
-def test_the_clients_send_a_step_packed_and_a_bad_entry_as_before(server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_the_clients_send_a_step_packed_and_a_bad_entry_as_before(server, monkeypatch) -> None:
     sent: list[pb.SessionRequest] = []
     build = step_messages.step_request
     monkeypatch.setattr(step_messages, "step_request", lambda *args: sent.append(build(*args)) or sent[-1])

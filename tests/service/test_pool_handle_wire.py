@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixkv.client.pool_view import handle_from_proto
+from radixkv.client.worker.pool_view import handle_from_proto
 from radixkv.memory.layout import PoolLayout
 from radixkv.memory.pool_handle import PoolHandle
 from radixkv.memory.storage import KVStorage
-from radixkv.server.servicer import _handle
+from radixkv.server.wire.servicer import _handle
 from radixkv.v1 import kvcache_pb2 as pb
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")

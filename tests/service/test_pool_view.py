@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 WORKER = Path(__file__).with_name("kv_worker.py")
 

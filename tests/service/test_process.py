@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from radixkv.client import RadixKVClient
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 
 POOL = ["--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16"]
 

@@ -15,12 +15,12 @@ import torch
 from radixkv.errors import ServerRestarting
 from radixkv.kv_cache import Limits
 from radixkv.memory.storage import KVStorage
-from radixkv.server.config import PoolConfig, ServerConfig
-from radixkv.server.pools import Pool
-from radixkv.server.reads import KVReads
-from radixkv.server.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
-from radixkv.server.service import KVService
-from radixkv.server.tenants import ANONYMOUS
+from radixkv.server.rules.config import PoolConfig, ServerConfig
+from radixkv.server.rules.pools import Pool
+from radixkv.server.rules.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
+from radixkv.server.rules.service import KVService
+from radixkv.server.rules.tenants import ANONYMOUS
+from radixkv.server.wire.reads import KVReads
 
 CONFIG = PoolConfig("default", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=64)
 SERVER = ServerConfig(pools=(CONFIG,))

@@ -8,10 +8,10 @@ import pytest
 
 from radixkv.errors import PermissionDenied
 from radixkv.kv_cache import KVCache, Limits
-from radixkv.server.app import parse_args
-from radixkv.server.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
-from radixkv.server.events import EventHub, EventKind
-from radixkv.server.tenants import ANONYMOUS, Tenant
+from radixkv.server.events.hub import EventHub, EventKind
+from radixkv.server.process.app import parse_args
+from radixkv.server.rules.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
+from radixkv.server.rules.tenants import ANONYMOUS, Tenant
 
 
 def test_pool_flags_parse_layout_size_and_limits() -> None:

@@ -73,7 +73,8 @@ def test_evicted_on_the_stream_says_the_same_when(server, debug) -> None:  # typ
     debug.check("tiny")
 
 
-def test_only_the_opens_that_ask_are_explained_and_a_retried_step_keeps_them(server) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_only_the_opens_that_ask_are_explained_and_a_retried_step_keeps_them(server) -> None:
     ns = f"twin-mixed-{next(_namespaces)}"
     asked, silent = list(range(_BASE + 3000, _BASE + 3006)), list(range(_BASE + 3100, _BASE + 3106))
     with RadixKVClient(server.address) as client:
@@ -101,7 +102,7 @@ async def test_the_async_client_explains_a_stream_open(server) -> None:  # type:
 
 def test_every_server_reason_has_its_wire_value_and_the_client_names_it_back() -> None:
     """HOST_TIER included: reserved for the host tier, it already round-trips (an additive enum value)."""
-    from radixkv.server.miss_reasons import MissExplanation, MissReason, wire_reason
+    from radixkv.server.rules.miss_reasons import MissExplanation, MissReason, wire_reason
     from radixkv.v1 import kvcache_pb2 as pb
 
     for reason in MissReason:

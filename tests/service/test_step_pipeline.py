@@ -17,8 +17,8 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
-from radixkv.client.pipeline import StreamEnded, answers
-from radixkv.client.step_stream import StepStream
+from radixkv.client.session.pipeline import StreamEnded, answers
+from radixkv.client.session.step_stream import StepStream
 from radixkv.errors import InvalidArgument, RadixKVError, UnknownSequence
 from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.v1 import kvcache_pb2 as pb
@@ -76,7 +76,8 @@ def _script(client: RadixKVClient, namespace: str, pipelined: bool) -> list[obje
     return [_shape(o) for o in (*first, *second)]
 
 
-def test_pipelined_steps_give_what_the_same_steps_give_one_at_a_time(server, debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_pipelined_steps_give_what_the_same_steps_give_one_at_a_time(server, debug) -> None:
     with RadixKVClient(server.address) as client:
         alone = _script(client, "pipe-alone", pipelined=False)
         pipelined = _script(client, "pipe-pipelined", pipelined=True)
@@ -169,7 +170,8 @@ def _lose_connection(stream: StepStream | None) -> None:
     stream._fail(StreamEnded())
 
 
-def test_steps_of_a_broken_stream_are_resent_once_and_applied_once(server, debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_steps_of_a_broken_stream_are_resent_once_and_applied_once(server, debug) -> None:
     with RadixKVClient(server.address) as client:
         before = client.stats().num_opened_sequences
         futures = [client.submit(Step(opens=[([400 + i, 5], "pipe-broken")])) for i in range(6)]
@@ -207,7 +209,8 @@ async def test_async_large_steps_leave_in_several_messages(server, debug) -> Non
 
 
 @pytest.mark.asyncio
-async def test_async_steps_awaited_together_are_pipelined_in_call_order(server, debug) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+async def test_async_steps_awaited_together_are_pipelined_in_call_order(server, debug) -> None:
     async with AsyncRadixKVClient(server.address) as client:
         opened = await asyncio.gather(*(client.step(Step(opens=[([500 + i, 1], "pipe-aio")])) for i in range(24)))
         ids = [r.opened[0].seq_id for r in opened]

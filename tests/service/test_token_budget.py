@@ -7,17 +7,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixkv.client import messages as m
+from radixkv.client.session import messages as m
 from radixkv.errors import InvalidArgument, TokenBudget, UnknownSequence
 from radixkv.sequences.step import Append, Step, StepResult
-from radixkv.server.checks import Reply
-from radixkv.server.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
-from radixkv.server.pool_setup import build_pool
-from radixkv.server.service import KVService
-from radixkv.server.sessions import Session
-from radixkv.server.step import run_step
-from radixkv.server.tenants import Tenant
-from radixkv.server.token_budget import TokenBuckets
+from radixkv.server.process.pool_setup import build_pool
+from radixkv.server.rules.checks import Reply
+from radixkv.server.rules.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
+from radixkv.server.rules.service import KVService
+from radixkv.server.rules.sessions import Session
+from radixkv.server.rules.step import run_step
+from radixkv.server.rules.tenants import Tenant
+from radixkv.server.rules.token_budget import TokenBuckets
 
 LAYOUT = "num_layers=1,num_kv_heads=1,head_dim=4,num_blocks=64"
 

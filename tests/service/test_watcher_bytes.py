@@ -3,7 +3,7 @@ watcher that stops reading must not keep 10,000 of them alive (issue 42, "every 
 
 from __future__ import annotations
 
-from radixkv.server.events import EVENT_BYTES, BlockEvent, EventKind, Watcher, event_bytes
+from radixkv.server.events.hub import EVENT_BYTES, BlockEvent, EventKind, Watcher, event_bytes
 
 
 def _stored(n: int, num_blocks: int, block_size: int = 16) -> BlockEvent:

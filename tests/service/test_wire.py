@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "radixkv" / "v1"

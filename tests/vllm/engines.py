@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 HERE = Path(__file__).resolve().parent
 

@@ -30,7 +30,7 @@ from engines import run_engine  # noqa: E402
 from prompts import prompt_token_ids  # noqa: E402
 
 from radixkv.client import PoolView, RadixKVClient  # noqa: E402
-from radixkv.server.process import KeeperProcess, ServerProcess  # noqa: E402
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(3600)  # a hang guard: engine starts wait patient(...) each, longer on a loaded machine
 BLOCK = 32

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from radixkv.client import PoolView, RadixKVClient
-from radixkv.server.process import ServerProcess
+from radixkv.server.process.spawn import ServerProcess
 from radixkv.vllm.layouts import CpuLayout
 from radixkv.vllm.plan import StepPlan
 from radixkv.vllm.worker_side import WorkerSide

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make test
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402  # the engine's own op: the reference, in a test only
 
-from radixkv.server.process import patient  # noqa: E402
+from radixkv.server.process.spawn import patient  # noqa: E402
 from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_digests, layout_for  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, DIM = 6, 3, 32, 64
@@ -105,7 +105,7 @@ def test_importing_radixkv_never_imports_vllm() -> None:
     import sys
 
     code = (
-        "import sys, radixkv, radixkv.client, radixkv.server.app, radixkv.vllm\n"
+        "import sys, radixkv, radixkv.client, radixkv.server.process.app, radixkv.vllm\n"
         "import radixkv.vllm.plan, radixkv.vllm.layouts\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))\n"
         "radixkv.vllm.RadixKVConnector\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from radixkv.server.process import patient
+from radixkv.server.process.spawn import patient
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PORTS = ("50051", "8000", "9400")

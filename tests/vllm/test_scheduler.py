@@ -30,7 +30,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from radixkv.client import RadixKVClient  # noqa: E402
-from radixkv.server.process import ServerProcess  # noqa: E402
+from radixkv.server.process.spawn import ServerProcess  # noqa: E402
 from radixkv.vllm.compat import VERSION  # noqa: E402
 from radixkv.vllm.connector import RadixKVConnector, RadixKVWorkerMetadata  # noqa: E402
 

@@ -1,0 +1,254 @@
+"""The rules every call that changes a pool passes, written once: the unary calls and the Session's steps share them.
+
+In the order a call meets them:
+  1. sizes, before the pool's lock and before any token list is converted: the pool's
+     `max_tokens_per_request`, and the most the response can take against the room the message has
+     left (`Reply`): a response over it would be lost after the call applied (`sizes.py`);
+  2. the preamble (`applied_once`): the pool's lock, a session ended meanwhile, a pool frozen for
+     a restart, a deadline that passed while the call waited (`deadlines.py`);
+  3. the request id (`idempotency.py`): a call the session already made returns its first result
+     or is refused, and is not checked or applied again;
+  4. ownership and counts against the ledger: sequences per session, tenant and pool; namespaces,
+     pins and cached blocks per tenant; the tenant's block quota, reservations included (`Charge`,
+     one running count per call); its share of the host tier (`check_swap`);
+  5. the token budget, last (`step_tokens`, `resume_tokens`; what pays is `token_budget.py`), so
+     that a call refused for anything else charges nothing.
+Then the core applies (it changes nothing when it refuses) and the ledger follows its result. The
+rules' arithmetic lives with the state it reads (`ledger.py`, `token_budget.py`, `sizes.py`); this
+module is where every call meets them, in this order.
+
+Everything here runs under the pool's lock except the size checks of step 1, and reads the ledger
+and the core without changing them (`keep_cache_share`, which evicts after a call cached, and
+`take_tokens`, which charges the bucket, are the exceptions and say so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TypeVar
+
+from radixkv.errors import LimitExceeded, ServerRestarting, TokenBudget, UnknownSession
+from radixkv.sequences.step import Step
+from radixkv.server.rules.config import ServerConfig
+from radixkv.server.rules.deadlines import check_deadline
+from radixkv.server.rules.idempotency import RequestKey, retained_bytes
+from radixkv.server.rules.pools import Pool
+from radixkv.server.rules.sessions import Session
+from radixkv.server.rules.shares import Shares
+from radixkv.server.rules.sizes import open_response_bytes, preempt_response_bytes, step_sizes
+from radixkv.server.rules.tenants import Tenant
+from radixkv.server.rules.token_budget import TokenBuckets
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """How a call's answer travels: at most `max_bytes` (None: unbounded), with its slots packed (the Session
+    stream) or as repeated varints (the unary calls). `items`: a refusal names the step item it comes from."""
+
+    max_bytes: int | None
+    packed: bool = True
+    items: bool = True
+
+
+class Checks:
+    """A server's limits and the checks against them; one instance, shared by every pool's calls."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.shares = Shares(len(config.tenants))
+        self.max_message_bytes = config.max_message_bytes
+        self.max_sequences_per_session = config.max_sequences_per_session
+        self.max_pins = config.max_pins_per_session
+        self.max_pool_sequences = config.max_sequences
+        self.token_buckets = TokenBuckets()
+
+    # -- 1. sizes (outside the lock) -----------------------------------------------------------------
+
+    @staticmethod
+    def check_size(pool: Pool, num_tokens: int, response_bytes: int = 0, reply: Reply | None = None) -> None:
+        """Raises LimitExceeded naming `max_tokens_per_request` or `max_message_bytes`."""
+        allowed = pool.cache.limits.max_tokens_per_request
+        if num_tokens > allowed:
+            raise LimitExceeded("max_tokens_per_request", num_tokens, allowed)
+        if reply is not None and reply.max_bytes is not None and response_bytes > reply.max_bytes:
+            raise LimitExceeded("max_message_bytes", response_bytes, reply.max_bytes)
+
+    def check_step_size(self, pool: Pool, step: Step, reply: Reply) -> None:
+        """Each item's tokens, and the step's response up to and with each item, against the limits (see
+        `sizes.step_sizes`); a refusal names its item (`item`)."""
+        for item, count, response_bytes in step_sizes(pool, step, self.max_sequences_per_session, reply.packed):
+            try:
+                self.check_size(pool, count, response_bytes, reply)
+            except LimitExceeded as e:
+                e.metadata["item"] = item
+                raise
+
+    # -- 2 and 3. the preamble and the request id ------------------------------------------------------
+
+    def locked(self, pool: Pool, session: Session) -> _Locked:
+        """`with checks.locked(pool, session):` holds the pool's lock, refusing a session ended meanwhile, a frozen
+        pool, or a call past its deadline."""
+        return _Locked(pool, session)
+
+    def applied_once(
+        self, pool: Pool, session: Session, request: RequestKey, apply: Callable[[], T], cost: Callable[[T], int]
+    ) -> T:
+        """`apply()` under the preamble, at most once per request id of the session (see `RequestWindow.once`);
+        `cost`: the ids and counts its result holds."""
+        with self.locked(pool, session):
+            return session.requests.once(request, apply, lambda result: retained_bytes(cost(result)))
+
+    # -- 4. counts against the ledger (under the lock) ---------------------------------------------------
+
+    def check_num_sequences(self, pool: Pool, session: Session, num_new: int) -> None:
+        ledger = pool.ledger
+        held = ledger.num_sequences(session)
+        if held + num_new > self.max_sequences_per_session:
+            raise LimitExceeded("max_sequences_per_session", held + num_new, self.max_sequences_per_session)
+        held = ledger.num_tenant_sequences(session.tenant)
+        share = self.shares.of(self.max_pool_sequences)
+        if held + num_new > share:
+            raise LimitExceeded("max_sequences_per_tenant", held + num_new, share)
+        held = ledger.num_sequences_total()
+        if held + num_new > self.max_pool_sequences:
+            raise LimitExceeded("max_sequences", held + num_new, self.max_pool_sequences)
+
+    def check_namespaces(self, pool: Pool, caller: Tenant, namespaces: set[str]) -> None:
+        """The tenant's share of the pool's namespaces: those it has cached or holds, plus these new ones."""
+        if self.shares.num_tenants <= 1:
+            return  # one tenant: the core's max_namespaces is its share
+        roots = pool.cache.tree.roots
+        new = [ns for ns in namespaces if ns not in roots]
+        if not new:
+            return
+        share = self.shares.of(pool.cache.limits.max_namespaces)
+        held = sum(1 for ns in roots if caller.owns(ns))
+        if held + len(new) > share:
+            raise LimitExceeded("max_namespaces_per_tenant", held + len(new), share)
+
+    def check_pin(self, pool: Pool, session: Session, num_blocks: int) -> None:
+        """A new pin of `num_blocks`: the session's pins, the tenant's quota and its share of the pinned blocks."""
+        ledger, caller = pool.ledger, session.tenant
+        num_pins = len(ledger.pins(session))
+        if num_pins >= self.max_pins:
+            raise LimitExceeded("max_pins_per_session", num_pins + 1, self.max_pins)
+        Charge(pool, caller).add(num_blocks)
+        share = self.shares.of(int(pool.cache.limits.max_pinned_fraction * pool.layout.num_blocks))
+        pinned = ledger.tenant_pinned_blocks(caller)
+        if self.shares.num_tenants > 1 and pinned + num_blocks > share:
+            raise LimitExceeded("pinned_blocks_per_tenant", pinned + num_blocks, share)
+
+    def cache_share(self, pool: Pool, caller: Tenant) -> int | None:
+        """How many blocks of `pool` the tenant's namespaces may keep cached: its `max_cached_blocks`, else
+        an even share of the pool when tenants are several; None: no bound (one caller)."""
+        if caller.max_cached_blocks is not None:
+            return caller.max_cached_blocks
+        return self.shares.of(pool.layout.num_blocks) if self.shares.num_tenants > 1 else None
+
+    def keep_cache_share(self, pool: Pool, caller: Tenant) -> None:
+        """After a call that cached: evict the tenant's own least recently used unlocked blocks past its share.
+
+        Without this one tenant could keep the whole pool resident by caching alone (its pins count
+        against its block quota instead). Blocks its live sequences lock stay: the quota bounds those.
+        """
+        share = self.cache_share(pool, caller)
+        if share is None:
+            return
+        cached = pool.cache.tree.num_cached_blocks_of.get(caller.name, 0)  # its namespaces: "<name>/..."
+        if cached > share:
+            pool.cache.evict(cached - share, caller.name)  # its own LRU order: no other tenant's leaf is looked at
+
+    # -- 5. the token budget, last -------------------------------------------------------------------
+
+    @staticmethod
+    def step_tokens(pool: Pool, caller: Tenant, step: Step, num_prompt_tokens: int) -> int:
+        """Tokens a step pays (what pays: `token_budget.py`): its opens' prompts and `max_new_tokens`, its append's
+        tokens past those their sequences' opens prepaid. A unary open or append is such a step."""
+        cost = num_prompt_tokens + sum(step.max_new_tokens) if step.opens else 0
+        if step.append is not None and caller.max_tokens_per_second is not None:
+            cost += pool.ledger.prepaid.cost(step.append.seq_ids, step.append.num_token_ids)
+        return cost
+
+    def resume_tokens(self, pool: Pool, caller: Tenant, seq_id: int) -> int:
+        """Charge a resume of a preempted sequence: its blocks against the quota (its table or its reservation), its
+        answer against the message limit, and its tokens to the token budget (it needs what an open of all of them
+        would; the caller refunds what the resume found cached). Returns the tokens taken."""
+        length = pool.cache.num_tokens(seq_id)
+        self.check_size(pool, 0, open_response_bytes(pool, [length]), Reply(self.max_message_bytes, packed=False))
+        Charge(pool, caller).add(pool.ledger.blocks_to_resume(pool.cache, seq_id))
+        self.take_tokens(pool, caller, length)
+        return length
+
+    def check_swap(self, pool: Pool, caller: Tenant, seq_ids: Sequence[int], mode: str) -> None:
+        """A preemption by swap: the host blocks it moves against the tenant's share of the host tier; and its
+        answer (an offload per block) against the message limit."""
+        cache, ledger = pool.cache, pool.ledger
+        num_blocks = sum(map(ledger.num_table_blocks, seq_ids))
+        reply = Reply(self.max_message_bytes, packed=False)
+        self.check_size(pool, 0, preempt_response_bytes(pool, len(seq_ids), num_blocks), reply)
+        if mode == "swap" and cache.host is not None:
+            needed = sum(cache.swap_blocks(s) for s in seq_ids if not cache.is_preempted(s))
+            ledger.check_host_blocks(caller, needed, self.host_share(pool))
+
+    def host_share(self, pool: Pool) -> int | None:
+        """How many of `pool`'s host-tier blocks one tenant's swapped-out sequences may hold; None: no bound (one
+        caller, or no host tier)."""
+        if self.shares.num_tenants <= 1 or pool.host_storage is None:
+            return None
+        return self.shares.of(pool.host_storage.layout.num_blocks)
+
+    def take_tokens(self, pool: Pool, caller: Tenant, num_tokens: int) -> None:
+        """Charge tokens to the caller's bucket (under `pool.lock`, which counts the refusals)."""
+        try:
+            self.token_buckets.take(caller, num_tokens)
+        except TokenBudget:
+            pool.num_token_budget_refusals += 1
+            raise
+
+    def refund(self, caller: Tenant, num_tokens: int) -> None:
+        """Give back what `take_tokens` charged for a call the core then refused (nothing applied)."""
+        self.token_buckets.refund(caller, num_tokens)
+
+
+class Charge:
+    """One call's blocks against the tenant's quota: each item adds what it takes, and the first item that
+    would take the tenant past its quota is refused (the quota's rule is the ledger's `check_quota`)."""
+
+    __slots__ = ("ledger", "caller", "num_blocks")
+
+    def __init__(self, pool: Pool, caller: Tenant) -> None:
+        self.ledger, self.caller, self.num_blocks = pool.ledger, caller, 0
+
+    def add(self, num_blocks: int) -> None:
+        """Raises QuotaExceeded when this call's blocks so far plus `num_blocks` pass the tenant's quota."""
+        if self.caller.max_blocks is None:
+            return
+        self.ledger.check_quota(self.caller, self.num_blocks + num_blocks)
+        self.num_blocks += num_blocks
+
+
+class _Locked:
+    """The preamble as a context manager (a class: a generator-based one costs a decode step 4 us more)."""
+
+    __slots__ = ("pool", "session")
+
+    def __init__(self, pool: Pool, session: Session) -> None:
+        self.pool, self.session = pool, session
+
+    def __enter__(self) -> None:
+        self.pool.lock.acquire()
+        try:
+            if self.session.closed:
+                raise UnknownSession(self.session.session_id)
+            if self.pool.frozen:
+                raise ServerRestarting()
+            check_deadline()
+        except BaseException:
+            self.pool.lock.release()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.pool.lock.release()
