@@ -60,7 +60,7 @@ class BlockEvent:
 
 
 class DiskTier(Protocol):
-    """A pool's disk tier as the hub, the steps and the reads use it (`radixkv.server.disk_tier.PoolDisk`); every
+    """A pool's disk tier as the hub, the steps and the reads use it (`radixkv.server.rules.disk_tier.PoolDisk`); every
     call but `close` under the pool's lock."""
 
     def stored(self, node: Node, hashes: list[bytes]) -> None: ...
@@ -190,7 +190,7 @@ class EventHub:
         self.sinks: list[EventSink] = []
         self.tombstones = Tombstones(max_tombstones)
         self.checksums = BlockChecksums(cache.pool.num_blocks)  # writers' K/V checksums of tree blocks
-        self.disk: DiskTier | None = None  # the pool's disk tier (server/disk_tier.py), told of each block
+        self.disk: DiskTier | None = None  # the pool's disk tier (server/rules/disk_tier.py), told of each block
         self._tree.observer = self
 
     def adopt(self, cache: KVCache) -> None:

@@ -23,7 +23,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from radixkv.server.disk_tier import PoolDisk, attach_disk
 from radixkv.server.keeper.keeper_protocol import KeeperError
 from radixkv.server.process.audit import PoolAuditor
 from radixkv.server.process.debug import DebugServicer
@@ -34,6 +33,7 @@ from radixkv.server.process.pool_setup import build_pool
 from radixkv.server.rules.config import (
     ServerConfig,
 )
+from radixkv.server.rules.disk_tier import PoolDisk, attach_disk
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.restart import restore_sessions, snapshot_all
 from radixkv.server.rules.service import KVService

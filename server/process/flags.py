@@ -28,7 +28,7 @@ from radixkv.server.rules.config import (
     pool_from_mapping,
     pool_keys_help,
 )
-from radixkv.server.tenant_config import auth_tokens_tenants
+from radixkv.server.rules.tenant_config import auth_tokens_tenants
 
 
 def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:

@@ -16,8 +16,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from radixkv.server.disk_metrics import DiskCollector
-from radixkv.server.kv_events_metrics import EventsCollector
+from radixkv.server.process.disk_metrics import DiskCollector
+from radixkv.server.process.kv_events_metrics import EventsCollector
 from radixkv.server.rules.config import DEFAULT_POOL
 from radixkv.server.wire.interceptors import Behaviour, WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.wire.status import forget_refusal, last_refusal

@@ -34,12 +34,12 @@ from typing import Any
 from radixkv.kv_cache import Limits
 from radixkv.memory.layout import DTYPE_BYTES, PoolLayout, canonical_dtype
 from radixkv.planning.model_shape import ModelShape
-from radixkv.server.disk_config import DISK_KEYS, with_disk
 from radixkv.server.events import kv_events_config
 from radixkv.server.events.kv_events_config import KVEventsConfig
+from radixkv.server.rules.disk_config import DISK_KEYS, with_disk
 from radixkv.server.rules.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.rules.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
-from radixkv.server.tenant_config import TenantConfig, tenants_from_mapping
+from radixkv.server.rules.tenant_config import TenantConfig, tenants_from_mapping
 
 DEFAULT_POOL = "default"
 

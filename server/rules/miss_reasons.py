@@ -17,8 +17,8 @@ import numpy as np
 
 from radixkv.kv_cache import KVCache
 from radixkv.server.events.hub import EventHub
+from radixkv.server.rules.tenant_config import ANY_NAMESPACE
 from radixkv.server.rules.tenants import Tenant
-from radixkv.server.tenant_config import ANY_NAMESPACE
 from radixkv.tree.block_hash import chain_hashes, wire_hash
 from radixkv.tree.namespaces import existing_root
 from radixkv.v1 import kvcache_pb2 as pb

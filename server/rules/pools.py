@@ -99,7 +99,7 @@ class Pool:
         self.snapshot_refusals: dict[str, int] = {}  # why -> snapshots refused at start (server/rules/restart.py)
         self.num_adopted_blocks = 0  # cached blocks adopted from the previous server's snapshot
         self.adopted_extras: dict[str, Any] | None = None  # the adopted snapshot's sessions, until restored
-        self.disk: DiskTier | None = None  # the disk tier under the host tier (server/disk_tier.py), if any
+        self.disk: DiskTier | None = None  # the disk tier under the host tier (server/rules/disk_tier.py), if any
 
     def publish_kv_events(self, config: KVEventsConfig) -> None:
         """Publish this pool's events in vLLM's ZMQ format (`radixkv.server.events.kv_events`), from now on; the

@@ -33,12 +33,12 @@ from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.events.block_checksums import check_digests, table_range
-from radixkv.server.pool_access import PoolAccess
 from radixkv.server.rules.checks import Checks, Reply
 from radixkv.server.rules.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.rules.idempotency import NO_REQUEST, RequestKey, WindowBytes
 from radixkv.server.rules.ledger import Pin
 from radixkv.server.rules.miss_reasons import MissExplanation
+from radixkv.server.rules.pool_access import PoolAccess
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.restart import Written, snapshot_all
 from radixkv.server.rules.sessions import Session, SessionRegistry
@@ -98,7 +98,7 @@ class KVService:
             pool.close()
 
     def pool(self, name: str, caller: Tenant) -> Pool:
-        """The pool named (default: "default") if the caller may use it (server/pool_access.py)."""
+        """The pool named (default: "default") if the caller may use it (server/rules/pool_access.py)."""
         pool = self.pools.get(name or DEFAULT_POOL)
         if pool is None:
             raise UnknownPool(name or DEFAULT_POOL)

@@ -11,7 +11,7 @@ import dataclasses
 
 from radixkv.errors import PermissionDenied
 from radixkv.kv_cache import DEFAULT_NAMESPACE
-from radixkv.server.tenant_config import ANY_NAMESPACE, TenantConfig
+from radixkv.server.rules.tenant_config import ANY_NAMESPACE, TenantConfig
 from radixkv.tree.radix_node import OWNER_SEPARATOR
 
 SCOPE_SEPARATOR = OWNER_SEPARATOR  # a tenant's scoped namespaces are the core's owner's (per-owner eviction)

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 from radixkv.errors import Unauthenticated
+from radixkv.server.rules.tenant_config import TenantConfig
 from radixkv.server.rules.tenants import ANONYMOUS, Tenant
-from radixkv.server.tenant_config import TenantConfig
 from radixkv.server.wire.interceptors import WrappingInterceptor, method_of, wrap_handler
 from radixkv.server.wire.status import abort
 

@@ -70,7 +70,8 @@ class Caller:
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=timeout)
 
     def session(self) -> str:
-        session_id = str(self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)).session_id)  # type: ignore[attr-defined]
+        # type: ignore[attr-defined]
+        session_id = str(self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=3600)).session_id)
         self.sessions.append(session_id)
         return session_id
 
@@ -122,7 +123,8 @@ def _open_and_release(caller: Caller, session: str, request_id: int) -> None:
     caller.call("ReleaseSequences", release)
 
 
-def test_request_windows_hold_bytes_within_the_session_tenant_and_server_bounds(shared, callers) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_request_windows_hold_bytes_within_the_session_tenant_and_server_bounds(shared, callers) -> None:
     """Before: each session kept up to ~36 MiB of results (1 M ids), and a tenant as many sessions as it liked.
     Now a session drops its oldest results past its bytes, and a tenant's sessions together stay within its share
     (a new one keeps what room is left, or is refused by name: `test_request_window.py`); the other tenant keeps
@@ -191,7 +193,8 @@ def _live(caller: Caller) -> int:
     return int(caller.call("Stats", pb.StatsRequest()).stats.num_live_sequences)  # type: ignore[attr-defined]
 
 
-def test_a_frame_of_too_many_steps_is_refused_whole_with_the_limit_named(frames) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_frame_of_too_many_steps_is_refused_whole_with_the_limit_named(frames) -> None:
     beta = Caller(frames.address, "beta")
     try:
         session = beta.session()
@@ -287,7 +290,8 @@ def _cache_prompts(caller: Caller, session: str, first: int, count: int) -> None
         caller.call("ReleaseSequences", pb.ReleaseSequencesRequest(session_id=session, seq_ids=seq_ids, cache=True))
 
 
-def test_evicting_a_tenant_to_its_share_looks_at_no_other_tenants_leaves(two_sizes) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_evicting_a_tenant_to_its_share_looks_at_no_other_tenants_leaves(two_sizes) -> None:
     """Before: the eviction scanned the global LRU list for the tenant's leaves, under the pool's lock, so every
     one of beta's older cached prompts was visited (20,000 prompts: a 64-block release held the lock 392 ms).
     Now each of alpha's evictions visits its own leaves only: the same count with 1,000 or 20,000 of beta's."""
@@ -325,13 +329,14 @@ BAD_TENANT_VALUES = {
 
 
 def test_every_tenant_key_has_a_bad_value_here() -> None:
-    from radixkv.server.tenant_config import TENANT_KEYS
+    from radixkv.server.rules.tenant_config import TENANT_KEYS
 
     assert sorted(BAD_TENANT_VALUES) == sorted(TENANT_KEYS)
 
 
 @pytest.mark.parametrize("key", sorted(BAD_TENANT_VALUES))
-def test_a_tenant_setting_of_the_wrong_kind_stops_the_server_at_start_with_the_key_named(key, tmp_path) -> None:  # type: ignore[no-untyped-def]
+# type: ignore[no-untyped-def]
+def test_a_tenant_setting_of_the_wrong_kind_stops_the_server_at_start_with_the_key_named(key, tmp_path) -> None:
     lines = [f"[tenants.mallory]\n{BAD_TENANT_VALUES[key]}\n"]
     if key != "token":
         lines.append('token = "mallory-token-000000"\n')

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from radixkv.disk.block_io import DirectIO
-from radixkv.server.disk_tier import PoolDisk
 from radixkv.server.process.pool_setup import build_pool
 from radixkv.server.rules.config import PoolConfig
+from radixkv.server.rules.disk_tier import PoolDisk
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.shares import Shares
 from radixkv.tree.token_ids import to_token_bytes

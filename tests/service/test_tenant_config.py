@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from radixkv.server.rules.config import ServerConfig, config_from_mapping
-from radixkv.server.tenant_config import TENANT_KEYS, TenantConfig, auth_tokens_tenants, tenants_from_mapping
+from radixkv.server.rules.tenant_config import TENANT_KEYS, TenantConfig, auth_tokens_tenants, tenants_from_mapping
 
 BAD = {  # every key: values of a kind it must refuse, as TOML spells them
     "token": ["12", '""', '" padded "', "true", '["a"]', '"tab\\there"'],

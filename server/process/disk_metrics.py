@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from radixkv.server.disk_tier import PoolDisk
+from radixkv.server.rules.disk_tier import PoolDisk
 
 if TYPE_CHECKING:
     from radixkv.server.rules.pools import Pool

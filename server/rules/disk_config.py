@@ -22,7 +22,7 @@ class DiskKeys(Protocol):
 
 P = TypeVar("P", bound=DiskKeys)
 
-# The pool keys of a disk tier (server/disk_tier.py), as `radixkv serve --help` lists them.
+# The pool keys of a disk tier (server/rules/disk_tier.py), as `radixkv serve --help` lists them.
 DISK_KEYS = {
     "disk_dir": "disk tier directory (needs a host tier): committed blocks are written there, read back on a miss",
     "disk_capacity": "disk tier byte cap, with a unit: 200GiB, 1.5TB (required with disk_dir)",
