@@ -217,10 +217,10 @@ def worker() -> None:
         "piped": piped,
         "core": core,
     }
-    import radixkv.server.wire.session_stream
+    import radixkv.server.wire.servicer
 
     try:
-        serve(ways, server.pid, radixkv.server.wire.session_stream.__file__)
+        serve(ways, server.pid, radixkv.server.wire.servicer.__file__)
     finally:
         runner.run(aio.__aexit__(None, None, None))
         runner.close()

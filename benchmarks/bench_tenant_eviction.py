@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from radixkv import KVCache
-from radixkv.tree.radix_node import owner_of
+from radixkv.tree.radix_tree import owner_of
 
 BLOCK_SIZE = 16
 SHARE = 64  # small's cached blocks

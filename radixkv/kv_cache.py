@@ -14,15 +14,20 @@ from collections.abc import Iterable, Sequence
 
 from radixkv.errors import LimitExceeded, RadixKVError
 from radixkv.memory.block_pool import BlockPool
-from radixkv.pressure.budget import Budget, plan_admission
-from radixkv.pressure.limits import Limits
 from radixkv.pressure.preemption import Preemption, PreemptResult, ResumeResult
 from radixkv.pressure.scheduling import freeable_blocks, victims
 from radixkv.pressure.swap import HostSwap, SwappedBlocks, num_swap_blocks, swapped_host_blocks
-from radixkv.sequences.admission import PlannedOpen, count_opens, lock_prefix, open_planned
-from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.append import append, append_args, append_counts, append_many_args, plan_batch
-from radixkv.sequences.fork import check_fork, fork
+from radixkv.sequences.admission import (
+    Allocator,
+    Budget,
+    Limits,
+    PlannedOpen,
+    count_opens,
+    lock_prefix,
+    open_planned,
+    plan_admission,
+)
+from radixkv.sequences.append import append, append_args, append_counts, append_many_args, check_fork, fork, plan_batch
 from radixkv.sequences.invariants import check_holders, check_reservations
 from radixkv.sequences.publish import publish, release
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
@@ -30,11 +35,17 @@ from radixkv.sequences.retain import expire, retain
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
 from radixkv.tree.host_tier import HostTier, ResultScope
-from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.tree.pins import Pins
-from radixkv.tree.radix_tree import Node, RadixTree
+from radixkv.tree.radix_tree import (
+    DEFAULT_NAMESPACE,
+    Node,
+    RadixTree,
+    TokenIds,
+    TokenKey,
+    existing_root,
+    namespace_root,
+)
 from radixkv.tree.retention import NO_RETENTION, Retention
-from radixkv.tree.token_ids import TokenIds, TokenKey
 from radixkv.tree.tree_check import check_host_tier
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
@@ -48,7 +59,7 @@ class KVCache:
     through the lock (one walk of the path's nodes, whatever its length) and every other block of
     its table by ref_count. So a 128k-token hit costs a lock walk, not 8k increments, and an
     unlocked cached block is always reclaimable. Every error leaves every count as it was.
-    Admission's reserved growth is a count no one else may allocate from (`radixkv.pressure.budget`).
+    Admission's reserved growth is a count no one else may allocate from (`radixkv.sequences.admission`).
     """
 
     def __init__(
@@ -57,7 +68,7 @@ class KVCache:
         host_num_blocks: int = 0,
     ) -> None:  # fmt: skip
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
-        of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence
+        of the pool kept from budgeted admissions (see `radixkv.sequences.admission`). `first_seq_id`: where sequence
         ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
         after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
         (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped."""
@@ -223,7 +234,7 @@ class KVCache:
         """New sequences sharing every block of `seq_id` (parallel samples, beams); returns their ids.
 
         Publishes the parent's computed full blocks first; children inherit its watermark
-        (see `radixkv.sequences.fork`).
+        (see `radixkv.sequences.append`).
         """
         seq = check_fork(self._sequences, seq_id, num_children, self.limits.max_fork_children)
         children = fork(self.tree, self.pool, self._sequences, seq, num_children)
@@ -275,7 +286,7 @@ class KVCache:
     def evict(self, num_blocks: int, owner: str | None = None) -> int:
         """Free up to `num_blocks` unlocked cached blocks now, LRU first; returns how many. Allocation
         evicts by itself: this is for a caller that wants free blocks ahead of time, or that keeps a
-        tenant's cache within its share (`owner`: only from its namespaces, `radixkv.tree.radix_node.owner_of`)."""
+        tenant's cache within its share (`owner`: only from its namespaces, `radixkv.tree.radix_tree.owner_of`)."""
         return self._blocks.evict_checked(num_blocks, owner)
 
     def num_available_blocks(self) -> int:

@@ -97,7 +97,7 @@ def test_no_package_imports_itself_through_others() -> None:
 def test_the_graph_reads_the_product() -> None:
     """The walk sees the package and its edges (a rename cannot make the checks vacuous)."""
     graph = import_graph(ROOT)
-    assert "radixkv.kv_cache" in graph and "radixkv.server.rules.step" in graph and "radixkv.client" in graph
+    assert "radixkv.kv_cache" in graph and "radixkv.server.rules.service" in graph and "radixkv.client" in graph
     assert "radixkv.kv_cache" in graph["radixkv.server.rules.pools"]
     assert not any(name.startswith("radixkv.v1") for name in graph)
 

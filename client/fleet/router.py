@@ -38,7 +38,7 @@ from radixkv.client.fleet.verify import check_contract, verify_result
 from radixkv.errors import RadixKVError
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.tree.block_hash import HashContract, chain_hashes, wire_hash
-from radixkv.tree.token_ids import TokenIds
+from radixkv.tree.radix_tree import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

@@ -43,8 +43,8 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
 from radixkv.tree.block_hash import HashContract
+from radixkv.tree.radix_tree import TokenIds
 from radixkv.tree.retention import NO_RETENTION, Retention
-from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 

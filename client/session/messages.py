@@ -22,8 +22,8 @@ from radixkv.memory.layout import PoolLayout
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.stats import Stats
+from radixkv.tree.radix_tree import TokenIds
 from radixkv.tree.retention import Retention
-from radixkv.tree.token_ids import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
 _STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name if f in {g.name for g in dataclasses.fields(Stats)}]

@@ -12,7 +12,7 @@ Both clients' streams keep one contract (the blocking one in `step_stream.py`, t
 with more waits for the oldest), queued steps leave together as one frame, responses settle steps
 in order, and a stream that breaks takes its unanswered steps with it: the client re-sends them
 (UNAVAILABLE: in order, with their request ids, each sent at most 3 times) on a new stream. The server keeps more
-results per session than `MAX_IN_FLIGHT` (server/rules/idempotency.py), so a re-sent step the server did
+results per session than `MAX_IN_FLIGHT` (server/rules/sessions.py), so a re-sent step the server did
 apply is answered with its first result, never applied again.
 """
 
@@ -34,7 +34,7 @@ MAX_FRAME_STEPS = 64  # steps per message at most: a frame's response stays smal
 # prompt token against 4 in the request) stays well under the server's message limit.
 MAX_FRAME_BYTES = 256 * 1024
 # Steps unanswered per stream at most: what a broken stream re-sends. The server's request window keeps
-# four times as many results per session (server/rules/idempotency.py DEFAULT_MAX_RESULTS), unary calls besides.
+# four times as many results per session (server/rules/sessions.py DEFAULT_MAX_RESULTS), unary calls besides.
 MAX_IN_FLIGHT = 256
 
 S = TypeVar("S")  # the stream a pending step is on

@@ -2,7 +2,7 @@
 
 A mutating call carries a request id. After UNAVAILABLE or DEADLINE_EXCEEDED the client cannot know
 whether it was applied, so it re-sends it with the same id: the server answers a repeat with its
-first result or refuses it, and never applies it twice (server/rules/idempotency.py).
+first result or refuses it, and never applies it twice (server/rules/sessions.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from radixkv.errors import ERRORS_BY_REASON, InvalidArgument, RadixKVError
 from radixkv.sequences.packed import all_ones, pack, unpack
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Step, StepResult
-from radixkv.tree.token_ids import TokenIds
+from radixkv.tree.radix_tree import TokenIds
 from radixkv.v1 import kvcache_pb2 as pb
 
 _TOKEN_BOUND = 2**32  # what uint32 carries; the server refuses ids >= 2^31 itself

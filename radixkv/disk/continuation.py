@@ -14,8 +14,7 @@ import numpy as np
 
 from radixkv.kv_cache import KVCache
 from radixkv.tree.block_hash import chain_hashes
-from radixkv.tree.radix_node import Node
-from radixkv.tree.token_ids import TOKEN_BYTES
+from radixkv.tree.radix_tree import TOKEN_BYTES, Node
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

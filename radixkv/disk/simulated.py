@@ -16,8 +16,7 @@ import numpy.typing as npt
 from radixkv.disk.continuation import continuation
 from radixkv.kv_cache import KVCache
 from radixkv.tree.block_hash import BlockHashes
-from radixkv.tree.radix_node import Node
-from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds, to_token_bytes
+from radixkv.tree.radix_tree import TOKEN_BYTES, Node, TokenIds, to_token_bytes
 
 
 class SimulatedDisk:

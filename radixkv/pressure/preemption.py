@@ -22,13 +22,11 @@ from typing import Protocol
 from radixkv.errors import FailedPrecondition, InvalidArgument, RadixKVError
 from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.memory.block_pool import cdiv
-from radixkv.sequences.admission import open_planned, plan_open
-from radixkv.sequences.allocation import Allocator
+from radixkv.sequences.admission import Allocator, open_planned, plan_open
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import OpenResult
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, Sequences
-from radixkv.tree.radix_node import Node
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.radix_tree import Node, TokenKey
 
 PREEMPT_MODES = ("swap", "recompute")
 

@@ -21,15 +21,13 @@ from collections.abc import Callable, Iterable
 from radixkv.errors import OutOfBlocks
 from radixkv.memory.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.memory.block_pool import NO_BLOCKS, cdiv
-from radixkv.memory.block_table import BlockTable
 from radixkv.pressure.preemption import ResumeResult
-from radixkv.sequences.allocation import Allocator
+from radixkv.sequences.admission import Allocator
 from radixkv.sequences.publish import release
 from radixkv.sequences.results import SlotPlan
-from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, path_runs
+from radixkv.sequences.sequence import BlockTable, LiveSequence, PreemptedSequence, path_runs
 from radixkv.tree.host_tier import BlockIds, HostTier
-from radixkv.tree.radix_node import Node
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.radix_tree import Node, TokenKey
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

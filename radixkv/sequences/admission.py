@@ -5,19 +5,81 @@ Planning changes nothing, so `check_open` and `open_many` refuse the same reques
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
+from radixkv.errors import InvalidArgument, LimitExceeded, NotAdmitted, OutOfBlocks
 from radixkv.memory.block_pairs import NO_PAIRS
-from radixkv.memory.block_pool import NO_BLOCKS, cdiv
-from radixkv.memory.block_table import BlockTable
-from radixkv.sequences.allocation import Allocator
+from radixkv.memory.block_pool import NO_BLOCKS, BlockPool, cdiv
 from radixkv.sequences.results import OpenResult, SlotPlan
-from radixkv.sequences.sequence import LiveSequence, Sequences, path_runs
+from radixkv.sequences.sequence import BlockTable, LiveSequence, Sequences, path_runs
 from radixkv.stats import Stats
-from radixkv.tree.radix_node import Match, Node
-from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.host_tier import HostTier
+from radixkv.tree.radix_tree import Match, Node, RadixTree, TokenKey
+
+# -- from sequences/allocation.py (merged, issue 41: one concept, one module):
+# Taking blocks: from the free stack first, then by evicting unlocked cached blocks, LRU first.
+#
+# Reservations (admission's reserved growth, see `radixkv.sequences.admission`) are a count here, not blocks: a
+# reserved block is any free or evictable one that no one else may take. So an allocation must fit in
+# what the reservations leave, except for the blocks it draws on its own sequence's reservation.
+
+
+class Allocator:
+    """The pool and the tree's evictable blocks seen as one supply, with the counters they move.
+
+    `num_reserved` is the sum of `LiveSequence.reservation()` over live sequences (the invariant checker
+    recounts it). `host`: the host tier evictions offload to, whose transfers each result hands out.
+    """
+
+    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, host: HostTier | None = None) -> None:
+        self.pool, self.tree, self.stats, self.host = pool, tree, stats, host
+        self.num_reserved = 0
+
+    def num_available(self) -> int:
+        """Free now, or free after evicting every unlocked cached block."""
+        return self.pool.num_free + self.tree.num_evictable_blocks
+
+    def num_unreserved(self) -> int:
+        """What an allocation not drawing on a reservation may take: available less every reservation."""
+        return max(0, self.num_available() - self.num_reserved)
+
+    def refuse_unless(self, needed: int, available: int) -> None:
+        """Raise OutOfBlocks (and count the failure) when `needed` exceeds `available`."""
+        if needed > available:
+            self.stats.num_allocation_failures += 1
+            raise OutOfBlocks(needed, available)
+
+    def allocate(self, n: int, drawn: int = 0) -> npt.NDArray[np.int32]:
+        """`n` blocks, evicting the shortfall first; all or none. `drawn` of them come out of the
+        caller's reservations (which shrink by as much); the rest must fit in what is unreserved."""
+        available = self.pool.num_free + self.tree.num_evictable_blocks
+        self.refuse_unless(n - drawn, max(0, available - self.num_reserved))
+        self.refuse_unless(n, available)
+        self.num_reserved -= drawn
+        shortfall = n - self.pool.num_free
+        if shortfall > 0:
+            self.evict(shortfall)
+        return self.pool.allocate(n)
+
+    def evict(self, num_blocks: int, owner: str | None = None) -> int:
+        """Evict up to `num_blocks` (only from `owner`'s namespaces, if given: `owner_of`); returns how many."""
+        evicted = self.tree.evict(num_blocks, owner)
+        self.stats.num_evicted_blocks += len(evicted)
+        self.pool.free_exclusive(evicted)  # the tree was their only holder
+        return len(evicted)
+
+    def evict_checked(self, num_blocks: int, owner: str | None = None) -> int:
+        """`evict` for a caller's `num_blocks`: InvalidArgument unless a non-negative integer."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise InvalidArgument("num_blocks", f"must be a non-negative integer, got {num_blocks!r}")
+        return self.evict(num_blocks, owner) if num_blocks else 0
+
 
 PlannedOpen = tuple[TokenKey, Node, Match]  # the prompt, its namespace's root, its cached prefix
 
@@ -142,3 +204,119 @@ def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenK
     )
     sequences.add(seq)
     return opened
+
+
+# -- from pressure/limits.py (merged, issue 41: one concept, one module):
+# Caps that keep one caller from taking the pool.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that keep one caller from taking the pool. Refused with `LimitExceeded` naming the cap."""
+
+    max_tokens_per_request: int = 1 << 20
+    max_fork_children: int = 1024
+    max_namespaces: int = 4096
+    max_pinned_fraction: float = 0.25
+
+
+# -- from pressure/budget.py (merged, issue 41: one concept, one module):
+# Admission by token budget: a request states `max_new_tokens`, and its growth is reserved when it is admitted.
+#
+# A sequence admitted with a budget reserves the blocks its table will grow by (`reserve_fraction` of
+# the blocks `max_new_tokens` needs past the prompt's last block), so its appends never fail for
+# lack of blocks: the reservation is a count in the `Allocator` that every other allocation must
+# leave alone. It shrinks as the table grows into it, and what is left returns at release or preempt.
+#
+# Admitting a budgeted batch needs its uncached prompt blocks, the cached blocks it newly locks and
+# its reservations to fit in the free and evictable blocks less everyone's reservations and the
+# watermark (`NotAdmitted` otherwise). The watermark applies only to budgeted requests: a request
+# that states no budget keeps the older contract (it takes what fits, and its caller handles
+# `OutOfBlocks`), so pools filled exactly by unbudgeted opens behave as before. Reservations count
+# against both kinds.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Budget:
+    """A pool's admission settings: the share of stated growth reserved, and the blocks kept free of admissions."""
+
+    reserve_fraction: float = 1.0  # 1.0: never a preemption; lower overcommits and relies on preemption
+    watermark_blocks: int = 0
+
+    @classmethod
+    def of(cls, num_blocks: int, reserve_fraction: float, watermark_fraction: float) -> Budget:
+        if not 0.0 <= reserve_fraction <= 1.0:
+            raise ValueError(f"reserve_fraction must lie in [0, 1], got {reserve_fraction}")
+        if not 0.0 <= watermark_fraction < 1.0:
+            raise ValueError(f"watermark_fraction must lie in [0, 1), got {watermark_fraction}")
+        return cls(reserve_fraction, int(watermark_fraction * num_blocks))  # as vLLM's block manager rounds it
+
+    def reserve_until(self, num_tokens: int, max_new_tokens: int, block_size: int) -> int:
+        """The table length a sequence of `num_tokens` admitted with `max_new_tokens` reserves growth up to."""
+        if not max_new_tokens:
+            return 0
+        prompt = cdiv(num_tokens, block_size)
+        growth = cdiv(num_tokens + max_new_tokens, block_size) - prompt
+        return prompt + math.ceil(round(self.reserve_fraction * growth, 9))  # 0.07 * 100 reserves 7, not 8
+
+    def admit(self, blocks: Allocator, needed: int, newly_locked: int, reserved: int, budgeted: bool) -> None:
+        """Raise unless `needed` new blocks, `newly_locked` cached ones and `reserved` growth fit (see the module)."""
+        if budgeted:
+            available = blocks.num_available() - blocks.num_reserved - self.watermark_blocks
+            if needed + newly_locked + reserved > available:
+                blocks.stats.num_admission_refusals += 1
+                raise NotAdmitted(needed + newly_locked + reserved, max(0, available))
+        else:
+            blocks.refuse_unless(needed, max(0, blocks.num_available() - blocks.num_reserved - newly_locked))
+
+
+def budget_args(
+    num_requests: int,
+    max_new_tokens: Sequence[int] | None,
+    priorities: Sequence[int] | None,
+    num_tokens: Sequence[int],
+    max_tokens: int,
+) -> tuple[list[int], list[int]]:
+    """`open_many`'s per-request budgets and priorities checked (one entry per request; None: all 0)."""
+    columns = []
+    for name, column in (("max_new_tokens", max_new_tokens), ("priorities", priorities)):
+        if column is None:
+            columns.append([0] * num_requests)
+            continue
+        if len(column) != num_requests:
+            raise InvalidArgument(name, f"needs one entry per request ({num_requests}), got {len(column)}")
+        for i, value in enumerate(column):
+            if type(value) is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise InvalidArgument(f"{name}[{i}]", f"must be an integer, got {type(value).__name__}")
+        columns.append([int(v) for v in column])
+    budgets, ranks = columns
+    if max_new_tokens is None:
+        return budgets, ranks
+    for i, (n, budget) in enumerate(zip(num_tokens, budgets, strict=True)):
+        if budget < 0:
+            raise InvalidArgument(f"max_new_tokens[{i}]", f"must be >= 0, got {budget}")
+        if n + budget > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", n + budget, max_tokens)
+    return budgets, ranks
+
+
+def plan_admission(
+    blocks: Allocator, budget: Budget, limits: Limits, keys: list[tuple[TokenKey, Node]],
+    max_new_tokens: Sequence[int] | None, priorities: Sequence[int] | None,
+) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:  # fmt: skip
+    """Match a batch of opens (each prompt under its namespace's root) and admit it before anything changes.
+
+    Returns the plan, each item's (priority, reserve_until), and what it takes from the unreserved blocks
+    (allocated, newly locked, reserved). Raises as `KVCache.open_many` does.
+    """
+    reserved, ranks, budgeted = 0, [(0, 0)] * len(keys), False  # (priority, reserve_until): plain opens' fast path
+    if max_new_tokens is not None or priorities is not None:
+        bs, num_tokens = blocks.tree.block_size, [key.num_tokens for key, _ in keys]
+        limit = limits.max_tokens_per_request
+        budgets, priority = budget_args(len(keys), max_new_tokens, priorities, num_tokens, limit)
+        until = [budget.reserve_until(n, m, bs) for n, m in zip(num_tokens, budgets, strict=True)]
+        reserved = sum(max(0, u - cdiv(n, bs)) for n, u in zip(num_tokens, until, strict=True))
+        ranks, budgeted = list(zip(priority, until, strict=True)), any(budgets)
+    planned, needed, newly_locked = plan_open(blocks.tree, keys)
+    budget.admit(blocks, needed, newly_locked, reserved, budgeted)
+    return planned, ranks, needed + newly_locked + reserved

@@ -2,7 +2,7 @@
 
 One path for every batch: a decode step (one token to each of hundreds of sequences, beams and parallel
 samples among them) and a prefill chunk (many tokens to one) alike, on the registry's columns
-(`radixkv.sequences.columns`), with nothing kept between calls. Planning changes nothing, so a dry run
+(`radixkv.sequences.sequence`), with nothing kept between calls. Planning changes nothing, so a dry run
 (`check_append`, `can_append`) counts new blocks and copies exactly as the append does. Only a sequence
 that takes a block has its block table touched.
 
@@ -26,12 +26,12 @@ import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
-from radixkv.sequences.allocation import Allocator
-from radixkv.sequences.columns import COMPUTED, LAST, RESERVE, TOKENS
+from radixkv.sequences.admission import Allocator
 from radixkv.sequences.packed import all_ones
+from radixkv.sequences.publish import publish
 from radixkv.sequences.results import AppendBatch, SlotPlan
-from radixkv.sequences.sequence import Sequences
-from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds, TokenKey
+from radixkv.sequences.sequence import COMPUTED, LAST, RESERVE, TOKENS, LiveSequence, Sequences
+from radixkv.tree.radix_tree import TOKEN_BYTES, RadixTree, TokenIds, TokenKey
 
 _INT32 = np.dtype("<i4")
 SMALL_BATCH = 8  # batches up to this many sequences take the per-sequence loop (see the module docstring)
@@ -336,7 +336,7 @@ def append(
 ) -> AppendBatch:
     """Plan, allocate, apply: all or none. `key` holds sum(counts) validated tokens, in `seq_ids` order.
 
-    New table entries draw on each sequence's own reservation first (see `radixkv.pressure.budget`).
+    New table entries draw on each sequence's own reservation first (see `radixkv.sequences.admission`).
     """
     pool, bs = blocks.pool, blocks.tree.block_size
     plan = plan_batch(sequences, seq_ids, counts, bs, max_tokens, pool.ref_counts, blocks.num_reserved > 0)
@@ -346,3 +346,32 @@ def append(
     if blocks.host is not None:
         batch.offloads = blocks.host.take_offloads()
     return batch
+
+
+# -- from sequences/fork.py (merged, issue 41: one concept, one module):
+# Forking a sequence into children that share every block (parallel samples, beams).
+#
+# The parent's computed full blocks enter the tree first (fork after committing the parent's K/V, as
+# samplers do), so the family shares them through the locked path. Any other block the family shares
+# is held by count: full blocks not yet computed (no one appends into a full block; once every holder
+# has computed one, the family publishes it together, see `radixkv.sequences.publish`) and the partial
+# last block, which no one writes while it is shared (a write copies it). Children inherit the parent's
+# computed watermark, and join its family (`LiveSequence.family`).
+
+
+def check_fork(sequences: Sequences, seq_id: int, num_children: int, max_children: int) -> LiveSequence:
+    """The sequence to fork, or the error `fork` would raise."""
+    seq = sequences.get(seq_id)
+    if not isinstance(num_children, int) or isinstance(num_children, bool) or num_children < 1:
+        raise InvalidArgument("num_children", f"must be a positive integer, got {num_children!r}")
+    if num_children > max_children:
+        raise LimitExceeded("max_fork_children", num_children, max_children)
+    return seq
+
+
+def fork(tree: RadixTree, pool: BlockPool, sequences: Sequences, seq: LiveSequence, num_children: int) -> list[int]:
+    """Publish `seq`'s computed blocks, then add `num_children` holders of everything it holds; returns their ids."""
+    publish(tree, pool, seq)
+    pool.incref(seq.private_blocks(), by=num_children)
+    tree.lock(seq.lock_node, num_children)
+    return [sequences.fork(seq).seq_id for _ in range(num_children)]

@@ -13,9 +13,7 @@ import numpy as np
 from radixkv.memory.block_pool import BlockPool, cdiv
 from radixkv.sequences.sequence import LiveSequence, PreemptedSequence, path_runs
 from radixkv.tree.lock_counts import lock_refs
-from radixkv.tree.radix_node import Node
-from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.radix_tree import Node, RadixTree, TokenKey
 from radixkv.tree.tree_check import check_tree
 
 

@@ -7,8 +7,7 @@ import numpy.typing as npt
 
 from radixkv.memory.block_pool import BlockPool
 from radixkv.sequences.sequence import LiveSequence
-from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.radix_tree import RadixTree, TokenKey
 
 _FEW = 8  # up to this many blocks, their holders are read one by one (see `_shared_holds`)
 

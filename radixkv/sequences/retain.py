@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from radixkv.sequences.allocation import Allocator
-from radixkv.tree.radix_tree import Node
+from radixkv.sequences.admission import Allocator
+from radixkv.tree.radix_tree import Node, TokenKey
 from radixkv.tree.retention import Retention, apply
-from radixkv.tree.token_ids import TokenKey
 
 
 def retain(blocks: Allocator, root: Node, key: TokenKey, retention: Retention) -> int:

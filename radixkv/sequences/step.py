@@ -13,7 +13,7 @@ from typing import Any
 
 from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.results import AppendBatch, OpenResult
-from radixkv.tree.token_ids import TokenIds
+from radixkv.tree.radix_tree import TokenIds
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,15 +23,13 @@ import numpy.typing as npt
 
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache
-from radixkv.memory.block_table import BlockTable
-from radixkv.pressure.budget import Budget
-from radixkv.pressure.limits import Limits
-from radixkv.sequences.sequence import LiveSequence, PreemptedSequence
+from radixkv.sequences.admission import Budget, Limits
+from radixkv.sequences.sequence import BlockTable, LiveSequence, PreemptedSequence
 from radixkv.state.host_state import capture_host, rebuild_host, swapped_records
 from radixkv.state.retention_state import capture_retention, restore_retention
 from radixkv.stats import Stats
 from radixkv.tree.lock_counts import holders_through, lock_refs
-from radixkv.tree.radix_node import Node
+from radixkv.tree.radix_tree import Node
 
 # Stats fields that are gauges, read from the structures at `stats()` time: never restored.
 _GAUGES = frozenset(

@@ -22,7 +22,7 @@ from radixkv.memory.block_pool import NO_BLOCKS
 from radixkv.pressure.swap import SwappedBlocks
 from radixkv.sequences.sequence import PreemptedSequence
 from radixkv.tree.host_tier import HostTier
-from radixkv.tree.radix_node import Node
+from radixkv.tree.radix_tree import Node
 
 
 def _i32(values: Any) -> bytes:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.tree.radix_node import Node
+from radixkv.tree.radix_tree import Node
 
 
 def capture_retention(nodes: list[Node], now: float) -> dict[str, Any]:

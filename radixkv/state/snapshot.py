@@ -31,7 +31,7 @@ import msgpack
 from radixkv.errors import SnapshotRefused
 from radixkv.kv_cache import KVCache
 from radixkv.memory.layout import PoolLayout
-from radixkv.pressure.limits import Limits
+from radixkv.sequences.admission import Limits
 from radixkv.state.cache_state import capture, rebuild
 from radixkv.tree.block_hash import HashContract
 

@@ -29,8 +29,7 @@ import cbor2
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.tree.namespaces import DEFAULT_NAMESPACE
-from radixkv.tree.radix_tree import Node
+from radixkv.tree.radix_tree import DEFAULT_NAMESPACE, Node
 
 NONE_HASH: bytes = hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
 WIRE_MASK = (1 << 64) - 1

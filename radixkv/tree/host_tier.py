@@ -31,9 +31,7 @@ from sortedcontainers import SortedList
 from radixkv.memory.block_pairs import NO_PAIRS, Pairs, pairs_of
 from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
 from radixkv.stats import Stats
-from radixkv.tree.radix_node import Match, Node, lru_key
-from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.token_ids import common_blocks
+from radixkv.tree.radix_tree import Match, Node, RadixTree, common_blocks, lru_key
 
 BlockIds = npt.NDArray[np.int32]  # host or device block ids, on the hot paths
 HostPath = tuple[list[Node], int, int]  # host-only nodes top-down, blocks matched in the last one, in all

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
-from radixkv.tree.radix_node import Node
+from radixkv.tree.radix_tree import Node
 
 
 def lock_refs(roots: Iterable[Node], holders: Iterable[tuple[Node, int]]) -> dict[int, int]:

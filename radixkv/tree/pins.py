@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from radixkv.errors import FailedPrecondition, LimitExceeded, NotPinned, OutOfBlocks
-from radixkv.tree.radix_tree import Match, Node, RadixTree
-from radixkv.tree.token_ids import TokenKey
+from radixkv.tree.radix_tree import Match, Node, RadixTree, TokenKey
 
 
 class Pins:

@@ -12,17 +12,248 @@ many leaves others cache).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+import itertools
+import re
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from sortedcontainers import SortedList
 
+from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
 from radixkv.tree.eviction import EvictionPolicy
-from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key, owner_of
 from radixkv.tree.retention import inherit, stamp
-from radixkv.tree.token_ids import TOKEN_BYTES, common_blocks
+
+# -- from tree/token_ids.py (merged, issue 41: one concept, one module):
+# Token ids as the core keeps them: little-endian int32 bytes, so prefixes compare with one memcmp.
+
+TOKEN_BYTES = 4
+MAX_TOKEN_ID = 2**31 - 1
+
+_INT32 = np.dtype("<i4")
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer] | bytes
+
+
+def to_token_bytes(token_ids: TokenIds, field: str = "token_ids", *, allow_empty: bool = False) -> bytes:
+    """Validate token ids (integers in [0, 2^31)) and pack them as int32 bytes.
+
+    Raises:
+        InvalidArgument: naming `field`, for an empty list, non-integers or ids out of range.
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT32 and token_ids.ndim == 1 and token_ids.size:
+        # The hot path (a scheduler's arrays): int32 cannot exceed the maximum, so one pass checks it.
+        if token_ids.min() < 0:
+            raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+        return token_ids.tobytes()
+    if type(token_ids) is list and token_ids:  # a tokenizer's or sampler's list: packed in one C call
+        try:
+            data = struct.pack(f"<{len(token_ids)}I", *token_ids)  # unsigned: a negative id does not pack
+        except struct.error:
+            pass  # not all integers in [0, 2^32): the general path below names what is wrong
+        else:
+            if np.frombuffer(data, dtype=_INT32).min() < 0:  # an id of 2^31 or more reads as negative
+                raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+            return data
+    if isinstance(token_ids, bytes):
+        if len(token_ids) % TOKEN_BYTES:
+            raise InvalidArgument(field, f"packed token ids must be a multiple of {TOKEN_BYTES} bytes")
+        array = np.frombuffer(token_ids, dtype="<i4")
+    else:
+        try:
+            array = np.asarray(token_ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(field, f"not a list of integers ({e})") from None
+        if array.ndim != 1:
+            raise InvalidArgument(field, f"must be a flat list of integers, got shape {array.shape}")
+        if array.size and array.dtype.kind not in "iu":
+            raise InvalidArgument(field, f"must be integers, got {array.dtype}")
+    if array.size == 0:
+        if allow_empty:
+            return b""
+        raise InvalidArgument(field, "must not be empty")
+    if int(array.min()) < 0 or (array.dtype.itemsize > 4 and int(array.max()) > MAX_TOKEN_ID):  # int32: never past
+        raise InvalidArgument(field, f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    if isinstance(token_ids, bytes):
+        return token_ids
+    return array.astype("<i4", copy=False).tobytes()
+
+
+class TokenKey:
+    """Validated token ids as little-endian int32 bytes: the form the radix tree compares with one memcmp.
+
+    Owns the arithmetic between token counts and byte offsets, so the core never multiplies by
+    TOKEN_BYTES itself.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data  # already validated: use `TokenKey.of` for a caller's token ids
+
+    @classmethod
+    def of(cls, token_ids: TokenIds, field: str = "token_ids", *, max_tokens: int | None = None) -> TokenKey:
+        """Raises InvalidArgument naming `field` (see `to_token_bytes`), LimitExceeded past `max_tokens`."""
+        key = cls(to_token_bytes(token_ids, field))
+        if max_tokens is not None and key.num_tokens > max_tokens:
+            raise LimitExceeded("max_tokens_per_request", key.num_tokens, max_tokens)
+        return key
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.data) // TOKEN_BYTES
+
+    def whole_blocks(self, block_size: int) -> int:
+        """How many full blocks of `block_size` tokens these tokens fill."""
+        return self.num_tokens // block_size
+
+    def head(self, num_tokens: int) -> bytes:
+        """The bytes of the first `num_tokens` tokens."""
+        return self.data[: num_tokens * TOKEN_BYTES]
+
+    def tail_after(self, num_tokens: int) -> bytes:
+        """The bytes of every token after the first `num_tokens`."""
+        return self.data[num_tokens * TOKEN_BYTES :]
+
+    def whole_block_prefix(self, block_size: int) -> bytes:
+        """The bytes of the tokens that fill whole blocks (what a pin or a match can cover)."""
+        return self.head(self.whole_blocks(block_size) * block_size)
+
+    @staticmethod
+    def num_bytes(num_tokens: int) -> int:
+        """Byte length of `num_tokens` tokens (for slicing a sequence's tail bytes)."""
+        return num_tokens * TOKEN_BYTES
+
+    @staticmethod
+    def count(data: bytes | bytearray | memoryview) -> int:
+        """How many tokens `data` holds."""
+        return len(data) // TOKEN_BYTES
+
+
+def from_token_bytes(data: bytes | bytearray) -> list[int]:
+    token_ids: list[int] = np.frombuffer(bytes(data), dtype="<i4").tolist()
+    return token_ids
+
+
+def common_blocks(key: bytes, pos: int, end: int, run: bytes, block_size: int) -> int:
+    """Whole blocks at the start of `run` equal to `key[pos:end]`: where a prefix match ending inside a tree
+    node (device or host) stops."""
+    n = min(len(run), end - pos) // TOKEN_BYTES
+    ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
+    differ = np.flatnonzero(ours != np.frombuffer(run, dtype="<i4", count=n))
+    return (int(differ[0]) if differ.size else n) // block_size
+
+
+# -- from tree/radix_node.py (merged, issue 41: one concept, one module):
+# The radix tree's records: a node (a run of whole blocks and who holds it), a match, and the two hooks the tree
+# calls out through (an observer of what it caches, the host tier under it).
+
+_node_ids = itertools.count()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Node:
+    token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
+    # The blocks holding them, one per block_size tokens; the tree's hold on each. Owned by the node
+    # (or a view shared with the other half of a split): never written in place, only re-sliced.
+    block_ids: npt.NDArray[np.int32]
+    parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
+    namespace: str  # the root's namespace: hits never cross namespaces
+    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
+    # Its own holders (live sequences and pins that lock this node) plus its locked children: nonzero exactly when a
+    # lock at or below protects it (`RadixTree.lock`; root: the namespace's).
+    lock_ref: int = 0
+    pin_ref: int = 0  # pins whose path runs through here (each also holds a lock)
+    last_access: int = 0  # tree clock when it last locked, unlocked or took a holder: the LRU key
+    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
+    # The host tier (`radixkv.tree.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
+    # and its host-only children (no device blocks), which device walks never see.
+    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
+    host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
+    # Eviction order and retention (`radixkv.tree.eviction`, `radixkv.tree.retention`): the key it is listed
+    # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
+    # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
+    evict_key: tuple[Any, ...] | None = None
+    used_s: float = 0.0
+    gap_s: float = -1.0
+    num_uses: int = 0
+    high_water: int = 0
+    retain_until_s: float = 0.0
+    retain_ttl_s: float = 0.0
+    retain_priority: int = 0
+    ended: bool = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+OWNER_SEPARATOR = "/"
+
+
+def owner_of(namespace: str) -> str:
+    """Whose a namespace is, for per-owner eviction: the name before its first "/" (the server scopes a tenant's
+    namespaces as "<tenant>/<name>"), or the whole name when it has none."""
+    return namespace.partition(OWNER_SEPARATOR)[0]
+
+
+def lru_key(node: Node) -> tuple[int, int]:
+    """The evictable lists' order: least recently accessed first, node id breaking ties."""
+    return (node.last_access, node.node_id)
+
+
+@dataclasses.dataclass(slots=True)
+class Match:
+    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
+
+    node: Node
+    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
+    num_blocks: int  # blocks matched from the root
+    path: list[Node]  # root excluded, top-down, `node` last
+
+    def unlocked_on_path(self) -> list[tuple[int, int]]:
+        """(node id, matched blocks in it) of each unlocked node on the path: what locking it takes out of the
+        evictable blocks."""
+        return [
+            (node.node_id, self.num_blocks_in_node if node is self.node else len(node.block_ids))
+            for node in self.path
+            if node.lock_ref == 0
+        ]
+
+    def num_newly_locked(self) -> int:
+        """Cached blocks that locking this match takes out of the evictable ones."""
+        return sum(n for _, n in self.unlocked_on_path())
+
+
+class TreeObserver(Protocol):
+    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
+
+    def blocks_stored(self, node: Node) -> None:
+        """`node` is a new leaf: all its blocks are newly cached."""
+
+    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
+        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
+
+
+class HostHook(Protocol):
+    """What the device tier asks of a host tier under it (`radixkv.tree.host_tier.HostTier`, which plugs in)."""
+
+    def evict_leaf(self, leaf: Node, need: int) -> npt.NDArray[np.int32]:
+        """Take an evictable leaf's blocks (its tail, when it holds more than `need`) off the device."""
+        ...
+
+    def drop_overlap(self, parent: Node, first_block: bytes) -> None:
+        """A device insert under `parent` starts with `first_block`: drop a host-only child it makes stale."""
+        ...
+
+    def split_copy(self, node: Node, upper: Node) -> None:
+        """A device split gave `upper` the head of `node`'s host copy."""
+        ...
+
 
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key", "owner_of"]
 
@@ -438,3 +669,34 @@ class RadixTree:
         """A listed leaf's retention changed: it moves to its new place in the order."""
         if node.evict_key is not None:
             self._evictable_leaves.relist(node)
+
+
+# -- from tree/namespaces.py (merged, issue 41: one concept, one module):
+# Namespaces: hits never cross them. A name is checked once, when it first appears.
+
+DEFAULT_NAMESPACE = "default"
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")
+
+
+def check_namespace(namespace: str, field: str = "namespace") -> None:
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+        raise InvalidArgument(field, "must be 1-128 characters of A-Z a-z 0-9 _ . : / @ = + -")
+
+
+def namespace_root(tree: RadixTree, namespace: str, max_namespaces: int, field: str = "namespace") -> Node:
+    """The root of `namespace`, created if the name is valid and the cap allows one more."""
+    root = tree.roots.get(namespace)
+    if root is not None:
+        return root
+    check_namespace(namespace, field)
+    if len(tree.roots) >= max_namespaces:
+        raise LimitExceeded("max_namespaces", len(tree.roots) + 1, max_namespaces)
+    return tree.root(namespace)
+
+
+def existing_root(tree: RadixTree, namespace: str) -> Node | None:
+    """The root of `namespace` if it exists (None after checking the name): for probes that create nothing."""
+    root = tree.roots.get(namespace)
+    if root is None:
+        check_namespace(namespace)
+    return root

@@ -11,8 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from radixkv.tree.host_tier import BlockIds, HostTier
-from radixkv.tree.radix_node import lru_key, owner_of
-from radixkv.tree.radix_tree import RadixTree
+from radixkv.tree.radix_tree import RadixTree, lru_key, owner_of
 
 
 def check_tree(tree: RadixTree) -> None:

@@ -39,9 +39,8 @@ from radixkv.server.rules.restart import restore_sessions, snapshot_all
 from radixkv.server.rules.service import KVService
 from radixkv.server.rules.tenants import ANONYMOUS, SCOPE_SEPARATOR, Tenant
 from radixkv.server.wire.auth import AuthInterceptor
-from radixkv.server.wire.decoding import DecodingInterceptor
-from radixkv.server.wire.servicer import KVCacheServicer
-from radixkv.server.wire.session_stream import SessionStreams
+from radixkv.server.wire.servicer import KVCacheServicer, SessionStreams
+from radixkv.server.wire.status import DecodingInterceptor
 from radixkv.server.wire.stream_gate import StreamBound, StreamGate
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 

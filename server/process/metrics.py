@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from radixkv.server.rules.service import KVService
-    from radixkv.server.wire.session_stream import SessionStreams
+    from radixkv.server.wire.servicer import SessionStreams
     from radixkv.server.wire.stream_gate import StreamGate
 
 # (metric name, Stats field, help)
@@ -174,7 +174,7 @@ class _PoolCollector:
         yield GaugeMetricFamily("radixkv_sessions", "Live sessions.", value=len(self._service.sessions))
         yield GaugeMetricFamily(
             "radixkv_request_window_bytes",
-            "Bytes the sessions' request-id windows keep for retries, all together (server/rules/idempotency.py).",
+            "Bytes the sessions' request-id windows keep for retries, all together (server/rules/sessions.py).",
             value=self._service.sessions.windows.num_bytes,
         )
 

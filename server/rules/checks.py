@@ -24,22 +24,54 @@ and the core without changing them (`keep_cache_share`, which evicts after a cal
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TypeVar
 
-from radixkv.errors import LimitExceeded, ServerRestarting, TokenBudget, UnknownSession
+import grpc
+
+from radixkv.errors import DeadlineExceeded, LimitExceeded, ServerRestarting, TokenBudget, UnknownSession
 from radixkv.sequences.step import Step
 from radixkv.server.rules.config import ServerConfig
-from radixkv.server.rules.deadlines import check_deadline
-from radixkv.server.rules.idempotency import RequestKey, retained_bytes
 from radixkv.server.rules.pools import Pool
-from radixkv.server.rules.sessions import Session
-from radixkv.server.rules.shares import Shares
+from radixkv.server.rules.sessions import RequestKey, Session, retained_bytes
 from radixkv.server.rules.sizes import open_response_bytes, preempt_response_bytes, step_sizes
-from radixkv.server.rules.tenants import Tenant
-from radixkv.server.rules.token_budget import TokenBuckets
+from radixkv.server.rules.tenants import Shares, Tenant, TokenBuckets
+
+# -- from rules/deadlines.py (merged, issue 41: one concept, one module):
+# The current RPC's deadline, so the service never applies a call its client has stopped waiting for.
+#
+# A call may wait for its pool's lock behind slower ones. If its deadline passes meanwhile, the
+# client has already seen DEADLINE_EXCEEDED; applying it then would change state the client
+# believes unchanged. So the servicer records each call's deadline here, and the service checks it
+# after taking the pool's lock and before applying anything.
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("radixkv_deadline", default=None)
+_NO_DEADLINE_SECONDS = 10**8  # grpc reports a call without a deadline as one this far away, or further
+
+
+@contextlib.contextmanager
+def call_deadline(context: grpc.ServicerContext) -> Iterator[None]:
+    """Within: `check_deadline()` refers to this call's deadline (when it has one)."""
+    remaining = context.time_remaining()
+    deadline = None if remaining is None or remaining > _NO_DEADLINE_SECONDS else time.monotonic() + remaining
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def check_deadline() -> None:
+    """Raises DeadlineExceeded when the current call's deadline has passed (nothing is applied after it)."""
+    deadline = _DEADLINE.get()
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded()
+
 
 T = TypeVar("T")
 

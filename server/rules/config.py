@@ -37,7 +37,7 @@ from radixkv.planning.model_shape import ModelShape
 from radixkv.server.events import kv_events_config
 from radixkv.server.events.kv_events_config import KVEventsConfig
 from radixkv.server.rules.disk_config import DISK_KEYS, with_disk
-from radixkv.server.rules.idempotency import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
+from radixkv.server.rules.sessions import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.rules.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.rules.tenant_config import TenantConfig, tenants_from_mapping
 
@@ -68,7 +68,7 @@ class PoolConfig:
     disk_dir: str | None = None
     disk_capacity: str | None = None
     disk_prefill_tokens_per_s: float | None = None
-    reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.pressure.budget)
+    reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.sequences.admission)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
     tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: pool_access.py
 
@@ -107,7 +107,7 @@ class ServerConfig:
     max_sequences_per_session: int = 4096
     max_pins_per_session: int = 256  # per session and pool; a pin keeps its prefix's tokens in server memory
     max_sequences: int = 1 << 18  # live sequences per pool, all sessions together
-    # Request-id windows (server/rules/idempotency.py) keep recent results for retries: bytes, all sessions together (a
+    # Request-id windows (server/rules/sessions.py) keep recent results for retries: bytes, all sessions together (a
     # tenant's share of it bounds the tenant's), and per session.
     max_request_window_bytes: int = DEFAULT_MAX_BYTES
     max_request_window_bytes_per_session: int = DEFAULT_MAX_SESSION_BYTES

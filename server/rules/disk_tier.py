@@ -38,11 +38,9 @@ from radixkv.disk.load_cost import LoadCost
 from radixkv.disk.shape import disk_shape
 from radixkv.disk.store import DiskStore
 from radixkv.planning.plan import parse_bytes
-from radixkv.server.rules.shares import Shares
-from radixkv.server.rules.tenants import SCOPE_SEPARATOR
+from radixkv.server.rules.tenants import SCOPE_SEPARATOR, Shares
 from radixkv.tree.block_hash import wire_hash
-from radixkv.tree.radix_tree import Node
-from radixkv.tree.token_ids import TOKEN_BYTES
+from radixkv.tree.radix_tree import TOKEN_BYTES, Node
 
 if TYPE_CHECKING:
     from radixkv.server.rules.config import PoolConfig

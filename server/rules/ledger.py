@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from radixkv.errors import LimitExceeded, NotPinned, QuotaExceeded, UnknownSequence
-from radixkv.pressure.budget import budget_args
-from radixkv.server.rules.token_budget import Prepaid
+from radixkv.sequences.admission import budget_args
+from radixkv.server.rules.tenants import Prepaid
 
 if TYPE_CHECKING:
     from radixkv.kv_cache import KVCache

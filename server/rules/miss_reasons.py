@@ -20,7 +20,7 @@ from radixkv.server.events.hub import EventHub
 from radixkv.server.rules.tenant_config import ANY_NAMESPACE
 from radixkv.server.rules.tenants import Tenant
 from radixkv.tree.block_hash import chain_hashes, wire_hash
-from radixkv.tree.namespaces import existing_root
+from radixkv.tree.radix_tree import existing_root
 from radixkv.v1 import kvcache_pb2 as pb
 
 MAX_OTHER_NAMESPACES = 16  # namespaces fully matched for OTHER_NAMESPACE, so an explain stays cheap

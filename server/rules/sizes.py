@@ -17,7 +17,7 @@ from typing import Protocol
 
 from radixkv.memory.layout import PoolLayout
 from radixkv.sequences.step import Step
-from radixkv.tree.token_ids import TOKEN_BYTES, TokenIds
+from radixkv.tree.radix_tree import TOKEN_BYTES, TokenIds
 
 
 class Pool(Protocol):

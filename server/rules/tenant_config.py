@@ -17,7 +17,7 @@ from typing import Any
 ANY_NAMESPACE = "*"
 _TENANT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TOKEN_RE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,4094}[\x21-\x7e])?")  # printable ASCII, as metadata carries it
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")  # the core's names (radixkv.tree.namespaces)
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")  # the core's names (radixkv.tree.radix_tree)
 _MAX_SCOPED_NAMESPACE = 128  # with the tenant's prefix: the core's longest name
 MAX_NAMESPACES_LISTED = 4096
 _BOOLEANS = ("map_pools", "admin", "publish_kv_events")

@@ -8,11 +8,15 @@ namespace names the two choose. Without auth every caller is `ANONYMOUS`, whose 
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
 
-from radixkv.errors import PermissionDenied
+from radixkv.errors import PermissionDenied, TokenBudget
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.server.rules.tenant_config import ANY_NAMESPACE, TenantConfig
-from radixkv.tree.radix_node import OWNER_SEPARATOR
+from radixkv.tree.radix_tree import OWNER_SEPARATOR
 
 SCOPE_SEPARATOR = OWNER_SEPARATOR  # a tenant's scoped namespaces are the core's owner's (per-owner eviction)
 
@@ -69,3 +73,134 @@ class Tenant:
 
 
 ANONYMOUS = Tenant("", frozenset({ANY_NAMESPACE}), None, True, True)  # auth off: every caller is trusted
+
+
+# -- from rules/shares.py (merged, issue 41: one concept, one module):
+# Tenant shares: every server-wide limit split evenly between the configured tenants.
+#
+# A server-wide limit alone lets one tenant take all of it (every session, every namespace, every
+# stream slot) and lock the others out. So each tenant may hold at most its share, `limit //
+# num_tenants` (at least 1), and however the others behave, it can always get that much. Without
+# auth there is one caller and its share is the whole limit.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shares:
+    num_tenants: int  # 0 or 1: auth off, or one tenant: no split
+
+    def of(self, limit: int) -> int:
+        """One tenant's share of `limit`."""
+        if self.num_tenants <= 1:
+            return limit
+        return max(1, limit // self.num_tenants)
+
+
+# -- from rules/token_budget.py (merged, issue 41: one concept, one module):
+# Per-tenant token budgets: a token bucket every call that adds tokens pays from.
+#
+# Admission by blocks (the core's NOT_ADMITTED) bounds what fits now; the token budget bounds how
+# fast one tenant may ask, as serving guides budget by tokens rather than requests per second. A
+# tenant with `max_tokens_per_second` R has a bucket of R tokens (one second's worth) refilled at R
+# per second. A call of n tokens needs min(n, R) in the bucket and takes n: a call larger than
+# one second's worth is admitted from a full bucket and leaves it in debt, so it is possible but
+# the tenant then waits. A refusal says when the bucket will hold enough (`TokenBudget.retry_after_ms`,
+# sent as a google.rpc.RetryInfo).
+#
+# What pays, unary call or Session step alike: an open, `prompt + max_new_tokens`; an append, its
+# tokens past those its sequence's open prepaid (`Prepaid`), so a fork's children pay for every token
+# they append; a resume, the tokens it hands back to compute (it needs what an open of all its tokens
+# would need, min(num_tokens, R), and takes `num_tokens - num_cached_tokens`). Forks, caches, commits,
+# releases and preemptions add no token and are free.
+#
+# `take` and `refund` are atomic under the buckets' own lock, a leaf: the pools' calls take them under
+# their pool's lock, and one tenant's bucket serves every pool.
+
+
+class TokenBuckets:
+    """Every tenant's bucket: (tokens, when last refilled), created full on first use."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def take(self, tenant: Tenant, num_tokens: int) -> None:
+        """Charge `num_tokens` to the tenant's bucket (it needs min(num_tokens, R) there), or raise TokenBudget and
+        charge nothing."""
+        rate = tenant.max_tokens_per_second
+        if rate is None or num_tokens <= 0:
+            return
+        with self._lock:
+            level = self._level(tenant.name, rate)
+            needed = min(num_tokens, rate)
+            if level < needed:
+                retry_after_ms = max(1, math.ceil((needed - level) / rate * 1000))
+                raise TokenBudget(tenant.name, num_tokens, retry_after_ms)
+            self._buckets[tenant.name] = (level - num_tokens, self._clock())
+
+    def refund(self, tenant: Tenant, num_tokens: int) -> None:
+        """Give back what `take` charged for a call refused after it (nothing applied), or charged past its cost."""
+        rate = tenant.max_tokens_per_second
+        if rate is None or num_tokens <= 0:
+            return
+        with self._lock:
+            self._buckets[tenant.name] = (min(rate, self._level(tenant.name, rate) + num_tokens), self._clock())
+
+    def level(self, tenant: Tenant) -> float | None:
+        """Tokens in the tenant's bucket now (None: no budget); for tests and operators."""
+        rate = tenant.max_tokens_per_second
+        if rate is None:
+            return None
+        with self._lock:
+            return self._level(tenant.name, rate)
+
+    def _level(self, name: str, rate: float) -> float:
+        level, since = self._buckets.get(name, (rate, self._clock()))
+        return min(rate, level + (self._clock() - since) * rate)
+
+
+class Prepaid:
+    """Tokens each sequence's open paid for ahead (its `max_new_tokens`) and has not appended yet, in one pool.
+
+    An open pays `prompt + max_new_tokens`; the appends that bring those new tokens are then not charged
+    again, and every token appended past them is (`cost`). A fork's children start with none (their
+    tokens were never stated, so parallel samples pay for each sample), and so does a sequence adopted
+    from a previous server's snapshot. Read and changed under the pool's lock, as the ledger that holds it.
+    """
+
+    def __init__(self) -> None:
+        self._left: dict[int, int] = {}  # seq_id -> tokens still prepaid (> 0)
+
+    def grant(self, seq_id: int, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._left[seq_id] = int(num_tokens)
+
+    def cost(self, seq_ids: Sequence[int], counts: Sequence[int]) -> int:
+        """Tokens an append of `counts[i]` tokens to each `seq_ids[i]` is charged: those past what each prepaid."""
+        total = int(sum(counts))
+        left = self._left
+        if left:
+            for seq_id, count in zip(seq_ids, counts, strict=False):
+                prepaid = left.get(seq_id)
+                if prepaid:
+                    total -= min(prepaid, max(0, int(count)))
+        return total
+
+    def draw(self, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+        """After an append applied: what it took of each sequence's prepaid tokens is spent."""
+        left = self._left
+        if not left:
+            return
+        for seq_id, count in zip(seq_ids, counts, strict=True):
+            prepaid = left.get(seq_id)
+            if prepaid:
+                if prepaid > count:
+                    left[seq_id] = prepaid - count
+                else:
+                    del left[seq_id]
+
+    def forget(self, seq_id: int) -> None:
+        self._left.pop(seq_id, None)
+
+    def left(self, seq_id: int) -> int:
+        return self._left.get(seq_id, 0)

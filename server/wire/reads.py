@@ -17,7 +17,7 @@ from radixkv.server.rules.service import KVService
 from radixkv.server.rules.sizes import num_tokens
 from radixkv.server.rules.tenants import Tenant
 from radixkv.stats import Stats
-from radixkv.tree.token_ids import TokenIds, to_token_bytes
+from radixkv.tree.radix_tree import TokenIds, to_token_bytes
 
 
 class KVReads:

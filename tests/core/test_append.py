@@ -8,12 +8,10 @@ from hypothesis import strategies as st
 from radixkv.errors import InvalidArgument, LimitExceeded, UnknownSequence
 from radixkv.kv_cache import KVCache
 from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
-from radixkv.memory.block_table import BlockTable
 from radixkv.sequences import append as append_module
 from radixkv.sequences.append import apply_plan, plan_batch
-from radixkv.sequences.sequence import LiveSequence, Sequences
-from radixkv.tree.radix_node import Node
-from radixkv.tree.token_ids import TokenKey
+from radixkv.sequences.sequence import BlockTable, LiveSequence, Sequences
+from radixkv.tree.radix_tree import Node, TokenKey
 
 BLOCK_SIZE = 4
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from radixkv import KVCache
-from radixkv.memory.block_table import BlockTable
+from radixkv.sequences.sequence import BlockTable
 
 
 def ids(*values: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from radixkv.disk.simulated import SimulatedDisk
 from radixkv.kv_cache import KVCache
 from radixkv.planning.workload import make_trace, replay, working_set
 from radixkv.tree.block_hash import chain_hashes
-from radixkv.tree.token_ids import to_token_bytes
+from radixkv.tree.radix_tree import to_token_bytes
 
 BS = 4
 

@@ -2,8 +2,7 @@ import numpy as np
 import pytest
 
 from radixkv.kv_cache import KVCache
-from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.token_ids import to_token_bytes
+from radixkv.tree.radix_tree import RadixTree, to_token_bytes
 from radixkv.tree.tree_check import check_tree
 
 BS = 4

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from radixkv.errors import InvalidArgument
-from radixkv.tree.token_ids import MAX_TOKEN_ID, TokenKey, from_token_bytes, to_token_bytes
+from radixkv.tree.radix_tree import MAX_TOKEN_ID, TokenKey, from_token_bytes, to_token_bytes
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from radixkv.client.session.pipeline import MAX_IN_FLIGHT
 from radixkv.errors import LimitExceeded
 from radixkv.sequences.step import Append, Step
 from radixkv.server.process.spawn import ServerProcess
-from radixkv.server.rules.idempotency import DEFAULT_MAX_RESULTS
+from radixkv.server.rules.sessions import DEFAULT_MAX_RESULTS
 
 
 # type: ignore[no-untyped-def]

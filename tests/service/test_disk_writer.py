@@ -17,8 +17,8 @@ from radixkv.server.process.pool_setup import build_pool
 from radixkv.server.rules.config import PoolConfig
 from radixkv.server.rules.disk_tier import PoolDisk
 from radixkv.server.rules.pools import Pool
-from radixkv.server.rules.shares import Shares
-from radixkv.tree.token_ids import to_token_bytes
+from radixkv.server.rules.tenants import Shares
+from radixkv.tree.radix_tree import to_token_bytes
 
 BS = 4
 PROMPT = list(range(1, 15))  # 3 full blocks and 2 tokens

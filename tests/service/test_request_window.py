@@ -1,4 +1,4 @@
-"""Request ids (server/rules/idempotency.py): an id returns its own first result or is refused, never applies twice.
+"""Request ids (server/rules/sessions.py): an id returns its own first result or is refused, never applies twice.
 
 The attacks of issue 32 item 2, at the window itself: a retried call whose result was too large to
 keep, the same id with another body, and a client re-sending more steps than the window keeps (the
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv.errors import FailedPrecondition, InvalidArgument, LimitExceeded, QuotaExceeded
-from radixkv.server.rules.idempotency import ENTRY_BYTES, RequestKey, RequestWindow, WindowBytes, request_key
+from radixkv.server.rules.sessions import ENTRY_BYTES, RequestKey, RequestWindow, WindowBytes, request_key
 from radixkv.v1 import kvcache_pb2 as pb
 
 

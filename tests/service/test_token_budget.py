@@ -13,11 +13,9 @@ from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.server.process.pool_setup import build_pool
 from radixkv.server.rules.checks import Reply
 from radixkv.server.rules.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
-from radixkv.server.rules.service import KVService
+from radixkv.server.rules.service import KVService, run_step
 from radixkv.server.rules.sessions import Session
-from radixkv.server.rules.step import run_step
-from radixkv.server.rules.tenants import Tenant
-from radixkv.server.rules.token_budget import TokenBuckets
+from radixkv.server.rules.tenants import Tenant, TokenBuckets
 
 LAYOUT = "num_layers=1,num_kv_heads=1,head_dim=4,num_blocks=64"
 
