@@ -61,11 +61,16 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     return graph
 
 
+GROUPED = ("radixkv.server", "radixkv.client")  # folders grouped one level deeper: their subpackages are the units
+
+
 def package_of(module: str) -> str:
-    """The package a module is grouped in: `radixkv.tree` for `radixkv.tree.radix_tree`; a module directly in
-    `radixkv/` (`radixkv.kv_cache`) is its own unit, as is the `radixkv` package itself."""
+    """The package a module is grouped in: `radixkv.tree` for `radixkv.tree.radix_tree`, `radixkv.server.rules`
+    for `radixkv.server.rules.step`; a module directly in `radixkv/`, `server/` or `client/` (`radixkv.kv_cache`,
+    `radixkv.client.errors`) is its own unit, as is each package itself."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 else module
+    depth = 3 if ".".join(parts[:2]) in GROUPED else 2
+    return ".".join(parts[:depth]) if len(parts) > depth else module
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -100,6 +105,16 @@ def test_the_graph_reads_the_product() -> None:
     assert "radixkv.kv_cache" in graph and "radixkv.server.rules.service" in graph and "radixkv.client" in graph
     assert "radixkv.kv_cache" in graph["radixkv.server.rules.pools"]
     assert not any(name.startswith("radixkv.v1") for name in graph)
+    packages = package_graph(graph)
+    assert {"radixkv.server.rules", "radixkv.server.wire", "radixkv.client.session"} <= set(packages)
+    assert "radixkv.server.rules" in packages["radixkv.server.wire"]
+
+
+def test_server_and_client_subpackages_are_units() -> None:
+    assert package_of("radixkv.server.rules.step") == "radixkv.server.rules"
+    assert package_of("radixkv.server.rules") == "radixkv.server.rules"
+    assert package_of("radixkv.client.errors") == "radixkv.client.errors"
+    assert package_of("radixkv.tree.radix_tree") == "radixkv.tree"
 
 
 def _plant(root: Path, files: dict[str, str]) -> None:
@@ -150,4 +165,4 @@ def test_a_cycle_between_packages_is_found_where_modules_have_none(tmp_path: Pat
         ["radixkv.sequences", "radixkv.tree", "radixkv.sequences"],
         ["radixkv.tree", "radixkv.sequences", "radixkv.tree"],
     )
-    assert package_graph(graph)["radixkv.client"] == {"radixkv.tree"}
+    assert package_graph(graph)["radixkv.client.session"] == {"radixkv.tree"}

@@ -31,6 +31,11 @@ UPPER_MODULES = {
     "cli": "cli",
 }
 WIRE = "wire"  # radixkv.v1, the generated protobuf code
+# Inside server/ and client/, bottom up: a subpackage imports only those before it (their flat modules are unordered).
+SUBPACKAGES = {
+    "server": ["events", "keeper", "rules", "wire", "process"],
+    "client": ["worker", "fleet", "session"],
+}
 
 # What each layer must not import (a layer name, or a top-level third-party package).
 FORBIDDEN: dict[str, set[str]] = {
@@ -112,8 +117,37 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def subpackage_violations(root: Path) -> list[str]:
+    """`path:line: server.wire imports server.process.app` for each import up the SUBPACKAGES order."""
+    found = []
+    for folder, order in SUBPACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).parts
+            if len(parts) < 2:
+                continue  # a flat module
+            rank = order.index(parts[0])
+            for line, module in imported_modules(path.read_text()):
+                names = module.split(".")
+                if names[:2] != ["radixkv", folder] or len(names) < 3 or names[2] not in order:
+                    continue
+                if order.index(names[2]) > rank:
+                    found.append(f"{path.relative_to(root)}:{line}: {folder}.{parts[0]} imports {module}")
+    return found
+
+
 def test_imports_point_downward() -> None:
     assert violations(ROOT) == []
+
+
+def test_server_and_client_subpackages_import_downward() -> None:
+    assert subpackage_violations(ROOT) == []
+
+
+def test_every_subpackage_has_its_place() -> None:
+    """A new subpackage of server/ or client/ joins SUBPACKAGES (and docs/architecture.md's table)."""
+    for folder, order in SUBPACKAGES.items():
+        found = {p.parent.name for p in (ROOT / folder).glob("*/__init__.py")}
+        assert found == set(order), folder
 
 
 def test_every_layer_is_read() -> None:
@@ -161,6 +195,23 @@ def test_the_checker_reports_planted_violations(tmp_path: Path) -> None:
         "radixkv/wire_core.py:1: core imports radixkv.v1",
         "server/s.py:3: server imports radixkv.client",
         "server/t.py:1: server imports radixkv.vllm.plan",
+    ]
+
+
+def test_the_checker_reports_a_subpackage_importing_upward(tmp_path: Path) -> None:
+    _plant(
+        tmp_path,
+        {
+            "server/rules/step.py": "from radixkv.server.events.hub import EventHub\n",  # fine: below
+            "server/rules/checks.py": "def f():\n    from radixkv.server.wire import status\n",
+            "server/logs.py": "from radixkv.server.process.app import main\n",  # flat: unordered
+            "client/worker/pool_view.py": "from radixkv.client.session.client import RadixKVClient\n",
+            "client/session/client.py": "from radixkv.client.worker.pool_view import PoolView\n",  # fine
+        },
+    )
+    assert subpackage_violations(tmp_path) == [
+        "server/rules/checks.py:2: server.rules imports radixkv.server.wire",
+        "client/worker/pool_view.py:1: client.worker imports radixkv.client.session.client",
     ]
 
 

@@ -10,7 +10,7 @@ torch is imported only when a view is opened, so `import radixkv.client` stays t
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixkv.client.worker.pool_info import PoolInfo
 from radixkv.memory.layout import PoolLayout
@@ -20,8 +20,13 @@ from radixkv.v1 import kvcache_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
-    from radixkv.client.session.client import RadixKVClient
     from radixkv.memory.storage import KVStorage
+
+
+class PoolSource(Protocol):
+    """What `PoolView.from_client` asks of a client (`RadixKVClient`, above this package, is one)."""
+
+    def get_pool(self) -> PoolInfo: ...
 
 
 class PoolView:
@@ -52,7 +57,7 @@ class PoolView:
                 raise
 
     @classmethod
-    def from_client(cls, client: RadixKVClient) -> PoolView:
+    def from_client(cls, client: PoolSource) -> PoolView:
         """Map the pool `client` talks to."""
         return cls(client.get_pool())
 
