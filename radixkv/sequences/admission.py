@@ -1,6 +1,8 @@
 """Opening sequences: match each prompt, count what the batch takes, then lock every matched prefix.
 
-Planning changes nothing, so `check_open` and `open_many` refuse the same requests.
+Planning changes nothing, so `check_open` and `open_many` refuse the same requests. What an open takes is
+here too: blocks (`Allocator`: the free stack, then eviction), the caller's caps (`Limits`) and its token
+budget (`Budget`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ them one by one in Python; a larger one in numpy over the whole batch (each nump
 spends on about 8 sequences, measured in bench_core's two shapes: the scheduler's one sequence per request
 and the decode step's hundreds). Both apply the same rules to the same columns; tests run one against the
 other.
+
+Forking (`fork`, below) lives here: children share every block, and each one's first append copies on write.
 """
 
 from __future__ import annotations

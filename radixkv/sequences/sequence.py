@@ -9,7 +9,7 @@ A decode step reads and writes a few fields of hundreds of sequences at once: ea
 last block and tail. Those live in the registry's columns (`radixkv.sequences.sequence`, a row per live
 sequence), their only copy while the sequence is registered, so a step reads and writes them with a numpy
 call each for the whole batch. A sequence not registered (being built, or the audit's copy) keeps them in its
-own fields.
+own fields. Each sequence's block table (`BlockTable`) is here too.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ Eviction takes the first unlocked leaf's tail blocks in the policy's order (`rad
 default; O(log n) per leaf touched); an owner's eviction (a tenant past its cache share) takes its own least
 recently used leaf from its own list, never looking at another owner's leaves (O(log n) per leaf too, however
 many leaves others cache).
+Its records (`Node`, `Match`), token ids as it keys them (`TokenKey`: int32 bytes) and namespace roots are here.
 """
 
 from __future__ import annotations

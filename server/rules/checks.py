@@ -5,16 +5,16 @@ In the order a call meets them:
      `max_tokens_per_request`, and the most the response can take against the room the message has
      left (`Reply`): a response over it would be lost after the call applied (`sizes.py`);
   2. the preamble (`applied_once`): the pool's lock, a session ended meanwhile, a pool frozen for
-     a restart, a deadline that passed while the call waited (`deadlines.py`);
-  3. the request id (`idempotency.py`): a call the session already made returns its first result
+     a restart, a deadline that passed while the call waited (`check_deadline`, below);
+  3. the request id (`RequestWindow`, sessions.py): a call the session already made returns its first result
      or is refused, and is not checked or applied again;
   4. ownership and counts against the ledger: sequences per session, tenant and pool; namespaces,
      pins and cached blocks per tenant; the tenant's block quota, reservations included (`Charge`,
      one running count per call); its share of the host tier (`check_swap`);
-  5. the token budget, last (`step_tokens`, `resume_tokens`; what pays is `token_budget.py`), so
+  5. the token budget, last (`step_tokens`, `resume_tokens`; what pays is `TokenBuckets`, tenants.py), so
      that a call refused for anything else charges nothing.
 Then the core applies (it changes nothing when it refuses) and the ledger follows its result. The
-rules' arithmetic lives with the state it reads (`ledger.py`, `token_budget.py`, `sizes.py`); this
+rules' arithmetic lives with the state it reads (`ledger.py`, `tenants.py`, `sizes.py`); this
 module is where every call meets them, in this order.
 
 Everything here runs under the pool's lock except the size checks of step 1, and reads the ledger
@@ -197,8 +197,8 @@ class Checks:
 
     @staticmethod
     def step_tokens(pool: Pool, caller: Tenant, step: Step, num_prompt_tokens: int) -> int:
-        """Tokens a step pays (what pays: `token_budget.py`): its opens' prompts and `max_new_tokens`, its append's
-        tokens past those their sequences' opens prepaid. A unary open or append is such a step."""
+        """Tokens a step pays (what pays: `TokenBuckets`, tenants.py): its opens' prompts and `max_new_tokens`, its
+        append's tokens past those their sequences' opens prepaid. A unary open or append is such a step."""
         cost = num_prompt_tokens + sum(step.max_new_tokens) if step.opens else 0
         if step.append is not None and caller.max_tokens_per_second is not None:
             cost += pool.ledger.prepaid.cost(step.append.seq_ids, step.append.num_token_ids)

@@ -2,7 +2,7 @@
 
 Every call that changes a pool passes the same checks (`checks.py`: sizes, the pool-lock
 preamble, request ids, counts, quota, token budget). Opens, appends, forks, caches, releases and
-commits are steps of one item, run by the Session stream's own `run_step` (`step.py`); preempt,
+commits are steps of one item, run by the Session stream's own `run_step` (below); preempt,
 resume, pin and unpin, which no step carries, pass the same preamble and request window
 (`Checks.applied_once`) around their core call. Reads are `reads.py`.
 

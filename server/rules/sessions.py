@@ -4,7 +4,8 @@ A session's lease runs `ttl` seconds from its last use (any RPC naming it, or Ke
 runs out while a Session stream is open on it (the stream's end starts the ttl again). A reaper
 thread ends sessions whose lease ran out; `on_end` then releases what they held. Session ids start
 with this server instance's id, so an id from before a restart is told apart (SERVER_RESTARTED)
-from one that never existed or has ended (UNKNOWN_SESSION).
+from one that never existed or has ended (UNKNOWN_SESSION). Each session's request window (`RequestWindow`:
+a call retried with the same id is answered once) is below.
 """
 
 from __future__ import annotations

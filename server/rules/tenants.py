@@ -3,6 +3,7 @@
 With auth on, a tenant's namespace `chat` is `<tenant>/chat` in the core: each tenant's prefixes
 live under their own roots, so tenant A's prompt never hits (or times) tenant B's cache, whatever
 namespace names the two choose. Without auth every caller is `ANONYMOUS`, whose names pass through.
+Each tenant's share of the server-wide limits (`Shares`) and its token budget (`TokenBuckets`) are here too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""`radixkv.v1.KVCache` on the wire: each method turns its request into one `KVService` call and the
-result into its response. Nothing here decides anything: sessions, ownership, quotas, namespaces and
-locking live in `KVService`; refusals become statuses in `status.translating_errors`.
+"""`radixkv.v1.KVCache` on the wire, the unary methods and the Session stream: each turns its request into one
+`KVService` call and the result into its response (the step's wire form, both ways, is here too).
 
-The caller is `auth.current_caller()`: the auth interceptor maps the call's bearer token to its tenant
-for the call's thread before the method runs (without auth: `ANONYMOUS`). The interceptors and their
-order are in `interceptors.py`; `translating_errors` records the call's deadline (`deadlines.py`).
+Nothing here decides anything: sessions, ownership, quotas, namespaces and locking live in
+`KVService`; refusals become statuses in `status.translating_errors`.
+
+The caller (the tenant every call is made on behalf of) is `auth.current_caller()`: the auth
+interceptor maps the call's bearer token to its tenant and sets it for the call's thread before the
+method runs (without auth every caller is `ANONYMOUS`). The interceptors and their order are in
+`interceptors.py`; the call's deadline, which the service checks after waiting for a pool's lock,
+is recorded by `translating_errors` (`checks.py`: `call_deadline`).
 """
 
 from __future__ import annotations
@@ -555,7 +559,7 @@ def _hash_contract(block_size: int) -> pb.HashContract:
 # empty. While the stream is open the session's lease does not run out (`SessionRegistry.hold`), and
 # the server's keepalive pings end the streams of peers that vanished. A step with a `request_id`
 # that this session already answered (re-sent after a reconnect) is answered with its first result or
-# refused, never applied again (`idempotency.py`).
+# refused, never applied again (`RequestWindow`, sessions.py).
 #
 # Each stream is served by gRPC's handler thread for it, from the server's RPC pool: it reads a
 # request, answers it and sends the response, in order; no pool work runs on gRPC's own threads, so
@@ -567,7 +571,7 @@ def _hash_contract(block_size: int) -> pb.HashContract:
 # back in one message, so gRPC's per-message cost is paid once for them. The answers share that
 # message's room: each step's response is bounded against what the answers before it left, less
 # room for a short refusal of each step after it, before it applies; a refusal that does not fit
-# is cut to its code and reason. The wire form of a step and its answer is `step_wire.py`.
+# is cut to its code and reason. The wire form of a step and its answer is above (`step_of`, `response_of`).
 #
 # A frame's work is what its caller pays for, and no more: at most `max_steps_per_frame` steps (a
 # larger frame is refused whole, LIMIT_EXCEEDED, before any step applies); each answer is measured

@@ -3,7 +3,8 @@
 Every refusal leaves as a status code plus one `google.rpc.ErrorInfo` (reason, domain "radixkv",
 metadata), so the client can rebuild the same exception class; a TOKEN_BUDGET refusal also carries a
 `google.rpc.RetryInfo` (its retry delay). Anything else a handler raises is a
-server bug: it is logged with its traceback and leaves as INTERNAL with no detail of the cause.
+server bug: it is logged with its traceback and leaves as INTERNAL with no detail of the cause. A request whose
+bytes do not parse is refused the same way (`DecodingInterceptor`, below).
 """
 
 from __future__ import annotations

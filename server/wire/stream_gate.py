@@ -6,7 +6,7 @@ streams opened without a token take every thread, and `Health/Check` and every a
 call time out. So every streaming call passes `StreamGate` first, which holds it to:
   - `max_streams` open in all, below `max_workers`, so unary calls always find a thread;
   - `max_streams_per_peer` from one connection;
-  - a tenant's share of `max_streams` (see `shares.py`);
+  - a tenant's share of `max_streams` (see `Shares`, tenants.py);
   - `max_public_streams` for the calls that need no token (health, reflection);
   - per method where one has its own bound (`StreamBound`: `max_session_streams` for Session), that
     bound in all and a tenant's share of it (`max_session_streams_per_tenant`).
