@@ -2,7 +2,8 @@
 
 Every call that changes a pool passes the same checks (`checks.py`: sizes, the pool-lock
 preamble, request ids, counts, quota, token budget). Opens, appends, forks, caches, releases and
-commits are steps of one item, run by the Session stream's own `run_step` (below); preempt,
+commits are steps of one item the servicer builds from the request, run by the Session stream's own
+`run_step` (below; `KVService.step` for a unary call); preempt,
 resume, pin and unpin, which no step carries, pass the same preamble and request window
 (`Checks.applied_once`) around their core call. Reads are `reads.py`.
 
@@ -43,7 +44,7 @@ from radixkv.errors import (
 from radixkv.memory.block_pairs import NO_PAIRS, concat_pairs
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
-from radixkv.sequences.step import Append, Commit, Step, StepResult
+from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.server.events.block_checksums import check_digests, table_range
 from radixkv.server.rules.checks import Charge, Checks, Reply
 from radixkv.server.rules.config import DEFAULT_POOL, ServerConfig
@@ -443,80 +444,9 @@ class KVService:
     def step(
         self, caller: Tenant, session_id: str, pool_name: str, step: Step, request: RequestKey = NO_REQUEST
     ) -> StepResult:
-        """A unary call as a step of one item (see `step.run_step`); its refusal names no item."""
+        """A unary call as the step of one item the servicer built (see `run_step`); its refusal names no item."""
         pool = self.pool(pool_name, caller)
         return run_step(self.checks, pool, self.sessions.get(session_id, caller), step, self.unary, request)
-
-    def open_sequences(
-        self,
-        caller: Tenant,
-        session_id: str,
-        pool_name: str,
-        prompts: Sequence[tuple[TokenIds, str]],
-        request: RequestKey = NO_REQUEST,
-        explanations: list[MissExplanation] | None = None,
-        max_new_tokens: Sequence[int] | None = None,
-        priorities: Sequence[int] | None = None,
-    ) -> list[OpenResult]:
-        """Open a batch of prompts, all or none (the whole batch counts against the request limits).
-
-        `explanations`, when given, receives why each prompt's cached prefix ends where it does (as
-        the first call found it, on a retry answered from the request window). `max_new_tokens` and
-        `priorities`: per prompt, as `KVCache.open_many` takes them.
-        """
-        explain = [True] * len(prompts) if explanations is not None else ()
-        step = Step(opens=prompts, max_new_tokens=max_new_tokens or (), priorities=priorities or (), explain=explain)
-        result = self.step(caller, session_id, pool_name, step, request)
-        if explanations is not None:
-            explanations[:] = result.explanations
-        return result.opened
-
-    def append_tokens(
-        self,
-        caller: Tenant,
-        session_id: str,
-        pool_name: str,
-        seq_ids: Sequence[int],
-        num_token_ids: Sequence[int],
-        token_ids: TokenIds,
-        request: RequestKey = NO_REQUEST,
-    ) -> AppendBatch:
-        """One decode step, in columns (see `KVCache.append_batch`)."""
-        step = Step(append=Append(seq_ids, num_token_ids, token_ids))
-        appended = self.step(caller, session_id, pool_name, step, request).appended
-        assert appended is not None, "a step with an append answers it"
-        return appended
-
-    def fork(
-        self,
-        caller: Tenant,
-        session_id: str,
-        pool_name: str,
-        seq_id: int,
-        num_children: int,
-        request: RequestKey = NO_REQUEST,
-    ) -> list[int]:
-        return self.step(caller, session_id, pool_name, Step(forks=[(seq_id, num_children)]), request).forked[0]
-
-    def cache_sequence(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_id: int, request: RequestKey = NO_REQUEST
-    ) -> int:
-        return self.step(caller, session_id, pool_name, Step(caches=[seq_id]), request).num_cached_tokens[0]
-
-    def release(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], cache: bool,
-        request: RequestKey = NO_REQUEST,
-    ) -> int:  # fmt: skip
-        step = Step(releases=[(seq_ids, cache)])
-        return self.step(caller, session_id, pool_name, step, request).num_released_sequences
-
-    def commit(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], num_tokens: Sequence[int]
-    ) -> None:
-        """Advance the computed watermarks of the session's sequences (see `KVCache.commit`).
-
-        Needs no request id: committing the same watermark again changes nothing."""
-        self.step(caller, session_id, pool_name, Step(commit=Commit(seq_ids, num_tokens)))
 
     def record_block_checksums(
         self,

@@ -18,7 +18,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -31,9 +32,9 @@ from radixkv.sequences.packed import pack, unpack
 from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.events.hub import BlockEvent, EventKind
 from radixkv.server.rules.checks import Reply
-from radixkv.server.rules.miss_reasons import MissExplanation, wire_reason
+from radixkv.server.rules.miss_reasons import wire_reason
 from radixkv.server.rules.service import KVService, run_step
-from radixkv.server.rules.sessions import Session, request_key
+from radixkv.server.rules.sessions import NO_REQUEST, Session, request_key
 from radixkv.server.rules.sizes import DEFAULT_MAX_STEPS_PER_FRAME
 from radixkv.server.rules.tenants import Tenant
 from radixkv.server.wire.auth import current_caller
@@ -72,9 +73,7 @@ def step_of(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))
     if request.opens:
         items["opens"] = [(o.token_ids, o.namespace) for o in request.opens]
-        if any(o.max_new_tokens or o.priority for o in request.opens):
-            items["max_new_tokens"] = [o.max_new_tokens for o in request.opens]
-            items["priorities"] = [o.priority for o in request.opens]
+        items.update(budget_items(request.opens))
         if any(o.explain for o in request.opens):
             items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
@@ -86,6 +85,14 @@ def step_of(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]
     if request.releases:
         items["releases"] = [(list(r.seq_ids), r.cache if r.HasField("cache") else True) for r in request.releases]
     return Step(**items)  # type: ignore[arg-type]
+
+
+def budget_items(opens: Sequence[pb.StepOpen] | Sequence[pb.Prompt]) -> dict[str, list[int]]:
+    """A step's `max_new_tokens` and `priorities` from its opens: both lists when any open sets either, else
+    neither (the Step's default, no budget). The one conversion, for the Session stream and OpenSequences."""
+    if not any(o.max_new_tokens or o.priority for o in opens):
+        return {}
+    return {"max_new_tokens": [o.max_new_tokens for o in opens], "priorities": [o.priority for o in opens]}
 
 
 def _append(a: pb.StepAppend, unpack_ids: Callable[[bytes], list[int]]) -> Append:
@@ -187,6 +194,12 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self._session_streams = session_streams
         self._observe = observe
 
+    def _step(self, request: Any, step: Step, method: str | None) -> StepResult:
+        """A unary call as the step of one item it is (`KVService.step`, the Session stream's path); `method`
+        names it for its request id (None: a call without one)."""
+        key = request_key(method, request) if method else NO_REQUEST
+        return self._service.step(current_caller(), request.session_id, request.pool, step, key)
+
     @translating_errors
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         if request.pool:
@@ -211,14 +224,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         # The repeated fields go to the core as they are: numpy reads them in one pass, where a list
         # would cost a Python int per token (and memory to match) before any limit is checked.
         prompts = [(p.token_ids, p.namespace) for p in request.prompts]
-        explanations: list[MissExplanation] | None = [] if request.explain else None
-        budgets = [p.max_new_tokens for p in request.prompts]
-        priorities = [p.priority for p in request.prompts]
-        results = self._service.open_sequences(
-            current_caller(), request.session_id, request.pool, prompts, request_key("OpenSequences", request),
-            explanations,
-            budgets if any(budgets) else None, priorities if any(priorities) else None,
-        )  # fmt: skip
+        explain = [True] * len(prompts) if request.explain else ()
+        step = Step(opens=prompts, explain=explain, **budget_items(request.prompts))  # type: ignore[arg-type]
+        result = self._step(request, step, "OpenSequences")
+        results = result.opened
         response = pb.OpenSequencesResponse(
             sequences=[
                 pb.OpenedSequence(
@@ -233,7 +242,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             offloads=transfers(r.offloads for r in results),
             loads=transfers(r.loads for r in results),
         )
-        for opened, why in zip(response.sequences, explanations or (), strict=False):
+        for opened, why in zip(response.sequences, result.explanations if request.explain else (), strict=False):
             opened.miss_reason = wire_reason(why)
             opened.miss_block_index, opened.evicted_at_unix_ns = why.block_index, why.evicted_at_unix_ns
             opened.other_namespace = why.other_namespace
@@ -241,15 +250,9 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def AppendTokens(self, request: pb.AppendTokensRequest, context: grpc.ServicerContext) -> pb.AppendTokensResponse:
-        batch = self._service.append_tokens(
-            current_caller(),
-            request.session_id,
-            request.pool,
-            list(request.seq_ids),
-            list(request.num_token_ids),
-            request.token_ids,
-            request_key("AppendTokens", request),
-        )
+        append = Append(list(request.seq_ids), list(request.num_token_ids), request.token_ids)
+        batch = self._step(request, Step(append=append), "AppendTokens").appended
+        assert batch is not None, "a step with an append answers it"
         return pb.AppendTokensResponse(
             num_tokens=batch.num_tokens,
             table_offsets=batch.table_offsets,
@@ -262,37 +265,28 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
 
     @translating_errors
     def ForkSequence(self, request: pb.ForkSequenceRequest, context: grpc.ServicerContext) -> pb.ForkSequenceResponse:
-        key = request_key("ForkSequence", request)
-        children = self._service.fork(
-            current_caller(), request.session_id, request.pool, request.seq_id, request.num_children, key
-        )
-        return pb.ForkSequenceResponse(child_seq_ids=children)
+        step = Step(forks=[(request.seq_id, request.num_children)])
+        return pb.ForkSequenceResponse(child_seq_ids=self._step(request, step, "ForkSequence").forked[0])
 
     @translating_errors
     def CacheSequence(
         self, request: pb.CacheSequenceRequest, context: grpc.ServicerContext
     ) -> pb.CacheSequenceResponse:
-        num_cached = self._service.cache_sequence(
-            current_caller(), request.session_id, request.pool, request.seq_id, request_key("CacheSequence", request)
-        )
-        return pb.CacheSequenceResponse(num_cached_tokens=num_cached)
+        result = self._step(request, Step(caches=[request.seq_id]), "CacheSequence")
+        return pb.CacheSequenceResponse(num_cached_tokens=result.num_cached_tokens[0])
 
     @translating_errors
     def ReleaseSequences(
         self, request: pb.ReleaseSequencesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseSequencesResponse:
         cache = request.cache if request.HasField("cache") else True
-        key = request_key("ReleaseSequences", request)
-        num = self._service.release(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids), cache, key
-        )
-        return pb.ReleaseSequencesResponse(num_released_sequences=num)
+        result = self._step(request, Step(releases=[(list(request.seq_ids), cache)]), "ReleaseSequences")
+        return pb.ReleaseSequencesResponse(num_released_sequences=result.num_released_sequences)
 
     @translating_errors
     def CommitTokens(self, request: pb.CommitTokensRequest, context: grpc.ServicerContext) -> pb.CommitTokensResponse:
-        self._service.commit(
-            current_caller(), request.session_id, request.pool, list(request.seq_ids), list(request.num_tokens)
-        )
+        # No request id: committing the same watermark again changes nothing.
+        self._step(request, Step(commit=Commit(list(request.seq_ids), list(request.num_tokens))), None)
         return pb.CommitTokensResponse()
 
     @translating_errors

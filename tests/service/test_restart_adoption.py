@@ -15,6 +15,7 @@ import torch
 from radixkv.errors import ServerRestarting
 from radixkv.kv_cache import Limits
 from radixkv.memory.storage import KVStorage
+from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.rules.config import PoolConfig, ServerConfig
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.restart import adopt_snapshot, restore_sessions, snapshot_path, write_snapshot
@@ -55,19 +56,24 @@ def _layout():
     return PoolLayout(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.block_size, CONFIG.num_blocks)
 
 
+def _step(service: KVService, session_id: str, step: Step) -> StepResult:
+    """A unary call, as the servicer makes it."""
+    return service.step(ANONYMOUS, session_id, "default", step)
+
+
 def _serve_some(pool: Pool) -> tuple[KVService, str, int]:
     """Cached prompts with written K/V, a live sequence mid-decode and a pin, through the service as RPCs do."""
     service = KVService(SERVER, {"default": pool})
     session = service.open_session(ANONYMOUS, 30.0)
     gen = torch.Generator().manual_seed(0)
     for prompt in PROMPTS:
-        (opened,) = service.open_sequences(ANONYMOUS, session.session_id, "default", [(prompt, "")])
+        (opened,) = _step(service, session.session_id, Step(opens=[(prompt, "")])).opened
         for b in opened.block_table:  # the worker writes the prompt's K/V
             pool.storage.data[:, :, b] = torch.randn(pool.storage.data[:, :, b].shape, generator=gen).half()
-        service.commit(ANONYMOUS, session.session_id, "default", [opened.seq_id], [len(prompt)])
-        service.release(ANONYMOUS, session.session_id, "default", [opened.seq_id], True)
-    (live,) = service.open_sequences(ANONYMOUS, session.session_id, "default", [(PROMPTS[0] + [7, 7, 7], "")])
-    (parked,) = service.open_sequences(ANONYMOUS, session.session_id, "default", [(PROMPTS[2] + [8, 8], "")])
+        _step(service, session.session_id, Step(commit=Commit([opened.seq_id], [len(prompt)])))
+        _step(service, session.session_id, Step(releases=[([opened.seq_id], True)]))
+    (live,) = _step(service, session.session_id, Step(opens=[(PROMPTS[0] + [7, 7, 7], "")])).opened
+    (parked,) = _step(service, session.session_id, Step(opens=[(PROMPTS[2] + [8, 8], "")])).opened
     service.preempt(ANONYMOUS, session.session_id, "default", [parked.seq_id], "recompute")
     service.pin(ANONYMOUS, session.session_id, "default", PROMPTS[1], "")
     return service, session.session_id, live.seq_id, parked.seq_id
@@ -90,7 +96,7 @@ def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequen
     written = write_snapshot(first, Memory(tmp_path), service.sessions.live())
     assert written.path == snapshot_path("default", Memory(tmp_path)) and written.num_cached_blocks == 20
     with pytest.raises(ServerRestarting):  # frozen: nothing changes after the snapshot
-        service.open_sequences(ANONYMOUS, session_id, "default", [([1, 2, 3, 4, 5], "")])
+        _step(service, session_id, Step(opens=[([1, 2, 3, 4, 5], "")]))
 
     second = _pool(KVStorage.open(memory.export_handle()))
     adopted = adopt_snapshot(second, Memory(tmp_path, generation=2), Limits())
@@ -100,7 +106,8 @@ def test_a_second_pool_over_the_kept_memory_adopts_the_index_sessions_and_sequen
     assert _state(second) == before and torch.equal(second.storage.data, kv_before)
     KVReads(service2).check_invariants(second)
     # The session goes on with the same sequence id, and its pin is still its own.
-    result = service2.append_tokens(ANONYMOUS, session_id, "default", [seq_id], [1], [9])
+    result = _step(service2, session_id, Step(append=Append([seq_id], [1], [9]))).appended
+    assert result is not None
     assert result.num_tokens == [len(PROMPTS[0]) + 4]
     service2.unpin(ANONYMOUS, session_id, "default", PROMPTS[1], "")
     # A sequence preempted before the restart resumes under its id, its cached prefix hit again.

@@ -9,7 +9,7 @@ import pytest
 
 from radixkv.client.session import messages as m
 from radixkv.errors import InvalidArgument, TokenBudget, UnknownSequence
-from radixkv.sequences.step import Append, Step, StepResult
+from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.process.pool_setup import build_pool
 from radixkv.server.rules.checks import Reply
 from radixkv.server.rules.config import ServerConfig, TenantConfig, config_from_mapping, parse_pool_flag
@@ -162,13 +162,15 @@ def test_appends_pay_past_what_the_open_prepaid_and_a_forks_children_pay_all(
         if stepped:
             _step(service, session, Step(append=Append([seq_id], [n], [1] * n)))
         else:
-            service.append_tokens(t, session_id, "default", [seq_id], [n], [1] * n)
+            service.step(t, session_id, "default", Step(append=Append([seq_id], [n], [1] * n)))
 
     if stepped:
         seq_id = _step(service, session, Step(opens=[([1] * 4, "")], max_new_tokens=[10])).opened[0]
         seq_id = seq_id.seq_id
     else:
-        seq_id = service.open_sequences(t, session_id, "default", [([1] * 4, "")], max_new_tokens=[10])[0].seq_id
+        seq_id = (
+            service.step(t, session_id, "default", Step(opens=[([1] * 4, "")], max_new_tokens=[10])).opened[0].seq_id
+        )
     assert service.checks.token_buckets.level(t) == 86  # the prompt and its max_new_tokens
     append(seq_id, 6)
     append(seq_id, 4)
@@ -178,7 +180,7 @@ def test_appends_pay_past_what_the_open_prepaid_and_a_forks_children_pay_all(
     if stepped:
         (child,) = _step(service, session, Step(forks=[(seq_id, 1)])).forked[0]
     else:
-        (child,) = service.fork(t, session_id, "default", seq_id, 1)
+        (child,) = service.step(t, session_id, "default", Step(forks=[(seq_id, 1)])).forked[0]
     assert service.checks.token_buckets.level(t) == 81  # a fork adds no token
     append(child, 3)
     assert service.checks.token_buckets.level(t) == 78, "a child prepaid nothing"
@@ -192,8 +194,10 @@ def test_appends_pay_past_what_the_open_prepaid_and_a_forks_children_pay_all(
 
 def test_a_resume_pays_for_the_tokens_it_hands_back_to_compute(metered: tuple[KVService, Clock, Tenant, str]) -> None:
     service, clock, t, session_id = metered
-    (opened,) = service.open_sequences(t, session_id, "default", [(list(range(1, 81)), "")])
-    service.commit(t, session_id, "default", [opened.seq_id], [72])  # 18 blocks written: cached at the preemption
+    (opened,) = service.step(t, session_id, "default", Step(opens=[(list(range(1, 81)), "")])).opened
+    service.step(
+        t, session_id, "default", Step(commit=Commit([opened.seq_id], [72]))
+    )  # 18 blocks written: cached at the preemption
     service.preempt(t, session_id, "default", [opened.seq_id], "recompute")
     assert service.checks.token_buckets.level(t) == 20
     with pytest.raises(TokenBudget) as refused:  # it needs what an open of its 80 tokens would need
