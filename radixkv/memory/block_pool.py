@@ -14,7 +14,10 @@ from radixkv.errors import OutOfBlocks
 BlockIds = npt.NDArray[np.int32] | list[int]  # ids the pool takes back: arrays on hot paths, lists from tests
 NO_BLOCKS: npt.NDArray[np.int32] = np.empty(0, dtype=np.int32)
 NO_BLOCKS.flags.writeable = False
-_FEW = 8  # up to this many ids, incref/decref/drop_copied go one by one: a numpy call costs ~8 Python steps
+# The one small-batch threshold of the core: up to this many items (block ids, blocks, sequences), a call goes one
+# by one in Python, past it in numpy (a numpy call costs about 8 Python steps). Every site that chooses reads this;
+# tests/core/test_small_batch.py runs each on both sides.
+SMALL_BATCH = 8
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -68,7 +71,7 @@ class BlockPool:
     def incref(self, block_ids: BlockIds, by: int = 1) -> None:
         """Add `by` holds to each of `block_ids` (distinct, all currently held: a fork's, whose parent holds them;
         `check_invariants` recounts every hold)."""
-        if len(block_ids) <= _FEW:  # a fork's partial last block, say
+        if len(block_ids) <= SMALL_BATCH:  # a fork's partial last block, say
             ref_counts = self.ref_counts
             for block_id in block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids:
                 ref_counts[block_id] += by
@@ -81,7 +84,7 @@ class BlockPool:
         A block released twice goes below 0 and is never freed: `check_invariants` names it.
         """
         n = len(block_ids)
-        if n <= _FEW:  # a request's partial last block, say: Python ints cost less than numpy's calls
+        if n <= SMALL_BATCH:  # a request's partial last block, say: Python ints cost less than numpy's calls
             if n:
                 self._decref_each(block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids)
             return
@@ -105,7 +108,7 @@ class BlockPool:
         """Drop the hold of each sequence that copied one of `block_ids` away before writing (copy-on-write; a
         block repeats once per copy). Another holder keeps each, so none is freed."""
         ref_counts = self.ref_counts
-        if len(block_ids) <= _FEW:
+        if len(block_ids) <= SMALL_BATCH:
             for block_id in block_ids:
                 ref_counts[block_id] -= 1
         else:

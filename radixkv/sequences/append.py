@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded
-from radixkv.memory.block_pool import NO_BLOCKS, BlockPool
+from radixkv.memory.block_pool import NO_BLOCKS, SMALL_BATCH, BlockPool
 from radixkv.sequences.admission import Allocator
 from radixkv.sequences.packed import all_ones
 from radixkv.sequences.publish import publish
@@ -36,7 +36,6 @@ from radixkv.sequences.sequence import COMPUTED, LAST, RESERVE, TOKENS, LiveSequ
 from radixkv.tree.radix_tree import TOKEN_BYTES, RadixTree, TokenIds, TokenKey
 
 _INT32 = np.dtype("<i4")
-SMALL_BATCH = 8  # batches up to this many sequences take the per-sequence loop (see the module docstring)
 
 
 def append_counts(seq_ids: Sequence[int], num_token_ids: Sequence[int], field: str) -> list[int]:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.memory.block_pool import BlockPool
+from radixkv.memory.block_pool import SMALL_BATCH, BlockPool
 from radixkv.sequences.sequence import LiveSequence
 from radixkv.tree.radix_tree import RadixTree, TokenKey
-
-_FEW = 8  # up to this many blocks, their holders are read one by one (see `_shared_holds`)
 
 
 def publish(tree: RadixTree, pool: BlockPool, seq: LiveSequence) -> None:
@@ -59,7 +57,7 @@ def _shared_holds(pool: BlockPool, blocks: npt.NDArray[np.int32]) -> list[int] |
     """Each block's holders when any of them has more than one, else None. A few blocks (a decode step's fork
     publishes one) one by one: numpy's indexing and reduction cost a microsecond or more each."""
     ref_counts = pool.ref_counts
-    if len(blocks) <= _FEW:
+    if len(blocks) <= SMALL_BATCH:
         counts = [ref_counts.item(block) for block in blocks.tolist()]
         return counts if max(counts) > 1 else None
     held = ref_counts[blocks]

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, SequencePreempted, UnknownSequence
+from radixkv.memory.block_pool import SMALL_BATCH
 from radixkv.tree.radix_tree import TOKEN_BYTES, Node
 
 # -- from memory/block_table.py (merged, issue 41: one concept, one module):
@@ -288,9 +289,6 @@ class Columns:
         self._free = list(range(2 * n - 1, n - 1, -1))
 
 
-_FEW = 8  # up to this many sequences, a check or a write goes one by one (see `Sequences.commit`)
-
-
 class LiveSequence:
     """A sequence that holds blocks on the device (see the module docstring for where its hot fields live)."""
 
@@ -544,7 +542,7 @@ class Sequences:
             for i, n in enumerate(num_tokens):
                 if not isinstance(n, int | np.integer) or isinstance(n, bool):
                     raise InvalidArgument(f"num_tokens[{i}]", f"must be an integer, got {type(n).__name__}")
-        if len(rows) <= _FEW:
+        if len(rows) <= SMALL_BATCH:
             cell, row_list = self.columns.cell, rows.tolist()
             computed, tokens = cell[COMPUTED], cell[TOKENS]
             for i, (row, n) in enumerate(zip(row_list, num_tokens, strict=True)):
