@@ -3,7 +3,9 @@
 Prints a table and writes JSON. The headline (benchmarks/scheduler_shape.py): the ~3.0M-token trace as a
 scheduler sends it (32 requests in flight, a 131,072-token pool; per request match, allocate prompt + output,
 write, insert, release), radixkv against SGLang's RadixCache driven call for call as its scheduler drives it,
-at block 16 and block 1, engine wall and on-CPU time. Then the decode-heavy workload
+at block 16 and block 1, engine wall and on-CPU time. Then the same requests one at a time (open on the prompt as
+an int32 array, append_batch of the output, cache, release: the vLLM connector's scheduler side, a simple
+orchestrator), against SGLang's scheduler path for one request. Then the decode-heavy workload
 (benchmarks/decode_floor.py): 256 sequences x 1,000 decode steps, with and without beams, against a minimal
 allocator written in the benchmark (the floor). Then the older shapes. Alternatives are compared inside the
 same run as ratios: SGLang's RadixCache with its token/paged allocators (on CPU torch) driven over the same trace at
@@ -374,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "load_average": list(__import__("os").getloadavg()),
         "requests": scheduler_shape.bench_requests(make_trace(trace_tokens, seed=0), peer, rounds),
+        "one_at_a_time": scheduler_shape.bench_one_at_a_time(make_trace(trace_tokens, seed=0), peer, rounds),
         "decode": decode_floor.bench_decode(100 if args.quick else 1000, 3),
         "trace": bench_trace(trace_tokens),
         "match": bench_match([8192, 32768, 131072]),
@@ -405,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("evicted blocks", f"{t['evicted_blocks']:,}"),
     ]
-    rows = scheduler_shape.rows(results["requests"]) + decode_floor.rows(results["decode"]) + rows
+    rows = (
+        scheduler_shape.rows(results["requests"])
+        + scheduler_shape.one_at_a_time_rows(results["one_at_a_time"])
+        + decode_floor.rows(results["decode"])
+        + rows
+    )
     for op, s in t["op_us"].items():
         rows.append((f"{op} p50 / p99 (us)", f"{s['p50']:.1f} / {s['p99']:.1f}  (n={s['count']})"))
     for n, s in m.items():

@@ -190,3 +190,92 @@ def rows(results: dict) -> list[tuple[str, str]]:
         hit = f"{ours['hit_ratio']:.3f}" + (f" / {theirs['hit_ratio']:.3f}" if theirs else "")
         out.append((f"  block {block_size}: hit ratio radixkv / sglang", hit))
     return out
+
+
+# -- one request at a time (issue 41): the shape of the vLLM connector's scheduler side and a simple orchestrator --
+
+
+def radixkv_one_at_a_time(trace: list[tuple[np.ndarray, np.ndarray, str]], pool_tokens: int, block_size: int) -> dict:
+    """Each request alone: `open` on the prompt as an int32 array, `commit` of it, `append_batch` of its output,
+    `commit` of every token, `cache`, `release_many`; the next request starts after."""
+    cache = KVCache(pool_tokens // block_size, block_size)
+    clock, cpu_clock = time.perf_counter, time.thread_time
+    hits = requested = 0
+    t0, c0 = clock(), cpu_clock()
+    for prompt, output, namespace in trace:
+        opened = cache.open(prompt, namespace)
+        seq_ids = [opened.seq_id]
+        cache.commit(seq_ids, [len(prompt)])
+        step = cache.append_batch(seq_ids, [len(output)], output)
+        cache.commit(seq_ids, step.num_tokens)
+        cache.cache(opened.seq_id)
+        cache.release_many(seq_ids)
+        hits += opened.num_cached_tokens
+        requested += len(prompt)
+    wall, cpu = clock() - t0, cpu_clock() - c0
+    cache.check_invariants()
+    return {"wall_s": wall, "cpu_s": cpu, "hit_ratio": hits / requested}
+
+
+def sglang_one_at_a_time(
+    peer: object, trace: list[tuple[list[int], list[int], str]], pool_tokens: int, block_size: int
+) -> dict:
+    """Each request alone through SGLang's scheduler calls (`sglang_peer.Scheduler`: admit, then finish)."""
+    import sglang_peer
+
+    longest = max(len(prompt) + len(output) for prompt, output, _ in trace)
+    sched = sglang_peer.Scheduler(peer, pool_tokens, block_size, 4, longest + block_size)
+    clock, cpu_clock = time.perf_counter, time.thread_time
+    hits = requested = 0
+    t0, c0 = clock(), cpu_clock()
+    for prompt, output, namespace in trace:
+        req, hit = sched.admit(prompt, len(output), namespace)
+        sched.finish(req, output)
+        hits += hit
+        requested += len(prompt)
+    return {"wall_s": clock() - t0, "cpu_s": cpu_clock() - c0, "hit_ratio": hits / requested}
+
+
+def bench_one_at_a_time(
+    requests: list[Request], peer: object | None, rounds: int, pool_tokens: int = POOL_TOKENS
+) -> dict:
+    """Both engines at block 16 and block 1 on the trace's requests one at a time (a parallel-samples request as
+    its first sample), each engine's best of `rounds` by wall time, order alternated; ratios from this one run."""
+    arrays = [(r.prompt.astype(np.int32), r.outputs[0].astype(np.int32), r.namespace) for r in requests]
+    lists = [(p.tolist(), o.tolist(), ns) for p, o, ns in arrays]
+    out: dict = {"requests": len(requests), "pool_tokens": pool_tokens, "rounds": rounds}
+    for block_size in (16, 1):
+        engines: dict[str, Callable[[], dict]] = {
+            "radixkv": lambda bs=block_size: radixkv_one_at_a_time(arrays, pool_tokens, bs)
+        }
+        if peer is not None:
+            engines["sglang"] = lambda bs=block_size: sglang_one_at_a_time(peer, lists, pool_tokens, bs)
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for r in range(rounds):
+            for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+                gc.collect()
+                runs[name].append(engines[name]())
+        row: dict = {name: dict(min(results, key=lambda x: x["wall_s"])) for name, results in runs.items()}
+        for name, results in runs.items():
+            row[name]["cpu_s"] = min(x["cpu_s"] for x in results)
+        if "sglang" in row:
+            row["speedup_wall"] = row["sglang"]["wall_s"] / row["radixkv"]["wall_s"]
+            row["speedup_cpu"] = row["sglang"]["cpu_s"] / row["radixkv"]["cpu_s"]
+        out[str(block_size)] = row
+    return out
+
+
+def one_at_a_time_rows(results: dict) -> list[tuple[str, str]]:
+    head = f"{results['requests']:,} requests, pool {results['pool_tokens']:,} tokens, best of {results['rounds']}"
+    out = [("PER REQUEST (open int32, append_batch, cache, release)", head)]
+    for block_size in ("16", "1"):
+        row = results[block_size]
+        ours, theirs = row["radixkv"], row.get("sglang")
+        for clock in ("wall", "cpu"):
+            value = f"{ours[f'{clock}_s'] * 1e3:.0f}"
+            if theirs:
+                value += f" / {theirs[f'{clock}_s'] * 1e3:.0f} = {row[f'speedup_{clock}']:.2f}x (target >= 1.5x)"
+            out.append((f"  block {block_size}: {clock} ms radixkv / sglang", value))
+        hit = f"{ours['hit_ratio']:.3f}" + (f" / {theirs['hit_ratio']:.3f}" if theirs else "")
+        out.append((f"  block {block_size}: hit ratio radixkv / sglang", hit))
+    return out
