@@ -5,6 +5,7 @@ Both are read from the Markdown, so a layer, package or error class added to the
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from pathlib import Path
@@ -72,3 +73,37 @@ def test_the_error_table_lists_every_error_class_with_its_reason_and_code() -> N
     assert len(classes) == len(errors.ERRORS_BY_REASON)  # the walk sees them all (tests/core/test_errors.py)
     assert sorted(table) == sorted(classes)
     assert table == {name: (cls.reason, cls.grpc_code) for name, cls in classes.items()}
+
+
+HOP = re.compile(r"`([\w/]+\.py):([\w.]+)`")
+
+
+def resolves(path: Path, qualname: str) -> bool:
+    """A function or method (`Class.method`, nested classes too) defined at that path, read statically."""
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for i, name in enumerate(qualname.split(".")):
+        found = [
+            n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+        ]
+        if not found:
+            return False
+        if i < len(qualname.split(".")) - 1:
+            if not isinstance(found[0], ast.ClassDef):
+                return False
+            scope = found[0].body
+    return True
+
+
+def test_every_hop_names_a_function_that_exists() -> None:
+    section = DOC.read_text().split("\n## One request, hop by hop\n", 1)[1].split("\n## ", 1)[0]
+    hops = HOP.findall(section)
+    assert len(hops) >= 25, "the three calls' hops are read"
+    missing = [f"{file}:{name}" for file, name in hops if not (ROOT / file).exists() or not resolves(ROOT / file, name)]
+    assert missing == []
+
+
+def test_a_hop_that_names_nothing_is_caught(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("class A:\n    def f(self):\n        pass\n\ndef g():\n    pass\n")
+    assert resolves(module, "A.f") and resolves(module, "g")
+    assert not resolves(module, "A.h") and not resolves(module, "h") and not resolves(module, "g.f")

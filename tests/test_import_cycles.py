@@ -2,7 +2,7 @@
 
 The graph is read statically from every import statement of the product folders (`radixkv/`, `server/`,
 `client/`, `kernels/`, `demo/`, `integrations/`), in a function or under `if TYPE_CHECKING:` alike: a lazy or type-only
-import is still a dependency, and a cycle held together by one is still a cycle (DESIGN.md: if two modules
+import is still a dependency, and a cycle held together by one is still a cycle (docs/design.md: if two modules
 need each other, they are one concept or an interface is missing). Generated protobuf code is left out.
 
 An edge goes from a module to each module it names: `from radixkv.tree import radix_tree` and
