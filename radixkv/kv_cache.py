@@ -63,10 +63,17 @@ class KVCache:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, limits: Limits | None = None, *, reserve_fraction: float = 1.0,
-        watermark_fraction: float = 0.01, first_seq_id: int = 1, tree: RadixTree | None = None,
+        self,
+        num_blocks: int,
+        block_size: int,
+        limits: Limits | None = None,
+        *,
+        reserve_fraction: float = 1.0,
+        watermark_fraction: float = 0.01,
+        first_seq_id: int = 1,
+        tree: RadixTree | None = None,
         host_num_blocks: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
         of the pool kept from budgeted admissions (see `radixkv.sequences.admission`). `first_seq_id`: where sequence
         ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
@@ -117,9 +124,12 @@ class KVCache:
         return self.open_many([(token_ids, namespace)], max_new_tokens=budgets, priorities=ranks)[0]
 
     def open_many(
-        self, requests: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        self,
+        requests: Sequence[tuple[TokenIds, str]],
+        *,
+        max_new_tokens: Sequence[int] | None = None,
         priorities: Sequence[int] | None = None,
-    ) -> list[OpenResult]:  # fmt: skip
+    ) -> list[OpenResult]:
         """Open several sequences, all or none (one scheduler step's admissions); `max_new_tokens[i]` and
         `priorities[i]` as `open` takes them (None: all 0)."""
         planned, ranks, _ = self._plan_open(requests, max_new_tokens, priorities)
@@ -129,9 +139,12 @@ class KVCache:
         return opened
 
     def check_open(
-        self, requests: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        self,
+        requests: Sequence[tuple[TokenIds, str]],
+        *,
+        max_new_tokens: Sequence[int] | None = None,
         priorities: Sequence[int] | None = None,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Raise what `open_many(...)` would raise, else return the unreserved blocks it would take (allocated,
         newly locked, reserved). Changes nothing but the refusal counters, as the refused `open_many` would."""
         try:
@@ -140,16 +153,20 @@ class KVCache:
             self.tree.drop_empty_roots()  # namespaces the dry run created
 
     def _plan_open(
-        self, requests: Sequence[tuple[TokenIds, str]], max_new_tokens: Sequence[int] | None,
+        self,
+        requests: Sequence[tuple[TokenIds, str]],
+        max_new_tokens: Sequence[int] | None,
         priorities: Sequence[int] | None,
-    ) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:  # fmt: skip
+    ) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:
         """Validate a batch of opens and admit it before anything changes (see `plan_admission`)."""
         try:
             keys = [
-                (self._key(token_ids, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids"),
-                 self._root(namespace, f"requests[{i}].namespace" if len(requests) > 1 else "namespace"))
+                (
+                    self._key(token_ids, f"requests[{i}].token_ids" if len(requests) > 1 else "token_ids"),
+                    self._root(namespace, f"requests[{i}].namespace" if len(requests) > 1 else "namespace"),
+                )
                 for i, (token_ids, namespace) in enumerate(requests)
-            ]  # fmt: skip
+            ]
             return plan_admission(self._blocks, self.budget, self.limits, keys, max_new_tokens, priorities)
         except RadixKVError:
             self.tree.drop_empty_roots()  # namespaces this refused request created
@@ -386,13 +403,18 @@ class KVCache:
         """A snapshot: gauges read now, counters accumulated since start."""
         tree, pool = self.tree, self.pool
         return dataclasses.replace(
-            self.stats_counters, num_blocks_free=pool.num_free, num_blocks_cached=tree.num_cached_blocks,
-            num_blocks_evictable=tree.num_evictable_blocks, num_blocks_pinned=tree.num_pinned_blocks,
+            self.stats_counters,
+            num_blocks_free=pool.num_free,
+            num_blocks_cached=tree.num_cached_blocks,
+            num_blocks_evictable=tree.num_evictable_blocks,
+            num_blocks_pinned=tree.num_pinned_blocks,
             num_blocks_in_use=pool.num_blocks - pool.num_free - tree.num_evictable_blocks,
-            num_live_sequences=len(self._sequences), num_namespaces=len(tree.roots),
-            num_blocks_reserved=self._blocks.num_reserved, num_preempted_sequences=len(self._sequences.preempted),
+            num_live_sequences=len(self._sequences),
+            num_namespaces=len(tree.roots),
+            num_blocks_reserved=self._blocks.num_reserved,
+            num_preempted_sequences=len(self._sequences.preempted),
             **(self.host.gauges() if self.host is not None else {}),
-        )  # fmt: skip
+        )
 
     def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
         """The live sequences and the pins (deepest node, count): what the online audit copies."""

@@ -139,9 +139,18 @@ def start_sequence(
     num_cached = num_matched_blocks * block_size
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(
-        seq_id, namespace, tail, table, node, num_matched_blocks, NO_BLOCKS, num_tokens, num_cached,
-        priority, reserve_until,
-    )  # fmt: skip
+        seq_id,
+        namespace,
+        tail,
+        table,
+        node,
+        num_matched_blocks,
+        NO_BLOCKS,
+        num_tokens,
+        num_cached,
+        priority,
+        reserve_until,
+    )
     slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
     return seq, OpenResult(seq_id, num_cached, table.array(), slots)
 
@@ -303,9 +312,13 @@ def budget_args(
 
 
 def plan_admission(
-    blocks: Allocator, budget: Budget, limits: Limits, keys: list[tuple[TokenKey, Node]],
-    max_new_tokens: Sequence[int] | None, priorities: Sequence[int] | None,
-) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:  # fmt: skip
+    blocks: Allocator,
+    budget: Budget,
+    limits: Limits,
+    keys: list[tuple[TokenKey, Node]],
+    max_new_tokens: Sequence[int] | None,
+    priorities: Sequence[int] | None,
+) -> tuple[list[PlannedOpen], list[tuple[int, int]], int]:
     """Match a batch of opens (each prompt under its namespace's root) and admit it before anything changes.
 
     Returns the plan, each item's (priority, reserve_until), and what it takes from the unreserved blocks

@@ -90,9 +90,14 @@ class AppendPlan:
 
 
 def plan_batch(
-    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], block_size: int, max_tokens: int,
-    ref_counts: npt.NDArray[np.int32], reserved: bool = True,
-) -> AppendPlan:  # fmt: skip
+    sequences: Sequences,
+    seq_ids: Sequence[int],
+    counts: list[int],
+    block_size: int,
+    max_tokens: int,
+    ref_counts: npt.NDArray[np.int32],
+    reserved: bool = True,
+) -> AppendPlan:
     """Plan one batch; raises what the batch's ids, or the first sequence that would grow past `max_tokens`,
     make it raise. `reserved`: whether any reservation exists to draw on (none: `num_drawn` is 0 without a look).
     """
@@ -103,9 +108,14 @@ def plan_batch(
 
 
 def _plan_each(
-    sequences: Sequences, rows: list[int], counts: list[int], bs: int, max_tokens: int,
-    ref_counts: npt.NDArray[np.int32], reserved: bool,
-) -> AppendPlan:  # fmt: skip
+    sequences: Sequences,
+    rows: list[int],
+    counts: list[int],
+    bs: int,
+    max_tokens: int,
+    ref_counts: npt.NDArray[np.int32],
+    reserved: bool,
+) -> AppendPlan:
     cell = sequences.columns.cell
     lengths, lasts, num_new, copies = [], [], [], []
     copied_away: dict[int, int] = {}  # block -> holders in this batch that copy it before writing
@@ -131,9 +141,14 @@ def _plan_each(
 
 
 def _plan_columns(
-    sequences: Sequences, rows: npt.NDArray[np.intp], counts: list[int], bs: int, max_tokens: int,
-    ref_counts: npt.NDArray[np.int32], reserved: bool,
-) -> AppendPlan:  # fmt: skip
+    sequences: Sequences,
+    rows: npt.NDArray[np.intp],
+    counts: list[int],
+    bs: int,
+    max_tokens: int,
+    ref_counts: npt.NDArray[np.int32],
+    reserved: bool,
+) -> AppendPlan:
     col = sequences.columns.col
     lengths, lasts = col[TOKENS][rows], col[LAST][rows]
     within = lengths & (bs - 1)  # each first new token's place in its block (block sizes are powers of two)
@@ -170,9 +185,15 @@ def _plan_columns(
 
 
 def apply_plan(
-    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
-    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, block_size: int,
-) -> AppendBatch:  # fmt: skip
+    sequences: Sequences,
+    seq_ids: Sequence[int],
+    counts: list[int],
+    plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32],
+    key: bytes,
+    pool: BlockPool,
+    block_size: int,
+) -> AppendBatch:
     """Apply a plan (`new_blocks` holds every block it takes, sequence by sequence, each one's copy first) and
     describe the batch in columns. Appending says every earlier token's K/V is written: each watermark moves up
     to the sequence's length before the append."""
@@ -182,9 +203,15 @@ def apply_plan(
 
 
 def _apply_each(
-    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
-    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, bs: int,
-) -> AppendBatch:  # fmt: skip
+    sequences: Sequences,
+    seq_ids: Sequence[int],
+    counts: list[int],
+    plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32],
+    key: bytes,
+    pool: BlockPool,
+    bs: int,
+) -> AppendBatch:
     columns, view = sequences.columns, memoryview(key)
     cell = columns.cell
     after, offsets, taken, copies, span_starts = [], [], [], [], []
@@ -224,9 +251,15 @@ def _apply_each(
 
 
 def _apply_columns(
-    sequences: Sequences, seq_ids: Sequence[int], counts: list[int], plan: AppendPlan,
-    new_blocks: npt.NDArray[np.int32], key: bytes, pool: BlockPool, bs: int,
-) -> AppendBatch:  # fmt: skip
+    sequences: Sequences,
+    seq_ids: Sequence[int],
+    counts: list[int],
+    plan: AppendPlan,
+    new_blocks: npt.NDArray[np.int32],
+    key: bytes,
+    pool: BlockPool,
+    bs: int,
+) -> AppendBatch:
     columns, col = sequences.columns, sequences.columns.col
     rows, lengths, lasts = np.asarray(plan.rows), np.asarray(plan.lengths), np.asarray(plan.lasts)
     num_new, copied = np.asarray(plan.num_new), np.asarray(plan.copies)
@@ -266,10 +299,15 @@ def _apply_columns(
 
 
 def _grow_tables(
-    sequences: Sequences, rows: npt.NDArray[np.intp], grew: npt.NDArray[np.intp], taken: npt.NDArray[np.int64],
-    starts: npt.NDArray[np.int64] | None, copies: npt.NDArray[np.int64] | None, new_blocks: npt.NDArray[np.int32],
+    sequences: Sequences,
+    rows: npt.NDArray[np.intp],
+    grew: npt.NDArray[np.intp],
+    taken: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64] | None,
+    copies: npt.NDArray[np.int64] | None,
+    new_blocks: npt.NDArray[np.int32],
     lasts: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.int32] | list[int], list[tuple[int, int, int]]]:  # fmt: skip
+) -> tuple[npt.NDArray[np.int32] | list[int], list[tuple[int, int, int]]]:
     """Write each sequence's share of `new_blocks` into its table: the copy over its last entry, then growth.
     `starts`: where each one's share begins (None: a block each); `copies`: which ones copy (None: none).
     Returns each grown table's last block, and the copies made as (src, dst, index in the batch): one pass over
@@ -281,8 +319,14 @@ def _grow_tables(
                 at(row).block_table.append(block_id)
             return new_blocks, []
         made = []
-        each = zip(grew.tolist(), rows[grew].tolist(), new_blocks.tolist(), copies[grew].tolist(), lasts[grew].tolist(),
-                   strict=True)  # fmt: skip
+        each = zip(
+            grew.tolist(),
+            rows[grew].tolist(),
+            new_blocks.tolist(),
+            copies[grew].tolist(),
+            lasts[grew].tolist(),
+            strict=True,
+        )
         for i, row, block_id, copy, last in each:
             table = at(row).block_table
             if copy:
@@ -295,8 +339,15 @@ def _grow_tables(
     indices: list[int] = grew.tolist()
     copying = copies[grew].tolist() if copies is not None else [0] * len(indices)
     ends, made = [], []
-    shares = zip(indices, rows[grew].tolist(), starts[grew].tolist(), taken[grew].tolist(), copying,
-                 lasts[grew].tolist(), strict=True)  # fmt: skip
+    shares = zip(
+        indices,
+        rows[grew].tolist(),
+        starts[grew].tolist(),
+        taken[grew].tolist(),
+        copying,
+        lasts[grew].tolist(),
+        strict=True,
+    )
     for i, row, start, num, copy, last in shares:
         table = at(row).block_table
         if copy:
@@ -311,10 +362,15 @@ def _grow_tables(
 
 
 def _slot_plan(
-    lasts: npt.NDArray[np.int64], num_new: npt.NDArray[np.int64], copies: npt.NDArray[np.int64],
-    within: npt.NDArray[np.int64], taken: npt.NDArray[np.int64], new_blocks: npt.NDArray[np.int32],
-    counts: list[int], block_size: int,
-) -> SlotPlan:  # fmt: skip
+    lasts: npt.NDArray[np.int64],
+    num_new: npt.NDArray[np.int64],
+    copies: npt.NDArray[np.int64],
+    within: npt.NDArray[np.int64],
+    taken: npt.NDArray[np.int64],
+    new_blocks: npt.NDArray[np.int32],
+    counts: list[int],
+    block_size: int,
+) -> SlotPlan:
     """The blocks each sequence's new tokens land in, in turn: its current last block (or its copy) when that is
     partial, then its new blocks; and where its first token lands among them."""
     partial = (within != 0).astype(np.int64)

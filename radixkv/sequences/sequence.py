@@ -292,14 +292,37 @@ class Columns:
 class LiveSequence:
     """A sequence that holds blocks on the device (see the module docstring for where its hot fields live)."""
 
-    __slots__ = ("seq_id", "namespace", "block_table", "lock_node", "num_tree_blocks", "private_prefix", "priority",
-                 "family", "row", "_columns", "_tail", "_num_tokens", "_num_computed", "_reserve_until")  # fmt: skip
+    __slots__ = (
+        "seq_id",
+        "namespace",
+        "block_table",
+        "lock_node",
+        "num_tree_blocks",
+        "private_prefix",
+        "priority",
+        "family",
+        "row",
+        "_columns",
+        "_tail",
+        "_num_tokens",
+        "_num_computed",
+        "_reserve_until",
+    )
 
     def __init__(
-        self, seq_id: int, namespace: str, tail: bytes, block_table: BlockTable, lock_node: Node,
-        num_tree_blocks: int, private_prefix: npt.NDArray[np.int32], num_tokens: int, num_computed_tokens: int,
-        priority: int = 0, reserve_until: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        seq_id: int,
+        namespace: str,
+        tail: bytes,
+        block_table: BlockTable,
+        lock_node: Node,
+        num_tree_blocks: int,
+        private_prefix: npt.NDArray[np.int32],
+        num_tokens: int,
+        num_computed_tokens: int,
+        priority: int = 0,
+        reserve_until: int = 0,
+    ) -> None:
         self.seq_id, self.namespace = seq_id, namespace
         self.block_table = block_table
         self.lock_node = lock_node  # deepest tree node on this sequence's prefix that it keeps locked (root: none)
@@ -391,9 +414,18 @@ class LiveSequence:
         """An unregistered copy that later changes to this one leave alone (the online audit's), locking the
         same node."""
         return LiveSequence(
-            self.seq_id, self.namespace, self.tail(), self.block_table.copy(), self.lock_node, self.num_tree_blocks,
-            self.private_prefix, self.num_tokens, self.num_computed_tokens, self.priority, self.reserve_until,
-        )  # fmt: skip
+            self.seq_id,
+            self.namespace,
+            self.tail(),
+            self.block_table.copy(),
+            self.lock_node,
+            self.num_tree_blocks,
+            self.private_prefix,
+            self.num_tokens,
+            self.num_computed_tokens,
+            self.priority,
+            self.reserve_until,
+        )
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -443,9 +475,17 @@ class Sequences:
         """Register a child of `parent` sharing every block (the caller adds its holds on them) and the priority;
         it reserves nothing, as its growth was never budgeted."""
         child = LiveSequence(
-            self.next_id(), parent.namespace, b"", parent.block_table.copy(), parent.lock_node,
-            parent.num_tree_blocks, parent.private_prefix, 0, 0, parent.priority,
-        )  # fmt: skip
+            self.next_id(),
+            parent.namespace,
+            b"",
+            parent.block_table.copy(),
+            parent.lock_node,
+            parent.num_tree_blocks,
+            parent.private_prefix,
+            0,
+            0,
+            parent.priority,
+        )
         child.row, child._columns = self.columns.copy(parent.row), self.columns
         family = parent.family
         if family is None:

@@ -344,9 +344,15 @@ class RadixTree:
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
         upper = Node(
-            node.token_bytes[:cut], node.block_ids[:k], node.parent, node.namespace, {}, 1 if node.lock_ref else 0,
-            node.pin_ref, node.last_access,
-        )  # fmt: skip
+            node.token_bytes[:cut],
+            node.block_ids[:k],
+            node.parent,
+            node.namespace,
+            {},
+            1 if node.lock_ref else 0,
+            node.pin_ref,
+            node.last_access,
+        )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         if self.touched is not None:
             self.touched.update((node, upper, node.parent))

@@ -130,10 +130,12 @@ def _run(checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply,
             num_prompt_tokens = sum(num_tokens(t) for t, _ in step.opens)
             batch = len(step.opens) > 1
             requests = [
-                (to_token_bytes(tokens, f"prompts[{i}].token_ids" if batch else "token_ids"),
-                 caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"))
+                (
+                    to_token_bytes(tokens, f"prompts[{i}].token_ids" if batch else "token_ids"),
+                    caller.scope(ns, f"prompts[{i}].namespace" if batch else "namespace"),
+                )
                 for i, (tokens, ns) in enumerate(step.opens)
-            ]  # fmt: skip
+            ]
             keys = _explained_keys(step, requests)
     if step.append is not None and not isinstance(step.append.token_ids, bytes | np.ndarray):
         step = dataclasses.replace(step, append=dataclasses.replace(step.append, token_ids=_as_int32(step.append)))
@@ -472,9 +474,14 @@ class KVService:
     # -- what no step carries: the same preamble and request window around the core call -------------
 
     def preempt(
-        self, caller: Tenant, session_id: str, pool_name: str, seq_ids: Sequence[int], mode: str,
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        seq_ids: Sequence[int],
+        mode: str,
         request: RequestKey = NO_REQUEST,
-    ) -> PreemptResult:  # fmt: skip
+    ) -> PreemptResult:
         """Preempt the session's sequences, all or none; they stay the session's, holding no block."""
         pool, session = self.pool(pool_name, caller), self.sessions.get(session_id, caller)
 
@@ -516,9 +523,14 @@ class KVService:
         )
 
     def pin(
-        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str,
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        token_ids: TokenIds,
+        namespace: str,
         request: RequestKey = NO_REQUEST,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Pin the cached prefix until Unpin or the session's end; returns tokens pinned.
 
         The prefix's blocks count against the tenant's block quota and its share of the pinned blocks.
@@ -536,9 +548,14 @@ class KVService:
         return self.checks.applied_once(pool, session, request, apply, lambda _: 1)
 
     def unpin(
-        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str,
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        token_ids: TokenIds,
+        namespace: str,
         request: RequestKey = NO_REQUEST,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Drop this session's longest pin on a prefix of `token_ids` (pins are the session's own)."""
         pool, key, core_namespace = self._prefix(caller, pool_name, token_ids, namespace)
         session = self.sessions.get(session_id, caller)

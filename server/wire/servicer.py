@@ -294,9 +294,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self, request: pb.RecordBlockChecksumsRequest, context: grpc.ServicerContext
     ) -> pb.RecordBlockChecksumsResponse:
         num = self._service.record_block_checksums(
-            current_caller(), request.session_id, request.pool, request.seq_id, request.first_block,
-            list(request.digests), list(request.checksums),
-        )  # fmt: skip
+            current_caller(),
+            request.session_id,
+            request.pool,
+            request.seq_id,
+            request.first_block,
+            list(request.digests),
+            list(request.checksums),
+        )
         return pb.RecordBlockChecksumsResponse(num_recorded=num)
 
     @translating_errors
@@ -347,10 +352,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         key = request_key("Resume", request)
         r = self._service.resume(current_caller(), request.session_id, request.pool, request.seq_id, key)
         return pb.ResumeResponse(
-            seq_id=r.seq_id, num_cached_tokens=r.num_cached_tokens, block_ids=r.block_table.tolist(),
-            slots=np.asarray(r.slots).tolist(), loads=transfers([r.loads]), offloads=transfers([r.offloads]),
+            seq_id=r.seq_id,
+            num_cached_tokens=r.num_cached_tokens,
+            block_ids=r.block_table.tolist(),
+            slots=np.asarray(r.slots).tolist(),
+            loads=transfers([r.loads]),
+            offloads=transfers([r.offloads]),
             num_host_hit_tokens=r.num_host_hit_tokens,
-        )  # fmt: skip
+        )
 
     @translating_errors
     def Victims(self, request: pb.VictimsRequest, context: grpc.ServicerContext) -> pb.VictimsResponse:
@@ -364,11 +373,14 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
             )
             return pb.MatchResponse(
-                num_cached_tokens=num, num_host_cached_tokens=num_host, num_disk_cached_tokens=num_disk,
+                num_cached_tokens=num,
+                num_host_cached_tokens=num_host,
+                num_disk_cached_tokens=num_disk,
                 miss_reason=wire_reason(why),
-                miss_block_index=why.block_index, evicted_at_unix_ns=why.evicted_at_unix_ns,
+                miss_block_index=why.block_index,
+                evicted_at_unix_ns=why.evicted_at_unix_ns,
                 other_namespace=why.other_namespace,
-            )  # fmt: skip
+            )
         num, num_host, num_disk = self._reads.match(
             current_caller(), request.session_id, request.pool, request.token_ids, request.namespace
         )
@@ -494,7 +506,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                     seconds=w.seconds,
                 )
                 for w in written
-            ]  # fmt: skip
+            ]
         )
 
 
@@ -532,9 +544,14 @@ _CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same
 def _hash_contract(block_size: int) -> pb.HashContract:
     c = HashContract(block_size)
     return pb.HashContract(
-        algorithm=c.algorithm, root_seed=c.root_seed, block_size=c.block_size, salt_rule=c.salt_rule,
-        tenant_scope_rule=c.tenant_scope_rule, wire_form=c.wire_form, format_version=c.format_version,
-    )  # fmt: skip
+        algorithm=c.algorithm,
+        root_seed=c.root_seed,
+        block_size=c.block_size,
+        salt_rule=c.salt_rule,
+        tenant_scope_rule=c.tenant_scope_rule,
+        wire_form=c.wire_form,
+        format_version=c.format_version,
+    )
 
 
 # -- from wire/session_stream.py (merged, issue 41: one concept, one module):
