@@ -204,7 +204,7 @@ def test_the_checker_reports_a_subpackage_importing_upward(tmp_path: Path) -> No
         {
             "server/rules/step.py": "from radixkv.server.events.hub import EventHub\n",  # fine: below
             "server/rules/checks.py": "def f():\n    from radixkv.server.wire import status\n",
-            "server/logs.py": "from radixkv.server.process.app import main\n",  # flat: unordered
+            "server/flat.py": "from radixkv.server.process.app import main\n",  # flat: unordered
             "client/worker/pool_view.py": "from radixkv.client.session.client import RadixKVClient\n",
             "client/session/client.py": "from radixkv.client.worker.pool_view import PoolView\n",  # fine
         },
