@@ -26,7 +26,7 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
-from radixkv.tree.radix_tree import Node, lru_key
+from radixkv.tree.radix_node import Node, lru_key
 from radixkv.tree.retention import DOOMED, NORMAL, RETAINED, tier
 
 __all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "make_policy"]

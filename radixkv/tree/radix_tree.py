@@ -8,17 +8,15 @@ Eviction takes the first unlocked leaf's tail blocks in the policy's order (`rad
 default; O(log n) per leaf touched); an owner's eviction (a tenant past its cache share) takes its own least
 recently used leaf from its own list, never looking at another owner's leaves (O(log n) per leaf too, however
 many leaves others cache).
-Its records (`Node`, `Match`), token ids as it keys them (`TokenKey`: int32 bytes) and namespace roots are here.
+Token ids as it keys them (`TokenKey`: int32 bytes) and namespace roots are here; its records (`Node`,
+`Match`) are in `radix_node.py`, which the eviction policies read too.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +25,7 @@ from sortedcontainers import SortedList
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
 from radixkv.tree.eviction import EvictionPolicy
+from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key, owner_of
 from radixkv.tree.retention import inherit, stamp
 
 # -- from tree/token_ids.py (merged, issue 41: one concept, one module):
@@ -147,113 +146,6 @@ def common_blocks(key: bytes, pos: int, end: int, run: bytes, block_size: int) -
     ours = np.frombuffer(key, dtype="<i4", count=n, offset=pos)
     differ = np.flatnonzero(ours != np.frombuffer(run, dtype="<i4", count=n))
     return (int(differ[0]) if differ.size else n) // block_size
-
-
-# -- from tree/radix_node.py (merged, issue 41: one concept, one module):
-# The radix tree's records: a node (a run of whole blocks and who holds it), a match, and the two hooks the tree
-# calls out through (an observer of what it caches, the host tier under it).
-
-_node_ids = itertools.count()
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Node:
-    token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
-    # The blocks holding them, one per block_size tokens; the tree's hold on each. Owned by the node
-    # (or a view shared with the other half of a split): never written in place, only re-sliced.
-    block_ids: npt.NDArray[np.int32]
-    parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
-    namespace: str  # the root's namespace: hits never cross namespaces
-    children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
-    # Its own holders (live sequences and pins that lock this node) plus its locked children: nonzero exactly when a
-    # lock at or below protects it (`RadixTree.lock`; root: the namespace's).
-    lock_ref: int = 0
-    pin_ref: int = 0  # pins whose path runs through here (each also holds a lock)
-    last_access: int = 0  # tree clock when it last locked, unlocked or took a holder: the LRU key
-    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
-    # The host tier (`radixkv.tree.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
-    # and its host-only children (no device blocks), which device walks never see.
-    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
-    host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
-    # Eviction order and retention (`radixkv.tree.eviction`, `radixkv.tree.retention`): the key it is listed
-    # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
-    # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
-    evict_key: tuple[Any, ...] | None = None
-    used_s: float = 0.0
-    gap_s: float = -1.0
-    num_uses: int = 0
-    high_water: int = 0
-    retain_until_s: float = 0.0
-    retain_ttl_s: float = 0.0
-    retain_priority: int = 0
-    ended: bool = False
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-
-OWNER_SEPARATOR = "/"
-
-
-def owner_of(namespace: str) -> str:
-    """Whose a namespace is, for per-owner eviction: the name before its first "/" (the server scopes a tenant's
-    namespaces as "<tenant>/<name>"), or the whole name when it has none."""
-    return namespace.partition(OWNER_SEPARATOR)[0]
-
-
-def lru_key(node: Node) -> tuple[int, int]:
-    """The evictable lists' order: least recently accessed first, node id breaking ties."""
-    return (node.last_access, node.node_id)
-
-
-@dataclasses.dataclass(slots=True)
-class Match:
-    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
-
-    node: Node
-    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
-    num_blocks: int  # blocks matched from the root
-    path: list[Node]  # root excluded, top-down, `node` last
-
-    def unlocked_on_path(self) -> list[tuple[int, int]]:
-        """(node id, matched blocks in it) of each unlocked node on the path: what locking it takes out of the
-        evictable blocks."""
-        return [
-            (node.node_id, self.num_blocks_in_node if node is self.node else len(node.block_ids))
-            for node in self.path
-            if node.lock_ref == 0
-        ]
-
-    def num_newly_locked(self) -> int:
-        """Cached blocks that locking this match takes out of the evictable ones."""
-        return sum(n for _, n in self.unlocked_on_path())
-
-
-class TreeObserver(Protocol):
-    """Told of every change to what the tree caches (for KV-aware routers' event streams)."""
-
-    def blocks_stored(self, node: Node) -> None:
-        """`node` is a new leaf: all its blocks are newly cached."""
-
-    def blocks_removed(self, namespace: str, block_ids: npt.NDArray[np.int32]) -> None:
-        """These blocks of `namespace` were evicted (one report per namespace per eviction)."""
-
-
-class HostHook(Protocol):
-    """What the device tier asks of a host tier under it (`radixkv.tree.host_tier.HostTier`, which plugs in)."""
-
-    def evict_leaf(self, leaf: Node, need: int) -> npt.NDArray[np.int32]:
-        """Take an evictable leaf's blocks (its tail, when it holds more than `need`) off the device."""
-        ...
-
-    def drop_overlap(self, parent: Node, first_block: bytes) -> None:
-        """A device insert under `parent` starts with `first_block`: drop a host-only child it makes stale."""
-        ...
-
-    def split_copy(self, node: Node, upper: Node) -> None:
-        """A device split gave `upper` the head of `node`'s host copy."""
-        ...
 
 
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key", "owner_of"]

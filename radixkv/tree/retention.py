@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from radixkv.errors import InvalidArgument
-from radixkv.tree.radix_tree import Node
+from radixkv.tree.radix_node import Node
 
 DOOMED, NORMAL, RETAINED = 0, 1, 2  # the eviction tiers, first to go first
 MAX_TTL_S = 7 * 24 * 3600.0  # a week: longer is a pin, which has its own bound

@@ -33,8 +33,8 @@ import numpy.typing as npt
 
 from radixkv.kv_cache import KVCache
 from radixkv.server.events.block_checksums import BlockChecksums
-from radixkv.server.rules.tenants import SCOPE_SEPARATOR
 from radixkv.tree.block_hash import WIRE_MASK, BlockHashes, ExtraKeys, mix64, wire_hash
+from radixkv.tree.radix_node import OWNER_SEPARATOR as SCOPE_SEPARATOR  # a tenant's namespaces: tenant/name
 from radixkv.tree.radix_tree import Node
 
 

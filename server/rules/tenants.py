@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from radixkv.errors import PermissionDenied, TokenBudget
 from radixkv.kv_cache import DEFAULT_NAMESPACE
 from radixkv.server.rules.tenant_config import ANY_NAMESPACE, TenantConfig
-from radixkv.tree.radix_tree import OWNER_SEPARATOR
+from radixkv.tree.radix_node import OWNER_SEPARATOR
 
 SCOPE_SEPARATOR = OWNER_SEPARATOR  # a tenant's scoped namespaces are the core's owner's (per-owner eviction)
 
