@@ -31,7 +31,7 @@ from radixkv.server.config import (
 from radixkv.server.debug import DebugServicer
 from radixkv.server.decoding import DecodingInterceptor
 from radixkv.server.disk_tier import PoolDisk, attach_disk
-from radixkv.server.flags import check_ports_free, parse_args
+from radixkv.server.flags import check_devices, check_ports_free, parse_args
 from radixkv.server.keeper_protocol import KeeperError
 from radixkv.server.logs import configure_logging
 from radixkv.server.metrics import ServerMetrics
@@ -297,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, log_level = parse_args(sys.argv[1:] if argv is None else argv)
         check_ports_free(config)
+        check_devices(config)
     except (ValueError, TypeError, OSError) as e:
         print(f"radixkv serve: {e}", file=sys.stderr)
         return 2
