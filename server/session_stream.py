@@ -82,6 +82,12 @@ class SessionStreams:
     def __len__(self) -> int:
         return self._num_open
 
+    def count_frame(self, num_bytes_measured: int, num_steps_abandoned: int) -> None:
+        """A frame's work, for the counters: the bytes its answers were measured for, the steps it left unapplied."""
+        with self._lock:
+            self.num_bytes_measured += num_bytes_measured
+            self.num_steps_abandoned += num_steps_abandoned
+
     def serve(
         self,
         service: KVService,
@@ -133,10 +139,10 @@ def _answer_frame(stream: _Stream, frame: pb.SessionRequest) -> tuple[pb.Session
         return response, timings
     max_bytes = stream.max_message_bytes
     used = 0  # the response's bytes so far: each answer measured once, with its tag and length
+    abandoned = 0
     for i, step in enumerate(frame.steps):
         if not stream.is_active():  # the caller left: the rest of its frame would be answered to no one
-            with streams._lock:
-                streams.num_steps_abandoned += num_steps - i
+            abandoned = num_steps - i
             break
         room = max_bytes - used - (num_steps - i - 1) * SHORT_REFUSAL_BYTES - _FRAMING_BYTES
         if step.steps:
@@ -152,8 +158,7 @@ def _answer_frame(stream: _Stream, frame: pb.SessionRequest) -> tuple[pb.Session
             size = answer.ByteSize()
         response.steps.append(answer)
         used += size + _FRAMING_BYTES
-    with streams._lock:
-        streams.num_bytes_measured += used
+    streams.count_frame(used, abandoned)
     return response, timings
 
 
