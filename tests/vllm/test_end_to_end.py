@@ -93,6 +93,6 @@ def test_engines_share_radixkv_across_processes_an_upgrade_and_failures(model_di
         assert by_source["external_kv_transfer"] + by_source["local_cache_hit"] == sum(c["num_cached_tokens"])
         assert by_source["external_kv_transfer"] > 0
         assert c["token_ids_after_kill"] == reference
-        assert "radixkv open of request" in log and "failed, computing instead" in log  # the connector stood aside
+        assert "radixkv match failed, computing instead" in log  # the connector stood aside
     finally:
         keeper.stop()
