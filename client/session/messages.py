@@ -203,7 +203,9 @@ def prefix_request(
     return build(message, "", **fields)
 
 
-def retain_request(pool: str, session_id: str, token_ids: TokenIds, namespace: str, retention: Retention) -> Request:
+def retain_request(
+    pool: str, session_id: str, token_ids: TokenIds, namespace: str, retention: Retention
+) -> pb.RetainRequest:
     """A Retain request carrying `retention` (checked here, as the server checks it)."""
     hint = pb.Retention(
         ttl_seconds=retention.ttl_s, priority=retention.priority, refresh=retention.refresh,

@@ -13,7 +13,8 @@ from vllm import __version_tuple__
 
 OLDEST, NEWEST = (0, 30), (0, 34)
 # A source build of vLLM says (0, 0, "dev"): it is taken for the newest.
-VERSION: tuple[int, int] = NEWEST if __version_tuple__[:2] == (0, 0) else tuple(__version_tuple__[:2])  # type: ignore[assignment]
+_MAJOR_MINOR = (int(__version_tuple__[0]), int(__version_tuple__[1])) if __version_tuple__[:2] != (0, 0) else NEWEST
+VERSION: tuple[int, int] = _MAJOR_MINOR
 
 
 def check_supported() -> None:

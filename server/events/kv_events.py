@@ -200,7 +200,7 @@ class ZmqEventPublisher:
         published = [e for e in events if self.publishes(e.namespace)]
         if not published:
             return
-        wire = [
+        wire: list[Event] = [
             stored_event(e, self.block_size) if e.kind is EventKind.BLOCKS_STORED else removed_event(e)
             for e in published
         ]
@@ -238,7 +238,8 @@ class ZmqEventPublisher:
         """Queue blocks another tier took or dropped (`tier_event`; under the pool's lock: never blocks). They move
         neither the digest nor the event count, which describe the device tier."""
         if self.publishes(namespace):
-            self._queue.put((tier_event(stored, wire_hashes, medium), self._digest, self._num_events))
+            event = tier_event(stored, wire_hashes, medium)
+            self._queue.put((event, event_bytes(event), self._digest, self._num_events))
 
     def close(self) -> None:
         """Send what is queued, then stop both threads and close the sockets."""

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from radixkv.server.keeper.keeper_protocol import KeeperError
 from radixkv.server.process.audit import PoolAuditor
 from radixkv.server.process.debug import DebugServicer
-from radixkv.server.process.flags import check_ports_free, parse_args
+from radixkv.server.process.flags import check_devices, check_ports_free, parse_args
 from radixkv.server.process.logs import configure_logging
 from radixkv.server.process.metrics import ServerMetrics
 from radixkv.server.process.pool_setup import build_pool
@@ -296,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, log_level = parse_args(sys.argv[1:] if argv is None else argv)
         check_ports_free(config)
+        check_devices(config)
     except (ValueError, TypeError, OSError) as e:
         print(f"radixkv serve: {e}", file=sys.stderr)
         return 2

@@ -182,7 +182,6 @@ def parse_args(argv: Sequence[str]) -> tuple[ServerConfig, str]:
         )
     pools = kv_events_config.apply_arguments(ns, pools)
     config = config_from_mapping(data, **overrides, pools=pools)
-    _check_devices(config.pools)
     return config, ns.log_level
 
 
@@ -207,9 +206,9 @@ def check_ports_free(config: ServerConfig) -> None:
                 # anything else (a host name that resolves elsewhere, ...): the bind itself reports it
 
 
-def _check_devices(pools: Sequence[PoolConfig]) -> None:
-    """A CUDA pool needs a CUDA device: refused here, in one line, rather than by torch's traceback later."""
-    cuda = sorted({p.device for p in pools if p.device.startswith("cuda")})
+def check_devices(config: ServerConfig) -> None:
+    """A CUDA pool needs a CUDA device: refused before the pools are built, in one line, not by torch's traceback."""
+    cuda = sorted({p.device for p in config.pools if p.device.startswith("cuda")})
     if not cuda:
         return
     import torch

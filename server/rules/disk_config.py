@@ -62,7 +62,7 @@ def with_disk(pools: tuple[P, ...], disk_dir: str | None, capacity: str | None) 
         return pools
     if capacity is None:
         raise ValueError("--disk-dir needs --disk-capacity (e.g. 200GiB)")
-    each = str(parse_bytes(capacity) // len(pools))
+    each = f"{parse_bytes(capacity) // len(pools)}B"  # a size keeps its unit (a bare number is refused)
     own = {"disk_capacity": each}
     return tuple(p if p.disk_dir else _replace(p, disk_dir=str(Path(disk_dir) / p.name), **own) for p in pools)
 

@@ -167,8 +167,9 @@ class PoolDisk:
             with self._changes_lock:
                 changes, self._changes = self._changes, []
             publisher = self.pool.kv_publisher
-            for namespace, stored, hashes in changes if publisher is not None else ():
-                publisher.publish_tier(namespace, stored, [wire_hash(h) for h in hashes], MEDIUM_STORAGE)
+            if publisher is not None:
+                for namespace, stored, hashes in changes:
+                    publisher.publish_tier(namespace, stored, [wire_hash(h) for h in hashes], MEDIUM_STORAGE)
         num, errors = 0, self.store.num_write_errors
         for namespace, hashes, data in staged:
             num += self.store.put(namespace, hashes, data)

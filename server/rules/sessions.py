@@ -219,6 +219,7 @@ class RequestWindow:
         """Under `_lock`: take `num_bytes`, dropping this window's oldest results while a bound refuses them; the
         refusing bound (limit, requested, allowed) when even an empty window has no room."""
         while True:
+            refused: tuple[str, int, int] | None
             if self._bytes + num_bytes > self.max_bytes:
                 refused = ("max_request_window_bytes_per_session", self._bytes + num_bytes, self.max_bytes)
             else:

@@ -166,7 +166,7 @@ def test_a_directory_that_cannot_serve_is_an_error_at_start(tmp_path: Path, bad:
 def test_committed_blocks_reach_disk_within_the_window_and_the_cap_holds(tmp_path: Path) -> None:
     disk_dir = tmp_path / "disk-tier"
     cap = 4 * 8192  # four objects of two 1 KiB blocks (a 4 KiB header, the data padded to 4 KiB)
-    args = ["--pool", POOL, "--disk-dir", str(disk_dir), "--disk-capacity", str(cap), "--metrics-port", "0"]
+    args = ["--pool", POOL, "--disk-dir", str(disk_dir), "--disk-capacity", f"{cap}B", "--metrics-port", "0"]
     with ServerProcess(args, tmp_path / "a.log") as server:
         for seed in range(6):
             write_prompt(server, [1000 * (seed + 1) + t for t in range(9)], seed)  # 2 full blocks each

@@ -135,8 +135,9 @@ def test_block_size_dtype_and_blocks_shape_the_default_pool_for_an_engine(tmp_pa
     assert (pool.num_blocks, pool.memory_bytes) == (None, 512 * 2**20)  # sized by memory as before
     assert main(["serve", "--block-size", "48"]) == 2
     assert "block_size must be a power of two, got 48" in capsys.readouterr().err
-    assert main(["serve", "--kv-dtype", "int7"]) == 2
-    assert "dtype must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--kv-dtype", "int7"])
+    assert exited.value.code == 2 and "'int7' is not a KV dtype" in capsys.readouterr().err
 
 
 def test_serve_without_pool_flags_serves_default(start_server):

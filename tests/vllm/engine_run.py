@@ -86,6 +86,9 @@ def main() -> None:
     again = []
     if args.then_kill:
         os.kill(args.then_kill, signal.SIGKILL)
+        # vLLM's own cache forgets the prompts: a prompt it held whole would cost radixkv no call, and the pass is
+        # to show the connector standing aside for a server that is gone
+        assert llm.reset_prefix_cache(), "vLLM kept its prefix cache"
         again = llm.generate(prompts, params, use_tqdm=False)
     result = {
         "start_seconds": start_seconds,

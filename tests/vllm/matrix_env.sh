@@ -13,7 +13,7 @@ kind=$1 version=$2 dir=$3
 # and 0.7.4 are); it is a GPU attention kernel library the scheduler side never imports.
 GPU_SKIP="flashinfer-python"
 TEST_DEPS=(sortedcontainers grpcio-status grpcio-health-checking grpcio-reflection gguf accelerate pytest
-  pytest-timeout pytest-asyncio msgpack)
+  pytest-timeout pytest-asyncio msgpack xxhash blake3)
 
 (
   flock 9
