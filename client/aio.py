@@ -39,8 +39,8 @@ from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
+from radixkv.tree.eviction import NO_RETENTION, Retention
 from radixkv.tree.radix_tree import TokenIds
-from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -174,9 +174,12 @@ class AsyncRadixKVClient:
         return opened[0]
 
     async def open_many(
-        self, prompts: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        self,
+        prompts: Sequence[tuple[TokenIds, str]],
+        *,
+        max_new_tokens: Sequence[int] | None = None,
         priorities: Sequence[int] | None = None,
-    ) -> list[OpenResult]:  # fmt: skip
+    ) -> list[OpenResult]:
         request = m.open_request(self.pool, self.session_id, prompts, max_new_tokens, priorities)
         results = m.open_results(await self._apply(self._stub.OpenSequences, request))
         self._tables.opened(results)

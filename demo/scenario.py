@@ -157,15 +157,21 @@ def run(args: argparse.Namespace, started: float) -> int:
         print(format_moves(orchestrator.steps, layout))
         unconstrained = dataclasses.replace(layout, num_blocks=max(UNCONSTRAINED_BLOCKS, args.num_blocks))
         label = f"an unconstrained run ({unconstrained.num_blocks} blocks, no preemption)"
-        print(f"\nre-running the {len(specs)} requests as {label}, to check that preemption changed no token "
-              f"(about {seconds:.0f} s, as long as the run) ...", flush=True)  # fmt: skip
+        print(
+            f"\nre-running the {len(specs)} requests as {label}, to check that preemption changed no token "
+            f"(about {seconds:.0f} s, as long as the run) ...",
+            flush=True,
+        )
         again = generate(chat, unconstrained, args, specs, 0, None)[0]
         if compare(label, results, again):
             return 1  # preemption must not change a single token
     if lossy:  # the same requests on a pool of the model's dtype: what the rounding changed
         exact = dataclasses.replace(layout, dtype=canonical_dtype(args.dtype))
-        print(f"\nre-running the {len(specs)} requests on a {exact.dtype} pool, to show what the {kv_dtype} pool's "
-              f"rounding changed (about {seconds:.0f} s, as long as the run) ...", flush=True)  # fmt: skip
+        print(
+            f"\nre-running the {len(specs)} requests on a {exact.dtype} pool, to show what the {kv_dtype} pool's "
+            f"rounding changed (about {seconds:.0f} s, as long as the run) ...",
+            flush=True,
+        )
         again = generate(chat, exact, args, specs, args.host_blocks, None)[0]
         compare(f"a {exact.dtype} pool (the {kv_dtype} pool rounds K/V, so answers may differ)", results, again)
     print(

@@ -69,8 +69,9 @@ class NotAdmitted(RadixKVError):
     def __init__(self, blocks_needed: int, blocks_available: int) -> None:
         super().__init__(
             f"not admitted: needs {blocks_needed} blocks (prompt and reserved growth), {blocks_available} available",
-            blocks_needed=blocks_needed, blocks_available=blocks_available,
-        )  # fmt: skip
+            blocks_needed=blocks_needed,
+            blocks_available=blocks_available,
+        )
         self.blocks_needed = blocks_needed
         self.blocks_available = blocks_available
 
@@ -85,8 +86,10 @@ class TokenBudget(RadixKVError):
     def __init__(self, tenant: str, num_tokens: int, retry_after_ms: int) -> None:
         super().__init__(
             f"tenant {tenant!r} token budget: {num_tokens} tokens asked, retry in {retry_after_ms} ms",
-            tenant=tenant, num_tokens=num_tokens, retry_after_ms=retry_after_ms,
-        )  # fmt: skip
+            tenant=tenant,
+            num_tokens=num_tokens,
+            retry_after_ms=retry_after_ms,
+        )
         self.tenant = tenant
         self.num_tokens = num_tokens
         self.retry_after_ms = retry_after_ms
@@ -117,8 +120,11 @@ class QuotaExceeded(RadixKVError):
     def __init__(self, tenant: str, needed: int, available: int) -> None:
         super().__init__(
             f"tenant {tenant!r} block quota: needed {needed}, available {available}",
-            limit="max_blocks", tenant=tenant, needed=needed, available=available,
-        )  # fmt: skip
+            limit="max_blocks",
+            tenant=tenant,
+            needed=needed,
+            available=available,
+        )
         self.tenant = tenant
         self.needed = needed
         self.available = available

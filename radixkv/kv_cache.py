@@ -34,6 +34,7 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.retain import expire, retain
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
+from radixkv.tree.eviction import NO_RETENTION, Retention
 from radixkv.tree.host_tier import HostTier, ResultScope
 from radixkv.tree.pins import Pins
 from radixkv.tree.radix_tree import (
@@ -45,7 +46,6 @@ from radixkv.tree.radix_tree import (
     existing_root,
     namespace_root,
 )
-from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.tree.tree_check import check_host_tier
 
 __all__ = ["DEFAULT_NAMESPACE", "KVCache", "Limits"]
@@ -355,7 +355,7 @@ class KVCache:
     def retain(
         self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, retention: Retention = NO_RETENTION
     ) -> int:
-        """A soft hint on the cached prefix of `token_ids` (TTL, priority, end of session: `radixkv.tree.retention`);
+        """A soft hint on the cached prefix of `token_ids` (TTL, priority, end of session: `radixkv.tree.eviction`);
         returns the tokens it covers. `expire()` evicts what a TTL let go, at once."""
         root = existing_root(self.tree, namespace)
         return retain(self._blocks, root, self._key(token_ids, "token_ids"), retention) if root is not None else 0

@@ -1,8 +1,7 @@
 """The formatter formats: a `# fmt: skip` in product code needs its reason in a comment on the line above it.
 
 Hand alignment that the formatter would undo is sometimes worth keeping (a table of cases, one per row); the
-reason says which. Issue 41 removed the bare ones from the modules it merged; the files below still hold some
-and are being burned down: a file leaves the list once it is clean, and none joins it.
+reason says which. Issue 41 removed every bare one (the formatter formats those lines now).
 """
 
 from __future__ import annotations
@@ -11,26 +10,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integrations")
-NOT_YET_CLEAN = {
-    "client/aio.py",
-    "client/fleet/router.py",
-    "client/session/client.py",
-    "client/session/messages.py",
-    "integrations/vllm/events.py",
-    "radixkv/errors.py",
-    "radixkv/pressure/preemption.py",
-    "radixkv/pressure/swap.py",
-    "radixkv/sequences/results.py",
-    "radixkv/state/cache_state.py",
-    "server/events/hub.py",
-    "server/events/kv_events_config.py",
-    "server/process/audit_image.py",
-    "server/process/metrics.py",
-    "server/process/pool_setup.py",
-    "server/rules/config.py",
-    "server/rules/pools.py",
-    "server/rules/sizes.py",
-}
 
 
 def bare_fmt_skips(root: Path) -> list[str]:
@@ -47,8 +26,7 @@ def bare_fmt_skips(root: Path) -> list[str]:
 
 def test_every_fmt_skip_gives_its_reason() -> None:
     bare = bare_fmt_skips(ROOT)
-    assert [b for b in bare if b.split(":")[0] not in NOT_YET_CLEAN] == []
-    assert not NOT_YET_CLEAN - {b.split(":")[0] for b in bare}, "a clean file leaves NOT_YET_CLEAN"
+    assert bare == []
 
 
 def test_a_bare_fmt_skip_is_found(tmp_path: Path) -> None:

@@ -17,8 +17,11 @@ EXCEPTIONS = {
     "radixkv/kv_cache.py": "KVCache, the core's API: one method per call, each the first hop of its path",
     "radixkv/tree/radix_tree.py": "the radix tree: token keys, matching, splitting, insert, locks and eviction over "
     "one set of nodes (the policy's order and each owner's own LRU list are two views of the same evictable leaves)",
+    "radixkv/tree/eviction.py": "the eviction order: each policy's key and the retention tiers every key starts with",
     "radixkv/sequences/append.py": "appending all or none: one plan, its two bodies (a loop, numpy columns) and fork",
     "radixkv/sequences/sequence.py": "live sequences: their records, block tables and the columns of their hot fields",
+    "server/rules/checks.py": "a step's checks: sizes, deadlines, counts, namespaces, shares (each refusal it can get)",
+    "client/session/client.py": "RadixKVClient: one method per RPC, each the caller's whole contract for that call",
     "server/rules/service.py": "KVService and the path every change takes: a step checked, then applied all or none",
     "server/rules/sessions.py": "a session: its lease, its sequences and the window of its answered request ids",
     "server/wire/servicer.py": "KVCache on the wire: requests to steps, results to responses, unary and stream",

@@ -228,7 +228,7 @@ class Router:
                 i.index.num_divergences,
                 i.index.digest,
                 i.unhealthy_since if not i.healthy else None,
-            )  # fmt: skip
+            )
             for i in self._instances
         ]
 

@@ -43,8 +43,8 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.step import Step, StepResult
 from radixkv.stats import Stats
 from radixkv.tree.block_hash import HashContract
+from radixkv.tree.eviction import NO_RETENTION, Retention
 from radixkv.tree.radix_tree import TokenIds
-from radixkv.tree.retention import NO_RETENTION, Retention
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -67,10 +67,18 @@ class RadixKVClient:
     """
 
     def __init__(
-        self, address: str, *, pool: str = "default", token: str | None = None,
-        tls_root_cert: bytes | str | None = None, tls_server_name: str | None = None, session_ttl: float = 30.0,
-        timeout: float = 30.0, max_message_bytes: int = 64 * 2**20, block_size: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        address: str,
+        *,
+        pool: str = "default",
+        token: str | None = None,
+        tls_root_cert: bytes | str | None = None,
+        tls_server_name: str | None = None,
+        session_ttl: float = 30.0,
+        timeout: float = 30.0,
+        max_message_bytes: int = 64 * 2**20,
+        block_size: int | None = None,
+    ) -> None:
         credentials, options = channel_settings(max_message_bytes, tls_root_cert, tls_server_name)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options)
@@ -164,19 +172,34 @@ class RadixKVClient:
 
     @overload
     def open(
-        self, token_ids: TokenIds, namespace: str = ..., *, max_new_tokens: int = ..., priority: int = ...,
+        self,
+        token_ids: TokenIds,
+        namespace: str = ...,
+        *,
+        max_new_tokens: int = ...,
+        priority: int = ...,
         explain: Literal[False] = False,
-    ) -> OpenResult: ...  # fmt: skip
+    ) -> OpenResult: ...
     @overload
     def open(
-        self, token_ids: TokenIds, namespace: str = ..., *, max_new_tokens: int = ..., priority: int = ...,
+        self,
+        token_ids: TokenIds,
+        namespace: str = ...,
+        *,
+        max_new_tokens: int = ...,
+        priority: int = ...,
         explain: Literal[True],
-    ) -> tuple[OpenResult, MatchExplanation]: ...  # fmt: skip
+    ) -> tuple[OpenResult, MatchExplanation]: ...
 
     def open(
-        self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE, *, max_new_tokens: int = 0, priority: int = 0,
+        self,
+        token_ids: TokenIds,
+        namespace: str = DEFAULT_NAMESPACE,
+        *,
+        max_new_tokens: int = 0,
+        priority: int = 0,
         explain: bool = False,
-    ) -> OpenResult | tuple[OpenResult, MatchExplanation]:  # fmt: skip
+    ) -> OpenResult | tuple[OpenResult, MatchExplanation]:
         """Start a sequence, reusing the longest cached prefix; see `KVCache.open` (`max_new_tokens`: admission
         by token budget, `NotAdmitted` or `TokenBudget` when refused).
 
@@ -192,9 +215,12 @@ class RadixKVClient:
         return results[0], MatchExplanation.from_response(response.sequences[0])
 
     def open_many(
-        self, prompts: Sequence[tuple[TokenIds, str]], *, max_new_tokens: Sequence[int] | None = None,
+        self,
+        prompts: Sequence[tuple[TokenIds, str]],
+        *,
+        max_new_tokens: Sequence[int] | None = None,
         priorities: Sequence[int] | None = None,
-    ) -> list[OpenResult]:  # fmt: skip
+    ) -> list[OpenResult]:
         """Open several sequences, all or none; `max_new_tokens[i]`, `priorities[i]` per prompt (None: all 0)."""
         request = m.open_request(self.pool, self.session_id, prompts, max_new_tokens, priorities)
         results = m.open_results(self._apply(self._stub.OpenSequences, request))

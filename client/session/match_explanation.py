@@ -31,6 +31,9 @@ class MatchExplanation:
             response.miss_block_index,
             response.evicted_at_unix_ns,
             response.other_namespace,
-            *((response.num_host_cached_tokens, response.num_disk_cached_tokens)
-              if isinstance(response, pb.MatchResponse) else ()),
-        )  # fmt: skip
+            *(
+                (response.num_host_cached_tokens, response.num_disk_cached_tokens)
+                if isinstance(response, pb.MatchResponse)
+                else ()
+            ),
+        )

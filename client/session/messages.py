@@ -22,8 +22,8 @@ from radixkv.memory.layout import PoolLayout
 from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.stats import Stats
+from radixkv.tree.eviction import Retention
 from radixkv.tree.radix_tree import TokenIds
-from radixkv.tree.retention import Retention
 from radixkv.v1 import kvcache_pb2 as pb
 
 _STATS_FIELDS = [f for f in pb.PoolStats.DESCRIPTOR.fields_by_name if f in {g.name for g in dataclasses.fields(Stats)}]
@@ -58,7 +58,7 @@ def open_request(
                 namespace=ns,
                 max_new_tokens=budget,
                 priority=rank,
-            )  # fmt: skip
+            )
             for i, ((t, ns), budget, rank) in enumerate(zip(prompts, budgets, ranks, strict=True))
         ],
     )
@@ -181,9 +181,14 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     return ResumeResult(
-        r.seq_id, r.num_cached_tokens, int32(r.block_ids), slots, r.num_host_hit_tokens, transfer_pairs(r.offloads),
+        r.seq_id,
+        r.num_cached_tokens,
+        int32(r.block_ids),
+        slots,
+        r.num_host_hit_tokens,
+        transfer_pairs(r.offloads),
         transfer_pairs(r.loads),
-    )  # fmt: skip
+    )
 
 
 def victims_request(pool: str, session_id: str, num_blocks: int) -> pb.VictimsRequest:
@@ -208,9 +213,11 @@ def retain_request(
 ) -> pb.RetainRequest:
     """A Retain request carrying `retention` (checked here, as the server checks it)."""
     hint = pb.Retention(
-        ttl_seconds=retention.ttl_s, priority=retention.priority, refresh=retention.refresh,
+        ttl_seconds=retention.ttl_s,
+        priority=retention.priority,
+        refresh=retention.refresh,
         end_session=retention.end_session,
-    )  # fmt: skip
+    )
     return prefix_request(pb.RetainRequest, pool, session_id, token_ids, namespace, retention=hint)
 
 

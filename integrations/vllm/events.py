@@ -26,9 +26,14 @@ REOPEN_AFTER = 5.0  # seconds before reopening a stream that broke
 def vllm_event(event: KVEvent, block_size: int, medium: str) -> KVCacheEvent:
     if event.kind is KVEventKind.BLOCKS_STORED:
         return BlockStored(
-            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
-            token_ids=list(event.token_ids), block_size=block_size, lora_id=None, medium=medium, lora_name=None,
-        )  # fmt: skip
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids),
+            block_size=block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
     return BlockRemoved(block_hashes=list(event.block_hashes), medium=medium)
 
 

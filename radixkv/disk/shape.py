@@ -14,6 +14,11 @@ def disk_shape(layout: PoolLayout) -> DiskShape:
     contract = HashContract(block_size=layout.block_size)
     fields = tuple((f.name, getattr(contract, f.name)) for f in dataclasses.fields(contract))
     return DiskShape(
-        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size,
-        layout.bytes_per_block, fields,
-    )  # fmt: skip
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.dtype,
+        layout.block_size,
+        layout.bytes_per_block,
+        fields,
+    )

@@ -37,9 +37,15 @@ def _one(job: tuple[int | None, str, float]) -> float:
 
 
 def run(
-    traces: str, concurrency: float, capacities: list[int], policy: str, *, ttl_s: float = 0.0, seed: int = 7,
+    traces: str,
+    concurrency: float,
+    capacities: list[int],
+    policy: str,
+    *,
+    ttl_s: float = 0.0,
+    seed: int = 7,
     jobs: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Replay and return `{"points": [...], "infinite": h, "ttl": ..., "seconds": s}` (see `format_report`)."""
     started = time.perf_counter()
     policies = list(POLICIES) if policy == "all" else [policy]

@@ -24,9 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.kv_cache import KVCache
-from radixkv.tree.eviction import EvictionPolicy, KeyedPolicy, make_policy
+from radixkv.tree.eviction import EvictionPolicy, KeyedPolicy, Retention, make_policy
 from radixkv.tree.radix_tree import Node, RadixTree
-from radixkv.tree.retention import Retention
 
 UNIT_IDS = 8  # hash ids (64 tokens each) per 512-token unit: the replay's block size
 TOKENS_PER_UNIT = 512
@@ -120,9 +119,13 @@ def _min_policy(uses: dict[int, list[int]], position: list[int], clock: _Clock) 
 
 
 def replay(
-    events: list[tuple[float, Request]], capacity_tokens: int | None, policy: str, *, ttl_s: float = 0.0,
+    events: list[tuple[float, Request]],
+    capacity_tokens: int | None,
+    policy: str,
+    *,
+    ttl_s: float = 0.0,
     uses: dict[int, list[int]] | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """The prompt-unit hit ratio of `events` through a `KVCache` of `capacity_tokens` (None: never evicts)
     under `policy` (a `make_policy` name or "min"). With `ttl_s`, each request's prefix gets a TTL refreshed
     on use, and expired prefixes go before each request (the hosted APIs' meaning)."""

@@ -157,9 +157,14 @@ class Preemption:
         opened = open_planned(blocks, self.sequences, planned, [record.namespace], ranks, record.seq_id)[0]
         blocks.stats.num_recomputed_tokens += key.num_tokens - opened.num_cached_tokens
         return ResumeResult(
-            opened.seq_id, opened.num_cached_tokens, opened.block_table, opened.slot_source,
-            opened.num_host_hit_tokens, opened.offloads, opened.loads,
-        )  # fmt: skip
+            opened.seq_id,
+            opened.num_cached_tokens,
+            opened.block_table,
+            opened.slot_source,
+            opened.num_host_hit_tokens,
+            opened.offloads,
+            opened.loads,
+        )
 
     def _resume_swap(self, record: PreemptedSequence, tier: SwapTier) -> ResumeResult:
         """Bring a swapped-out sequence back through the swap tier, then register it and its reservation."""

@@ -99,15 +99,29 @@ class HostSwap:
         host.num_swapped_sequences -= 1
         table = BlockTable.of([*path_runs(node), own])
         seq = LiveSequence(
-            record.seq_id, record.namespace, key.tail_after(num_matched * bs), table, node, num_matched,
-            NO_BLOCKS, key.num_tokens, num_computed, record.priority, record.reserve_until,
-        )  # fmt: skip
+            record.seq_id,
+            record.namespace,
+            key.tail_after(num_matched * bs),
+            table,
+            node,
+            num_matched,
+            NO_BLOCKS,
+            key.num_tokens,
+            num_computed,
+            record.priority,
+            record.reserve_until,
+        )
         table_ids = table.array()
         slots = SlotPlan(bs, table_ids[num_computed // bs :], [num_computed % bs], [key.num_tokens - num_computed])
         resumed = ResumeResult(
-            record.seq_id, num_computed, table_ids, slots, num_on_host * bs, host.take_offloads(),
+            record.seq_id,
+            num_computed,
+            table_ids,
+            slots,
+            num_on_host * bs,
+            host.take_offloads(),
             concat_pairs([path_loads, own_loads]),
-        )  # fmt: skip
+        )
         return seq, resumed
 
     def discard(self, record: PreemptedSequence) -> None:

@@ -130,14 +130,30 @@ class AppendBatch:
     worker reads only `slots` and `copies` never pays for the rest); the client passes lists.
     """
 
-    __slots__ = ("seq_ids", "num_appended", "_num_tokens", "_table_offsets", "_num_block_ids", "_block_ids",
-                 "copies", "slot_source", "offloads")  # fmt: skip
+    __slots__ = (
+        "seq_ids",
+        "num_appended",
+        "_num_tokens",
+        "_table_offsets",
+        "_num_block_ids",
+        "_block_ids",
+        "copies",
+        "slot_source",
+        "offloads",
+    )
 
     def __init__(
-        self, seq_ids: list[int], num_appended: list[int], num_tokens: Column, table_offsets: Column,
-        num_block_ids: Column, block_ids: list[int] | npt.NDArray[np.int32], copies: list[tuple[int, int, int]],
-        slot_source: SlotPlan | npt.NDArray[np.int64], offloads: Pairs = NO_PAIRS,
-    ) -> None:  # fmt: skip
+        self,
+        seq_ids: list[int],
+        num_appended: list[int],
+        num_tokens: Column,
+        table_offsets: Column,
+        num_block_ids: Column,
+        block_ids: list[int] | npt.NDArray[np.int32],
+        copies: list[tuple[int, int, int]],
+        slot_source: SlotPlan | npt.NDArray[np.int64],
+        offloads: Pairs = NO_PAIRS,
+    ) -> None:
         self.seq_ids, self.num_appended = seq_ids, num_appended  # tokens appended to each sequence
         self._num_tokens, self._table_offsets, self._num_block_ids = num_tokens, table_offsets, num_block_ids
         self._block_ids = block_ids

@@ -1,10 +1,10 @@
-"""Retention hints on a cached prefix, and a TTL's expiry (`radixkv.tree.retention` says what they mean)."""
+"""Retention hints on a cached prefix, and a TTL's expiry (`radixkv.tree.eviction` says what they mean)."""
 
 from __future__ import annotations
 
 from radixkv.sequences.admission import Allocator
+from radixkv.tree.eviction import Retention, apply
 from radixkv.tree.radix_tree import Node, TokenKey
-from radixkv.tree.retention import Retention, apply
 
 
 def retain(blocks: Allocator, root: Node, key: TokenKey, retention: Retention) -> int:

@@ -33,9 +33,19 @@ from radixkv.tree.radix_tree import Node
 
 # Stats fields that are gauges, read from the structures at `stats()` time: never restored.
 _GAUGES = frozenset(
-    {"num_blocks_free", "num_blocks_cached", "num_blocks_evictable", "num_blocks_pinned", "num_blocks_in_use",
-     "num_live_sequences", "num_namespaces", "num_blocks_total", "num_blocks_reserved", "num_preempted_sequences"}
-)  # fmt: skip
+    {
+        "num_blocks_free",
+        "num_blocks_cached",
+        "num_blocks_evictable",
+        "num_blocks_pinned",
+        "num_blocks_in_use",
+        "num_live_sequences",
+        "num_namespaces",
+        "num_blocks_total",
+        "num_blocks_reserved",
+        "num_preempted_sequences",
+    }
+)
 
 
 def _i32(values: Any) -> bytes:
@@ -64,14 +74,27 @@ def capture(cache: KVCache) -> dict[str, Any]:
     # Locks in the stored form: holders whose locked path runs through each node (`radixkv.tree.lock_counts`).
     through = holders_through(_lock_holders(cache))
     sequences = [
-        [s.seq_id, s.namespace, s.tail(), _i32(s.block_table[:]), ref(s.lock_node), s.num_tree_blocks,
-         _i32(s.private_prefix), s.num_tokens, s.num_computed_tokens, s.priority, s.reserve_until]
+        [
+            s.seq_id,
+            s.namespace,
+            s.tail(),
+            _i32(s.block_table[:]),
+            ref(s.lock_node),
+            s.num_tree_blocks,
+            _i32(s.private_prefix),
+            s.num_tokens,
+            s.num_computed_tokens,
+            s.priority,
+            s.reserve_until,
+        ]
         for s in cache._sequences
-    ]  # fmt: skip
+    ]
     # Tokens and watermarks; a swapped-out sequence's host blocks are in the host tier's columns.
     records = list(cache._sequences.preempted.values())
-    preempted = [[p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
-                 for p in records]  # fmt: skip
+    preempted = [
+        [p.seq_id, p.namespace, p.token_bytes, p.num_computed_tokens, p.priority, p.reserve_until, p.mode]
+        for p in records
+    ]
     pins = [[namespace, key, ref(node), 1] for (namespace, key), nodes in cache._pins._pins.items() for node in nodes]
     return {
         "block_size": cache.block_size,
@@ -167,9 +190,18 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int)
         if lock_node.namespace != namespace:
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
         seq = LiveSequence(
-            int(seq_id), namespace, bytes(tail), BlockTable.of([_ids(table)]), lock_node, int(num_tree_blocks),
-            _ids(private), int(num_tokens), int(num_computed), int(rank), int(until),
-        )  # fmt: skip
+            int(seq_id),
+            namespace,
+            bytes(tail),
+            BlockTable.of([_ids(table)]),
+            lock_node,
+            int(num_tree_blocks),
+            _ids(private),
+            int(num_tokens),
+            int(num_computed),
+            int(rank),
+            int(until),
+        )
         cache._sequences.add(seq)
         cache._blocks.num_reserved += seq.reservation()
     for seq_id, namespace, token_bytes, num_computed, rank, until, mode in state["preempted"]:

@@ -1,4 +1,4 @@
-"""Retention hints and use stamps in a snapshot: what `radixkv.tree.retention` keeps on each node.
+"""Retention hints and use stamps in a snapshot: what `radixkv.tree.eviction` keeps on each node.
 
 Times are stored relative to the capture (a TTL's seconds left, a use's age), since the policy clock is
 monotonic and starts again with the next process. A snapshot written before hints existed has no

@@ -12,13 +12,15 @@ split) without breaking removal. The policies (`make_policy`):
 - `agent` (the default for agent traffic): predicts each branch's next use from its own pauses (`AgentPolicy`).
 - an oracle (`KeyedPolicy`): a key the caller computes (Belady's MIN in `radixkv replay`).
 
-Retention hints (`radixkv.tree.retention`) sit above every policy, in tiers: leaves of an ended session (or of a
+Retention hints (`radixkv.tree.eviction`) sit above every policy, in tiers: leaves of an ended session (or of a
 negative priority) go before all others; leaves kept by a TTL or a positive priority after all others, until
 the TTL runs out (`first` moves an expired one back among the others). Soft: nothing is ever refused for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -26,10 +28,125 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
-from radixkv.tree.radix_node import Node, lru_key
-from radixkv.tree.retention import DOOMED, NORMAL, RETAINED, tier
+from radixkv.errors import InvalidArgument
+from radixkv.tree.radix_node import Node
+
+# -- from tree/retention.py (merged, issue 41: one concept, one module):
+# Retention hints on cached prefixes: a TTL (refreshed on use unless asked otherwise), a priority, an end of session.
+#
+# Hints are soft: they order eviction (`radixkv.tree.eviction`), never refuse it. A prefix kept by a TTL or a
+# positive priority is evicted only after every leaf without one, and its priority decays to the default when its
+# TTL runs out; an ended session's own branch (the part no other branch or holder shares) goes first, as does a
+# negative priority. Hard pins stay what they were (`radixkv.tree.pins`, bounded by the pool's pinned share).
+# A hint is written on each node of the prefix's path (`apply`); a use stamps the node (`stamp`, at unlock).
+
+DOOMED, NORMAL, RETAINED = 0, 1, 2  # the eviction tiers, first to go first
+MAX_TTL_S = 7 * 24 * 3600.0  # a week: longer is a pin, which has its own bound
+MAX_PRIORITY = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retention:
+    """What a caller asks for a prefix. `ttl_s` 0: no TTL; `refresh`: each use restarts the TTL (the hosted APIs'
+    prompt caching); `priority`: higher stays longer, negative goes first; `end_session`: the session is over,
+    its own branch may go first."""
+
+    ttl_s: float = 0.0
+    priority: int = 0
+    refresh: bool = True
+    end_session: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ttl_s) and 0 <= self.ttl_s <= MAX_TTL_S):
+            raise InvalidArgument("retention.ttl_s", f"must be in [0, {MAX_TTL_S:.0f}] seconds, got {self.ttl_s}")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidArgument(
+                "retention.priority", f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}"
+            )
+
+    @property
+    def is_default(self) -> bool:
+        return self == NO_RETENTION
+
+
+NO_RETENTION = Retention()
+
+
+def tier(node: Node, now: float) -> int:
+    """The eviction tier `node` lists in at `now` (read only when it has a deadline)."""
+    if node.ended or node.retain_priority < 0:
+        return DOOMED
+    if node.retain_until_s:
+        return RETAINED if node.retain_until_s > now else NORMAL
+    return RETAINED if node.retain_priority > 0 else NORMAL
+
+
+def stamp(node: Node, now: float) -> None:
+    """A use of `node` ended at `now`: its pause since the last one (a new node takes its parent's), its count,
+    and its TTL restarted where it refreshes."""
+    previous = node.used_s or (node.parent.used_s if node.parent is not None else 0.0)
+    node.gap_s = now - previous if previous else -1.0
+    node.used_s = now
+    node.num_uses += 1
+    if node.retain_ttl_s:
+        node.retain_until_s = now + node.retain_ttl_s
+    elif node.retain_until_s and node.retain_until_s <= now:  # expired while locked: back to the default
+        node.retain_until_s, node.retain_priority = 0.0, 0
+    node.ended = False  # used again: the session was not over
+
+
+def apply(path: list[Node], retention: Retention, now: float) -> list[Node]:
+    """Write `retention` on the nodes of a cached path (top-down, deepest last); returns the nodes changed.
+
+    An end of session marks only the path's own tail: from the deepest node up to (not including) the first
+    node another branch or a live holder shares.
+    """
+    if retention.end_session:
+        own: list[Node] = []
+        for node in reversed(path):
+            if node.lock_ref or node.pin_ref or len(node.children) > (1 if own else 0):
+                break  # a live holder, a pin or another branch shares it
+            own.append(node)
+        for node in own:
+            node.ended = True
+        return own
+    for node in path:
+        if retention.ttl_s:
+            node.retain_until_s = max(node.retain_until_s, now + retention.ttl_s)
+            node.retain_ttl_s = retention.ttl_s if retention.refresh else 0.0
+        node.retain_priority = retention.priority
+        node.ended = False
+    return path
+
+
+def describe(node: Node, now: float) -> dict[str, float | int | bool]:
+    """A node's retention as Describe and explain show it."""
+    return {
+        "ttl_left_s": max(0.0, node.retain_until_s - now) if node.retain_until_s else 0.0,
+        "refresh_s": node.retain_ttl_s,
+        "priority": node.retain_priority,
+        "ended": node.ended,
+    }
+
+
+def inherit(upper: Node, node: Node) -> None:
+    """A split made `upper` the head of `node`: it was used, and is retained, exactly as `node` was."""
+    upper.used_s, upper.gap_s, upper.num_uses, upper.high_water = node.used_s, node.gap_s, node.num_uses, 0
+    upper.retain_until_s, upper.retain_ttl_s, upper.retain_priority = (
+        node.retain_until_s,
+        node.retain_ttl_s,
+        node.retain_priority,
+    )
+    upper.ended = node.ended
+
 
 __all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "make_policy"]
+
+
+def lru_key(node: Node) -> tuple[int, int]:
+    """The evictable lists' order: least recently accessed first, node id breaking ties."""
+    return (node.last_access, node.node_id)
+
 
 POLICIES = ("agent", "lru", "slru", "tlru")
 
@@ -55,7 +172,7 @@ class EvictionPolicy:
     """The evictable leaves in eviction order (LRU here; a subclass changes `key`, or the normal tier's lists).
 
     `first()` is the next victim; iteration goes in eviction order (the normal tier's, approximately, for a
-    policy with more than one list). `clock` (seconds) stamps each use (`radixkv.tree.retention.stamp`).
+    policy with more than one list). `clock` (seconds) stamps each use (`radixkv.tree.eviction.stamp`).
     """
 
     name = "lru"

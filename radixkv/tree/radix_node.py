@@ -1,6 +1,7 @@
-"""The radix tree's records: a node (a run of whole blocks and who holds it), a match, and the two hooks the tree
-calls out through (an observer of what it caches, the host tier under it). Apart from `radix_tree.py` because the
-eviction policies and retention hints (`eviction.py`, `retention.py`), which the tree holds, read them too."""
+"""The radix tree's node record (a run of whole blocks and who holds it) and the two hooks the tree calls out
+through (an observer of what it caches, the host tier under it). Records only, no behaviour: apart from
+`radix_tree.py` because the eviction policies and retention hints (`eviction.py`), which the tree holds, read
+nodes too."""
 
 from __future__ import annotations
 
@@ -30,12 +31,12 @@ class Node:
     lock_ref: int = 0
     pin_ref: int = 0  # pins whose path runs through here (each also holds a lock)
     last_access: int = 0  # tree clock when it last locked, unlocked or took a holder: the LRU key
-    node_id: int = dataclasses.field(default_factory=lambda: next(_node_ids))  # tie-break and identity in checks
+    node_id: int = dataclasses.field(default_factory=_node_ids.__next__)  # tie-break and identity in checks
     # The host tier (`radixkv.tree.host_tier`): this node's blocks there (empty: none; with block_ids too: a copy),
     # and its host-only children (no device blocks), which device walks never see.
-    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: NO_BLOCKS)
+    host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=itertools.repeat(NO_BLOCKS).__next__)
     host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
-    # Eviction order and retention (`radixkv.tree.eviction`, `radixkv.tree.retention`): the key it is listed
+    # Eviction order and retention (`radixkv.tree.eviction`): the key it is listed
     # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
     # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
     evict_key: tuple[Any, ...] | None = None
@@ -48,46 +49,8 @@ class Node:
     retain_priority: int = 0
     ended: bool = False
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
 
 OWNER_SEPARATOR = "/"
-
-
-def owner_of(namespace: str) -> str:
-    """Whose a namespace is, for per-owner eviction: the name before its first "/" (the server scopes a tenant's
-    namespaces as "<tenant>/<name>"), or the whole name when it has none."""
-    return namespace.partition(OWNER_SEPARATOR)[0]
-
-
-def lru_key(node: Node) -> tuple[int, int]:
-    """The evictable lists' order: least recently accessed first, node id breaking ties."""
-    return (node.last_access, node.node_id)
-
-
-@dataclasses.dataclass(slots=True)
-class Match:
-    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
-
-    node: Node
-    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
-    num_blocks: int  # blocks matched from the root
-    path: list[Node]  # root excluded, top-down, `node` last
-
-    def unlocked_on_path(self) -> list[tuple[int, int]]:
-        """(node id, matched blocks in it) of each unlocked node on the path: what locking it takes out of the
-        evictable blocks."""
-        return [
-            (node.node_id, self.num_blocks_in_node if node is self.node else len(node.block_ids))
-            for node in self.path
-            if node.lock_ref == 0
-        ]
-
-    def num_newly_locked(self) -> int:
-        """Cached blocks that locking this match takes out of the evictable ones."""
-        return sum(n for _, n in self.unlocked_on_path())
 
 
 class TreeObserver(Protocol):

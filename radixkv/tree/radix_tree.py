@@ -8,12 +8,13 @@ Eviction takes the first unlocked leaf's tail blocks in the policy's order (`rad
 default; O(log n) per leaf touched); an owner's eviction (a tenant past its cache share) takes its own least
 recently used leaf from its own list, never looking at another owner's leaves (O(log n) per leaf too, however
 many leaves others cache).
-Token ids as it keys them (`TokenKey`: int32 bytes) and namespace roots are here; its records (`Node`,
-`Match`) are in `radix_node.py`, which the eviction policies read too.
+Token ids as it keys them (`TokenKey`: int32 bytes), a match's record (`Match`) and namespace roots are here; the
+node record is in `radix_node.py`, which the eviction policies read too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
@@ -24,9 +25,8 @@ from sortedcontainers import SortedList
 
 from radixkv.errors import InvalidArgument, LimitExceeded
 from radixkv.memory.block_pool import NO_BLOCKS, BlockIds
-from radixkv.tree.eviction import EvictionPolicy
-from radixkv.tree.radix_node import HostHook, Match, Node, TreeObserver, lru_key, owner_of
-from radixkv.tree.retention import inherit, stamp
+from radixkv.tree.eviction import EvictionPolicy, inherit, lru_key, stamp
+from radixkv.tree.radix_node import OWNER_SEPARATOR, HostHook, Node, TreeObserver
 
 # -- from tree/token_ids.py (merged, issue 41: one concept, one module):
 # Token ids as the core keeps them: little-endian int32 bytes, so prefixes compare with one memcmp.
@@ -148,6 +148,35 @@ def common_blocks(key: bytes, pos: int, end: int, run: bytes, block_size: int) -
     return (int(differ[0]) if differ.size else n) // block_size
 
 
+def owner_of(namespace: str) -> str:
+    """Whose a namespace is, for per-owner eviction: the name before its first "/" (the server scopes a tenant's
+    namespaces as "<tenant>/<name>"), or the whole name when it has none."""
+    return namespace.partition(OWNER_SEPARATOR)[0]
+
+
+@dataclasses.dataclass(slots=True)
+class Match:
+    """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
+
+    node: Node
+    num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
+    num_blocks: int  # blocks matched from the root
+    path: list[Node]  # root excluded, top-down, `node` last
+
+    def unlocked_on_path(self) -> list[tuple[int, int]]:
+        """(node id, matched blocks in it) of each unlocked node on the path: what locking it takes out of the
+        evictable blocks."""
+        return [
+            (node.node_id, self.num_blocks_in_node if node is self.node else len(node.block_ids))
+            for node in self.path
+            if node.lock_ref == 0
+        ]
+
+    def num_newly_locked(self) -> int:
+        """Cached blocks that locking this match takes out of the evictable ones."""
+        return sum(n for _, n in self.unlocked_on_path())
+
+
 __all__ = ["Match", "Node", "RadixTree", "TreeObserver", "lru_key", "owner_of"]
 
 
@@ -231,7 +260,7 @@ class RadixTree:
     def split(self, match: Match) -> Node:
         """Make the match end on a node boundary; returns the node that ends exactly there."""
         node, k = match.node, match.num_blocks_in_node
-        if node.is_root or k == len(node.block_ids):
+        if node.parent is None or k == len(node.block_ids):
             return node
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
@@ -283,7 +312,7 @@ class RadixTree:
         if self.host is not None:
             self.host.drop_overlap(node, first)
         child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
-        if node.lock_ref == 0 and not node.children and not node.is_root:
+        if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._unlist(node)
         node.children[first] = child
         if self.touched is not None:
@@ -303,7 +332,7 @@ class RadixTree:
         del parent.host_children[first]
         if self.touched is not None:
             self.touched.update((node, parent))
-        if parent.lock_ref == 0 and not parent.children and not parent.is_root:
+        if parent.lock_ref == 0 and not parent.children and parent.parent is not None:
             self._unlist(parent)
         parent.children[first] = node
         self._list(node)

@@ -7,7 +7,8 @@ incarnation (random per server start), so a consumer tells a restart from a gap;
 counts every event of the pool, `num_events_in` those of each tenant (what a tenant may be told: never
 another tenant's count). A namespace's numbers, digest and block count go when its last cached block
 does, so names that come and go leave nothing behind. Sinks (the ZMQ publisher) get the events of each
-hold of the pool's lock as one unit (`flush`, called as the lock is released).
+hold of the pool's lock as one unit (`flush`, called as the lock is released: `PoolLock`, here with the flush
+it exists for).
 
 `EventHub` is the tree's observer (`RadixTree.observer`): every block the tree takes (cache,
 release, fork) and every block it evicts (an allocation running short) is reported to it from
@@ -289,7 +290,7 @@ class EventHub:
                 pool_sequence_number=self._count_for(namespace),
                 namespace_digest=self.digests.get(namespace, 0),
                 digest_delta=delta,
-            )  # fmt: skip
+            )
         )
 
     def _stored_event(self, number: int, node: Node, delta: int = 0) -> BlockEvent:
@@ -365,3 +366,33 @@ class EventHub:
             for namespace, node in self._tree.nodes()
             if accepts(namespace)
         ]
+
+
+class PoolLock:
+    """The pool's lock. Releasing it first hands the hold's tree events to the hub's sinks as one unit
+    (`EventHub.flush`), so what one call stored and removed again reaches no stream
+    (`radixkv.server.events.kv_events`)."""
+
+    __slots__ = ("_lock", "_hub")
+
+    def __init__(self, hub: EventHub) -> None:
+        self._lock = threading.Lock()
+        self._hub = hub
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        try:
+            self._hub.flush()
+        finally:
+            self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

@@ -209,14 +209,17 @@ _BOOL_FLAGS = {
     "connects (without it, the server refuses to start unless CURVE secures the stream)",
 }
 _VALUE_FLAGS = {
-    "endpoint": ("ENDPOINT", "publish the pool's KV events in vLLM's ZMQ format, bound here: tcp://127.0.0.1:5557, "
-                 "tcp://$(POD_IP):5557 (one pool; else per [pools.NAME])"),
+    "endpoint": (
+        "ENDPOINT",
+        "publish the pool's KV events in vLLM's ZMQ format, bound here: tcp://127.0.0.1:5557, "
+        "tcp://$(POD_IP):5557 (one pool; else per [pools.NAME])",
+    ),
     "topic": ("TOPIC", "ZMQ topic, e.g. kv@<ip:port>@<model>"),
     "replay_endpoint": ("ENDPOINT", "ROUTER socket answering replay requests, e.g. tcp://127.0.0.1:5558"),
     "digest_endpoint": ("ENDPOINT", "PUB socket for the pool's digest after every batch (never the vLLM socket)"),
     "curve_secret_key": ("FILE", "ZMQ CURVE: this publisher's secret certificate (zmq.auth.create_certificates)"),
     "curve_allowed_keys": ("DIR", "ZMQ CURVE: the public certificates of the subscribers allowed; others get nothing"),
-}  # fmt: skip
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -86,8 +86,15 @@ def tier_event(stored: bool, wire_hashes: list[int], medium: str) -> BlockStored
     """Blocks another tier (the disk's, medium STORAGE) took or dropped, as vLLM's offloading connector reports its
     tiers' blocks it has no token metadata for: hashes only (no parent, no tokens, block_size 0)."""
     if stored:
-        return BlockStored(block_hashes=wire_hashes, parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                           medium=medium, lora_name=None)  # fmt: skip
+        return BlockStored(
+            block_hashes=wire_hashes,
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
     return BlockRemoved(block_hashes=wire_hashes, medium=medium)
 
 

@@ -264,8 +264,9 @@ def serve(config: ServerConfig) -> int:
         announcement["keeper"] = _keeper_summary(server)
     disks = {name: p.disk for name, p in server.service.pools.items() if isinstance(p.disk, PoolDisk)}
     if disks:  # what each pool's disk tier rebuilt from its directory alone
-        announcement["disk"] = {n: {"blocks": len(d.store), "rebuild_s": d.store.rebuild_seconds}
-                                for n, d in disks.items()}  # fmt: skip
+        announcement["disk"] = {
+            n: {"blocks": len(d.store), "rebuild_s": d.store.rebuild_seconds} for n, d in disks.items()
+        }
     print(json.dumps(announcement), flush=True)
     status = 0
     while not stop.wait(0.1):  # a timed wait: the signal handler runs promptly between waits

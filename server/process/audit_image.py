@@ -56,10 +56,18 @@ class _NodeCopy:
 def _copy(node: Node, tree: RadixTree, pool: Pool) -> _NodeCopy:
     get = pool.events.hashes.get
     return _NodeCopy(
-        node.node_id, node.namespace, node.token_bytes, node.block_ids, [get(b) for b in node.block_ids.tolist()],
-        {k: c.node_id for k, c in node.children.items()}, node.lock_ref, node.pin_ref, node.last_access,
-        node.parent is not None and tree.is_listed_evictable(node), dict(node.host_children),
-    )  # fmt: skip
+        node.node_id,
+        node.namespace,
+        node.token_bytes,
+        node.block_ids,
+        [get(b) for b in node.block_ids.tolist()],
+        {k: c.node_id for k, c in node.children.items()},
+        node.lock_ref,
+        node.pin_ref,
+        node.last_access,
+        node.parent is not None and tree.is_listed_evictable(node),
+        dict(node.host_children),
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -160,10 +168,18 @@ class PoolImage:
             [s.image() for s in sequences],
             [(node.node_id, count) for node, count in pins],
             pool.cache.pool.copy(),
-            (tree.num_evictable_blocks, tree.num_pinned_blocks, tree.num_cached_blocks,
-             dict(tree.num_cached_blocks_in)),
-            tree.num_listed_evictable, len(hub.hashes), dict(hub.digests), dict(hub.num_blocks), ledger_violation,
-        )  # fmt: skip
+            (
+                tree.num_evictable_blocks,
+                tree.num_pinned_blocks,
+                tree.num_cached_blocks,
+                dict(tree.num_cached_blocks_in),
+            ),
+            tree.num_listed_evictable,
+            len(hub.hashes),
+            dict(hub.digests),
+            dict(hub.num_blocks),
+            ledger_violation,
+        )
 
     def check(self) -> None:
         """Recount the image (no lock needed); raises AssertionError naming the first divergence."""

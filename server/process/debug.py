@@ -124,8 +124,7 @@ class DebugServicer(debug_pb2_grpc.DebugServicer):
                 yield
 
         with pool.lock:
-            # type: ignore[method-assign,assignment]  # this object only, until a step takes it
-            cache.one_result = stalled
+            cache.one_result = stalled  # type: ignore[method-assign,assignment]  # this object, one step
 
         def answers() -> Iterator[pb.StallStepsResponse]:
             try:

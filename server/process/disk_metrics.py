@@ -35,15 +35,21 @@ _COUNTERS = (
 def values(disk: PoolDisk) -> dict[str, float]:
     store, cost = disk.store, disk.cost
     return {
-        "radixkv_disk_bytes": store.num_bytes, "radixkv_disk_capacity_bytes": store.capacity_bytes,
-        "radixkv_disk_blocks": len(store), "radixkv_disk_objects": store.num_objects,
+        "radixkv_disk_bytes": store.num_bytes,
+        "radixkv_disk_capacity_bytes": store.capacity_bytes,
+        "radixkv_disk_blocks": len(store),
+        "radixkv_disk_objects": store.num_objects,
         "radixkv_disk_pending_blocks": disk.num_pending,
         "radixkv_disk_read_bytes_per_second": cost.read_bytes_per_s or 0,
-        "radixkv_disk_rebuild_seconds": store.rebuild_seconds, "radixkv_disk_written_blocks": store.num_written_blocks,
-        "radixkv_disk_read_blocks": store.num_read_blocks, "radixkv_disk_hit_tokens": disk.num_hit_tokens,
-        "radixkv_disk_evicted_blocks": store.num_evicted_blocks, "radixkv_disk_skipped_loads": cost.num_skipped_loads,
-        "radixkv_disk_write_errors": store.num_write_errors, "radixkv_disk_unwritten_blocks": disk.num_unwritten_blocks,
-    }  # fmt: skip
+        "radixkv_disk_rebuild_seconds": store.rebuild_seconds,
+        "radixkv_disk_written_blocks": store.num_written_blocks,
+        "radixkv_disk_read_blocks": store.num_read_blocks,
+        "radixkv_disk_hit_tokens": disk.num_hit_tokens,
+        "radixkv_disk_evicted_blocks": store.num_evicted_blocks,
+        "radixkv_disk_skipped_loads": cost.num_skipped_loads,
+        "radixkv_disk_write_errors": store.num_write_errors,
+        "radixkv_disk_unwritten_blocks": disk.num_unwritten_blocks,
+    }
 
 
 class DiskCollector:
@@ -56,9 +62,11 @@ class DiskCollector:
         gauges = {name: GaugeMetricFamily(name, doc, labels=["pool"]) for name, doc in _GAUGES}
         counters = {name: CounterMetricFamily(name, doc, labels=["pool"]) for name, doc in _COUNTERS}
         refused = CounterMetricFamily(
-            "radixkv_disk_refused_objects", "Objects refused and removed (torn, corrupt, truncated, foreign, missing): "
-            "never served, their prefix recomputed.", labels=["pool", "why"],
-        )  # fmt: skip
+            "radixkv_disk_refused_objects",
+            "Objects refused and removed (torn, corrupt, truncated, foreign, missing): "
+            "never served, their prefix recomputed.",
+            labels=["pool", "why"],
+        )
         for pool in self._pools.values():
             if not isinstance(pool.disk, PoolDisk):
                 continue

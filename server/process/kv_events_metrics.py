@@ -19,32 +19,49 @@ if TYPE_CHECKING:
 _PUBLISHER = (  # (name, kind, what, attribute of ZmqEventPublisher)
     ("radixkv_kv_events_batches", "counter", "KV-event batches published.", "num_batches"),
     ("radixkv_kv_events_split_events", "counter", "Events larger than a batch, sent as chains.", "num_split_events"),
-    ("radixkv_kv_events_refused_events", "counter", "Events no batch could hold: not published.",
-     "num_refused_events"),
-    ("radixkv_kv_events_coalesced_blocks", "counter", "Blocks stored and removed within one call: not published.",
-     "num_coalesced_blocks"),
-)  # fmt: skip
+    ("radixkv_kv_events_refused_events", "counter", "Events no batch could hold: not published.", "num_refused_events"),
+    (
+        "radixkv_kv_events_coalesced_blocks",
+        "counter",
+        "Blocks stored and removed within one call: not published.",
+        "num_coalesced_blocks",
+    ),
+)
 _RING = (  # (name, what, attribute of ReplayBuffer)
     ("radixkv_kv_events_ring_bytes", "Payload bytes in the replay ring (at most kv_events_buffer_bytes).", "num_bytes"),
 )
 _REPLAY = (  # (name, kind, what, attribute of ReplayServer)
-    ("radixkv_kv_replay_queued_bytes", "gauge", "At most what the replay socket holds for its peers now.",
-     "num_queued_bytes"),
+    (
+        "radixkv_kv_replay_queued_bytes",
+        "gauge",
+        "At most what the replay socket holds for its peers now.",
+        "num_queued_bytes",
+    ),
     ("radixkv_kv_replay_active", "gauge", "Replays being served.", "num_replays"),
     ("radixkv_kv_replay_served", "counter", "Replays answered to their end marker.", "num_served"),
-    ("radixkv_kv_replay_preempted", "counter", "Replays cut short for a waiting peer or past their time.",
-     "num_preempted"),
-    ("radixkv_kv_replay_dropped_requests", "counter", "Replay requests dropped (malformed, repeated, no room).",
-     "num_dropped_requests"),
-    ("radixkv_kv_replay_dropped_peers", "counter", "Replays abandoned: the peer left or stalled.",
-     "num_dropped_peers"),
-)  # fmt: skip
+    (
+        "radixkv_kv_replay_preempted",
+        "counter",
+        "Replays cut short for a waiting peer or past their time.",
+        "num_preempted",
+    ),
+    (
+        "radixkv_kv_replay_dropped_requests",
+        "counter",
+        "Replay requests dropped (malformed, repeated, no room).",
+        "num_dropped_requests",
+    ),
+    ("radixkv_kv_replay_dropped_peers", "counter", "Replays abandoned: the peer left or stalled.", "num_dropped_peers"),
+)
 _GATE = (  # (name, kind, what, attribute of PeerGate)
-    ("radixkv_kv_replay_peers", "gauge", "Connections to the replay socket (at most kv_events_max_replay_peers).",
-     "num_peers"),
-    ("radixkv_kv_replay_refused_peers", "counter", "Connections refused at kv_events_max_replay_peers.",
-     "num_refused"),
-)  # fmt: skip
+    (
+        "radixkv_kv_replay_peers",
+        "gauge",
+        "Connections to the replay socket (at most kv_events_max_replay_peers).",
+        "num_peers",
+    ),
+    ("radixkv_kv_replay_refused_peers", "counter", "Connections refused at kv_events_max_replay_peers.", "num_refused"),
+)
 
 
 def _family(name: str, kind: str, what: str) -> GaugeMetricFamily | CounterMetricFamily:
@@ -63,13 +80,15 @@ class EventsCollector:
             "radixkv_event_namespaces", "Namespaces the event hub keeps numbers and digests for.", labels=["pool"]
         )
         subscribers = GaugeMetricFamily(
-            "radixkv_kv_events_subscribers", "Connections to the bound PUB sockets (events, digest), each at most "
-            "kv_events_max_subscribers.", labels=["pool"],
-        )  # fmt: skip
-        refused = CounterMetricFamily(
-            "radixkv_kv_events_refused_subscribers", "Connections refused at kv_events_max_subscribers.",
+            "radixkv_kv_events_subscribers",
+            "Connections to the bound PUB sockets (events, digest), each at most kv_events_max_subscribers.",
             labels=["pool"],
-        )  # fmt: skip
+        )
+        refused = CounterMetricFamily(
+            "radixkv_kv_events_refused_subscribers",
+            "Connections refused at kv_events_max_subscribers.",
+            labels=["pool"],
+        )
         families = {name: _family(name, kind, what) for name, kind, what, _ in (*_PUBLISHER, *_REPLAY, *_GATE)}
         families.update({name: _family(name, "gauge", what) for name, what, _ in _RING})
         for pool in self._service.pools.values():

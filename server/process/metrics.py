@@ -97,34 +97,39 @@ class _PoolCollector:
         )
         watchers = GaugeMetricFamily("radixkv_event_watchers", "Open WatchEvents streams.", labels=["pool"])
         misses = CounterMetricFamily(
-            "radixkv_miss_tokens", "Tokens past the cached prefix, by reason (Match with explain only).",
+            "radixkv_miss_tokens",
+            "Tokens past the cached prefix, by reason (Match with explain only).",
             labels=["pool", "reason"],
-        )  # fmt: skip
+        )
         preemptions = CounterMetricFamily(
             "radixkv_preemptions", "Sequences preempted, by mode.", labels=["pool", "mode"]
         )
         refusals = CounterMetricFamily(
-            "radixkv_admission_refusals", "Opens refused by admission (NOT_ADMITTED) or a tenant's token budget "
-            "(TOKEN_BUDGET).", labels=["pool", "reason"],
-        )  # fmt: skip
+            "radixkv_admission_refusals",
+            "Opens refused by admission (NOT_ADMITTED) or a tenant's token budget (TOKEN_BUDGET).",
+            labels=["pool", "reason"],
+        )
         host_blocks = GaugeMetricFamily(
-            "radixkv_host_blocks", "Host-tier blocks by state (free, cached, swapped); none without a host tier.",
+            "radixkv_host_blocks",
+            "Host-tier blocks by state (free, cached, swapped); none without a host tier.",
             labels=["pool", "state"],
-        )  # fmt: skip
+        )
         tombstones = GaugeMetricFamily(
             "radixkv_tombstone_bytes", "Estimated memory of the evicted-block table explain reads.", labels=["pool"]
         )
         refused = CounterMetricFamily(
-            "radixkv_snapshot_refusals", "Restart snapshots refused at start (the pool started cold), by why.",
+            "radixkv_snapshot_refusals",
+            "Restart snapshots refused at start (the pool started cold), by why.",
             labels=["pool", "why"],
-        )  # fmt: skip
+        )
         adopted = GaugeMetricFamily(
             "radixkv_adopted_blocks", "Cached blocks adopted from the previous server's snapshot.", labels=["pool"]
         )
         visited = CounterMetricFamily(
-            "radixkv_eviction_leaves_visited", "Leaves eviction looked at (the work it did under the pool's lock).",
+            "radixkv_eviction_leaves_visited",
+            "Leaves eviction looked at (the work it did under the pool's lock).",
             labels=["pool"],
-        )  # fmt: skip
+        )
         restart_safe = GaugeMetricFamily(
             "radixkv_pool_restart_safe",
             "1 while a live keeper holds the pool's memory (it outlives this server), else 0.",
@@ -190,13 +195,15 @@ class _StreamCollector:
         frames = self._metrics.frames
         if frames is not None:
             yield CounterMetricFamily(
-                "radixkv_frame_bytes_measured", "Bytes of Session frames' answers measured to fit their responses.",
+                "radixkv_frame_bytes_measured",
+                "Bytes of Session frames' answers measured to fit their responses.",
                 value=frames.num_bytes_measured,
-            )  # fmt: skip
+            )
             yield CounterMetricFamily(
-                "radixkv_frame_steps_abandoned", "Steps of Session frames never applied: their caller had left.",
+                "radixkv_frame_steps_abandoned",
+                "Steps of Session frames never applied: their caller had left.",
                 value=frames.num_steps_abandoned,
-            )  # fmt: skip
+            )
 
 
 class ServerMetrics:

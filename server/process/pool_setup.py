@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 
 def build_pool(
-    config: PoolConfig, watch_queue_size: int, keeper: KeeperClient | None = None,
+    config: PoolConfig,
+    watch_queue_size: int,
+    keeper: KeeperClient | None = None,
     tenant_prefixes: frozenset[str] = frozenset(),
-) -> Pool:  # fmt: skip
+) -> Pool:
     """`tenant_prefixes`: "<tenant>/" of every tenant (auth on), so each tenant's event count is its own.
 
     Size the layout (blocks, a byte budget or a fraction of free memory) and allocate its memory, or attach
@@ -47,9 +49,17 @@ def build_pool(
         raise
     lost = keeper.lost if keeper is not None else None
     pool = Pool(
-        config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
-        reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
-    )  # fmt: skip
+        config.name,
+        storage,
+        config.limits,
+        watch_queue_size,
+        config.tombstones,
+        attachment,
+        lost,
+        host,
+        reserve_fraction=config.reserve_fraction,
+        watermark_fraction=config.watermark_fraction,
+    )
     pool.events.tenant_prefixes = tenant_prefixes
     if attachment is not None:
         adopted = adopt_snapshot(pool, attachment, config.limits)
@@ -72,18 +82,29 @@ def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
     if c.num_blocks is not None:
         return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.block_size, c.num_blocks, c.dtype)
     if keeper is not None:
-        shape = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                 "block_size": c.block_size, "dtype": c.dtype}  # fmt: skip
+        shape = {
+            "num_layers": c.num_layers,
+            "num_kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "block_size": c.block_size,
+            "dtype": c.dtype,
+        }
         for kept in keeper.list_pools():
             kept_shape = {k: v for k, v in kept["layout"].items() if k != "num_blocks"}
             same_pool = kept["pool"] == c.name and kept["tier"] == "device"
             if same_pool and kept_shape == shape and kept["device"] == _device_with_index(c.device):
                 return PoolLayout(**kept["layout"])
     return layout_for_memory(
-        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=c.block_size,
-        dtype=c.dtype, device=c.device, budget_bytes=c.memory_bytes, memory_fraction=c.memory_fraction,
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=c.block_size,
+        dtype=c.dtype,
+        device=c.device,
+        budget_bytes=c.memory_bytes,
+        memory_fraction=c.memory_fraction,
         reserved_bytes=c.reserved_bytes,
-    )  # fmt: skip
+    )
 
 
 def _device_with_index(device: str) -> str:

@@ -36,9 +36,9 @@ from radixkv.memory.layout import DTYPE_BYTES, PoolLayout, canonical_dtype
 from radixkv.planning.model_shape import ModelShape
 from radixkv.server.events import kv_events_config
 from radixkv.server.events.kv_events_config import KVEventsConfig
+from radixkv.server.rules.checks import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.rules.disk_config import DISK_KEYS, with_disk
 from radixkv.server.rules.sessions import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
-from radixkv.server.rules.sizes import DEFAULT_MAX_STEPS_PER_FRAME, message_bytes_needed
 from radixkv.server.rules.tenant_config import TenantConfig, tenants_from_mapping
 
 DEFAULT_POOL = "default"
@@ -70,7 +70,7 @@ class PoolConfig:
     disk_prefill_tokens_per_s: float | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.sequences.admission)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
-    tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: pool_access.py
+    tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: tenants.PoolAccess
 
     def __post_init__(self) -> None:
         if self.host_num_blocks is not None and self.host_memory_bytes is not None:
@@ -152,10 +152,14 @@ class ServerConfig:
             raise ValueError("tenant names and tokens must be unique")
         object.__setattr__(self, "pools", with_disk(self.pools, self.disk_dir, self.disk_capacity))
         published = [(t.name, t.publish_kv_events) for t in self.tenants]  # auth on: the stream's trust boundary
-        object.__setattr__(self, "pools", tuple(
-            dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
-            for p in self.pools
-        ))  # fmt: skip
+        object.__setattr__(
+            self,
+            "pools",
+            tuple(
+                dataclasses.replace(p, kv_events=p.kv_events.with_tenants(p.name, published)) if p.kv_events else p
+                for p in self.pools
+            ),
+        )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both tls_cert and tls_key, or neither")
         if not 0 < self.session_ttl_seconds <= self.max_session_ttl_seconds:
@@ -192,9 +196,13 @@ class ServerConfig:
         if self.audit_slice_ms <= 0:
             raise ValueError("audit_slice_ms must be > 0")
         for name in (
-            "max_sessions", "max_sequences_per_session", "max_pins_per_session", "max_sequences",
-            "max_request_window_bytes", "max_request_window_bytes_per_session",
-        ):  # fmt: skip
+            "max_sessions",
+            "max_sequences_per_session",
+            "max_pins_per_session",
+            "max_sequences",
+            "max_request_window_bytes",
+            "max_request_window_bytes_per_session",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_steps_per_frame < 1:

@@ -65,15 +65,28 @@ class PoolDisk:
     """One pool's disk tier: its store, its writer thread, and `promote` for the opens. Thread-safety: `stored`,
     `removed` and `promote` run under the pool's lock; the writer takes it only to copy bytes."""
 
-    def __init__(self, pool: Pool, directory: Path, capacity_bytes: int, prefill_tokens_per_s: float | None,
-                 shares: Shares, flush_interval_s: float = FLUSH_INTERVAL_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: Pool,
+        directory: Path,
+        capacity_bytes: int,
+        prefill_tokens_per_s: float | None,
+        shares: Shares,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+    ) -> None:
         assert pool.host_storage is not None and pool.cache.host is not None, "a disk tier loads through the host tier"
         self.pool, self.flush_interval_s = pool, flush_interval_s
         share = shares.of(capacity_bytes) if shares.num_tenants > 1 else None
         throttle = float(os.environ.get(THROTTLE_ENV, 0)) or None
         io = DirectIO(throttle_bytes_per_s=throttle)
-        self.store = DiskStore(directory, disk_shape(pool.layout), capacity_bytes, tenant_of=tenant_of,
-                               share_bytes=lambda tenant: share, io=io)  # fmt: skip
+        self.store = DiskStore(
+            directory,
+            disk_shape(pool.layout),
+            capacity_bytes,
+            tenant_of=tenant_of,
+            share_bytes=lambda tenant: share,
+            io=io,
+        )
         self.cost = LoadCost(pool.layout.bytes_per_block, pool.layout.block_size, prefill_tokens_per_s)
         self._pending: dict[int, tuple[str, bytes]] = {}  # device block -> (namespace, hash): published, not on disk
         self._staged: list[tuple[str, list[bytes], npt.NDArray[np.uint8]]] = []  # copied when the device dropped them
@@ -261,8 +274,9 @@ def attach_disk(pool: Pool, config: PoolConfig, shares: Shares) -> None:
     if config.disk_dir is None:
         return
     assert config.disk_capacity is not None, "PoolConfig checks a disk tier has a capacity"
-    disk = PoolDisk(pool, Path(config.disk_dir), parse_bytes(config.disk_capacity), config.disk_prefill_tokens_per_s,
-                    shares)  # fmt: skip
+    disk = PoolDisk(
+        pool, Path(config.disk_dir), parse_bytes(config.disk_capacity), config.disk_prefill_tokens_per_s, shares
+    )
     disk.start()
     with pool.lock:  # blocks already cached (adopted from a keeper's snapshot) reach the disk too
         pool.disk, pool.events.disk = disk, disk

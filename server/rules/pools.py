@@ -2,7 +2,7 @@
 
 `KVCache` is not thread-safe, so every call into it, and every piece of server bookkeeping that must
 agree with it (the ledger: who owns each sequence, each tenant's blocks and pins; the event hub), happens under
-`Pool.lock`; releasing it hands the events of that hold to the event sinks as one unit (`PoolLock`).
+`Pool.lock`; releasing it hands the events of that hold to the event sinks as one unit (`events.hub.PoolLock`).
 Pools are independent: calls on different pools never wait for each other's lock.
 `radixkv.server.process.pool_setup` builds them.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixkv.kv_cache import KVCache, Limits
 from radixkv.memory.layout import PoolLayout
-from radixkv.server.events.hub import DiskTier, EventHub
+from radixkv.server.events.hub import DiskTier, EventHub, PoolLock
 from radixkv.server.events.kv_events_config import KVEventsConfig
 from radixkv.server.rules.ledger import PoolLedger
 from radixkv.server.rules.tenants import SCOPE_SEPARATOR
@@ -24,36 +24,6 @@ if TYPE_CHECKING:
     from radixkv.memory.storage import KVStorage
     from radixkv.server.events.kv_events import ZmqEventPublisher
     from radixkv.server.keeper.keeper_client import KeeperAttachment
-
-
-class PoolLock:
-    """The pool's lock. Releasing it first hands the hold's tree events to the hub's sinks as one unit
-    (`EventHub.flush`), so what one call stored and removed again reaches no stream
-    (`radixkv.server.events.kv_events`)."""
-
-    __slots__ = ("_lock", "_hub")
-
-    def __init__(self, hub: EventHub) -> None:
-        self._lock = threading.Lock()
-        self._hub = hub
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        try:
-            self._hub.flush()
-        finally:
-            self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
 
 
 class Pool:
@@ -84,10 +54,14 @@ class Pool:
         self.device = str(storage.device)
         # Ids start at a random point each run: an id from before a restart names nothing after it.
         self.cache = KVCache(
-            self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1,
-            reserve_fraction=reserve_fraction, watermark_fraction=watermark_fraction,
+            self.layout.num_blocks,
+            self.layout.block_size,
+            limits,
+            first_seq_id=secrets.randbelow(2**52) + 1,
+            reserve_fraction=reserve_fraction,
+            watermark_fraction=watermark_fraction,
             host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
-        )  # fmt: skip
+        )
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.lock = PoolLock(self.events)
         self.ledger = PoolLedger(self.layout.block_size)  # who holds what, as the server sees it

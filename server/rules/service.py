@@ -46,19 +46,17 @@ from radixkv.pressure.preemption import PreemptResult, ResumeResult
 from radixkv.sequences.results import AppendBatch, OpenResult
 from radixkv.sequences.step import Append, Step, StepResult
 from radixkv.server.events.block_checksums import check_digests, table_range
-from radixkv.server.rules.checks import Charge, Checks, Reply
+from radixkv.server.rules.checks import Charge, Checks, Reply, num_tokens
 from radixkv.server.rules.config import DEFAULT_POOL, ServerConfig
 from radixkv.server.rules.ledger import Pin
 from radixkv.server.rules.miss_reasons import MissExplanation, after_open, explain_open
-from radixkv.server.rules.pool_access import PoolAccess
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.restart import Written, snapshot_all
 from radixkv.server.rules.sessions import NO_REQUEST, RequestKey, Session, SessionRegistry, WindowBytes
-from radixkv.server.rules.sizes import num_tokens
 from radixkv.server.rules.streams import WatchStreams
-from radixkv.server.rules.tenants import Tenant
+from radixkv.server.rules.tenants import PoolAccess, Tenant
+from radixkv.tree.eviction import Retention
 from radixkv.tree.radix_tree import TOKEN_BYTES, TokenIds, to_token_bytes
-from radixkv.tree.retention import Retention
 
 # -- from rules/step.py (merged, issue 41: one concept, one module):
 # One scheduler step: a commit, opens, an append, forks, caches and releases applied in that order, all or none.
@@ -365,8 +363,14 @@ class KVService:
 
     def __init__(self, config: ServerConfig, pools: dict[str, Pool]) -> None:
         self.pools = pools
-        self.access = PoolAccess(config)
-        self.checks = Checks(config)
+        self.access = PoolAccess(config.tenants, config.pools)
+        self.checks = Checks(
+            num_tenants=len(config.tenants),
+            max_message_bytes=config.max_message_bytes,
+            max_sequences_per_session=config.max_sequences_per_session,
+            max_pins=config.max_pins_per_session,
+            max_pool_sequences=config.max_sequences,
+        )
         self.shares = self.checks.shares
         self.sessions = SessionRegistry(
             config.session_ttl_seconds,
@@ -408,7 +412,7 @@ class KVService:
             pool.close()
 
     def pool(self, name: str, caller: Tenant) -> Pool:
-        """The pool named (default: "default") if the caller may use it (server/rules/pool_access.py)."""
+        """The pool named (default: "default") if the caller may use it (server/rules/tenants.py)."""
         pool = self.pools.get(name or DEFAULT_POOL)
         if pool is None:
             raise UnknownPool(name or DEFAULT_POOL)
@@ -567,10 +571,16 @@ class KVService:
         self.checks.applied_once(pool, session, request, apply, lambda _: 1)
 
     def retain(
-        self, caller: Tenant, session_id: str, pool_name: str, token_ids: TokenIds, namespace: str,
-        retention: tuple[float, int, bool, bool], request: RequestKey = NO_REQUEST,
-    ) -> int:  # fmt: skip
-        """A soft retention hint on the cached prefix (`radixkv.tree.retention`); returns the tokens it covers.
+        self,
+        caller: Tenant,
+        session_id: str,
+        pool_name: str,
+        token_ids: TokenIds,
+        namespace: str,
+        retention: tuple[float, int, bool, bool],
+        request: RequestKey = NO_REQUEST,
+    ) -> int:
+        """A soft retention hint on the cached prefix (`radixkv.tree.eviction`); returns the tokens it covers.
         Nothing to quota: a hint orders eviction and holds nothing."""
         pool, key, core_namespace = self._prefix(caller, pool_name, token_ids, namespace)
         session = self.sessions.get(session_id, caller)

@@ -74,9 +74,15 @@ class TenantConfig:
 
 
 TENANT_KEYS = (
-    "token", "namespaces", "max_blocks", "max_cached_blocks", "map_pools", "admin", "max_tokens_per_second",
+    "token",
+    "namespaces",
+    "max_blocks",
+    "max_cached_blocks",
+    "map_pools",
+    "admin",
+    "max_tokens_per_second",
     "publish_kv_events",
-)  # fmt: skip
+)
 
 
 def tenants_from_mapping(tables: Any) -> tuple[TenantConfig, ...]:

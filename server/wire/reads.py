@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from radixkv.server.events.block_checksums import table_range
 from radixkv.server.events.hub import BlockEvent
+from radixkv.server.rules.checks import num_tokens
 from radixkv.server.rules.miss_reasons import MissExplanation, explain_miss
 from radixkv.server.rules.pools import Pool
 from radixkv.server.rules.service import KVService
-from radixkv.server.rules.sizes import num_tokens
 from radixkv.server.rules.tenants import Tenant
 from radixkv.stats import Stats
 from radixkv.tree.radix_tree import TokenIds, to_token_bytes

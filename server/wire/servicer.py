@@ -31,11 +31,10 @@ from radixkv.memory.pool_handle import PoolHandle
 from radixkv.sequences.packed import pack, unpack
 from radixkv.sequences.step import Append, Commit, Step, StepResult
 from radixkv.server.events.hub import BlockEvent, EventKind
-from radixkv.server.rules.checks import Reply
+from radixkv.server.rules.checks import DEFAULT_MAX_STEPS_PER_FRAME, Reply
 from radixkv.server.rules.miss_reasons import wire_reason
 from radixkv.server.rules.service import KVService, run_step
 from radixkv.server.rules.sessions import NO_REQUEST, Session, request_key
-from radixkv.server.rules.sizes import DEFAULT_MAX_STEPS_PER_FRAME
 from radixkv.server.rules.tenants import Tenant
 from radixkv.server.wire.auth import current_caller
 from radixkv.server.wire.reads import KVReads
@@ -526,9 +525,13 @@ def _event(caller: Tenant, event: BlockEvent) -> pb.KVEvent:
 
 def _layout(layout: PoolLayout) -> pb.PoolLayout:
     return pb.PoolLayout(
-        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-        block_size=layout.block_size, num_blocks=layout.num_blocks, dtype=layout.dtype,
-    )  # fmt: skip
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        dtype=layout.dtype,
+    )
 
 
 def _handle(handle: PoolHandle) -> pb.PoolHandle:

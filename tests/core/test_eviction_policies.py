@@ -11,9 +11,8 @@ from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.kv_cache import KVCache
 from radixkv.memory.layout import PoolLayout
 from radixkv.state.snapshot import PoolIdentity, dump, load
-from radixkv.tree.eviction import POLICIES, KeyedPolicy, make_policy
+from radixkv.tree.eviction import POLICIES, KeyedPolicy, Retention, make_policy
 from radixkv.tree.radix_tree import RadixTree
-from radixkv.tree.retention import Retention
 
 BS = 4
 

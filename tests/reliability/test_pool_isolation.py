@@ -1,7 +1,7 @@
 """No tenant gets a writable mapping of another tenant's blocks, against a real server process.
 
 A pool handle (GetPool, `map_pools`) maps the pool's memory read and write, so the server grants it only for a
-pool that serves the caller alone (`tenants = [NAME]`, server/rules/pool_access.py). Tenants alice and bob may both map
+pool that serves the caller alone (`tenants = [NAME]`, server/rules/tenants.py). Tenants alice and bob may both map
 pools; each has its own; carol may map none; "shared" serves all three. bob can neither use alice's pool nor map
 the shared one, so no mapping he can obtain holds a byte of alice's K/V, and alice's blocks, written through her
 own mapping, are exactly what she wrote after bob has done all he can.
@@ -19,7 +19,7 @@ from radixkv.client import PoolView, RadixKVClient
 from radixkv.errors import PermissionDenied
 from radixkv.server.process.spawn import ServerProcess
 from radixkv.server.rules.config import config_from_mapping
-from radixkv.server.rules.pool_access import PoolAccess
+from radixkv.server.rules.tenants import PoolAccess
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "carol": "carol-token-0123456789"}
 SHAPE = "num_layers=2,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=32,dtype=float32"

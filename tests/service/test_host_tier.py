@@ -227,8 +227,8 @@ def test_response_bounds_leave_room_for_transfers() -> None:
     """A request is refused up front when its response could outgrow the message: with a host tier, every block
     handed out may carry an offload and a load, so the bound grows by two transfers per block."""
     from radixkv.server.process.pool_setup import build_pool
+    from radixkv.server.rules.checks import append_response_bytes, message_bytes_needed, open_response_bytes
     from radixkv.server.rules.config import parse_pool_flag
-    from radixkv.server.rules.sizes import append_response_bytes, message_bytes_needed, open_response_bytes
 
     shape = "num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=64,dtype=float32"
     plain, tiered = (build_pool(parse_pool_flag(f"p:{shape}{extra}"), 16) for extra in ("", ",host_num_blocks=64"))

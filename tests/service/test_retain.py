@@ -7,7 +7,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks
-from radixkv.tree.retention import Retention
+from radixkv.tree.eviction import Retention
 
 
 def _cache(client: RadixKVClient, tokens: list[int], namespace: str) -> None:
