@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.disk.block_io import DirectIO
+from radixkv.disk.block_io import DirectIO, aligned_rows
 from radixkv.disk.continuation import Continuation, continuation
 from radixkv.disk.load_cost import LoadCost
 from radixkv.disk.shape import disk_shape
@@ -83,6 +83,7 @@ class PoolDisk:
         self.num_hit_tokens = 0  # tokens those blocks hold
         self.num_unwritten_blocks = 0  # committed blocks the device dropped while MAX_STAGED_BYTES waited already
         self._last_probe = 0.0
+        self._staging: npt.NDArray[np.uint8] | None = None  # promote's read rows (under the pool's lock)
         self._changes: list[tuple[str, bool, list[bytes]]] = []  # objects written or removed, for the KV events
         self._changes_lock = threading.Lock()  # a leaf lock: the store tells from any thread, holding nothing
         self.store.on_change = self._changed
@@ -227,7 +228,7 @@ class PoolDisk:
         if not num or not self.cost.worth_loading(num):
             return 0
         began = time.perf_counter()
-        data = self.store.read(hashes[:num])
+        data = self.store.read(hashes[:num], self._staging_rows(num))
         self.cost.observe(data.nbytes, time.perf_counter() - began)
         if not len(data):
             return 0
@@ -244,6 +245,17 @@ class PoolDisk:
         self.num_promoted_blocks += len(data)
         self.num_hit_tokens += len(data) * bs
         return len(data) * bs
+
+    def _staging_rows(self, num: int) -> npt.NDArray[np.uint8] | None:
+        """Aligned rows the disk reads `num` blocks straight into, kept across promotes (up to MAX_FLUSH_BYTES): a
+        fresh mapping per read costs a page fault per 4 KiB, as much as the read itself. None: past the cap, the
+        store maps rows of its own."""
+        bpb = self.pool.layout.bytes_per_block
+        if num * bpb > MAX_FLUSH_BYTES:
+            return None
+        if self._staging is None or len(self._staging) < num:
+            self._staging = aligned_rows(max(num, (4 << 20) // bpb + 1), bpb)
+        return self._staging
 
     def _fill(self, host_ids: npt.NDArray[np.int32], data: npt.NDArray[np.uint8]) -> bool:
         """Write `data` (rows as `_gather` makes them) into host-tier blocks `host_ids`."""
