@@ -5,8 +5,10 @@ Writing (write-behind, off the request path). The event hub reports each block t
 `_pending`; every `flush_interval_s` the writer thread takes the pool's lock just long enough to copy the
 pending blocks' bytes out of the pool's memory (one gather), then writes them as objects with the lock
 released (`radixkv.disk.store`). A pending block the device drops before the writer came is copied at that
-moment, inside the core call that dropped it, while its bytes are still the ones the tree named. So a
-committed block is on disk at most `flush_interval_s` plus one write after its commit (0.5 s + the time to
+moment, inside the core call that dropped it, while its bytes are still the ones the tree named. Each object
+keeps its blocks' writers' digests (`server/block_checksums.py`), so a flush leaves a block whose writer has not
+recorded its digest yet for the next flush (the vLLM connector records it right after its commit). So a
+committed block is on disk at most two `flush_interval_s` plus one write after its commit (1 s + the time to
 write the batch by default); a crash loses at most that window. Blocks loaded back (from the host tier or the
 disk) are on disk already and are never written again, and eviction from the host tier or the device never
 writes: a block is dropped from memory without a write, because it is already on disk (or queued).
@@ -22,6 +24,7 @@ one prefix cache. The read happens under the pool's lock, like the open that nee
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -57,6 +60,19 @@ THROTTLE_ENV = "RADIXKV_DISK_THROTTLE_BYTES_PER_S"  # tests and benchmarks: read
 REPROBE_S = 60.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Staged:
+    """Blocks of one namespace copied out of the pool for the writer: their hashes, bytes, writers' digests."""
+
+    namespace: str
+    hashes: list[bytes]
+    data: npt.NDArray[np.uint8]
+    digests: list[bytes]
+
+    def rows(self, keep: list[int]) -> Staged:
+        return Staged(self.namespace, [self.hashes[i] for i in keep], self.data[keep], [self.digests[i] for i in keep])
+
+
 def tenant_of(namespace: str) -> str:
     """The tenant a core namespace belongs to ("" with auth off)."""
     tenant, sep, _ = namespace.partition(SCOPE_SEPARATOR)
@@ -77,8 +93,10 @@ class PoolDisk:
         self.store = DiskStore(directory, disk_shape(pool.layout), capacity_bytes, tenant_of=tenant_of,
                                share_bytes=lambda tenant: share, io=io)  # fmt: skip
         self.cost = LoadCost(pool.layout.bytes_per_block, pool.layout.block_size, prefill_tokens_per_s)
-        self._pending: dict[int, tuple[str, bytes]] = {}  # device block -> (namespace, hash): published, not on disk
-        self._staged: list[tuple[str, list[bytes], npt.NDArray[np.uint8]]] = []  # copied when the device dropped them
+        # device block -> (namespace, hash, the flush it was published before): published, not on disk
+        self._pending: dict[int, tuple[str, bytes, int]] = {}
+        self._staged: list[Staged] = []  # copied out (when the device dropped them, or by a flush), not written yet
+        self._num_flushes = 0
         self.num_promoted_blocks = 0  # read from disk into the host tier for an open
         self.num_hit_tokens = 0  # tokens those blocks hold
         self.num_unwritten_blocks = 0  # committed blocks the device dropped while MAX_STAGED_BYTES waited already
@@ -92,7 +110,10 @@ class PoolDisk:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending) + sum(len(hashes) for _, hashes, _ in self._staged)
+        return len(self._pending) + self._num_staged()
+
+    def _num_staged(self) -> int:
+        return sum(len(s.hashes) for s in self._staged)
 
     def start(self) -> None:
         """Open the directory (DiskTierError when it cannot serve) and start writing."""
@@ -103,12 +124,18 @@ class PoolDisk:
     # -- the event hub's reports, under the pool's lock ------------------------------------------
 
     def stored(self, node: Node, hashes: list[bytes]) -> None:
-        """The device tree took `node`'s blocks (their `hashes`): queue the computed ones not yet on disk."""
+        """The device tree took `node`'s blocks (their `hashes`): queue the computed ones not yet on disk. Blocks
+        loaded back from the host tier (their bytes came from there, and are on disk or were never) get the
+        writer's digest their disk objects keep, for a reader that verifies against it (the vLLM connector)."""
         if len(node.host_block_ids):
-            return  # loaded back from the host tier: its bytes came from there, and are on disk or were never
+            digests = self.store.writer_digests(hashes)
+            known = [i for i, d in enumerate(digests) if d]
+            if known:
+                self.pool.events.checksums.record([int(node.block_ids[i]) for i in known], [digests[i] for i in known])
+            return
         for block_id, h in zip(node.block_ids.tolist(), hashes, strict=True):
             if h not in self.store:
-                self._pending[block_id] = (node.namespace, h)
+                self._pending[block_id] = (node.namespace, h, self._num_flushes)
 
     def removed(self, block_ids: npt.NDArray[np.int32]) -> None:
         """The device tree dropped `block_ids`: copy those still pending now, before the block is reused."""
@@ -117,7 +144,7 @@ class PoolDisk:
         ids = [b for b in np.asarray(block_ids).tolist() if b in self._pending]
         if not ids:
             return
-        staged = sum(len(hashes) for _, hashes, _ in self._staged) * self.pool.layout.bytes_per_block
+        staged = self._num_staged() * self.pool.layout.bytes_per_block
         if staged >= MAX_STAGED_BYTES:  # commits outrun the disk: these never reach it (counted), memory stays bounded
             for b in ids:
                 del self._pending[b]
@@ -125,16 +152,27 @@ class PoolDisk:
             return
         self._stage(ids)
 
+    def _ready(self, room: int, everything: bool) -> list[int]:
+        """Up to `room` pending blocks to copy out now: those whose writer recorded its digest (the vLLM connector
+        records it right after its commit) and those that waited a whole flush for it (or every one: `everything`)."""
+        digests = self.pool.events.checksums
+        ids = list(self._pending)
+        recorded = digests.recorded[np.asarray(ids, dtype=np.int64)].tolist()
+        last = self._num_flushes - 1
+        ready = [b for b, r in zip(ids, recorded, strict=True) if everything or r or self._pending[b][2] <= last]
+        return ready[:room]
+
     def _stage(self, ids: list[int]) -> None:
         data = self._gather(ids)
+        digests = self.pool.events.checksums.get(ids)
         runs: dict[str, tuple[list[bytes], list[int]]] = {}
         for i, block_id in enumerate(ids):
-            namespace, h = self._pending.pop(block_id)
+            namespace, h, _ = self._pending.pop(block_id)
             hashes, rows = runs.setdefault(namespace, ([], []))
             hashes.append(h)
             rows.append(i)
         for namespace, (hashes, rows) in runs.items():
-            self._staged.append((namespace, hashes, data[rows]))
+            self._staged.append(Staged(namespace, hashes, data[rows], [digests[i] for i in rows]))
 
     def _gather(self, ids: list[int]) -> npt.NDArray[np.uint8]:
         """The K/V bytes of device blocks `ids`, one row each ([n, bytes_per_block]: layer, K/V, token, head, dim)."""
@@ -156,16 +194,19 @@ class PoolDisk:
             except Exception:  # the writer must outlive any one bad batch
                 log.exception("disk tier %s: a flush failed", self.pool.name)
 
-    def flush(self) -> int:
+    def flush(self, everything: bool = False) -> int:
         """Write the blocks published so far that are not on disk (at most `MAX_FLUSH_BYTES` of them copied out per
-        flush; the rest wait for the next); returns how many were written. A batch whose write failed (disk full,
-        read-only) is kept for the next flush while what waits stays under `MAX_FLUSH_BYTES`. Publishes the
-        objects written and removed since the last flush as KV events of medium STORAGE."""
+        flush; the rest wait for the next), but for those published since the last flush whose writer's digest is
+        not recorded yet (`_ready`; `everything`: those too); returns how many were written. A batch whose write
+        failed (disk full, read-only) is kept for the next flush while what waits stays under `MAX_FLUSH_BYTES`.
+        Publishes the objects written and removed since the last flush as KV events of medium STORAGE."""
         bpb = self.pool.layout.bytes_per_block
         with self.pool.lock:
-            room = max(0, MAX_FLUSH_BYTES // bpb - sum(len(hashes) for _, hashes, _ in self._staged))
-            if self._pending and room:
-                self._stage(list(self._pending)[:room])
+            room = max(0, MAX_FLUSH_BYTES // bpb - self._num_staged())
+            ready = self._ready(room, everything) if self._pending and room else []
+            if ready:
+                self._stage(ready)
+            self._num_flushes += 1
             staged, self._staged = self._staged, []
             with self._changes_lock:
                 changes, self._changes = self._changes, []
@@ -174,13 +215,13 @@ class PoolDisk:
                 for namespace, stored, hashes in changes:
                     publisher.publish_tier(namespace, stored, [wire_hash(h) for h in hashes], MEDIUM_STORAGE)
         num, errors = 0, self.store.num_write_errors
-        for namespace, hashes, data in staged:
-            num += self.store.put(namespace, hashes, data)
+        for batch in staged:
+            num += self.store.put(batch.namespace, batch.hashes, batch.data, batch.digests)
             if self.store.num_write_errors > errors:  # not on disk, and not for want of room: try again next time
-                keep = [i for i, h in enumerate(hashes) if h not in self.store]
+                keep = [i for i, h in enumerate(batch.hashes) if h not in self.store]
                 with self.pool.lock:
-                    if sum(len(h) for _, h, _ in self._staged) + len(keep) <= MAX_FLUSH_BYTES // bpb:
-                        self._staged.append((namespace, [hashes[i] for i in keep], data[keep]))
+                    if self._num_staged() + len(keep) <= MAX_FLUSH_BYTES // bpb:
+                        self._staged.append(batch.rows(keep))
                 errors = self.store.num_write_errors
         return num
 
@@ -202,7 +243,8 @@ class PoolDisk:
         if self._thread.is_alive():
             self._stop.set()
             self._thread.join()
-            self.flush()
+            while self.num_pending and self.flush(everything=True):
+                pass
         self.store.close()
 
     # -- reading, for an open under the pool's lock ---------------------------------------------

@@ -63,6 +63,7 @@ class DiskObject:
     namespace: str
     hashes: list[bytes]
     checksums: list[bytes]
+    writer_digests: list[bytes]  # per block, b"" where none was recorded (object_format)
     data_offset: int
     file_bytes: int
 
@@ -174,7 +175,8 @@ class DiskStore:
             self._refuse(path, e)
             return None
         name = path.name[: -len(OBJECT_SUFFIX)]
-        return DiskObject(name, path, header.namespace, header.hashes, header.checksums, header.data_offset, size)
+        return DiskObject(name, path, header.namespace, header.hashes, header.checksums, header.writer_digests,
+                          header.data_offset, size)  # fmt: skip
 
     # -- the index --------------------------------------------------------------------------------
 
@@ -219,6 +221,12 @@ class DiskStore:
             n += 1
         return n
 
+    def writer_digests(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """The writer's digest of each of `hashes` on disk (b"" where none was recorded, or not on disk)."""
+        where = self._where
+        found = [where.get(h) for h in hashes]
+        return [b"" if f is None else f[0].writer_digests[f[1]] for f in found]
+
     def sample(self) -> list[bytes]:
         """The block hashes of the most recently used object (none when empty): what a bandwidth probe reads."""
         with self._lock:
@@ -230,8 +238,15 @@ class DiskStore:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def put(self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8]) -> int:
-        """Store `blocks` ([n, bytes_per_block] uint8, chain order) named `hashes`, skipping those on disk.
+    def put(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        blocks: npt.NDArray[np.uint8],
+        writer_digests: list[bytes] | None = None,
+    ) -> int:
+        """Store `blocks` ([n, bytes_per_block] uint8, chain order) named `hashes`, with their writers' digests (b""
+        where none; None: none at all), skipping those on disk.
 
         In phases over the whole batch, each phase's requests all in flight on the thread pool: write every object
         to `tmp/`; fdatasync (`durable`) and rename each into `objects/` (syncs issued together share the
@@ -242,7 +257,11 @@ class DiskStore:
         assert blocks.shape == (len(hashes), self.shape.bytes_per_block), "put's caller: one row per hash"
         keep = [i for i, h in enumerate(hashes) if h not in self._where]
         runs = [keep[i : i + self.blocks_per_object] for i in range(0, len(keep), self.blocks_per_object)]
-        tmps = self._pool.map(lambda r: self._write_tmp(namespace, [hashes[i] for i in r], _rows(blocks, r)), runs)
+        digests = writer_digests or [b""] * len(hashes)
+        tmps = self._pool.map(
+            lambda r: self._write_tmp(namespace, [hashes[i] for i in r], _rows(blocks, r), [digests[i] for i in r]),
+            runs,
+        )
         written = [w for w in tmps if w is not None]
         written = [w for w in self._pool.map(lambda w: self._settle(w, self._commit), written) if w is not None]
         if written and self.durable:  # the renames, once per directory
@@ -265,17 +284,19 @@ class DiskStore:
     def _tmp_path(self, obj: DiskObject) -> Path:
         return self.directory / "tmp" / obj.path.name
 
-    def _write_tmp(self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8]) -> DiskObject | None:
+    def _write_tmp(
+        self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8], writer_digests: list[bytes]
+    ) -> DiskObject | None:
         """Write one object under `tmp/` (its bytes reserved); None: not written (counted)."""
         checksums = block_checksums(blocks)
-        header = encode_header(self.shape, namespace, hashes, checksums)
+        header = encode_header(self.shape, namespace, hashes, checksums, writer_digests)
         size = object_bytes(len(header), len(hashes), self.shape.bytes_per_block)
         if not self._reserve(namespace, size):
             return None
         name = f"{hashes[0][:8].hex()}-{secrets.token_hex(6)}"
         split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
         obj = DiskObject(name, self._subdir(hashes[0]) / (name + OBJECT_SUFFIX), namespace, hashes, split,
-                         len(header), size)  # fmt: skip
+                         writer_digests, len(header), size)  # fmt: skip
         buffer = self.io.buffer(size)
         buffer[: len(header)] = header
         buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)

@@ -87,3 +87,30 @@ def test_a_failed_write_is_kept_and_a_block_dropped_before_the_writer_is_written
     assert torch.equal(loaded, written), "the disk's bytes land in the host blocks the open loads from"
     pool.cache.check_invariants()
     disk.store.close()
+
+
+def test_a_writers_digest_waits_one_flush_reaches_the_disk_and_comes_back_with_a_disk_hit(
+    pool: Pool, tmp_path: Path
+) -> None:
+    disk = disk_of(pool, tmp_path / "d")
+    cache_prompt(pool, seed=2)
+    assert disk.flush() == 0 and disk.num_pending == 3, "no digest recorded yet: the blocks wait one flush for it"
+    with pool.lock:
+        table = pool.cache.open(PROMPT).block_table[:3].tolist()
+        digests = [bytes([i + 1]) * 32 for i in range(3)]
+        pool.events.checksums.record(table[:2], digests[:2])  # the third block's writer never records one
+    assert disk.flush() == 3, "two digests recorded, and the third block waited its flush"
+    disk.store.close()
+
+    restarted = build_pool(PoolConfig("p", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=8,
+                                      dtype="float32", host_num_blocks=8), 16)  # fmt: skip
+    try:
+        again = disk_of(restarted, tmp_path / "d")  # the index and the digests rebuilt from the directory alone
+        with restarted.lock:
+            assert again.promote(to_token_bytes(PROMPT), "default") == 12
+            opened = restarted.cache.open(PROMPT)
+            got = restarted.events.checksums.get(opened.block_table[:3].tolist())
+        assert opened.num_host_hit_tokens == 12 and got == [*digests[:2], b""], "each block's writer's digest, or none"
+        again.store.close()
+    finally:
+        restarted.close()
