@@ -13,13 +13,12 @@ write the batch by default); a crash loses at most that window. Blocks loaded ba
 disk) are on disk already and are never written again, and eviction from the host tier or the device never
 writes: a block is dropped from memory without a write, because it is already on disk (or queued).
 
-Reading. Before an open, `promote` extends the prompt's device and host match with the blocks on disk that
-continue it: the hashes of the prompt's blocks past the match (the hash contract's, so the same across
-restarts), looked up in the index; when loading beats recomputing (`radixkv.disk.load_cost`), they are read
-(verified), written into host-tier blocks, and hung in the tree as a host-only node. The open then loads them
-to the device as any host hit, with the existing transfer path: schedulers, the vLLM connector and routers see
-one prefix cache. The read happens under the pool's lock, like the open that needs it (a 2 MiB object is
-~3 ms at 0.6 GB/s).
+Reading. Before a step takes the pool's lock for its opens, `promote` extends each prompt's device and host
+match with the blocks on disk that continue it: the hashes of the prompt's blocks past the match (the hash
+contract's, so the same across restarts), looked up in the index; when loading beats recomputing
+(`radixkv.disk.load_cost`), they are read (verified) with the pool's lock released, written into host-tier
+blocks under it, and hung in the tree as a host-only node. The open then loads them to the device as any host
+hit, with the existing transfer path: schedulers, the vLLM connector and routers see one prefix cache.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ MAX_STAGED_BYTES = 1 << 30  # copied at eviction and waiting for the writer, at 
 MEDIUM_STORAGE = "STORAGE"  # vLLM's medium of a storage tier (vllm.v1.kv_offload.base.Medium.STORAGE)
 THROTTLE_ENV = "RADIXKV_DISK_THROTTLE_BYTES_PER_S"  # tests and benchmarks: reads as slow as this (a slow disk)
 REPROBE_S = 60.0
+MAX_FREE_ROWS = 4  # promotes' read buffers kept for reuse (promotes run on the server's threads at once)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,11 +97,13 @@ class PoolDisk:
         self._pending: dict[int, tuple[str, bytes, int]] = {}
         self._staged: list[Staged] = []  # copied out (when the device dropped them, or by a flush), not written yet
         self._num_flushes = 0
+        self._num_writing = 0  # blocks of the flush being written: pending still (a crash now loses them)
         self.num_promoted_blocks = 0  # read from disk into the host tier for an open
         self.num_hit_tokens = 0  # tokens those blocks hold
         self.num_unwritten_blocks = 0  # committed blocks the device dropped while MAX_STAGED_BYTES waited already
         self._last_probe = 0.0
-        self._staging: npt.NDArray[np.uint8] | None = None  # promote's read rows (under the pool's lock)
+        self._free_rows: list[npt.NDArray[np.uint8]] = []  # promotes' read rows (`_take_rows`)
+        self._rows_lock = threading.Lock()  # a leaf lock
         self._changes: list[tuple[str, bool, list[bytes]]] = []  # objects written or removed, for the KV events
         self._changes_lock = threading.Lock()  # a leaf lock: the store tells from any thread, holding nothing
         self.store.on_change = self._changed
@@ -110,7 +112,7 @@ class PoolDisk:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending) + self._num_staged()
+        return len(self._pending) + self._num_staged() + self._num_writing
 
     def _num_staged(self) -> int:
         return sum(len(s.hashes) for s in self._staged)
@@ -208,6 +210,7 @@ class PoolDisk:
                 self._stage(ready)
             self._num_flushes += 1
             staged, self._staged = self._staged, []
+            self._num_writing = sum(len(batch.hashes) for batch in staged)
             with self._changes_lock:
                 changes, self._changes = self._changes, []
             publisher = self.pool.kv_publisher
@@ -217,6 +220,7 @@ class PoolDisk:
         num, errors = 0, self.store.num_write_errors
         for batch in staged:
             num += self.store.put(batch.namespace, batch.hashes, batch.data, batch.digests)
+            self._num_writing -= len(batch.hashes)
             if self.store.num_write_errors > errors:  # not on disk, and not for want of room: try again next time
                 keep = [i for i, h in enumerate(batch.hashes) if h not in self.store]
                 with self.pool.lock:
@@ -247,7 +251,7 @@ class PoolDisk:
                 pass
         self.store.close()
 
-    # -- reading, for an open under the pool's lock ---------------------------------------------
+    # -- reading, for a step's opens ---------------------------------------------------------------
 
     def _continuation(self, key: bytes, namespace: str) -> Continuation | None:
         if not len(self.store):
@@ -255,49 +259,70 @@ class PoolDisk:
         return continuation(self.pool.cache, key, namespace, self.pool.events.hashes.get)
 
     def num_on_disk_tokens(self, key: bytes, namespace: str) -> int:
-        """Tokens past the device and host match that the disk holds (Match's count; reads no block)."""
+        """Tokens past the device and host match that the disk holds (Match's count, under the pool's lock; reads
+        no block)."""
         found = self._continuation(key, namespace)
         return 0 if found is None else self.store.num_on_disk(found.hashes) * self.pool.layout.block_size
 
     def promote(self, key: bytes, namespace: str) -> int:
         """Bring the disk blocks continuing `key`'s match into the host tier when loading them beats recomputing;
-        returns the tokens brought (an open then loads them as a host hit)."""
-        found = self._continuation(key, namespace)
-        if found is None:
-            return 0
-        parent, start, hashes = found.parent, found.start, found.hashes
-        num = self.store.num_on_disk(hashes)
-        if not num or not self.cost.worth_loading(num):
-            return 0
-        began = time.perf_counter()
-        data = self.store.read(hashes[:num], self._staging_rows(num))
-        self.cost.observe(data.nbytes, time.perf_counter() - began)
-        if not len(data):
-            return 0
+        returns the tokens brought (the step's open then loads them as a host hit). Called without the pool's
+        lock, before the step takes it: the plan is made under the lock, the blocks read with it released (other
+        calls on the pool do not wait for this disk), and installed under it again if the match still ends where
+        it did (else nothing: what changed meanwhile, another open's promote or an eviction, wins)."""
+        with self.pool.lock:
+            found = self._continuation(key, namespace)
+            num = 0 if found is None else self.store.num_on_disk(found.hashes)
+            if found is None or not num or not self.cost.worth_loading(num):
+                return 0
+        rows = self._take_rows(num)
+        try:
+            began = time.perf_counter()
+            data = self.store.read(found.hashes[:num], rows)
+            self.cost.observe(data.nbytes, time.perf_counter() - began)
+            if not len(data):
+                return 0
+            with self.pool.lock:
+                now = self._continuation(key, namespace)
+                if now is None or now.parent is not found.parent or now.start != found.start:
+                    return 0
+                return self._install(key, namespace, found, data)
+        finally:
+            self._give_rows(rows)
+
+    def _install(self, key: bytes, namespace: str, found: Continuation, data: npt.NDArray[np.uint8]) -> int:
+        """Hang `data` (the blocks continuing `found`) in the tree as a host-only node (under the pool's lock)."""
         host = self.pool.cache.host
         assert host is not None
         bs, bb = self.pool.layout.block_size, self.pool.layout.block_size * TOKEN_BYTES
-        tokens = key[start * bb : (start + len(data)) * bb]
+        tokens = key[found.start * bb : (found.start + len(data)) * bb]
         tree = self.pool.cache.tree
-        node = host.adopt(parent or tree.root(namespace), tokens, lambda host_ids: self._fill(host_ids, data))
+        node = host.adopt(found.parent or tree.root(namespace), tokens, lambda host_ids: self._fill(host_ids, data))
         if node is None:
-            if parent is None:
+            if found.parent is None:
                 tree.drop_empty_roots()  # the root made for it
             return 0
         self.num_promoted_blocks += len(data)
         self.num_hit_tokens += len(data) * bs
         return len(data) * bs
 
-    def _staging_rows(self, num: int) -> npt.NDArray[np.uint8] | None:
-        """Aligned rows the disk reads `num` blocks straight into, kept across promotes (up to MAX_FLUSH_BYTES): a
-        fresh mapping per read costs a page fault per 4 KiB, as much as the read itself. None: past the cap, the
-        store maps rows of its own."""
+    def _take_rows(self, num: int) -> npt.NDArray[np.uint8] | None:
+        """Aligned rows the disk reads `num` blocks straight into, reused across promotes (a fresh mapping per read
+        costs a page fault per 4 KiB, as much as the read itself); at most MAX_FLUSH_BYTES of them, else None (the
+        store maps rows of its own)."""
         bpb = self.pool.layout.bytes_per_block
         if num * bpb > MAX_FLUSH_BYTES:
             return None
-        if self._staging is None or len(self._staging) < num:
-            self._staging = aligned_rows(max(num, (4 << 20) // bpb + 1), bpb)
-        return self._staging
+        with self._rows_lock:
+            rows = self._free_rows.pop() if self._free_rows else None
+        if rows is None or len(rows) < num:
+            rows = aligned_rows(max(num, (4 << 20) // bpb + 1), bpb)
+        return rows
+
+    def _give_rows(self, rows: npt.NDArray[np.uint8] | None) -> None:
+        with self._rows_lock:
+            if rows is not None and len(self._free_rows) < MAX_FREE_ROWS:
+                self._free_rows.append(rows)
 
     def _fill(self, host_ids: npt.NDArray[np.int32], data: npt.NDArray[np.uint8]) -> bool:
         """Write `data` (rows as `_gather` makes them) into host-tier blocks `host_ids`."""
