@@ -16,6 +16,8 @@ PRODUCT_FOLDERS = ("radixkv", "server", "client", "kernels", "demo", "integratio
 EXCEPTIONS = {
     "radixkv/tree/radix_tree.py": "the radix tree: match, split, insert, locks and eviction over one set of nodes "
     "(the policy's order and each owner's own LRU list are two views of the same evictable leaves)",
+    "client/client.py": "RadixKVClient: the KVCache service's RPCs, a method each over one channel and session "
+    "(server/servicer.py's mirror)",
     "radixkv/disk/store.py": "the disk store: its index, LRU byte cap and tenant shares under one lock, which every "
     "object's write (reserve, write, sync, rename, index) and read (verify, or refuse and unindex) crosses",
     "server/servicer.py": "KVCache on the wire: each RPC's request to one service call and its result to a response",
