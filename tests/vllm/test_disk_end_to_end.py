@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -91,6 +92,7 @@ def test_a_fresh_engine_is_served_from_disk_alone_and_a_damaged_object_is_recomp
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x40]))
+    os.utime(victim, (1, 1))  # the oldest in the rebuilt LRU: the start's bandwidth probe reads the newest object
 
     with serve(tmp_path / "b-server.log", disk_dir) as fresh:
         assert fresh.announcement["disk"]["default"]["blocks"] == num_on_disk, "the index, from the directory alone"
