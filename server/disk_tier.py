@@ -284,9 +284,9 @@ class PoolDisk:
                 return 0
             with self.pool.lock:
                 now = self._continuation(key, namespace)
-                if now is None or now.parent is not found.parent or now.start != found.start:
+                if now is None or now.start != found.start:
                     return 0
-                return self._install(key, namespace, found, data)
+                return self._install(key, namespace, now, data)
         finally:
             self._give_rows(rows)
 
@@ -297,7 +297,7 @@ class PoolDisk:
         bs, bb = self.pool.layout.block_size, self.pool.layout.block_size * TOKEN_BYTES
         tokens = key[found.start * bb : (found.start + len(data)) * bb]
         tree = self.pool.cache.tree
-        node = host.adopt(found.parent or tree.root(namespace), tokens, lambda host_ids: self._fill(host_ids, data))
+        node = host.adopt(found.hang_point(tree, namespace), tokens, lambda host_ids: self._fill(host_ids, data))
         if node is None:
             if found.parent is None:
                 tree.drop_empty_roots()  # the root made for it
