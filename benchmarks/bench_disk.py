@@ -91,7 +91,8 @@ def radixkv_tier(directory: Path, num_mib: int, object_mib: float, durable: bool
     bb = shape.bytes_per_block
     num_blocks = num_mib * (1 << 20) // bb
     rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, (num_blocks, bb), dtype=np.uint8)
+    blocks = aligned_rows(num_blocks, bb)  # as the writer gathers them out of the pool
+    blocks[:] = rng.integers(0, 256, (num_blocks, bb), dtype=np.uint8)
     hashes = chain_hashes(rng.integers(0, 50_000, num_blocks * LAYOUT.block_size).tolist(), LAYOUT.block_size)
     flush = max(1, int(min(MAX_FLUSH_BYTES, write_bps * FLUSH_INTERVAL_S)) // bb)
     store_s = load_s = float("inf")

@@ -174,7 +174,8 @@ class PoolDisk:
             hashes.append(h)
             rows.append(i)
         for namespace, (hashes, rows) in runs.items():
-            self._staged.append(Staged(namespace, hashes, data[rows], [digests[i] for i in rows]))
+            block_rows = data if len(runs) == 1 else data[rows]  # one namespace (the usual case): no copy
+            self._staged.append(Staged(namespace, hashes, block_rows, [digests[i] for i in rows]))
 
     def _gather(self, ids: list[int]) -> npt.NDArray[np.uint8]:
         """The K/V bytes of device blocks `ids`, one row each ([n, bytes_per_block]: layer, K/V, token, head, dim)."""
@@ -182,8 +183,10 @@ class PoolDisk:
 
         data = self.pool.storage.data  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         index = torch.tensor(ids, dtype=torch.int64, device=data.device)
-        picked = data.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return picked.view(torch.uint8).reshape(len(ids), -1).cpu().numpy()
+        picked = data.index_select(2, index).permute(2, 0, 1, 3, 4, 5)
+        rows = aligned_rows(len(ids), self.pool.layout.bytes_per_block)  # the store writes page-aligned rows as is
+        torch.from_numpy(rows).view(data.dtype).view(picked.shape).copy_(picked)
+        return rows
 
     # -- the writer --------------------------------------------------------------------------------
 

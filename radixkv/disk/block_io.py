@@ -64,21 +64,21 @@ class DirectIO:
                 self.direct = False
         return os.open(path, flags, 0o644), False
 
-    def write_file(self, path: Path, buffer: mmap.mmap, num_bytes: int, durable: bool) -> None:
-        """Write the first `num_bytes` (a multiple of ALIGN) of `buffer` as a new file `path`; fsync if `durable`."""
-        assert num_bytes % ALIGN == 0, "write_file writes whole aligned pages"
+    def write_file(self, path: Path, parts: list[memoryview], durable: bool) -> None:
+        """Write `parts` one after the other as a new file `path` (each a whole number of ALIGN pages, on page-aligned
+        memory); fsync if `durable`."""
+        assert all(len(part) % ALIGN == 0 for part in parts), "write_file writes whole aligned pages"
         fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            view = memoryview(buffer)
             try:
-                _pwrite_all(fd, view, num_bytes)
+                _pwrite_parts(fd, parts)
             except OSError as e:
                 if e.errno != errno.EINVAL or not direct:
                     raise
                 self.direct = False  # the filesystem took O_DIRECT at open and refused it at write
                 os.close(fd)
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-                _pwrite_all(fd, view, num_bytes)
+                _pwrite_parts(fd, parts)
             if durable:
                 os.fdatasync(fd)  # the data and the size; the name is made durable by the directory's fsync
         finally:
@@ -136,13 +136,16 @@ def aligned_rows(num_rows: int, row_bytes: int) -> npt.NDArray[np.uint8]:
     )
 
 
-def _pwrite_all(fd: int, view: memoryview, num_bytes: int) -> None:
+def _pwrite_parts(fd: int, parts: list[memoryview]) -> None:
     pos = 0
-    while pos < num_bytes:
-        n = os.pwritev(fd, [view[pos : min(num_bytes, pos + _CHUNK)]], pos)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        pos += n
+    for part in parts:
+        done = 0
+        while done < len(part):
+            n = os.pwritev(fd, [part[done : done + _CHUNK]], pos + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+        pos += done
 
 
 def _pread_all(fd: int, view: memoryview, num_bytes: int, offset: int) -> int:

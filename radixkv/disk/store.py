@@ -124,7 +124,7 @@ class DiskStore:
             check_manifest(self.directory, self.shape)
             probe = tmp / f"probe-{secrets.token_hex(4)}"
             buf = aligned_buffer(1)
-            self.io.write_file(probe, buf, len(buf), durable=True)
+            self.io.write_file(probe, [memoryview(buf)], durable=True)
             probe.unlink()
         except OSError as e:
             raise DiskTierError(f"disk_dir {self.directory}: cannot write ({os.strerror(e.errno or 0)})") from e
@@ -299,9 +299,15 @@ class DiskStore:
                          writer_digests, len(header), size)  # fmt: skip
         buffer = self.io.buffer(size)
         buffer[: len(header)] = header
-        buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
-        np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
-        return self._settle(obj, lambda path: self.io.write_file(path, buffer, size, durable=False))
+        if blocks.size % ALIGN == 0 and blocks.ctypes.data % ALIGN == 0 and blocks.flags.c_contiguous:
+            # Whole pages on aligned memory (`aligned_rows`, as the writer gathers them): written from where they
+            # are, the header from the thread's buffer; no copy of the object.
+            parts = [memoryview(buffer)[: len(header)], memoryview(blocks).cast("B")]
+        else:
+            buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
+            np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
+            parts = [memoryview(buffer)[:size]]
+        return self._settle(obj, lambda path: self.io.write_file(path, parts, durable=False))
 
     def _commit(self, tmp: Path) -> None:
         """fdatasync (`durable`) and rename a written object into `objects/`."""

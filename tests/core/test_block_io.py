@@ -23,7 +23,7 @@ def written(directory: Path, io: DirectIO) -> Path:
     if not path.exists():
         buffer = aligned_buffer(SIZE)
         buffer[:] = CONTENT.tobytes()
-        io.write_file(path, buffer, SIZE, durable=False)
+        io.write_file(path, [memoryview(buffer)], durable=False)
     return path
 
 

@@ -29,10 +29,10 @@ PROMPT = list(range(1, 15))  # 3 full blocks and 2 tokens
 class FailingIO(DirectIO):
     failing = False
 
-    def write_file(self, path: Path, buffer: object, num_bytes: int, durable: bool) -> None:
+    def write_file(self, path: Path, parts: list[memoryview], durable: bool) -> None:
         if self.failing:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        super().write_file(path, buffer, num_bytes, durable)  # type: ignore[arg-type]
+        super().write_file(path, parts, durable)
 
 
 @pytest.fixture
