@@ -299,6 +299,12 @@ class AsyncRadixKVClient:
         response = await self._call(self._stub.Match, request)
         return response.num_cached_tokens, response.num_host_cached_tokens
 
+    async def match_loadable(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """As `RadixKVClient.match_loadable`."""
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+        response = await self._call(self._stub.Match, request)
+        return response.num_cached_tokens + response.num_host_cached_tokens + response.num_disk_cached_tokens
+
     async def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)
         return (await self._apply(self._stub.Pin, request)).num_pinned_tokens

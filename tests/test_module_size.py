@@ -22,6 +22,8 @@ EXCEPTIONS = {
     "radixkv/sequences/sequence.py": "live sequences: their records, block tables and the columns of their hot fields",
     "server/rules/checks.py": "a step's checks: sizes, deadlines, counts, namespaces, shares (each refusal it can get)",
     "client/session/client.py": "RadixKVClient: one method per RPC, each the caller's whole contract for that call",
+    "radixkv/disk/store.py": "the disk store: its index, LRU byte cap and tenant shares under one lock, which every "
+    "object's write (reserve, write, sync, rename, index) and read (verify, or refuse and unindex) crosses",
     "server/rules/service.py": "KVService and the path every change takes: a step checked, then applied all or none",
     "server/rules/sessions.py": "a session: its lease, its sequences and the window of its answered request ids",
     "server/wire/servicer.py": "KVCache on the wire: requests to steps, results to responses, unary and stream",

@@ -383,6 +383,13 @@ class RadixKVClient:
         response = self._call(self._stub.Match, request)
         return response.num_cached_tokens, response.num_host_cached_tokens
 
+    def match_loadable(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Leading tokens an open would hold: cached on the device, then loaded back from the host tier and from the
+        disk tier (one Match call; the disk's count assumes its read is worth it). Changes nothing."""
+        request = m.prefix_request(pb.MatchRequest, self.pool, self.session_id, token_ids, namespace)
+        response = self._call(self._stub.Match, request)
+        return response.num_cached_tokens + response.num_host_cached_tokens + response.num_disk_cached_tokens
+
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Keep the cached prefix resident until `unpin` or this session's end; returns tokens pinned."""
         request = m.prefix_request(pb.PinRequest, self.pool, self.session_id, token_ids, namespace)

@@ -14,6 +14,7 @@ and allocates radixkv blocks for the rest of the prompt. Then, per step:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,11 +40,14 @@ class Copies:
 
 @dataclasses.dataclass(slots=True)
 class StepPlan:
-    """The worker's step: loads (radixkv -> vLLM), saves (vLLM -> radixkv), vLLM blocks that failed already."""
+    """The worker's step: radixkv's own transfers (per open with a host tier, in order: its offloads device -> host,
+    then its loads host -> device, int64 [n, 2] pairs each: `OpenResult`), then loads (radixkv -> vLLM), saves
+    (vLLM -> radixkv), vLLM blocks that failed already."""
 
     loads: Copies = dataclasses.field(default_factory=Copies)
     saves: Copies = dataclasses.field(default_factory=Copies)
     failed: list[int] = dataclasses.field(default_factory=list)
+    transfers: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)

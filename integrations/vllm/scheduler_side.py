@@ -1,8 +1,9 @@
 """The connector in vLLM's scheduler process: radixkv over gRPC (`RadixKVClient`), one sequence per request.
 
 vLLM's scheduler calls, per step: `num_new_matched_tokens` for a waiting request (a Match: whole blocks past
-vLLM's own hit, at least one prompt token left to compute), `after_alloc` once its blocks exist (the Open that
-locks radixkv's prefix and gives blocks for the rest, and the saver's digests of the blocks to load; a prompt
+vLLM's own hit, at least one prompt token left to compute; radixkv's device, host and disk tiers alike),
+`after_alloc` once its blocks exist (the Open that locks radixkv's prefix and gives blocks for the rest, with
+the host tier's transfers the worker applies first, and the saver's digests of the blocks to load; a prompt
 whose every full block vLLM holds itself costs no call at all: it was saved when vLLM computed or loaded it),
 `build_plan` (the worker's loads and saves), `worker_reported` with what the worker saved (one Step commits and
 caches every request's new blocks, then their checksums are recorded), `finished` (release once no save of the
@@ -76,7 +77,7 @@ class SchedulerSide:
         if self._quiet():
             return 0  # radixkv just failed: no call
         try:
-            held = self.client.match(prompt, namespace)
+            held = self.client.match_loadable(prompt, namespace)
         except Exception as e:  # the server down or refusing: compute instead
             self._failed("match", e)
             return 0
@@ -109,6 +110,8 @@ class SchedulerSide:
         if not skip and namespace is not None and len(prompt) >= self.block_size and not self._quiet():
             try:
                 opened = self.client.open(prompt, namespace)
+                if len(opened.offloads) or len(opened.loads):  # the host tier's (and the disk's hits through it)
+                    self._plan.transfers.append((opened.offloads, opened.loads))
                 held = opened.num_cached_tokens // self.block_size
                 table = [int(b) for b in opened.block_table]
                 return Tracked(request.request_id, opened.seq_id, table, len(prompt), held, held, self.block_size)

@@ -1,6 +1,8 @@
 """The connector in vLLM's worker: radixkv's pool mapped with `PoolView`, blocks copied between it and vLLM's.
 
-A step's loads run before its forward, in groups of `GROUP_BLOCKS` blocks pipelined over threads: each group is
+A step's loads run before its forward, after the host tier's transfers of the step's opens (device -> host
+offloads, host -> device loads: a host or disk hit joins radixkv's pool there), in groups of `GROUP_BLOCKS`
+blocks pipelined over threads: each group is
 copied out of the pool into a private staging tensor (`PoolRows.gather`, one whole-row copy per layer and K|V),
 its blocks' BLAKE3 digests are computed over that copy on a hashing thread (BLAKE3 releases the GIL) while the
 next group is copied, and only the blocks whose digest equals the one their saver recorded on the server are
@@ -23,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from radixkv.client import PoolView
+from radixkv.kernels import swap_blocks
 from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_digests
 from radixkv.vllm.plan import Copies, StepPlan
 
@@ -45,7 +48,13 @@ class WorkerSide:
         self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="radixkv-digest")
 
     def load(self, plan: StepPlan) -> None:
-        """Copy the step's verified blocks into vLLM's tensors; the rest become load errors."""
+        """Apply radixkv's transfers, then copy the step's verified blocks into vLLM's tensors; the rest become load
+        errors."""
+        for offloads, host_loads in plan.transfers:  # each open's, in order (radixkv.tree.host_tier says why)
+            if len(offloads):
+                swap_blocks(self.pool.data, self.pool.host_data, offloads)
+            if len(host_loads):
+                swap_blocks(self.pool.host_data, self.pool.data, host_loads)
         self._errors.update(plan.failed)
         self.failed_reqs = set()
         loads = plan.loads

@@ -19,6 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from radixkv.disk.object_format import ALIGN
 from radixkv.memory.block_pool import cdiv
 
@@ -50,70 +53,99 @@ class DirectIO:
             buf = self._local.buf = aligned_buffer(max(num_bytes, 1 << 20))
         return buf
 
-    def _open(self, path: Path, flags: int) -> int:
+    def _open(self, path: Path, flags: int) -> tuple[int, bool]:
+        """A descriptor of `path`, and whether it is O_DIRECT."""
         if self.direct:
             try:
-                return os.open(path, flags | _O_DIRECT, 0o644)
+                return os.open(path, flags | _O_DIRECT, 0o644), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o644), False
 
-    def write_file(self, path: Path, buffer: mmap.mmap, num_bytes: int, durable: bool) -> None:
-        """Write the first `num_bytes` (a multiple of ALIGN) of `buffer` as a new file `path`; fsync if `durable`."""
-        assert num_bytes % ALIGN == 0, "write_file writes whole aligned pages"
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    def write_file(self, path: Path, parts: list[memoryview], durable: bool) -> None:
+        """Write `parts` one after the other as a new file `path` (each a whole number of ALIGN pages, on page-aligned
+        memory); fsync if `durable`."""
+        assert all(len(part) % ALIGN == 0 for part in parts), "write_file writes whole aligned pages"
+        fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            view = memoryview(buffer)
             try:
-                _pwrite_all(fd, view, num_bytes)
+                _pwrite_parts(fd, parts)
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
+                if e.errno != errno.EINVAL or not direct:
                     raise
                 self.direct = False  # the filesystem took O_DIRECT at open and refused it at write
                 os.close(fd)
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-                _pwrite_all(fd, view, num_bytes)
+                _pwrite_parts(fd, parts)
             if durable:
                 os.fdatasync(fd)  # the data and the size; the name is made durable by the directory's fsync
         finally:
             os.close(fd)
 
-    def read_range(self, path: Path, offset: int, num_bytes: int) -> tuple[memoryview, int]:
-        """Bytes [offset, offset + num_bytes) of `path`: a view into an aligned buffer, and how many were read
-        (fewer at the end of a short file), valid until this thread's next request. Offset and length are widened
-        to ALIGN for the read."""
-        start = offset - offset % ALIGN
-        length = cdiv(offset + num_bytes - start, ALIGN) * ALIGN
-        buffer = self.buffer(length)
+    def sync(self, path: Path) -> None:
+        """Make a written file's data and size durable (its name is made durable by the directory's fsync)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: Path, offset: int, dest: npt.NDArray[np.uint8]) -> int:
+        """Read bytes [offset, offset + dest.size) of `path` into `dest` (C-contiguous uint8); returns how many were
+        read (fewer at the end of a short file)."""
         began = time.perf_counter()
-        fd = self._open(path, os.O_RDONLY)
+        fd, direct = self._open(path, os.O_RDONLY)
         try:
             try:
-                got = _pread_all(fd, memoryview(buffer), length, start)
+                got = self._read(fd, direct, offset, dest)
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
+                if e.errno != errno.EINVAL or not direct:
                     raise
-                self.direct = False
+                self.direct = False  # the filesystem took O_DIRECT at open and refused it at read
                 os.close(fd)
                 fd = os.open(path, os.O_RDONLY)
-                got = _pread_all(fd, memoryview(buffer), length, start)
+                got = self._read(fd, False, offset, dest)
         finally:
             os.close(fd)
         if self.throttle_bytes_per_s:
             time.sleep(max(0.0, got / self.throttle_bytes_per_s - (time.perf_counter() - began)))
+        return got
+
+    def _read(self, fd: int, direct: bool, offset: int, dest: npt.NDArray[np.uint8]) -> int:
+        """Straight into `dest` when O_DIRECT allows it (offset, length and address aligned, as `aligned_rows` and
+        whole-page blocks make them) or is off; else through this thread's buffer, widened to ALIGN, and copied."""
+        view = memoryview(dest).cast("B")
+        num_bytes = len(view)
+        if not direct or (offset % ALIGN == 0 and num_bytes % ALIGN == 0 and dest.ctypes.data % ALIGN == 0):
+            return _pread_all(fd, view, num_bytes, offset)
+        start = offset - offset % ALIGN
+        length = cdiv(offset + num_bytes - start, ALIGN) * ALIGN
+        buffer = memoryview(self.buffer(length))
         skip = offset - start
-        return memoryview(buffer)[skip : skip + num_bytes], max(0, min(num_bytes, got - skip))
+        got = max(0, min(num_bytes, _pread_all(fd, buffer, length, start) - skip))
+        view[:got] = buffer[skip : skip + got]
+        return got
 
 
-def _pwrite_all(fd: int, view: memoryview, num_bytes: int) -> None:
+def aligned_rows(num_rows: int, row_bytes: int) -> npt.NDArray[np.uint8]:
+    """[num_rows, row_bytes] uint8 on page-aligned memory: O_DIRECT reads whole-page rows straight into it."""
+    return np.frombuffer(aligned_buffer(num_rows * row_bytes), np.uint8, num_rows * row_bytes).reshape(
+        num_rows, row_bytes
+    )
+
+
+def _pwrite_parts(fd: int, parts: list[memoryview]) -> None:
     pos = 0
-    while pos < num_bytes:
-        n = os.pwritev(fd, [view[pos : min(num_bytes, pos + _CHUNK)]], pos)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        pos += n
+    for part in parts:
+        done = 0
+        while done < len(part):
+            n = os.pwritev(fd, [part[done : done + _CHUNK]], pos + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+        pos += done
 
 
 def _pread_all(fd: int, view: memoryview, num_bytes: int, offset: int) -> int:

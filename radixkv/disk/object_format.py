@@ -6,7 +6,10 @@ sized for the device: `target_object_bytes`, 1 MiB by default). Layout, little-e
     [fixed 48 bytes] magic "RKVDISK\\0", format version, header bytes, meta bytes, num_blocks, block_bytes,
                      data offset, header checksum
     [meta]           canonical CBOR: the pool's shape (layers, kv heads, head_dim, dtype, block size), the hash
-                     contract (`radixkv.tree.block_hash.HashContract`), the namespace, the checksum name
+                     contract (`radixkv.tree.block_hash.HashContract`), the namespace, the checksum name, and
+                     `writer_digests` when any block has one: per block the 32-byte digest its writer recorded with
+                     the server (`server/events/block_checksums.py`; empty where none was), so a reader that verifies
+                     blocks against their writer's claim (the vLLM connector) still can after every process restarts
     [hashes]         num_blocks x 32 bytes: each block's chain hash (the contract's), in chain order
     [checksums]      num_blocks x 16 bytes: XXH3-128 of each block's bytes
     [padding]        to `ALIGN` (the header is `header_bytes` long, a multiple of ALIGN)
@@ -38,6 +41,9 @@ FORMAT_VERSION = 1
 ALIGN = 4096  # O_DIRECT's alignment on every Linux block device we meet (logical block size <= 4 KiB)
 HASH_BYTES = 32
 CHECKSUM_BYTES = 16
+WRITER_DIGEST_BYTES = (
+    32  # server/events/block_checksums.py's DIGEST_BYTES (BLAKE3): the core does not import the server
+)
 CHECKSUM_NAME = "xxh3_128"
 OBJECT_SUFFIX = ".kvo"
 _FIXED = struct.Struct("<8sIIIIQQQ")  # magic, version, header_bytes, meta_bytes, num_blocks, block_bytes, data, csum
@@ -101,14 +107,21 @@ class Header:
     namespace: str
     hashes: list[bytes]
     checksums: list[bytes]
+    writer_digests: list[bytes]  # per block, b"" where its writer recorded none
     block_bytes: int
     data_offset: int
     file_bytes: int
 
 
-def encode_header(shape: DiskShape, namespace: str, hashes: list[bytes], checksums: bytes) -> bytes:
-    """The header of an object holding blocks `hashes` (their `checksums`), padded to ALIGN."""
-    meta = cbor2.dumps({"shape": shape.as_dict(), "namespace": namespace, "checksum": CHECKSUM_NAME}, canonical=True)
+def encode_header(
+    shape: DiskShape, namespace: str, hashes: list[bytes], checksums: bytes, writer_digests: list[bytes] | None = None
+) -> bytes:
+    """The header of an object holding blocks `hashes` (their `checksums`, their `writer_digests`), padded to ALIGN."""
+    fields: dict[str, Any] = {"shape": shape.as_dict(), "namespace": namespace, "checksum": CHECKSUM_NAME}
+    if writer_digests and any(writer_digests):
+        assert len(writer_digests) == len(hashes), "encode_header's caller: one writer digest (or b'') per block"
+        fields["writer_digests"] = writer_digests
+    meta = cbor2.dumps(fields, canonical=True)
     n = len(hashes)
     assert len(checksums) == n * CHECKSUM_BYTES and all(len(h) == HASH_BYTES for h in hashes), "encode_header's caller"
     length = _header_length(len(meta), n)
@@ -167,4 +180,7 @@ def decode_header(data: bytes, shape: DiskShape, file_bytes: int) -> Header:
     hashes = [data[pos + i * HASH_BYTES : pos + (i + 1) * HASH_BYTES] for i in range(n)]
     pos += n * HASH_BYTES
     checksums = [data[pos + i * CHECKSUM_BYTES : pos + (i + 1) * CHECKSUM_BYTES] for i in range(n)]
-    return Header(str(meta["namespace"]), hashes, checksums, int(block_bytes), int(data_offset), size)
+    digests = meta.get("writer_digests", [b""] * n)
+    if len(digests) != n or not all(isinstance(d, bytes) and len(d) in (0, WRITER_DIGEST_BYTES) for d in digests):
+        raise ObjectRefused("corrupt", "writer digests")
+    return Header(str(meta["namespace"]), hashes, checksums, digests, int(block_bytes), int(data_offset), size)

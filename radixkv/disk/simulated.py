@@ -57,7 +57,7 @@ class SimulatedDisk:
         host, tree, bb = self.cache.host, self.cache.tree, self.cache.block_size * TOKEN_BYTES
         assert host is not None
         tokens = key[found.start * bb : (found.start + num) * bb]
-        if host.adopt(found.parent or tree.root(namespace), tokens, lambda host_ids: True) is None:
+        if host.adopt(found.hang_point(tree, namespace), tokens, lambda host_ids: True) is None:
             tree.drop_empty_roots()
             return 0
         self.num_promoted_blocks += num

@@ -2,8 +2,8 @@
 
 Directory `DIR`: `radixkv-disk.cbor` (the manifest: format version and the pool's `DiskShape`, written once),
 `objects/<xx>/<name>.kvo` (`radixkv.disk.object_format`), `tmp/` (objects being written). A write goes to
-`tmp/`, is fsynced (`durable`), renamed into `objects/`, and the directory fsynced once per batch: an object in
-`objects/` is whole or was never there. Everything in `tmp/` at start is a write a crash interrupted (counted
+`tmp/`, is fsynced (`durable`), renamed into `objects/`, and each directory fsynced once per batch: an object
+in `objects/` is whole or was never there. Everything in `tmp/` at start is a write a crash interrupted (counted
 as `torn`, removed).
 
 The index (block hash -> object, slot) is rebuilt from `objects/` alone at start by reading each object's
@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from radixkv.disk.block_io import DirectIO, aligned_buffer, fsync_dir
+from radixkv.disk.block_io import DirectIO, aligned_buffer, aligned_rows, fsync_dir
 from radixkv.disk.manifest import DiskTierError, check_manifest
 from radixkv.disk.object_format import (
     ALIGN,
@@ -63,6 +63,7 @@ class DiskObject:
     namespace: str
     hashes: list[bytes]
     checksums: list[bytes]
+    writer_digests: list[bytes]  # per block, b"" where none was recorded (object_format)
     data_offset: int
     file_bytes: int
 
@@ -99,6 +100,7 @@ class DiskStore:
         self.read_seconds = 0.0
         self.rebuild_seconds = 0.0
         # Reads have threads of their own: an open waiting on its disk hit never queues behind a batch of writes.
+        self.num_threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-write")
         self._read_pool = ThreadPoolExecutor(num_threads, thread_name_prefix="radixkv-disk-read")
         # Told (namespace, True: stored / False: removed, block hashes) of every object written or removed after
@@ -117,10 +119,12 @@ class DiskStore:
         try:
             objects.mkdir(parents=True, exist_ok=True)
             tmp.mkdir(exist_ok=True)
+            for i in range(256):  # every object's directory made once, not checked at every write
+                (objects / f"{i:02x}").mkdir(exist_ok=True)
             check_manifest(self.directory, self.shape)
             probe = tmp / f"probe-{secrets.token_hex(4)}"
             buf = aligned_buffer(1)
-            self.io.write_file(probe, buf, len(buf), durable=True)
+            self.io.write_file(probe, [memoryview(buf)], durable=True)
             probe.unlink()
         except OSError as e:
             raise DiskTierError(f"disk_dir {self.directory}: cannot write ({os.strerror(e.errno or 0)})") from e
@@ -171,7 +175,8 @@ class DiskStore:
             self._refuse(path, e)
             return None
         name = path.name[: -len(OBJECT_SUFFIX)]
-        return DiskObject(name, path, header.namespace, header.hashes, header.checksums, header.data_offset, size)
+        return DiskObject(name, path, header.namespace, header.hashes, header.checksums, header.writer_digests,
+                          header.data_offset, size)  # fmt: skip
 
     # -- the index --------------------------------------------------------------------------------
 
@@ -216,6 +221,12 @@ class DiskStore:
             n += 1
         return n
 
+    def writer_digests(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """The writer's digest of each of `hashes` on disk (b"" where none was recorded, or not on disk)."""
+        where = self._where
+        found = [where.get(h) for h in hashes]
+        return [b"" if f is None else f[0].writer_digests[f[1]] for f in found]
+
     def sample(self) -> list[bytes]:
         """The block hashes of the most recently used object (none when empty): what a bandwidth probe reads."""
         with self._lock:
@@ -227,58 +238,94 @@ class DiskStore:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def put(self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8]) -> int:
-        """Store `blocks` ([n, bytes_per_block] uint8, chain order) named `hashes`, skipping those on disk.
+    def put(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        blocks: npt.NDArray[np.uint8],
+        writer_digests: list[bytes] | None = None,
+    ) -> int:
+        """Store `blocks` ([n, bytes_per_block] uint8, chain order) named `hashes`, with their writers' digests (b""
+        where none; None: none at all), skipping those on disk.
 
-        Objects are written in parallel; returns the blocks written. Never raises for the disk's sake: a failed
-        write is logged and counted, and those blocks are simply not on disk.
+        In phases over the whole batch, each phase's requests all in flight on the thread pool: write every object
+        to `tmp/`; fdatasync (`durable`) and rename each into `objects/` (syncs issued together share the
+        filesystem's journal commits, where a sync after each write would commit once per object); fsync each
+        directory renamed into once. Returns the blocks written. Never raises for the disk's sake: a failed write
+        is logged and counted, and those blocks are simply not on disk.
         """
         assert blocks.shape == (len(hashes), self.shape.bytes_per_block), "put's caller: one row per hash"
         keep = [i for i, h in enumerate(hashes) if h not in self._where]
         runs = [keep[i : i + self.blocks_per_object] for i in range(0, len(keep), self.blocks_per_object)]
-        written = self._pool.map(lambda run: self._write_object(namespace, [hashes[i] for i in run], blocks[run]), runs)
-        num = sum(written)
-        if num and self.durable:
+        digests = writer_digests or [b""] * len(hashes)
+        tmps = self._pool.map(
+            lambda r: self._write_tmp(namespace, [hashes[i] for i in r], _rows(blocks, r), [digests[i] for i in r]),
+            runs,
+        )
+        written = [w for w in tmps if w is not None]
+        written = [w for w in self._pool.map(lambda w: self._settle(w, self._commit), written) if w is not None]
+        if written and self.durable:  # the renames, once per directory
             try:
-                for sub in {self._subdir(hashes[run[0]]) for run in runs}:
-                    fsync_dir(sub)
+                list(self._pool.map(fsync_dir, {w.path.parent for w in written}))
             except OSError as e:
                 self._write_failed(e)
-        return num
+        with self._lock:
+            for obj in written:
+                self._add(obj)
+                self.num_written_blocks += len(obj.hashes)
+                self.num_written_bytes += len(obj.hashes) * self.shape.bytes_per_block
+        for obj in written:
+            self._tell(obj, True)
+        return sum(len(obj.hashes) for obj in written)
 
     def _subdir(self, first_hash: bytes) -> Path:
         return self.directory / "objects" / first_hash[:1].hex()
 
-    def _write_object(self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8]) -> int:
+    def _tmp_path(self, obj: DiskObject) -> Path:
+        return self.directory / "tmp" / obj.path.name
+
+    def _write_tmp(
+        self, namespace: str, hashes: list[bytes], blocks: npt.NDArray[np.uint8], writer_digests: list[bytes]
+    ) -> DiskObject | None:
+        """Write one object under `tmp/` (its bytes reserved); None: not written (counted)."""
         checksums = block_checksums(blocks)
-        header = encode_header(self.shape, namespace, hashes, checksums)
+        header = encode_header(self.shape, namespace, hashes, checksums, writer_digests)
         size = object_bytes(len(header), len(hashes), self.shape.bytes_per_block)
         if not self._reserve(namespace, size):
-            return 0
+            return None
         name = f"{hashes[0][:8].hex()}-{secrets.token_hex(6)}"
-        sub = self._subdir(hashes[0])
-        tmp, final = self.directory / "tmp" / (name + OBJECT_SUFFIX), sub / (name + OBJECT_SUFFIX)
+        split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
+        obj = DiskObject(name, self._subdir(hashes[0]) / (name + OBJECT_SUFFIX), namespace, hashes, split,
+                         writer_digests, len(header), size)  # fmt: skip
         buffer = self.io.buffer(size)
         buffer[: len(header)] = header
-        buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
-        np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
+        if blocks.size % ALIGN == 0 and blocks.ctypes.data % ALIGN == 0 and blocks.flags.c_contiguous:
+            # Whole pages on aligned memory (`aligned_rows`, as the writer gathers them): written from where they
+            # are, the header from the thread's buffer; no copy of the object.
+            parts = [memoryview(buffer)[: len(header)], memoryview(blocks).cast("B")]
+        else:
+            buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
+            np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
+            parts = [memoryview(buffer)[:size]]
+        return self._settle(obj, lambda path: self.io.write_file(path, parts, durable=False))
+
+    def _commit(self, tmp: Path) -> None:
+        """fdatasync (`durable`) and rename a written object into `objects/`."""
+        if self.durable:
+            self.io.sync(tmp)
+        os.rename(tmp, self.directory / "objects" / tmp.name[:2] / tmp.name)
+
+    def _settle(self, obj: DiskObject, step: Callable[[Path], None]) -> DiskObject | None:
+        """`step(tmp path)`; on an OSError, remove the object's file, unreserve its bytes, count it, None."""
         try:
-            sub.mkdir(exist_ok=True)
-            self.io.write_file(tmp, buffer, size, durable=self.durable)
-            os.rename(tmp, final)
+            step(self._tmp_path(obj))
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            self._unreserve(namespace, size)
+            self._tmp_path(obj).unlink(missing_ok=True)
+            obj.path.unlink(missing_ok=True)
+            self._unreserve(obj.namespace, obj.file_bytes)
             self._write_failed(e)
-            return 0
-        split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
-        obj = DiskObject(name, final, namespace, hashes, split, len(header), size)
-        with self._lock:
-            self._add(obj)
-            self.num_written_blocks += len(hashes)
-            self.num_written_bytes += len(hashes) * self.shape.bytes_per_block
-        self._tell(obj, True)
-        return len(hashes)
+            return None
+        return obj
 
     def _tell(self, obj: DiskObject, stored: bool) -> None:
         if self.on_change is not None:
@@ -324,11 +371,12 @@ class DiskStore:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def read(self, hashes: list[bytes]) -> npt.NDArray[np.uint8]:
+    def read(self, hashes: list[bytes], out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
         """The bytes of the leading run of `hashes` found on disk and verified, [k, bytes_per_block], k <= n.
 
-        Objects are read in parallel. A block whose checksum fails refuses its whole object (counted, removed)
-        and ends the run there: what follows is recomputed.
+        Objects are read in parallel, straight into the rows returned: `out` ([>= n, bytes_per_block], from
+        `aligned_rows`, reusable by the caller) or fresh aligned rows. A block whose checksum fails refuses its
+        whole object (counted, removed) and ends the run there: what follows is recomputed.
         """
         bb = self.shape.bytes_per_block
         runs: list[tuple[DiskObject, int, int]] = []  # (object, first slot, blocks)
@@ -344,11 +392,14 @@ class DiskStore:
                     runs.append((obj, slot, 1))
                 self._objects.move_to_end(obj.name)
         began = time.perf_counter()
-        out = np.empty((sum(n for _, _, n in runs), bb), np.uint8)
+        total = sum(n for _, _, n in runs)
+        if out is None:
+            out = aligned_rows(total, bb)
+        assert out.shape[0] >= total and out.shape[1] == bb and out.flags.c_contiguous, "read's out: rows for all"
         starts = np.cumsum([0] + [n for _, _, n in runs]).tolist()
         parts = [out[starts[i] : starts[i + 1]] for i in range(len(runs))]
         verified = list(self._read_pool.map(self._read_run, runs, parts))
-        num_good = starts[verified.index(False)] if False in verified else len(out)
+        num_good = starts[verified.index(False)] if False in verified else total
         got = out[:num_good]
         with self._lock:
             self.read_seconds += time.perf_counter() - began
@@ -361,19 +412,17 @@ class DiskStore:
         obj, first, n = run
         bb = self.shape.bytes_per_block
         try:
-            view, got = self.io.read_range(obj.path, obj.data_offset + first * bb, n * bb)
+            got = self.io.read_into(obj.path, obj.data_offset + first * bb, into)
         except FileNotFoundError:
             self._forget(obj, ObjectRefused("missing", str(obj.path)))
             return False
         if got < n * bb:
             self._forget(obj, ObjectRefused("truncated", f"{obj.path}: {got} of {n * bb} bytes"))
             return False
-        blocks = np.frombuffer(view, dtype=np.uint8, count=n * bb).reshape(n, bb)
         for i in range(n):
-            if xxhash.xxh3_128_digest(blocks[i]) != obj.checksums[first + i]:
+            if xxhash.xxh3_128_digest(into[i]) != obj.checksums[first + i]:
                 self._forget(obj, ObjectRefused("corrupt", f"{obj.path}: block {first + i} fails its checksum"))
                 return False
-        into[:] = blocks
         return True
 
     def _forget(self, obj: DiskObject, error: ObjectRefused) -> None:
@@ -396,3 +445,8 @@ class DiskStore:
             assert total <= self.num_bytes <= self.capacity_bytes, f"disk bytes {total}/{self.num_bytes} past the cap"
             indexed = sum(1 for o in self._objects.values() for s, h in enumerate(o.hashes) if self._where[h] == (o, s))
             assert indexed == len(self._where), "disk index out of step with its objects"
+
+
+def _rows(blocks: npt.NDArray[np.uint8], run: list[int]) -> npt.NDArray[np.uint8]:
+    """`blocks[run]`: a view when the run is consecutive (the usual case), sparing a copy of the object."""
+    return blocks[run[0] : run[-1] + 1] if run[-1] - run[0] + 1 == len(run) else blocks[run]

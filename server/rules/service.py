@@ -138,10 +138,11 @@ def _run(checks: Checks, pool: Pool, session: Session, step: Step, reply: Reply,
     if step.append is not None and not isinstance(step.append.token_ids, bytes | np.ndarray):
         step = dataclasses.replace(step, append=dataclasses.replace(step.append, token_ids=_as_int32(step.append)))
 
+    if pool.disk is not None:  # disk blocks past each prompt's match join the host tier (read without the lock)
+        for key, ns in requests:
+            pool.disk.promote(key, ns)
+
     def check_and_apply() -> StepResult:
-        if pool.disk is not None:  # disk blocks past each prompt's match join the host tier, for the open to load
-            for key, ns in requests:
-                pool.disk.promote(key, ns)
         _StepPlan(checks, pool, session).check(step, requests)
         # Explained before the opens (the commit before them leaves the tree as it is).
         before: list[MissExplanation | None] = (

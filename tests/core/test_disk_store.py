@@ -193,10 +193,10 @@ class FailingIO(DirectIO):
         super().__init__()
         self.code, self.failing = code, False
 
-    def write_file(self, path: Path, buffer: object, num_bytes: int, durable: bool) -> None:
+    def write_file(self, path: Path, parts: list[memoryview], durable: bool) -> None:
         if self.failing:
             raise OSError(self.code, os.strerror(self.code))
-        super().write_file(path, buffer, num_bytes, durable)  # type: ignore[arg-type]
+        super().write_file(path, parts, durable)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])

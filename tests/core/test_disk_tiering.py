@@ -41,6 +41,29 @@ def test_a_disk_hit_joins_the_host_tier_and_an_open_loads_it() -> None:
     assert disk.promote(prompt, "default") == 0  # on the device now
 
 
+def test_a_disk_hit_past_a_match_ending_inside_a_device_node_hangs_where_the_node_splits() -> None:
+    cache = KVCache(16, BS, host_num_blocks=8)
+    disk = SimulatedDisk(cache, 100)
+    prompt = list(range(1, 15))  # 3 full blocks and 2 tokens
+    first = cache.open(prompt)
+    cache.commit([first.seq_id], [len(prompt)])
+    cache.release(first.seq_id)
+    assert cache.evict(3) == 3 and cache.host is not None and cache.host.evict(3) == 3  # on disk only
+    cache.host.take_offloads()
+    other = cache.open([*prompt[:8], 50, 51, 52, 53, 54])  # one device node of 3 blocks, the first 2 the prompt's
+    cache.commit([other.seq_id], [13])
+    cache.release(other.seq_id)
+    assert cache.match_tiers(prompt) == (8, 0)
+    found = continuation(cache, to_token_bytes(prompt), "default", disk.hashes.get)
+    assert found is not None and found.start == 2 and found.hashes == chain_hashes(prompt, BS)[2:3]
+    assert disk.promote(prompt, "default") == 1
+    cache.check_invariants()
+    assert cache.match_tiers(prompt) == (8, 4)
+    again = cache.open(prompt)
+    assert (again.num_cached_tokens, again.num_host_hit_tokens) == (12, 4)
+    cache.check_invariants()
+
+
 def test_the_continuation_starts_past_the_device_and_host_match_with_the_contract_hashes() -> None:
     cache = KVCache(16, BS, host_num_blocks=8)
     disk = SimulatedDisk(cache, 100)

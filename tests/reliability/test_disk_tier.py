@@ -97,6 +97,7 @@ def test_warm_from_disk_alone_after_sigkill_of_server_and_keeper(tmp_path: Path)
         with RadixKVClient(second.address, pool="disk") as client:
             match = client.match(PROMPT, explain=True)
             assert (match.num_cached_tokens, match.num_host_cached_tokens, match.num_disk_cached_tokens) == (0, 0, 12)
+            assert client.match_loadable(PROMPT) == 12, "what an open would hold: the vLLM connector's promise"
         hit, kv = load_prompt(second, PROMPT)
         assert hit == 12 and torch.equal(kv, written[:, :, :12]), "the committed K/V, bit for bit, from disk alone"
         assert metric(second, "radixkv_disk_hit_tokens") == 12
