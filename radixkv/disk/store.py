@@ -175,8 +175,16 @@ class DiskStore:
             self._refuse(path, e)
             return None
         name = path.name[: -len(OBJECT_SUFFIX)]
-        return DiskObject(name, path, header.namespace, header.hashes, header.checksums, header.writer_digests,
-                          header.data_offset, size)  # fmt: skip
+        return DiskObject(
+            name,
+            path,
+            header.namespace,
+            header.hashes,
+            header.checksums,
+            header.writer_digests,
+            header.data_offset,
+            size,
+        )
 
     # -- the index --------------------------------------------------------------------------------
 
@@ -295,8 +303,16 @@ class DiskStore:
             return None
         name = f"{hashes[0][:8].hex()}-{secrets.token_hex(6)}"
         split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
-        obj = DiskObject(name, self._subdir(hashes[0]) / (name + OBJECT_SUFFIX), namespace, hashes, split,
-                         writer_digests, len(header), size)  # fmt: skip
+        obj = DiskObject(
+            name,
+            self._subdir(hashes[0]) / (name + OBJECT_SUFFIX),
+            namespace,
+            hashes,
+            split,
+            writer_digests,
+            len(header),
+            size,
+        )
         buffer = self.io.buffer(size)
         buffer[: len(header)] = header
         if blocks.size % ALIGN == 0 and blocks.ctypes.data % ALIGN == 0 and blocks.flags.c_contiguous:
