@@ -1,14 +1,14 @@
 """The connector in vLLM's worker: radixkv's pool mapped with `PoolView`, blocks copied between it and vLLM's.
 
-A step's loads run before its forward, in groups of `GROUP_BLOCKS` blocks pipelined over threads: each group is
-copied out of the pool into a private staging tensor (`PoolRows.gather`, one whole-row copy per layer and K|V),
-its blocks' BLAKE3 digests are computed over that copy on a hashing thread (BLAKE3 releases the GIL) while the
-next group is copied, and only the blocks whose digest equals the one their saver recorded on the server are
-converted into vLLM's KV tensors (one transposing copy per layer and run of consecutive vLLM blocks). The others,
-and the blocks the scheduler already knew it could not load, are reported by `take_load_errors`; vLLM recomputes
-them. So vLLM
-never reads a byte that is not exactly what a saver wrote and vouched for, whatever happened to the pool
-meanwhile (a cryptographic digest kept by the server: a writer of pool memory can neither meet nor rewrite it).
+A step's loads run before its forward, in groups of about `GROUP_BYTES`: each group is copied out of the pool
+into a private staging tensor (`PoolRows.gather`, one copy per run of consecutive pool blocks), and while a hashing
+thread computes its blocks' BLAKE3 digests over that copy (BLAKE3 releases the GIL), this thread converts the same
+copy into vLLM's KV tensors (one transposing copy per layer and run of consecutive vLLM blocks). Before `load`
+returns every digest is compared with the one the block's saver recorded on the server: a block that differs is
+wiped (zeros in every layer) and reported by `take_load_errors` with the blocks the scheduler already knew it
+could not load; vLLM recomputes them. So vLLM's forward never reads a byte that is not exactly what a saver wrote
+and vouched for, whatever happened to the pool meanwhile (a cryptographic digest kept by the server: a writer of
+pool memory can neither meet nor rewrite it), and hashing costs no time of its own beside the copies.
 Saves run after the forward (`save`): vLLM's blocks are read from every layer into a staging tensor, written
 into the sequence's own radixkv blocks with one row copy, and digested; the scheduler commits what is reported.
 """
@@ -27,7 +27,7 @@ from radixkv.vllm.layouts import CpuLayout, PoolRows, TokenMajorLayout, block_di
 from radixkv.vllm.plan import Copies, StepPlan
 
 log = logging.getLogger("radixkv.vllm")
-GROUP_BLOCKS = 8  # blocks per pipelined group: ~12 MB at SmolLM2-135M's 1.5 MB blocks, cache-sized
+GROUP_BYTES = 32 << 20  # per pipelined group: fewer groups cost less Python per layer, more cost more staging memory
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
@@ -43,43 +43,46 @@ class WorkerSide:
         self._errors: set[int] = set()
         self.failed_reqs: set[str] = set()  # this step's requests with a failed load: none of their saves is valid
         self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="radixkv-digest")
+        self.group_blocks = max(1, GROUP_BYTES // (pool.data[:, :, 0].numel() * pool.data.element_size()))
+        self._staging = [self.rows.staging(self.group_blocks) for _ in range(HASH_THREADS + 1)]  # groups in flight
 
     def load(self, plan: StepPlan) -> None:
-        """Copy the step's verified blocks into vLLM's tensors; the rest become load errors."""
+        """Copy the step's blocks into vLLM's tensors, verified before this returns; the rest become load errors."""
         self._errors.update(plan.failed)
         self.failed_reqs = set()
         loads = plan.loads
-        pending: collections.deque[tuple[int, torch.Tensor, Future[list[bytes]]]] = collections.deque()
-        num_bad = 0
-        for start in range(0, len(loads), GROUP_BLOCKS):
-            staged = self.rows.gather(loads.src[start : start + GROUP_BLOCKS])  # private: the pool may change
-            pending.append((start, staged, self._hashers.submit(block_digests, staged)))
-            if len(pending) > HASH_THREADS:  # the oldest group's digests are ready (or nearly): place it
-                num_bad += self._place(loads, *pending.popleft())
+        pending: collections.deque[tuple[int, Future[list[bytes]]]] = collections.deque()
+        bad: list[int] = []
+        size = self.group_blocks
+        for group, start in enumerate(range(0, len(loads), size)):
+            # Private (the pool may change); its buffer's last group is hashed and converted (see the bound below).
+            into = self._staging[group % len(self._staging)]
+            staged = self.rows.gather(loads.src[start : start + size], into)
+            pending.append((start, self._hashers.submit(block_digests, staged)))
+            staged = staged.to(self.device, non_blocking=True)
+            dst = loads.dst[start : start + size]
+            for layer, kv in enumerate(self.kv_caches):  # converted while hashed: vLLM reads none before we return
+                self.layout.write(kv, dst, staged[:, layer])
+            if len(pending) > HASH_THREADS:  # bounds the staged groups held
+                bad += self._check(loads, *pending.popleft())
         while pending:
-            num_bad += self._place(loads, *pending.popleft())
-        if num_bad:
-            log.warning("radixkv: %d of %d blocks failed their digest; vLLM recomputes them", num_bad, len(loads))
+            bad += self._check(loads, *pending.popleft())
+        if bad:
+            wipe = torch.tensor(bad, dtype=torch.int64, device=self.device)
+            for kv in self.kv_caches:  # not one byte of a refused block stays for the forward to read
+                kv.index_fill_(0, wipe, 0)
+            log.warning("radixkv: %d of %d blocks failed their digest; vLLM recomputes them", len(bad), len(loads))
 
-    def _place(self, loads: Copies, start: int, staged: torch.Tensor, pending: Future[list[bytes]]) -> int:
-        """Write the group's blocks whose digest is their saver's into every layer; returns how many were not."""
-        digests = pending.result()
-        keep, dst = [], []
-        for j, got in enumerate(digests):
+    def _check(self, loads: Copies, start: int, pending: Future[list[bytes]]) -> list[int]:
+        """The group's vLLM blocks whose digest is not their saver's: load errors, to be wiped."""
+        bad = []
+        for j, got in enumerate(pending.result()):
             i = start + j
-            if got == loads.checksums[i]:
-                keep.append(j)
-                dst.append(loads.dst[i])
-            else:
+            if got != loads.checksums[i]:
+                bad.append(loads.dst[i])
                 self._errors.add(loads.dst[i])
                 self.failed_reqs.add(loads.req_ids[i])
-        if keep:
-            if len(keep) < len(digests):
-                staged = staged[torch.tensor(keep, device=staged.device)]
-            staged = staged.to(self.device, non_blocking=True)
-            for layer, kv in enumerate(self.kv_caches):
-                self.layout.write(kv, dst, staged[:, layer])
-        return len(digests) - len(keep)
+        return bad
 
     def save(self, plan: StepPlan) -> dict[str, dict[int, bytes]]:
         """Copy the step's computed blocks out; returns what was saved: request -> block index -> digest."""
