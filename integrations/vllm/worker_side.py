@@ -16,6 +16,7 @@ into the sequence's own radixkv blocks with one row copy, and digested; the sche
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,14 @@ GROUP_BYTES = 32 << 20  # per pipelined group: fewer groups cost less Python per
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
 
 
+def unpinned() -> None:
+    """Let the calling thread run on every CPU the process may use (the kernel keeps it within its cpuset). vLLM's
+    CPU worker pins its thread to one core and a new thread inherits that: hashing there would only take turns with
+    the copies it is meant to run beside."""
+    with contextlib.suppress(AttributeError, OSError):  # no sched_setaffinity outside Linux
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
 class WorkerSide:
     def __init__(
         self, pool: PoolView, kv_caches: list[torch.Tensor], layout: type[CpuLayout] | type[TokenMajorLayout]
@@ -42,7 +51,7 @@ class WorkerSide:
         self.device = kv_caches[0].device
         self._errors: set[int] = set()
         self.failed_reqs: set[str] = set()  # this step's requests with a failed load: none of their saves is valid
-        self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="radixkv-digest")
+        self._hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="radixkv-digest", initializer=unpinned)
         self.group_blocks = max(1, GROUP_BYTES // (pool.data[:, :, 0].numel() * pool.data.element_size()))
         self._staging = [self.rows.staging(self.group_blocks) for _ in range(HASH_THREADS + 1)]  # groups in flight
 

@@ -11,6 +11,7 @@ enough words for a two-word collision.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -119,3 +120,18 @@ def test_a_block_tampered_in_memory_is_refused_at_load(
     client.release(again.seq_id, cache=False)
     saver.close()
     loader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="one CPU")
+def test_digests_run_beside_a_thread_pinned_to_one_core(pool: tuple[RadixKVClient, PoolView]) -> None:
+    """vLLM's CPU worker pins its thread to one core; the hashing threads it starts must not inherit that."""
+    client, _ = pool
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        worker = WorkerSide(PoolView(client.get_pool()), engine(seed=3), CpuLayout)
+        hashing = worker._hashers.submit(os.sched_getaffinity, 0).result()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    worker.close()
+    assert hashing == allowed
