@@ -10,7 +10,8 @@ could not load; vLLM recomputes them. So vLLM's forward never reads a byte that 
 and vouched for, whatever happened to the pool meanwhile (a cryptographic digest kept by the server: a writer of
 pool memory can neither meet nor rewrite it), and hashing costs no time of its own beside the copies.
 Saves run after the forward (`save`): vLLM's blocks are read from every layer into a staging tensor, written
-into the sequence's own radixkv blocks with one row copy, and digested; the scheduler commits what is reported.
+into the sequence's own radixkv blocks (one copy per run of consecutive blocks) while they are digested; the
+scheduler commits what is reported.
 """
 
 from __future__ import annotations
@@ -94,19 +95,27 @@ class WorkerSide:
         return bad
 
     def save(self, plan: StepPlan) -> dict[str, dict[int, bytes]]:
-        """Copy the step's computed blocks out; returns what was saved: request -> block index -> digest."""
-        rows = [i for i, r in enumerate(plan.saves.req_ids) if r not in self.failed_reqs]
-        if not rows:
-            return {}
-        src = torch.tensor([plan.saves.src[i] for i in rows], dtype=torch.int64, device=self.device)
-        staged = torch.empty((len(rows), self.rows.num_layers, 2, *self.rows.block_shape), dtype=self.pool.data.dtype)
-        staged = staged.to(self.pool.data.device)
-        for layer, kv in enumerate(self.kv_caches):
-            staged[:, layer] = self.layout.read(kv, src)
-        self.rows.scatter([plan.saves.dst[i] for i in rows], staged)
+        """Copy the step's computed blocks out; returns what was saved: request -> block index -> digest.
+
+        In groups, as loads: read out of vLLM's tensors into a staging buffer, written into the pool while hashed."""
+        saves = plan.saves
+        rows = [i for i, r in enumerate(saves.req_ids) if r not in self.failed_reqs]
+        pending: collections.deque[tuple[list[int], Future[list[bytes]]]] = collections.deque()
         saved: dict[str, dict[int, bytes]] = {}
-        for i, digest in zip(rows, block_digests(staged), strict=True):
-            saved.setdefault(plan.saves.req_ids[i], {})[plan.saves.indices[i]] = digest
+        size = self.group_blocks
+        for group, start in enumerate(range(0, len(rows), size)):
+            part = rows[start : start + size]
+            staged = self._staging[group % len(self._staging)][: len(part)]
+            staged = staged.view(len(part), self.rows.num_layers, 2, *self.rows.block_shape)
+            src = [saves.src[i] for i in part]
+            for layer, kv in enumerate(self.kv_caches):
+                self.layout.read(kv, src, staged[:, layer])
+            pending.append((part, self._hashers.submit(block_digests, staged)))
+            self.rows.scatter([saves.dst[i] for i in part], staged)
+            while pending and (len(pending) > HASH_THREADS or start + size >= len(rows)):
+                done, digests = pending.popleft()
+                for i, digest in zip(done, digests.result(), strict=True):
+                    saved.setdefault(saves.req_ids[i], {})[saves.indices[i]] = digest
         return saved
 
     def take_load_errors(self) -> set[int]:

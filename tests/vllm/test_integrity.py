@@ -72,13 +72,15 @@ def engine(seed: int) -> list[torch.Tensor]:
 def test_a_block_tampered_in_memory_is_refused_at_load(
     pool: tuple[RadixKVClient, PoolView], group_blocks: int | None
 ) -> None:
-    """Also with a group per block: groups pipelined through the reused staging buffers, the refused ones in the
-    middle. vLLM's blocks start random: a refused block is wiped, neither the tampered bytes nor stale ones stay."""
+    """Also with a group per block: saves and loads pipelined through the reused staging buffers, the refused blocks
+    in the middle. vLLM's blocks start random: a refused block is wiped, neither tampered nor stale bytes stay."""
     client, view = pool
     first = 1000 if group_blocks is None else 5000  # a prompt of each case's own
     prompt = list(range(first, first + 4 * BLOCK + 1))
     saver_kv = engine(seed=1)
     saver = WorkerSide(PoolView(client.get_pool()), saver_kv, CpuLayout)  # each engine maps the pool
+    if group_blocks is not None:
+        saver.group_blocks = group_blocks
     opened = client.open(prompt)
     saves = StepPlan()
     for i in range(4):
