@@ -7,9 +7,13 @@ Each engine is a fresh vLLM process (SmolLM2-135M float32, block 32, prefix cach
 the documents one at a time with one output token after one warm-up request of its own; TTFT is the median over
 the documents. Engines, one after the other:
 - local: no connector; each document twice: the first pass is the recompute, the second vLLM's local prefix hit;
-- radixkv-fill, then radixkv: a radixkv server; one engine saves the documents, a fresh one loads them back;
+- radixkv-fill, then radixkv: a radixkv server; one engine saves the documents, a fresh one loads them back,
+  each document twice in a row: the second request is a local hit in the same engine, right after, so the paired
+  ratio (radixkv's TTFT over that local hit's, median over the documents) holds however the machine's load drifts
+  between engines;
 - lmcache-fill, then lmcache: LMCache 0.5.6's MP server (`lmcache server`) and vLLM's `LMCacheMPConnector`, when
-  `--lmcache-venv` (default /work/venvs/lmcache) holds it: a benchmark peer only, never radixkv's dependency.
+  `--lmcache-venv` (default /work/venvs/lmcache) holds it: a benchmark peer only, never radixkv's dependency; its
+  loading engine too serves each document twice in a row (its paired ratio).
 The load path: the documents' blocks saved into a radixkv pool and loaded back into vLLM-layout (CPU_ATTN) KV
 tensors by the connector's worker (`WorkerSide`: gather, BLAKE3 digests, layout conversion), in this process,
 against `torch` copying the same number of bytes (memcpy) in the same run. Documents: ~1,500 tokens each,
@@ -85,16 +89,17 @@ def engine_main(args: argparse.Namespace) -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1)
     warm = 1000 + os.getpid() % 40_000  # a warm-up prompt of this engine's own: never one radixkv holds
     llm.generate([TokensPrompt(prompt_token_ids=list(range(warm, warm + 3 * BLOCK)))], one, use_tqdm=False)
-    ttft: list[list[float]] = []
-    first_tokens: list[int] = []
-    for _ in range(args.passes):
-        times = []
+    slots = args.passes * args.repeat  # ttft[slot][doc]: slot = pass * repeat + the request's place in its repeat
+    ttft: list[list[float]] = [[] for _ in range(slots)]
+    tokens: list[list[int]] = [[] for _ in range(slots)]
+    for p in range(args.passes):
         for doc in docs:
-            start = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=doc)], one, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-            first_tokens.append(out[0].outputs[0].token_ids[0])
-        ttft.append(times)
+            for r in range(args.repeat):
+                start = time.perf_counter()
+                out = llm.generate([TokensPrompt(prompt_token_ids=doc)], one, use_tqdm=False)
+                ttft[p * args.repeat + r].append(time.perf_counter() - start)
+                tokens[p * args.repeat + r].append(out[0].outputs[0].token_ids[0])
+    first_tokens = [t for slot in tokens for t in slot]
     by_source = {m.labels["source"]: m.value for m in llm.get_metrics() if m.name == "vllm:prompt_tokens_by_source"}
     result = {"ttft": ttft, "first_tokens": first_tokens, "prompt_tokens_by_source": by_source}
     Path(args.out).write_text(json.dumps(result))
@@ -194,9 +199,9 @@ def lmcache_rows(d: Path, model: Path, count: int, venv: Path) -> tuple[dict[str
             return None, f"its server exited: {(d / 'lmcache-server.log').read_text()[-400:]}"
         python = str(venv / "bin" / "python")
         flags = ["--connector", "lmcache", "--address", f"127.0.0.1:{port}"]
-        for name, passes in (("lmcache-fill", 1), ("lmcache", 1)):
+        for name, repeat in (("lmcache-fill", 1), ("lmcache", 2)):
             command = [python, __file__, "--engine", str(d / f"{name}.json"), "--model", str(model),
-                       "--count", str(count), "--passes", str(passes), *flags]  # fmt: skip
+                       "--count", str(count), "--repeat", str(repeat), *flags]  # fmt: skip
             with (d / f"{name}.log").open("wb") as out:
                 done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=d, timeout=1200, check=False)
             if done.returncode != 0:
@@ -223,6 +228,7 @@ def main() -> None:
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=6, help=argparse.SUPPRESS)
     parser.add_argument("--passes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         args.out = args.engine
@@ -232,6 +238,7 @@ def main() -> None:
     from radixkv.server.process.spawn import ServerProcess
 
     model, count = Path(args.model).resolve(), 3 if args.quick else 6
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         d = args.keep or Path(tmp)
         d.mkdir(parents=True, exist_ok=True)
@@ -250,7 +257,7 @@ def main() -> None:
         with ServerProcess(flags, d / "server.log") as server:
             connector = ["--connector", "radixkv", "--address", server.address]
             run_engine(d, "radixkv-fill", model, count, *connector)
-            radixkv = run_engine(d, "radixkv", model, count, *connector)
+            radixkv = run_engine(d, "radixkv", model, count, *connector, "--repeat", "2")
             load = load_path(server.address, model, count)
         peer, why = (
             (None, "skipped (--no-lmcache)") if args.no_lmcache else lmcache_rows(d, model, count, args.lmcache_venv)
@@ -273,7 +280,15 @@ def main() -> None:
     print(f"\nload path: {load['MB']:.0f} MB in {load['load ms']:.1f} ms = {load['load GB/s']:.2f} GB/s; "
           f"memcpy {load['memcpy ms']:.1f} ms = {load['memcpy GB/s']:.2f} GB/s; "
           f"ratio {load['load GB/s'] / load['memcpy GB/s']:.2f}")  # fmt: skip
-    identical = radixkv["first_tokens"] == local["first_tokens"][:count]
+    print("\npaired: each document's next request in the same engine is a local hit, right after")
+    pairs = {}
+    for name, run in (("radixkv", radixkv), ("LMCache MP", peer)):
+        if run is not None:
+            pairs[name] = statistics.median(a / b for a, b in zip(run["ttft"][0], run["ttft"][1], strict=True))
+            print(f"  {name} / its engine's local hit ({1000 * statistics.median(run['ttft'][1]):.0f} ms p50): "
+                  f"median ratio {pairs[name]:.2f}")  # fmt: skip
+    print(f"load average (1, 5, 15 min) at the start {load_before}, at the end {os.getloadavg()}")
+    identical = radixkv["first_tokens"] == local["first_tokens"][:count] * 2
     loaded = radixkv.get("prompt_tokens_by_source", {}).get("external_kv_transfer", 0)
     hit_ratio = loaded / (count * ((DOC_TOKENS - 1) // BLOCK * BLOCK))  # vLLM always computes the last token
     print(f"first tokens through radixkv identical to recompute: {identical}; "
@@ -282,8 +297,10 @@ def main() -> None:
         result = {
             "quick": args.quick, "documents": count, "doc_tokens": DOC_TOKENS, "ttft_p50_s": med,
             "ttft_s": {"recompute": local["ttft"][0], "local hit": local["ttft"][1], "radixkv": radixkv["ttft"][0],
+                       "local hit, radixkv's engine": radixkv["ttft"][1],
                        **({"LMCache MP": peer["ttft"][0]} if peer else {})},
             "lmcache": why or "ran", "load_path": load, "first_tokens_identical": identical, "hit_ratio": hit_ratio,
+            "paired_ratio": pairs, "load_average": [load_before, os.getloadavg()],
         }  # fmt: skip
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -227,6 +227,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._events is not None:
             self._events.close()
         if self._scheduler is not None:
+            self._scheduler.close()
             self._client.close()
         if self._worker is not None:
             self._worker.close()

@@ -7,11 +7,12 @@ the host tier's transfers the worker applies first, and the saver's digests of t
 whose every full block vLLM holds itself costs no call at all: it was saved when vLLM computed or loaded it),
 `build_plan` (the worker's loads and saves), `worker_reported` with what the worker saved (one Step commits and
 caches every request's new blocks, then their checksums are recorded), `finished` (release once no save of the
-request is in flight). A radixkv call that fails never fails vLLM: the request falls back to computing, and
-what it was promised and cannot get is reported as a failed load, which vLLM recomputes. After a failed call
-the connector asks nothing new of radixkv for `RETRY_AFTER` seconds (a server that is down costs each request
-one failed call at most, not a retried one), but still releases what it holds; a refusal (OutOfBlocks for an
-open on a full pool) only costs that request its loads and saves.
+request is in flight, on a thread of its own: vLLM's step does not wait for it). A radixkv call that fails never
+fails vLLM: the request falls back to computing, and what it was promised and cannot get is reported as a failed
+load, which vLLM recomputes. After a failed call the connector asks nothing new of radixkv for `RETRY_AFTER`
+seconds (a server that is down costs each request one failed call at most, not a retried one), but still
+releases what it holds; a refusal (OutOfBlocks for an open on a full pool) only costs that request its loads and
+saves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from radixkv.client import RadixKVClient
@@ -41,6 +43,7 @@ class SchedulerSide:
         self._plan = StepPlan()  # what the next metadata carries (loads and failures planned at allocation)
         self._planned_saves: dict[str, set[int]] = {}  # saves handed to the worker, awaiting its report
         self._quiet_until = 0.0  # monotonic time before which no match or open is tried (a call failed)
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="radixkv-release")  # in order, off the step
 
     def _failed(self, what: str, error: Exception) -> None:
         """Log a failed call; one that did not reach radixkv (down, unreachable) quiets new calls for a while."""
@@ -168,10 +171,18 @@ class SchedulerSide:
             self._release(tracked)
 
     def _release(self, tracked: Tracked) -> None:
+        """Release on the releasing thread: the step that finishes a request (its last token) waits for no call. Its
+        committed blocks were cached when committed; a later open of the prompt locks them itself."""
         del self.requests[tracked.req_id]
-        if tracked.seq_id is None:
-            return
+        if tracked.seq_id is not None:
+            self._releases.submit(self._release_now, tracked.seq_id)
+
+    def _release_now(self, seq_id: int) -> None:
         try:
-            self.client.release(tracked.seq_id, cache=True)  # its committed blocks stay cached
+            self.client.release(seq_id, cache=True)  # its committed blocks stay cached
         except Exception as e:
             log.warning("radixkv release failed (the session's lease ends it): %s", e)
+
+    def close(self) -> None:
+        """Wait for the releases in flight (before the client closes)."""
+        self._releases.shutdown(wait=True)

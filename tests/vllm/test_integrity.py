@@ -11,6 +11,7 @@ enough words for a two-word collision.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -62,17 +63,24 @@ def pool() -> Iterator[tuple[RadixKVClient, PoolView]]:
 
 
 def engine(seed: int) -> list[torch.Tensor]:
-    """One vLLM engine's KV tensors, CPU layout [B, H, N, 2D] per layer: random (seeded) or zeros."""
+    """One vLLM engine's KV tensors, CPU layout [B, H, N, 2D] per layer, random (seeded)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(10, HEADS, BLOCK, 2 * DIM, generator=gen) if seed else torch.zeros(10, HEADS, BLOCK, 2 * DIM)
-            for _ in range(LAYERS)]  # fmt: skip
+    return [torch.randn(10, HEADS, BLOCK, 2 * DIM, generator=gen) for _ in range(LAYERS)]
 
 
-def test_a_block_tampered_in_memory_is_refused_at_load(pool: tuple[RadixKVClient, PoolView]) -> None:
+@pytest.mark.parametrize("group_blocks", [None, 1], ids=["one-group", "a-group-per-block"])
+def test_a_block_tampered_in_memory_is_refused_at_load(
+    pool: tuple[RadixKVClient, PoolView], group_blocks: int | None
+) -> None:
+    """Also with a group per block: saves and loads pipelined through the reused staging buffers, the refused blocks
+    in the middle. vLLM's blocks start random: a refused block is wiped, neither tampered nor stale bytes stay."""
     client, view = pool
-    prompt = list(range(1000, 1000 + 4 * BLOCK + 1))
+    first = 1000 if group_blocks is None else 5000  # a prompt of each case's own
+    prompt = list(range(first, first + 4 * BLOCK + 1))
     saver_kv = engine(seed=1)
-    saver = WorkerSide(view, saver_kv, CpuLayout)
+    saver = WorkerSide(PoolView(client.get_pool()), saver_kv, CpuLayout)  # each engine maps the pool
+    if group_blocks is not None:
+        saver.group_blocks = group_blocks
     opened = client.open(prompt)
     saves = StepPlan()
     for i in range(4):
@@ -97,8 +105,10 @@ def test_a_block_tampered_in_memory_is_refused_at_load(pool: tuple[RadixKVClient
     value = view.data[7, 1, table[2], 5, 1, 33]
     view.data[7, 1, table[2], 5, 1, 33] = torch.nextafter(value, torch.tensor(float("inf")))
 
-    loader_kv = engine(seed=0)
-    loader = WorkerSide(view, loader_kv, CpuLayout)
+    loader_kv = engine(seed=2)
+    loader = WorkerSide(PoolView(client.get_pool()), loader_kv, CpuLayout)
+    if group_blocks is not None:
+        loader.group_blocks = group_blocks
     loads = StepPlan()
     for i in range(4):
         loads.loads.add("r2", i, table[i], 6 + i, vouched[i])  # -> vLLM blocks 6..9
@@ -108,7 +118,22 @@ def test_a_block_tampered_in_memory_is_refused_at_load(pool: tuple[RadixKVClient
         assert torch.equal(loader_kv[layer][6], saver_kv[layer][2]) and torch.equal(
             loader_kv[layer][9], saver_kv[layer][5]
         )
-        assert not loader_kv[layer][7:9].any()  # not a byte of the tampered blocks was served
+        assert not loader_kv[layer][7:9].any()  # wiped: not a byte of the tampered blocks is served
     client.release(again.seq_id, cache=False)
     saver.close()
     loader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="one CPU")
+def test_digests_run_beside_a_thread_pinned_to_one_core(pool: tuple[RadixKVClient, PoolView]) -> None:
+    """vLLM's CPU worker pins its thread to one core; the hashing threads it starts must not inherit that."""
+    client, _ = pool
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        worker = WorkerSide(PoolView(client.get_pool()), engine(seed=3), CpuLayout)
+        hashing = worker._hashers.submit(os.sched_getaffinity, 0).result()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    worker.close()
+    assert hashing == allowed

@@ -33,8 +33,8 @@ def test_cpu_layout_is_what_the_engine_writes(isa: str, dtype: torch.dtype) -> N
     slots = torch.arange(BLOCK, BLOCK + num_tokens, dtype=torch.int64)
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=1.0, v_scale=1.0)
 
-    blocks = torch.tensor([1, 2, 3])
-    read = CpuLayout.read(engine, blocks)  # [n, 2, N, H, D]
+    read = torch.zeros(3, 2, BLOCK, HEADS, DIM, dtype=dtype)  # [n, 2, N, H, D]
+    CpuLayout.read(engine, [1, 2, 3], read)
     assert torch.equal(read[:, 0].reshape(num_tokens, HEADS, DIM), key)
     assert torch.equal(read[:, 1].reshape(num_tokens, HEADS, DIM), value)
 
@@ -44,6 +44,9 @@ def test_cpu_layout_is_what_the_engine_writes(isa: str, dtype: torch.dtype) -> N
     scattered = torch.zeros_like(engine)
     CpuLayout.write(scattered, [5, 0, 3], read)  # scattered: through one buffer
     assert torch.equal(scattered[[5, 0, 3]], engine[[1, 2, 3]]) and not scattered[[1, 2, 4]].any()
+    staged = torch.zeros(3, 4, 2, BLOCK, HEADS, DIM, dtype=dtype)  # [n, L, 2, N, H, D]: one layer of a staging
+    CpuLayout.read(scattered, [5, 0, 3], staged[:, 2])  # scattered blocks, into a strided slice
+    assert torch.equal(staged[:, 2], read) and not staged[:, [0, 1, 3]].any()
 
 
 def test_token_major_layout_is_the_cuda_backends_split() -> None:
@@ -53,7 +56,8 @@ def test_token_major_layout_is_the_cuda_backends_split() -> None:
     kv = raw[1].permute(0, 2, 1, 3)  # [B, H, N, 2D], strided
     key_cache, value_cache = kv.transpose(1, 2).split(DIM, dim=-1)  # flash_attn.py / triton_attn.py
     blocks = torch.tensor([4, 0, 2])
-    read = TokenMajorLayout.read(kv, blocks)
+    read = torch.zeros(3, 2, BLOCK, HEADS, DIM)
+    TokenMajorLayout.read(kv, [4, 0, 2], read)
     assert torch.equal(read[:, 0], key_cache[blocks]) and torch.equal(read[:, 1], value_cache[blocks])
     before = raw.clone()
     TokenMajorLayout.write(kv, [5], read[:1])
