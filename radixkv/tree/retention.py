@@ -56,11 +56,23 @@ def tier(node: Node, now: float) -> int:
     return RETAINED if node.retain_priority > 0 else NORMAL
 
 
+PAUSE_WEIGHT = 0.5  # of the newest pause in a branch's typical one (a moving average of log(1 + pause))
+
+
 def stamp(node: Node, now: float) -> None:
-    """A use of `node` ended at `now`: its pause since the last one (a new node takes its parent's), its count,
-    and its TTL restarted where it refreshes."""
-    previous = node.used_s or (node.parent.used_s if node.parent is not None else 0.0)
-    node.gap_s = now - previous if previous else -1.0
+    """A use of `node` ended at `now`: its branch's typical pause (`gap_s`: a moving geometric mean of the pauses
+    between uses, so one long coffee break does not make a busy session look idle; a new node starts from its
+    parent's), its count, and its TTL restarted where it refreshes."""
+    parent = node.parent
+    previous = node.used_s or (parent.used_s if parent is not None else 0.0)
+    typical = node.gap_s if node.gap_s >= 0 or parent is None else parent.gap_s
+    if previous:
+        pause = now - previous
+        node.gap_s = pause if typical < 0 else math.expm1(
+            PAUSE_WEIGHT * math.log1p(pause) + (1 - PAUSE_WEIGHT) * math.log1p(typical)
+        )  # fmt: skip
+    else:
+        node.gap_s = typical
     node.used_s = now
     node.num_uses += 1
     if node.retain_ttl_s:
