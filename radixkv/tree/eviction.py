@@ -235,8 +235,9 @@ class AgentPolicy(EvictionPolicy):
     at `used_s + gap_s` (`default_gap_s` where nothing is known). Three lists, first to go first:
 
     - superseded leaves: a session rewrote (compacted) its context, so its new request left the old branch at a
-      node that had no other child; the old tail is almost never sent again. (A node with more children is a
-      prefix many sessions share, the system prompt and tools: nothing below it counts as superseded.)
+      node that had no other child; the old tail is almost never sent again. A node with more children is a
+      prefix many sessions share (the system prompt and tools): nothing below it counts as superseded, and a
+      third child takes back what the second marked (two sessions on one prompt look like one rewrite).
     - leaves still due (the one due last goes first: it holds capacity longest for one hit), and overdue ones,
       whose expected wait grows with how long they have been idle (`now + (now - used_s)`; oldest first). The
       victim is whichever of the two heads is expected back later.
@@ -264,6 +265,15 @@ class AgentPolicy(EvictionPolicy):
             if key is not None and key[0] == NORMAL and key[1] != SUPERSEDED and other.used_s < node.used_s:
                 self.remove_normal(other)  # the old branch, listed before the new one was used
                 self._add_superseded(other)
+        elif parent is not None and parent.parent is not None and len(parent.children) == 3:  # shared after all
+            for other in parent.children.values():
+                key = other.evict_key
+                if other is not node and key is not None and key[0] == NORMAL and key[1] == SUPERSEDED:
+                    self._superseded.remove(other)
+                    self._add_due(other)
+        self._add_due(node)
+
+    def _add_due(self, node: Node) -> None:
         gap = node.gap_s if node.gap_s >= 0 else self.default_gap_s
         node.evict_key = (NORMAL, node.used_s + gap, node.node_id)
         self._normal.add(node)
