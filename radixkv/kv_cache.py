@@ -29,6 +29,7 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.retain import expire, retain
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
+from radixkv.tree.eviction import make_policy
 from radixkv.tree.host_tier import HostTier, ResultScope
 from radixkv.tree.namespaces import DEFAULT_NAMESPACE, existing_root, namespace_root
 from radixkv.tree.pins import Pins
@@ -54,19 +55,20 @@ class KVCache:
     def __init__(
         self, num_blocks: int, block_size: int, limits: Limits | None = None, *, reserve_fraction: float = 1.0,
         watermark_fraction: float = 0.01, first_seq_id: int = 1, tree: RadixTree | None = None,
-        host_num_blocks: int = 0,
+        host_num_blocks: int = 0, eviction_policy: str = "lru",
     ) -> None:  # fmt: skip
         """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
         of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence
         ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
         after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
-        (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped."""
+        (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped. `eviction_policy`: which unlocked
+        leaf goes first (`radixkv.tree.eviction.POLICIES`; "agent" for agent traffic), unless `tree` is given."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
         self.limits = limits or Limits()
         self.pool = BlockPool(num_blocks)
-        self.tree = tree or RadixTree(block_size)
+        self.tree = tree or RadixTree(block_size, policy=make_policy(eviction_policy, block_size))
         self.stats_counters = Stats(num_blocks_total=num_blocks)
         self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
         self._sequences = Sequences(first_seq_id)

@@ -49,6 +49,7 @@ def build_pool(
     pool = Pool(
         config.name, storage, config.limits, watch_queue_size, config.tombstones, attachment, lost, host,
         reserve_fraction=config.reserve_fraction, watermark_fraction=config.watermark_fraction,
+        eviction_policy=config.eviction_policy,
     )  # fmt: skip
     pool.events.tenant_prefixes = tenant_prefixes
     if attachment is not None:

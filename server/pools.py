@@ -70,6 +70,7 @@ class Pool:
         host_storage: KVStorage | None = None,
         *,
         reserve_fraction: float = 1.0,
+        eviction_policy: str = "lru",
         watermark_fraction: float = 0.01,
     ) -> None:
         self.name = name
@@ -86,6 +87,7 @@ class Pool:
             self.layout.num_blocks, self.layout.block_size, limits, first_seq_id=secrets.randbelow(2**52) + 1,
             reserve_fraction=reserve_fraction, watermark_fraction=watermark_fraction,
             host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
+            eviction_policy=eviction_policy,
         )  # fmt: skip
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.lock = PoolLock(self.events)

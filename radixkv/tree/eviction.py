@@ -232,7 +232,8 @@ class AgentPolicy(EvictionPolicy):
     An agent session re-sends its whole context every few seconds while tools run, then pauses for minutes
     while a person reads, then comes back or ends; all its cached prefix is reused at its next request. So a
     leaf last used at `used_s` in a branch whose typical pause is `gap_s` (`radixkv.tree.retention.stamp`) is due
-    at `used_s + gap_s` (`default_gap_s` where nothing is known). Three lists, first to go first:
+    at `used_s + gap_s` (`default_gap_s` where nothing is known; at most `max_gap_s`: a longer pause is a person's,
+    whose length says little, so such branches keep LRU's order among themselves). Three lists, first to go first:
 
     - superseded leaves: a session rewrote (compacted) its context, so its new request left the old branch at a
       node that had no other child; the old tail is almost never sent again. A node with more children is a
@@ -248,9 +249,11 @@ class AgentPolicy(EvictionPolicy):
 
     name = "agent"
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, default_gap_s: float = 30.0) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, default_gap_s: float = 30.0, max_gap_s: float = 60.0
+    ) -> None:
         super().__init__(clock)
-        self.default_gap_s = default_gap_s
+        self.default_gap_s, self.max_gap_s = default_gap_s, max_gap_s
         self._overdue: SortedList = SortedList(key=_stored)  # _normal holds the leaves still due
         self._superseded: SortedList = SortedList(key=_stored)
 
@@ -274,7 +277,7 @@ class AgentPolicy(EvictionPolicy):
         self._add_due(node)
 
     def _add_due(self, node: Node) -> None:
-        gap = node.gap_s if node.gap_s >= 0 else self.default_gap_s
+        gap = min(node.gap_s, self.max_gap_s) if node.gap_s >= 0 else self.default_gap_s
         node.evict_key = (NORMAL, node.used_s + gap, node.node_id)
         self._normal.add(node)
 

@@ -248,3 +248,13 @@ def test_agent_traffic_keeps_every_policy_evicting_leaves_only(policy: str, step
             pass
     cache.check_invariants()
     assert not removed_while_parent_of_cached
+
+
+def test_a_snapshot_restores_under_the_pool_policy():
+    cache = KVCache(16, BS, eviction_policy="agent")
+    cache_prompt(cache, prompt(100, 2))
+    identity = PoolIdentity("default", PoolLayout(2, 1, 4, BS, 16), "mem-1")
+    restored = load(dump(cache, identity), identity, eviction_policy="agent").cache
+    assert restored.tree.policy.name == "agent" and restored.match(prompt(100, 2)) == 2 * BS
+    restored.check_invariants()
+    assert load(dump(cache, identity), identity).cache.tree.policy.name == "lru"
