@@ -57,12 +57,10 @@ class KVCache:
         watermark_fraction: float = 0.01, first_seq_id: int = 1, tree: RadixTree | None = None,
         host_num_blocks: int = 0, eviction_policy: str = "lru",
     ) -> None:  # fmt: skip
-        """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
-        of the pool kept from budgeted admissions (see `radixkv.pressure.budget`). `first_seq_id`: where sequence
-        ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
-        after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
-        (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped. `eviction_policy`: which unlocked
-        leaf goes first (`radixkv.tree.eviction.POLICIES`; "agent" for agent traffic), unless `tree` is given."""
+        """`reserve_fraction`: share of a request's growth reserved at admission; `watermark_fraction`: of the pool
+        kept from budgeted admissions (`radixkv.pressure.budget`). `first_seq_id`: where sequence ids start (fresh
+        per server run: an old id names nothing). `eviction_policy`: `radixkv.tree.eviction.POLICIES`, unless a
+        `tree` is given. `host_num_blocks`: the host tier's size; 0: none, evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
