@@ -56,21 +56,16 @@ def tier(node: Node, now: float) -> int:
     return RETAINED if node.retain_priority > 0 else NORMAL
 
 
-PAUSE_WEIGHT = 0.5  # of the newest pause in a branch's typical one (a moving average of log(1 + pause))
-
-
 def stamp(node: Node, now: float) -> None:
-    """A use of `node` ended at `now`: its branch's typical pause (`gap_s`: a moving geometric mean of the pauses
-    between uses, so one long coffee break does not make a busy session look idle; a new node starts from its
-    parent's), its count, and its TTL restarted where it refreshes."""
+    """A use of `node` ended at `now`: its branch's typical pause (`gap_s`: a moving geometric mean of 1 + each
+    pause between uses, half the newest, so one long break does not make a busy session look idle; a new node
+    starts from its parent's), its count, and its TTL restarted where it refreshes."""
     parent = node.parent
     previous = node.used_s or (parent.used_s if parent is not None else 0.0)
     typical = node.gap_s if node.gap_s >= 0 or parent is None else parent.gap_s
     if previous:
         pause = now - previous
-        node.gap_s = pause if typical < 0 else math.expm1(
-            PAUSE_WEIGHT * math.log1p(pause) + (1 - PAUSE_WEIGHT) * math.log1p(typical)
-        )  # fmt: skip
+        node.gap_s = pause if typical < 0 else math.sqrt((1.0 + pause) * (1.0 + typical)) - 1.0
     else:
         node.gap_s = typical
     node.used_s = now
