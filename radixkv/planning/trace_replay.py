@@ -141,7 +141,7 @@ def replay(
     if policy == "min":
         tree_policy = _min_policy(uses if uses is not None else next_uses(events), position, clock)
     else:
-        tree_policy = make_policy(policy, UNIT_IDS, clock)
+        tree_policy = make_policy(policy, UNIT_IDS, clock, tokens_per_id=TOKENS_PER_UNIT // UNIT_IDS)
     total_units = sum(r.num_units for _, r in events)
     num_blocks = (total_units if capacity_tokens is None else capacity_tokens // TOKENS_PER_UNIT) + 2
     tree = RadixTree(UNIT_IDS, policy=tree_policy)

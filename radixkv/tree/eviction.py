@@ -320,14 +320,17 @@ class AgentPolicy(EvictionPolicy):
         return len(self._superseded) + len(self._normal) + len(self._overdue)
 
 
-def make_policy(name: str, block_size: int, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """The policy named `name` (one of POLICIES) for a tree of `block_size`-token blocks."""
+def make_policy(
+    name: str, block_size: int, clock: Callable[[], float] = time.monotonic, tokens_per_id: int = 1
+) -> EvictionPolicy:
+    """The policy named `name` (one of POLICIES) for a tree of `block_size`-token blocks, each token id standing
+    for `tokens_per_id` model tokens (a trace of hashed 64-token blocks: TLRU's budgets are in model tokens)."""
     if name == "lru":
         return EvictionPolicy(clock)
     if name == "slru":
         return SLRU(clock=clock)
     if name == "tlru":
-        return TLRU(block_size, clock=clock)
+        return TLRU(block_size, xi=16384 // tokens_per_id, q_hat=2048 // tokens_per_id, clock=clock)
     if name == "agent":
         return AgentPolicy(clock)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
