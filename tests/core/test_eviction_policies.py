@@ -258,3 +258,8 @@ def test_a_snapshot_restores_under_the_pool_policy():
     assert restored.tree.policy.name == "agent" and restored.match(prompt(100, 2)) == 2 * BS
     restored.check_invariants()
     assert load(dump(cache, identity), identity).cache.tree.policy.name == "lru"
+
+
+def test_tlru_budgets_are_in_model_tokens_when_a_token_id_stands_for_many():
+    policy = make_policy("tlru", 8, tokens_per_id=64)
+    assert (policy.xi, policy.q_hat) == (16384 // 64, 2048 // 64)
