@@ -34,7 +34,7 @@ from radixkv.sequences.results import AppendBatch, AppendResult, OpenResult
 from radixkv.sequences.retain import expire, retain
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.stats import Stats
-from radixkv.tree.eviction import NO_RETENTION, Retention
+from radixkv.tree.eviction import NO_RETENTION, Retention, make_policy
 from radixkv.tree.host_tier import HostTier, ResultScope
 from radixkv.tree.pins import Pins
 from radixkv.tree.radix_tree import (
@@ -73,18 +73,18 @@ class KVCache:
         first_seq_id: int = 1,
         tree: RadixTree | None = None,
         host_num_blocks: int = 0,
+        eviction_policy: str = "lru",
     ) -> None:
-        """`reserve_fraction`: share of a request's stated growth reserved at admission; `watermark_fraction`:
-        of the pool kept from budgeted admissions (see `radixkv.sequences.admission`). `first_seq_id`: where sequence
-        ids start; a server picks a fresh one per run so that an id from before a restart never names a sequence
-        after it. `tree`: another eviction policy to compare. `host_num_blocks`: the host tier's size
-        (`radixkv.tree.host_tier`); 0: none, and evicted prefixes are dropped."""
+        """`reserve_fraction`: share of a request's growth reserved at admission; `watermark_fraction`: of the pool
+        kept from budgeted admissions (`radixkv.sequences.admission`). `first_seq_id`: where sequence ids start (fresh
+        per server run: an old id names nothing). `eviction_policy`: `radixkv.tree.eviction.POLICIES`, unless a
+        `tree` is given. `host_num_blocks`: the host tier's size; 0: none, evicted prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.block_size = block_size
         self.limits = limits or Limits()
         self.pool = BlockPool(num_blocks)
-        self.tree = tree or RadixTree(block_size)
+        self.tree = tree or RadixTree(block_size, policy=make_policy(eviction_policy, block_size))
         self.stats_counters = Stats(num_blocks_total=num_blocks)
         self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
         self._sequences = Sequences(first_seq_id)

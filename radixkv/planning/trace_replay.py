@@ -23,9 +23,12 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.kv_cache import KVCache
+from radixkv.memory.block_pool import BlockPool
+from radixkv.sequences.admission import Allocator
+from radixkv.sequences.retain import expire, retain
+from radixkv.stats import Stats
 from radixkv.tree.eviction import EvictionPolicy, KeyedPolicy, Retention, make_policy
-from radixkv.tree.radix_tree import Node, RadixTree
+from radixkv.tree.radix_tree import DEFAULT_NAMESPACE, Node, RadixTree, TokenKey
 
 UNIT_IDS = 8  # hash ids (64 tokens each) per 512-token unit: the replay's block size
 TOKENS_PER_UNIT = 512
@@ -126,34 +129,52 @@ def replay(
     ttl_s: float = 0.0,
     uses: dict[int, list[int]] | None = None,
 ) -> float:
-    """The prompt-unit hit ratio of `events` through a `KVCache` of `capacity_tokens` (None: never evicts)
-    under `policy` (a `make_policy` name or "min"). With `ttl_s`, each request's prefix gets a TTL refreshed
-    on use, and expired prefixes go before each request (the hosted APIs' meaning)."""
+    """The prompt-unit hit ratio of `events` through the core's tree, pool and allocator with `capacity_tokens`
+    (None: never evicts) under `policy` (a `make_policy` name or "min"). With `ttl_s`, each request's prefix gets
+    a TTL refreshed on use, and expired prefixes go before each request (the hosted APIs' meaning).
+
+    Each request makes the calls `KVCache.open`, `commit` and `release` make for one prompt, in their order (so
+    the tree sees the same locks, ticks and evictions), without the sequence bookkeeping a replay never reads:
+    match, split and lock the cached prefix, allocate the rest plus the recomputed last token (evicting the
+    shortfall), insert the new units below the lock, move the lock down, unlock, free the last token's block.
+    """
     clock, position = _Clock(), [0]
     if policy == "min":
         tree_policy = _min_policy(uses if uses is not None else next_uses(events), position, clock)
     else:
-        tree_policy = make_policy(policy, UNIT_IDS, clock)
+        tree_policy = make_policy(policy, UNIT_IDS, clock, tokens_per_id=TOKENS_PER_UNIT // UNIT_IDS)
     total_units = sum(r.num_units for _, r in events)
     num_blocks = (total_units if capacity_tokens is None else capacity_tokens // TOKENS_PER_UNIT) + 2
-    cache = KVCache(num_blocks, UNIT_IDS, tree=RadixTree(UNIT_IDS, policy=tree_policy))
+    tree = RadixTree(UNIT_IDS, policy=tree_policy)
+    pool = BlockPool(num_blocks)
+    blocks = Allocator(pool, tree, Stats(num_blocks_total=num_blocks))
+    root = tree.root(DEFAULT_NAMESPACE)
     retention = Retention(ttl_s=ttl_s) if ttl_s else None
+    unit_bytes = UNIT_IDS * 4
     hits = 0
-    extra = np.zeros(1, np.int32)
     for index, (t, request) in enumerate(events):
         clock.now, position[0] = t, index
         if retention is not None:
-            cache.expire()
-        tokens = np.concatenate((request.token_ids, extra))  # one more token: open recomputes the last one
-        if request.num_units + 1 > num_blocks:  # larger than the whole cache: served uncached, as a server refuses
-            hits += cache.match(request.token_ids) // UNIT_IDS
+            expire(blocks)
+        data, num_units = request.token_ids.tobytes(), request.num_units
+        if num_units + 1 > num_blocks:  # larger than the whole cache: served uncached, as a server refuses
+            hits += tree.match(root, data).num_blocks
             continue
-        opened = cache.open(tokens)
-        hits += opened.num_cached_tokens // UNIT_IDS
-        cache.commit([opened.seq_id], [len(tokens)])
-        cache.release(opened.seq_id)
+        match = tree.match(root, data, num_units)
+        num_hit = match.num_blocks
+        hits += num_hit
+        node = tree.split(match)
+        tree.lock(node)
+        new_blocks = blocks.allocate(num_units + 1 - num_hit)  # one more: open recomputes the last token
+        if num_hit < num_units:
+            leaf, num_taken = tree.insert(node, data[num_hit * unit_bytes :], new_blocks[:-1])
+            assert num_taken == num_units - num_hit, "the locked prefix was all the tree held"
+            tree.unlock(node)
+            node = leaf
+        tree.unlock(node)
+        pool.decref(new_blocks[-1:])
         if retention is not None:
-            cache.retain(request.token_ids, retention=retention)
+            retain(blocks, root, TokenKey.of(request.token_ids), retention)
     return hits / total_units if total_units else 0.0
 
 

@@ -131,15 +131,18 @@ def capture(cache: KVCache) -> dict[str, Any]:
     }
 
 
-def rebuild(state: dict[str, Any], limits: Limits | None = None, host_num_blocks: int = 0) -> KVCache:
+def rebuild(
+    state: dict[str, Any], limits: Limits | None = None, host_num_blocks: int = 0, eviction_policy: str = "lru"
+) -> KVCache:
     """The cache `capture` saw, exactly: same hits (on both tiers), tables, LRU orders, free stacks, next ids,
-    counters. `host_num_blocks`: this pool's host tier (a state from a pool without one restores it empty).
+    counters. `host_num_blocks`: this pool's host tier (a state from a pool without one restores it empty);
+    `eviction_policy`: this pool's (the leaves are listed afresh under it).
 
     Raises:
         SnapshotRefused: (why INCONSISTENT) the state does not describe a consistent cache.
     """
     try:
-        cache = _rebuild(state, limits, host_num_blocks)
+        cache = _rebuild(state, limits, host_num_blocks, eviction_policy)
         cache.check_invariants()
     except SnapshotRefused:
         raise
@@ -148,9 +151,16 @@ def rebuild(state: dict[str, Any], limits: Limits | None = None, host_num_blocks
     return cache
 
 
-def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int) -> KVCache:
+def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int, eviction_policy: str) -> KVCache:
     num_blocks, block_size, next_seq_id = int(state["num_blocks"]), int(state["block_size"]), int(state["next_seq_id"])
-    cache = KVCache(num_blocks, block_size, limits, first_seq_id=next_seq_id, host_num_blocks=host_num_blocks)
+    cache = KVCache(
+        num_blocks,
+        block_size,
+        limits,
+        first_seq_id=next_seq_id,
+        host_num_blocks=host_num_blocks,
+        eviction_policy=eviction_policy,
+    )
     tree, pool = cache.tree, cache.pool
     roots = [tree.root(name) for name in state["namespaces"]]
     for root, lock_ref in zip(roots, state["root_lock_refs"], strict=True):

@@ -93,8 +93,8 @@ def read_header(data: bytes) -> dict[str, Any]:
     return header
 
 
-def load(data: bytes, identity: PoolIdentity, limits: Limits | None = None) -> Adopted:
-    """Check `data` against `identity` and rebuild its cache.
+def load(data: bytes, identity: PoolIdentity, limits: Limits | None = None, eviction_policy: str = "lru") -> Adopted:
+    """Check `data` against `identity` and rebuild its cache (under the pool's `eviction_policy`).
 
     Raises:
         SnapshotRefused: any check failed (`why` says which); nothing is adopted.
@@ -121,7 +121,7 @@ def load(data: bytes, identity: PoolIdentity, limits: Limits | None = None) -> A
         state, extras = body["cache"], body["extras"]
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
         raise SnapshotRefused("INCONSISTENT", f"the body does not decode: {e}") from e
-    return Adopted(rebuild(state, limits, identity.host_num_blocks), extras, header)
+    return Adopted(rebuild(state, limits, identity.host_num_blocks, eviction_policy), extras, header)
 
 
 def _split(data: bytes) -> tuple[dict[str, Any], bytes]:

@@ -9,7 +9,8 @@ split) without breaking removal. The policies (`make_policy`):
 - `slru`: SGLang's segmented LRU: leaves hit fewer than `threshold` times go before the others, LRU within.
 - `tlru`: SGLang's tail-optimized LRU (arXiv:2510.15152): a leaf that starts past the branch's high-water
   depth plus `q_hat` minus `xi` tokens cannot push the branch's next prefill over `xi`, so it goes first.
-- `agent` (the default for agent traffic): predicts each branch's next use from its own pauses (`AgentPolicy`).
+- `agent` (the default for agent traffic): superseded branches first, then each branch's predicted next use
+  from its own typical pause (`AgentPolicy`).
 - an oracle (`KeyedPolicy`): a key the caller computes (Belady's MIN in `radixkv replay`).
 
 Retention hints (`radixkv.tree.eviction`) sit above every policy, in tiers: leaves of an ended session (or of a
@@ -82,10 +83,17 @@ def tier(node: Node, now: float) -> int:
 
 
 def stamp(node: Node, now: float) -> None:
-    """A use of `node` ended at `now`: its pause since the last one (a new node takes its parent's), its count,
-    and its TTL restarted where it refreshes."""
-    previous = node.used_s or (node.parent.used_s if node.parent is not None else 0.0)
-    node.gap_s = now - previous if previous else -1.0
+    """A use of `node` ended at `now`: its branch's typical pause (`gap_s`: a moving geometric mean of 1 + each
+    pause between uses, half the newest, so one long break does not make a busy session look idle; a new node
+    starts from its parent's), its count, and its TTL restarted where it refreshes."""
+    parent = node.parent
+    previous = node.used_s or (parent.used_s if parent is not None else 0.0)
+    typical = node.gap_s if node.gap_s >= 0 or parent is None else parent.gap_s
+    if previous:
+        pause = now - previous
+        node.gap_s = pause if typical < 0 else math.sqrt((1.0 + pause) * (1.0 + typical)) - 1.0
+    else:
+        node.gap_s = typical
     node.used_s = now
     node.num_uses += 1
     if node.retain_ttl_s:
@@ -339,48 +347,88 @@ class TLRU(EvictionPolicy):
         return (start * self.block_size < budget, *lru_key(node))
 
 
+SUPERSEDED, OVERDUE = -2.0, -1.0  # a normal-tier key's second field for the agent policy's other two lists
+
+
 class AgentPolicy(EvictionPolicy):
-    """Predicts each leaf's next use from its branch's last pause, and evicts the leaf needed last.
+    """Predicts each leaf's next use from its branch's typical pause, and evicts the leaf needed last.
 
     An agent session re-sends its whole context every few seconds while tools run, then pauses for minutes
     while a person reads, then comes back or ends; all its cached prefix is reused at its next request. So a
-    leaf last used at `used_s` after a pause of `gap_s` is due at `used_s + gap_s` (a new leaf takes its
-    parent's pause; `default_gap_s` where nothing is known). Two lists: leaves still due (evict the one due
-    last first: it holds capacity longest for one hit), and overdue ones, whose expected wait grows with how
-    long they have been idle (`now + (now - used_s)`; oldest first). The victim is whichever of the two heads
-    is expected back later. LRU is the case of equal pauses with nobody overdue; unlike it, a session that
-    comes back every few seconds keeps its context while one that paused for minutes gives way.
+    leaf last used at `used_s` in a branch whose typical pause is `gap_s` (`radixkv.tree.retention.stamp`) is due
+    at `used_s + gap_s` (`default_gap_s` where nothing is known; at most `max_gap_s`: a longer pause is a person's,
+    whose length says little, so such branches keep LRU's order among themselves). Three lists, first to go first:
+
+    - superseded leaves: a session rewrote (compacted) its context, so its new request left the old branch at a
+      node that had no other child; the old tail is almost never sent again. A node with more children is a
+      prefix many sessions share (the system prompt and tools): nothing below it counts as superseded, and a
+      third child takes back what the second marked (two sessions on one prompt look like one rewrite).
+    - leaves still due (the one due last goes first: it holds capacity longest for one hit), and overdue ones,
+      whose expected wait grows with how long they have been idle (`now + (now - used_s)`; oldest first). The
+      victim is whichever of the two heads is expected back later.
+
+    LRU is the case of equal pauses with nobody overdue; unlike it, a session that comes back every few seconds
+    keeps its context while one that paused for minutes gives way.
     """
 
     name = "agent"
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, default_gap_s: float = 20.0) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, default_gap_s: float = 30.0, max_gap_s: float = 60.0
+    ) -> None:
         super().__init__(clock)
-        self.default_gap_s = default_gap_s
+        self.default_gap_s, self.max_gap_s = default_gap_s, max_gap_s
         self._overdue: SortedList = SortedList(key=_stored)  # _normal holds the leaves still due
+        self._superseded: SortedList = SortedList(key=_stored)
 
     def add_normal(self, node: Node) -> None:
-        gap = node.gap_s if node.gap_s >= 0 else self.default_gap_s
+        parent = node.parent
+        if parent is not None and parent.parent is not None and len(parent.children) == 2:
+            (other,) = (child for child in parent.children.values() if child is not node)
+            if other.used_s > node.used_s:  # this leaf is the old branch
+                self._add_superseded(node)
+                return
+            key = other.evict_key
+            if key is not None and key[0] == NORMAL and key[1] != SUPERSEDED and other.used_s < node.used_s:
+                self.remove_normal(other)  # the old branch, listed before the new one was used
+                self._add_superseded(other)
+        elif parent is not None and parent.parent is not None and len(parent.children) == 3:  # shared after all
+            for other in parent.children.values():
+                key = other.evict_key
+                if other is not node and key is not None and key[0] == NORMAL and key[1] == SUPERSEDED:
+                    self._superseded.remove(other)
+                    self._add_due(other)
+        self._add_due(node)
+
+    def _add_due(self, node: Node) -> None:
+        gap = min(node.gap_s, self.max_gap_s) if node.gap_s >= 0 else self.default_gap_s
         node.evict_key = (NORMAL, node.used_s + gap, node.node_id)
         self._normal.add(node)
 
+    def _add_superseded(self, node: Node) -> None:
+        node.evict_key = (NORMAL, SUPERSEDED, node.used_s, node.node_id)
+        self._superseded.add(node)
+
+    def _list_of(self, node: Node) -> SortedList:
+        second = _stored(node)[1]
+        return self._superseded if second == SUPERSEDED else self._overdue if second == OVERDUE else self._normal
+
     def remove_normal(self, node: Node) -> None:
-        if _stored(node)[1] == -1.0:
-            self._overdue.remove(node)
-        else:
-            self._normal.remove(node)
+        self._list_of(node).remove(node)
 
     def contains_normal(self, node: Node) -> bool:
-        return node in (self._overdue if _stored(node)[1] == -1.0 else self._normal)
+        return node in self._list_of(node)
 
     def first_normal(self) -> Node | None:
+        if self._superseded:
+            return _node(self._superseded[0])
         due, overdue = self._normal, self._overdue
         if not due and not overdue:
             return None
         now = self.clock()
         while due and _stored(due[0])[1] < now:  # no longer due: among the overdue, by when it was last used
             node = due.pop(0)
-            node.evict_key = (NORMAL, -1.0, node.used_s, node.node_id)
+            node.evict_key = (NORMAL, OVERDUE, node.used_s, node.node_id)
             overdue.add(node)
         if not overdue:
             return _node(due[-1])
@@ -390,20 +438,23 @@ class AgentPolicy(EvictionPolicy):
         return idlest if 2 * now - idlest.used_s >= _stored(latest_due)[1] else latest_due
 
     def iter_normal(self) -> Iterator[Node]:
-        return chain(self._overdue, reversed(self._normal))
+        return chain(self._superseded, self._overdue, reversed(self._normal))
 
     def num_normal(self) -> int:
-        return len(self._normal) + len(self._overdue)
+        return len(self._superseded) + len(self._normal) + len(self._overdue)
 
 
-def make_policy(name: str, block_size: int, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """The policy named `name` (one of POLICIES) for a tree of `block_size`-token blocks."""
+def make_policy(
+    name: str, block_size: int, clock: Callable[[], float] = time.monotonic, tokens_per_id: int = 1
+) -> EvictionPolicy:
+    """The policy named `name` (one of POLICIES) for a tree of `block_size`-token blocks, each token id standing
+    for `tokens_per_id` model tokens (a trace of hashed 64-token blocks: TLRU's budgets are in model tokens)."""
     if name == "lru":
         return EvictionPolicy(clock)
     if name == "slru":
         return SLRU(clock=clock)
     if name == "tlru":
-        return TLRU(block_size, clock=clock)
+        return TLRU(block_size, xi=16384 // tokens_per_id, q_hat=2048 // tokens_per_id, clock=clock)
     if name == "agent":
         return AgentPolicy(clock)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

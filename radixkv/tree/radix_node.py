@@ -37,7 +37,7 @@ class Node:
     host_block_ids: npt.NDArray[np.int32] = dataclasses.field(default_factory=itertools.repeat(NO_BLOCKS).__next__)
     host_children: dict[bytes, Node] = dataclasses.field(default_factory=dict)
     # Eviction order and retention (`radixkv.tree.eviction`): the key it is listed
-    # under (None: not listed); its last use and the pause before it (policy clock, seconds; -1: unknown); uses;
+    # under (None: not listed); its last use and its branch's typical pause (policy clock, seconds; -1: unknown); uses;
     # the deepest end its branch reached (blocks); a TTL's deadline and refresh length, a priority, a session end.
     evict_key: tuple[Any, ...] | None = None
     used_s: float = 0.0

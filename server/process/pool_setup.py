@@ -59,6 +59,7 @@ def build_pool(
         host,
         reserve_fraction=config.reserve_fraction,
         watermark_fraction=config.watermark_fraction,
+        eviction_policy=config.eviction_policy,
     )
     pool.events.tenant_prefixes = tenant_prefixes
     if attachment is not None:

@@ -40,6 +40,7 @@ from radixkv.server.rules.checks import DEFAULT_MAX_STEPS_PER_FRAME, message_byt
 from radixkv.server.rules.disk_config import DISK_KEYS, with_disk
 from radixkv.server.rules.sessions import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSION_BYTES
 from radixkv.server.rules.tenant_config import TenantConfig, tenants_from_mapping
+from radixkv.tree.eviction import POLICIES
 
 DEFAULT_POOL = "default"
 
@@ -70,6 +71,7 @@ class PoolConfig:
     disk_prefill_tokens_per_s: float | None = None
     reserve_fraction: float = 1.0  # of a budgeted open's growth reserved at admission (radixkv.sequences.admission)
     watermark_fraction: float = 0.01  # of the pool kept free of budgeted admissions
+    eviction_policy: str = "lru"  # which unlocked prefix goes first (radixkv.tree.eviction; "agent" for agents)
     tenants: tuple[str, ...] = ()  # who may use it (empty: every tenant); mapped only by one alone: tenants.PoolAccess
 
     def __post_init__(self) -> None:
@@ -89,6 +91,11 @@ class PoolConfig:
             raise ValueError(f"pool {self.name!r}: reserve_fraction must lie in [0, 1]")
         if not 0 <= self.watermark_fraction < 1:
             raise ValueError(f"pool {self.name!r}: watermark_fraction must lie in [0, 1)")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"pool {self.name!r}: eviction_policy must be one of {', '.join(POLICIES)}, "
+                f"got {self.eviction_policy!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -235,6 +242,7 @@ POOL_KEYS: dict[str, str] = {
     "tombstones": "recently evicted block hashes kept so Match(explain) can answer EVICTED (about 180 B each)",
     "reserve_fraction": "share of a budgeted open's max_new_tokens growth reserved at admission (1: no preemption)",
     "watermark_fraction": "share of the pool kept free of budgeted admissions (NOT_ADMITTED past it)",
+    "eviction_policy": f"which unlocked prefix goes first: {', '.join(POLICIES)} (agent: for coding-agent traffic)",
     "tenants": "tenants that may use the pool, a TOML list or a+b (unset: all); one alone to map it (map_pools)",
 }
 _DEFAULTS = {

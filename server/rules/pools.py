@@ -41,6 +41,7 @@ class Pool:
         host_storage: KVStorage | None = None,
         *,
         reserve_fraction: float = 1.0,
+        eviction_policy: str = "lru",
         watermark_fraction: float = 0.01,
     ) -> None:
         self.name = name
@@ -61,6 +62,7 @@ class Pool:
             reserve_fraction=reserve_fraction,
             watermark_fraction=watermark_fraction,
             host_num_blocks=host_storage.layout.num_blocks if host_storage is not None else 0,
+            eviction_policy=eviction_policy,
         )
         self.events = EventHub(self.cache, watch_queue_size, tombstones)
         self.lock = PoolLock(self.events)

@@ -192,7 +192,7 @@ def adopt_snapshot(pool: Pool, memory: KeptMemory, limits: Limits) -> Adopted | 
         if memory.fresh:
             raise SnapshotRefused("MEMORY", "the keeper allocated this memory afresh: it holds none of the snapshot")
         expected = pool_identity(pool, memory_id(memory.incarnation, memory.generation - 1))
-        adopted = load(path.read_bytes(), expected, limits)
+        adopted = load(path.read_bytes(), expected, limits, pool.cache.tree.policy.name)
         tree_block_ids = sorted(int(b) for b in adopted.cache.tree.tree_block_ids())
         if kv_checksums(pool.storage, tree_block_ids) != adopted.extras.get("kv_checksums"):
             raise SnapshotRefused("KV_CHECKSUM", "the memory's K/V bytes differ from those the snapshot recorded")

@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgument, OutOfBlocks
 from radixkv.kv_cache import KVCache
@@ -162,3 +164,101 @@ def test_hints_survive_a_snapshot_and_an_older_snapshot_restores_unhinted():
     assert all(n.retain_priority == 0 and not n.retain_until_s for _, n in old.tree.nodes())
     assert old.match(kept) == 2 * BS
     np.testing.assert_array_equal(old.tree.tree_block_ids(), restored.tree.tree_block_ids())
+
+
+def test_the_agent_policy_drops_a_superseded_branch_before_an_older_live_one():
+    """A session rewrote its context (a new request left its old branch part-way): the old tail goes first, ahead
+    of another session's older context, which LRU would take."""
+    for policy, superseded_first in (("agent", True), ("lru", False)):
+        cache, clock = make(policy, 12)
+        other, mine = prompt(500, 4), prompt(100, 4)
+        cache_prompt(cache, other)
+        clock.now += 10
+        cache_prompt(cache, mine)
+        clock.now += 10
+        rewritten = mine[: 2 * BS] + prompt(700, 2)  # compacted: the same first two blocks, then new ones
+        cache_prompt(cache, rewritten)
+        cache_prompt(cache, prompt(900, 3))  # 4 blocks with the partial one, 2 free: 2 evicted
+        if superseded_first:
+            assert cache.match(other) == 4 * BS and cache.match(mine) == 2 * BS
+        else:
+            assert cache.match(other) == 2 * BS and cache.match(mine) == 4 * BS
+        assert cache.match(rewritten) == 4 * BS
+
+
+def test_the_agent_policy_never_calls_other_sessions_on_a_shared_prompt_superseded():
+    """Three sessions below one system prompt: the second looks like the first one's rewrite, but the third shows
+    a shared prefix, so nothing below it stays superseded."""
+    cache, clock = make("agent", 24)
+    system = prompt(1, 1)
+    sessions = [system + prompt(100 * (i + 1), 3) for i in range(3)]
+    policy = cache.tree.policy
+    for i, tokens in enumerate(sessions):
+        cache_prompt(cache, tokens)
+        clock.now += 1
+        assert len(policy._superseded) == (1 if i == 1 else 0)  # noqa: SLF001 (the list this test is about)
+    assert sorted(len(leaf.token_bytes) for leaf in cache.tree.evictable_leaves()) == [3 * BS * 4] * 3
+
+
+def test_a_branch_pause_is_a_moving_mean_that_one_long_break_moves_only_part_way():
+    cache, clock = make("agent", 32)
+    tokens = prompt(100, 2)
+    for pause in (10.0, 10.0, 10.0, 1000.0):
+        clock.now += pause
+        cache_prompt(cache, tokens)
+    (leaf,) = cache.tree.evictable_leaves()
+    assert 10.0 < leaf.gap_s < 200.0  # 10 s typical, then one break of 1000 s: the geometric mean, ~100 s
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(POLICIES),
+    steps=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 3), st.sampled_from([0.5, 5.0, 60.0, 900.0])),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_agent_traffic_keeps_every_policy_evicting_leaves_only(policy: str, steps: list[tuple[int, int, int, float]]):
+    """Sessions that grow, pause and rewrite (keep k blocks of the old context, add new ones): after every request
+    the tree passes its check (a node is cached only below a cached parent, so no parent went before its child),
+    and each evicted block was a leaf's tail at the time (the policy lists only leaves)."""
+    cache, clock = make(policy, 20)
+    removed_while_parent_of_cached: list[int] = []
+
+    class Watch:
+        def blocks_stored(self, node: object) -> None:
+            pass
+
+        def blocks_removed(self, namespace: str, block_ids: np.ndarray) -> None:
+            cached = {int(b) for _, n in cache.tree.nodes() for b in n.block_ids}
+            removed_while_parent_of_cached.extend(int(b) for b in block_ids if int(b) in cached)
+
+    cache.tree.observer = Watch()
+    contexts = [prompt(10_000 * (i + 1), 1) for i in range(5)]
+    for step, (session, keep, grow, pause) in enumerate(steps):
+        clock.now += pause
+        old = contexts[session]
+        kept = old[: BS * min(keep, len(old) // BS)] if keep else old  # keep 0: plain growth
+        contexts[session] = (kept + prompt(1_000_000 + 100 * step, grow))[: 6 * BS]
+        try:
+            cache_prompt(cache, contexts[session])
+        except OutOfBlocks:
+            pass
+    cache.check_invariants()
+    assert not removed_while_parent_of_cached
+
+
+def test_a_snapshot_restores_under_the_pool_policy():
+    cache = KVCache(16, BS, eviction_policy="agent")
+    cache_prompt(cache, prompt(100, 2))
+    identity = PoolIdentity("default", PoolLayout(2, 1, 4, BS, 16), "mem-1")
+    restored = load(dump(cache, identity), identity, eviction_policy="agent").cache
+    assert restored.tree.policy.name == "agent" and restored.match(prompt(100, 2)) == 2 * BS
+    restored.check_invariants()
+    assert load(dump(cache, identity), identity).cache.tree.policy.name == "lru"
+
+
+def test_tlru_budgets_are_in_model_tokens_when_a_token_id_stands_for_many():
+    policy = make_policy("tlru", 8, tokens_per_id=64)
+    assert (policy.xi, policy.q_hat) == (16384 // 64, 2048 // 64)

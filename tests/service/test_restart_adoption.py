@@ -183,3 +183,14 @@ def test_a_snapshot_of_another_pool_or_layout_is_refused(tmp_path, memory) -> No
 def test_a_snapshot_of_another_layout_is_refused(tmp_path, memory) -> None:
     wider = dataclasses.replace(_layout(), head_dim=16)
     assert _refusal(tmp_path, memory, Memory(tmp_path, generation=2), layout=wider).snapshot_refusals == {"LAYOUT": 1}
+
+
+def test_an_adopted_snapshot_keeps_evicting_by_the_pool_policy(tmp_path, memory) -> None:
+    first = Pool("default", memory, Limits(), 100, eviction_policy="agent")
+    service, *_ = _serve_some(first)
+    before = _state(first)
+    write_snapshot(first, Memory(tmp_path), service.sessions.live())
+    second = Pool("default", KVStorage.open(memory.export_handle()), Limits(), 100, eviction_policy="agent")
+    assert adopt_snapshot(second, Memory(tmp_path, generation=2), Limits()) is not None
+    assert second.cache.tree.policy.name == "agent" and _state(second)["hits"] == before["hits"]
+    second.cache.check_invariants()
