@@ -83,7 +83,8 @@ def test_a_pool_naming_an_unknown_tenant_is_refused_at_start() -> None:
         "tenants": {"alice": {"token": "t"}},
     }
     with pytest.raises(ValueError, match=r"pool 'p': tenants \['zed'\] are not configured tenants"):
-        PoolAccess(config_from_mapping(data))  # as the server builds it, before it serves
+        config = config_from_mapping(data)
+        PoolAccess(config.tenants, config.pools)  # as the server builds it, before it serves
     data["pools"]["p"]["tenants"] = [3]
     with pytest.raises(ValueError, match="pool 'p': tenants=\\[3\\] must be tenant names"):
         config_from_mapping(data)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import radixkv.server.wire.servicer
+import radixkv
 from radixkv.server.process.spawn import patient
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step_ab.py"
@@ -28,7 +28,7 @@ def test_a_round_of_each_way_against_bare_grpc(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert results["sources"]["this"] == radixkv.server.wire.servicer.__file__  # the build this test imports
+    assert results["sources"]["this"] == radixkv.__file__  # the build this test imports
     assert set(results["sources"]) == {"this", "bare"}
     for way in ways.split(","):
         assert results[way]["this"]["wall_p50_us"] > 0
