@@ -14,6 +14,7 @@ from radixkv.sequences.append import apply_plan, plan_batch
 from radixkv.sequences.sequence import LiveSequence, Sequences
 from radixkv.tree.radix_node import Node
 from radixkv.tree.token_ids import TokenKey
+from tests.examples import examples
 
 BLOCK_SIZE = 4
 
@@ -131,7 +132,7 @@ def _family_cache(prompts: list[int], forks: list[int], written: list[bool]) -> 
     return cache, seq_ids
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 14), st.integers(0, 3), st.booleans()), min_size=1, max_size=6),
     st.data(),
