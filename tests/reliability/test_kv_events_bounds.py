@@ -78,7 +78,8 @@ def rss_bytes(server: ServerProcess) -> int:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll `predicate` until true or `patient(timeout)` seconds pass (the bound stretches on a loaded machine)."""
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True
