@@ -32,11 +32,13 @@ demo: $(STAMP)
 # Three pytest-xdist workers, each taking whole files (a file's module-scoped server starts once), the slow files
 # first (tests/conftest.py): most tests wait on server processes, so three keep two cores busy. One torch thread in
 # every process of the run (the servers, keepers and benchmarks it starts inherit it): with three workers and their
-# servers on two cores, more threads only contend and spin (11-14% more CPU time).
+# servers on two cores, more threads only contend and spin (11-14% more CPU time). PYTEST_ARGS adds options: CI passes
+# --hypothesis-profile=thorough (each Hypothesis test runs the examples it names; by default a third: tests/examples.py).
+PYTEST_ARGS ?=
 test: $(STAMP)
-	@echo "== the test suite on three workers: about 5 minutes on two idle cores, longer on a loaded machine (its waits"
+	@echo "== the test suite on three workers: about 8 minutes of CPU on two cores, longer on a loaded machine (its waits"
 	@echo "   stretch with the load: radixkv.server.process.patient); a dot per test as each ends, the slow files first"
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
 # under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).
