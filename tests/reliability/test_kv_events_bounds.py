@@ -395,7 +395,6 @@ def test_a_withheld_tenants_activity_moves_no_count_another_tenant_reads(
     server = start("--pool", _pool(4, 256), "--auth-tokens", tenants, "--kv-events-insecure-publish-tenant-prompts")
     digests = _socket(zmq.SUB, server.announcement["kv_events"]["default"]["digest_endpoint"], True, RCVHWM=0)
     try:
-        time.sleep(0.5)  # the subscription reaches the publisher
         with (
             RadixKVClient(server.address, token="acme-token-00000000") as acme,
             RadixKVClient(server.address, token="globex-token-0000000") as globex,
