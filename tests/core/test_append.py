@@ -12,6 +12,7 @@ from radixkv.sequences import append as append_module
 from radixkv.sequences.append import apply_plan, plan_batch
 from radixkv.sequences.sequence import BlockTable, LiveSequence, Sequences
 from radixkv.tree.radix_tree import Node, TokenKey
+from tests.examples import examples
 
 BLOCK_SIZE = 4
 
@@ -129,7 +130,7 @@ def _family_cache(prompts: list[int], forks: list[int], written: list[bool]) -> 
     return cache, seq_ids
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 14), st.integers(0, 3), st.booleans()), min_size=1, max_size=6),
     st.data(),

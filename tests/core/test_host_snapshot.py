@@ -16,6 +16,7 @@ from radixkv.state.host_state import host_only_nodes
 from radixkv.state.snapshot import PoolIdentity, dump, load
 from tests.core.test_host_tier_machine import BASES, BLOCK_SIZE, NUM_BLOCKS, NUM_HOST_BLOCKS, HostTierMachine
 from tests.core.test_snapshot import _resealed, fingerprint
+from tests.examples import examples
 
 
 def identity(num_host_blocks: int | None = NUM_HOST_BLOCKS, memory_id: str = "mem-1") -> PoolIdentity:
@@ -81,7 +82,7 @@ class RestartingHostTierMachine(HostTierMachine):
 
 
 RestartingHostTierMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(120), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_restart_host_tier_state_machine = RestartingHostTierMachine.TestCase
 

@@ -13,6 +13,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 
 from radixkv import KVCache
 from radixkv.errors import OutOfBlocks
+from tests.examples import examples
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 12
@@ -193,6 +194,6 @@ class HostTierMachine(RuleBasedStateMachine):
 
 
 HostTierMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_host_tier_state_machine = HostTierMachine.TestCase

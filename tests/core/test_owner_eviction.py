@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from radixkv import KVCache
 from radixkv.errors import OutOfBlocks
 from radixkv.tree.radix_tree import owner_of
+from tests.examples import examples
 
 NAMESPACES = ["a/x", "a/y", "b/x", "b", "c/z"]  # owners a, b (two namespaces each), c
 OWNERS = ["a", "b", "c"]
@@ -24,7 +25,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(ops)
 # type: ignore[no-untyped-def]
 def test_an_owners_eviction_takes_what_the_global_lru_restricted_to_it_would(history) -> None:

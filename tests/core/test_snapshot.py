@@ -19,6 +19,7 @@ from radixkv.kv_cache import Limits
 from radixkv.state.cache_state import capture
 from radixkv.state.snapshot import MAGIC, PoolIdentity, dump, load, read_header, write_atomically
 from tests.core.test_state_machine import BASES, BLOCK_SIZE, NAMESPACES, NUM_BLOCKS, CacheMachine
+from tests.examples import examples
 
 LIMITS = Limits(max_pinned_fraction=0.25)
 
@@ -98,7 +99,7 @@ class RestartingCacheMachine(CacheMachine):
 
 
 RestartingCacheMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(120), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_restart_state_machine = RestartingCacheMachine.TestCase
 

@@ -10,6 +10,7 @@ from radixkv.errors import FailedPrecondition, InvalidArgument, NotAdmitted, Out
 from radixkv.kv_cache import Limits
 from radixkv.memory.block_pool import cdiv
 from radixkv.pressure.preemption import all_token_bytes
+from tests.examples import examples
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 24
@@ -382,6 +383,6 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(150), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_cache_state_machine = CacheMachine.TestCase

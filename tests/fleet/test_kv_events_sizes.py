@@ -20,6 +20,7 @@ from radixkv.server.events.kv_events_wire import (
     split,
 )
 from radixkv.server.events.kv_replay import ReplayBuffer
+from tests.examples import examples
 
 BLOCK_SIZE = 4
 
@@ -46,7 +47,7 @@ def _apply(events: list[Event]) -> dict[int, tuple[int | None, list[int]]]:
     return index
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     num_blocks=st.integers(1, 300),
     max_bytes=st.integers(min_batch_bytes(BLOCK_SIZE) + 16, 8192),  # + the salt's 16 bytes below
@@ -72,7 +73,7 @@ def test_a_block_no_batch_can_hold_is_refused_not_sent() -> None:
     assert split(event, 4096) == []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.data())
 def test_coalescing_a_unit_changes_nothing_a_consumer_ends_up_knowing(data: st.DataObject) -> None:
     """A random unit of tree-like events (runs stored under cached blocks, chains removed from a leaf up): the

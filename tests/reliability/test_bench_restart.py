@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.server.process.spawn import patient
+
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_restart.py"
@@ -18,7 +20,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_restart.py"
 def test_quick_restart_run_keeps_the_hits_through_an_upgrade_and_loses_them_in_a_crash(tmp_path: Path) -> None:
     out = tmp_path / "restart.json"
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=patient(300)
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "to serving s" in run.stdout and "prefill tokens the upgrade saves" in run.stdout, "the table is printed"

@@ -33,6 +33,7 @@ from radixkv.server.keeper.keeper_registry import STATE_FILE, Keeper
 from radixkv.server.process import keeper as keeper_module
 from radixkv.server.process.keeper import KeeperServer
 from radixkv.server.process.spawn import patient
+from tests.examples import examples
 
 LAYOUT = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, dtype="float32")
 GOOD_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 16, "dtype": "float32"}
@@ -152,7 +153,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=st.one_of(
         st.binary(min_size=1, max_size=200),

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixkv.client import RadixKVClient
 from radixkv.client.fleet.prefix_index import PrefixIndex
 from radixkv.server.process.spawn import ServerProcess, patient
+from tests.subscribers import connect_and_handshake
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
@@ -78,7 +79,8 @@ def rss_bytes(server: ServerProcess) -> int:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll `predicate` until true or `patient(timeout)` seconds pass (the bound stretches on a loaded machine)."""
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -86,14 +88,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 120.0) -> bool:
     return predicate()
 
 
-def _socket(kind: int, endpoint: str, **options: int) -> zmq.Socket:
+def _socket(kind: int, endpoint: str, handshake: bool = False, **options: int) -> zmq.Socket:
+    """`handshake`: return once connected (tests/subscribers.py), so that the publisher's next batch reaches it."""
     socket = zmq.Context.instance().socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     for name, value in options.items():
         socket.setsockopt(getattr(zmq, name), value)
     if kind == zmq.SUB:
         socket.setsockopt(zmq.SUBSCRIBE, b"")
-    socket.connect(endpoint)
+    if handshake:
+        connect_and_handshake(socket, endpoint)
+    else:
+        socket.connect(endpoint)
     return socket
 
 
@@ -133,9 +139,8 @@ def test_preempt_resume_cycles_republish_nothing_and_ring_and_batches_stay_withi
         "--auth-tokens", tenants, "--kv-events-insecure-publish-tenant-prompts",
     )  # fmt: skip
     kv = server.announcement["kv_events"]["default"]
-    sub = _socket(zmq.SUB, kv["endpoint"], RCVHWM=0)
+    sub = _socket(zmq.SUB, kv["endpoint"], handshake=True, RCVHWM=0)
     try:
-        time.sleep(0.5)  # the subscription reaches the publisher (a PUB drops what no subscriber has asked for)
         with RadixKVClient(server.address, token="a-token-0000000000") as client:
             tokens = list(range(100_000, 132_000))  # 2,000 blocks; ids over 65,535: 5 bytes each on the wire
             seq_id = client.open(tokens, "chat").seq_id
@@ -388,9 +393,8 @@ def test_a_withheld_tenants_activity_moves_no_count_another_tenant_reads(
         '[tenants.globex]\ntoken = "globex-token-0000000"\npublish_kv_events = false\n',
     )
     server = start("--pool", _pool(4, 256), "--auth-tokens", tenants, "--kv-events-insecure-publish-tenant-prompts")
-    digests = _socket(zmq.SUB, server.announcement["kv_events"]["default"]["digest_endpoint"], RCVHWM=0)
+    digests = _socket(zmq.SUB, server.announcement["kv_events"]["default"]["digest_endpoint"], True, RCVHWM=0)
     try:
-        time.sleep(0.5)  # the subscription reaches the publisher
         with (
             RadixKVClient(server.address, token="acme-token-00000000") as acme,
             RadixKVClient(server.address, token="globex-token-0000000") as globex,

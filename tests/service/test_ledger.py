@@ -19,6 +19,7 @@ from radixkv.sequences.results import AppendBatch
 from radixkv.server.rules.ledger import Pin, PoolLedger
 from radixkv.server.rules.sessions import Session
 from radixkv.server.rules.tenants import Tenant
+from tests.examples import examples
 
 BLOCK_SIZE = 4
 HOST_SHARE = 12  # host blocks each tenant's swapped-out sequences may hold
@@ -178,7 +179,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 TestLedger = LedgerMachine.TestCase
-TestLedger.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestLedger.settings = settings(max_examples=examples(150), stateful_step_count=30, deadline=None)
 
 
 def test_the_ledger_check_catches_a_count_that_drifted() -> None:
