@@ -116,7 +116,7 @@ class DirectIO:
     def _read(self, fd: int, direct: bool, offset: int, dest: npt.NDArray[np.uint8]) -> int:
         """Straight into `dest` when O_DIRECT allows it (offset, length and address aligned, as `aligned_rows` and
         whole-page blocks make them) or is off; else through this thread's buffer, widened to ALIGN, and copied."""
-        view = memoryview(dest).cast("B")
+        view = dest.data.cast("B")  # ndarray.data: the array's memoryview (its buffer, typed)
         num_bytes = len(view)
         if not direct or (offset % ALIGN == 0 and num_bytes % ALIGN == 0 and dest.ctypes.data % ALIGN == 0):
             return _pread_all(fd, view, num_bytes, offset)

@@ -318,7 +318,7 @@ class DiskStore:
         if blocks.size % ALIGN == 0 and blocks.ctypes.data % ALIGN == 0 and blocks.flags.c_contiguous:
             # Whole pages on aligned memory (`aligned_rows`, as the writer gathers them): written from where they
             # are, the header from the thread's buffer; no copy of the object.
-            parts = [memoryview(buffer)[: len(header)], memoryview(blocks).cast("B")]
+            parts = [memoryview(buffer)[: len(header)], blocks.data.cast("B")]
         else:
             buffer[len(header) + blocks.size : size] = bytes(size - len(header) - blocks.size)
             np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=len(header))[:] = blocks.reshape(-1)
