@@ -18,6 +18,11 @@ SGLang is optional (see benchmarks/sglang_peer.py); without it the table says so
 
     pip install --no-deps --target .peers/sglang sglang==0.5.23
     python benchmarks/bench_core.py [--quick] [--out results.json]
+
+Before and after in one run: `--build DIR` (DIR holds `pip install --no-deps --target DIR .` of another commit)
+runs this script on DIR's radixkv and on this one, each in its own process, alternated over `--rounds` rounds
+(2 by default), and prints radixkv's own figures for both with their ratio (benchmarks/builds.py). The builds
+must share the API this script drives (the package layout of the regrouped server, for its event hub row).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -43,7 +49,8 @@ from radixkv.server.rules.miss_reasons import explain_miss
 from radixkv.server.rules.tenants import ANONYMOUS
 from radixkv.tree.radix_tree import RadixTree
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import builds  # noqa: E402
 import decode_floor  # noqa: E402 - sibling scripts, not a package
 import scheduler_shape  # noqa: E402
 import sglang_peer  # noqa: E402
@@ -367,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under 30 s")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--build", help="also measure the radixkv installed in this directory: before and after")
+    parser.add_argument("--rounds", type=int, default=2, help="with --build: rounds of both builds, alternated")
     args = parser.parse_args(argv)
+    if args.build is not None:
+        return compare_builds(args.build, args.quick, args.rounds, args.out)
     trace_tokens = 300_000 if args.quick else 3_000_000
     leaves = 20_000 if args.quick else 100_000
     peer = sglang_peer.load()
@@ -455,6 +466,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    return 0
+
+
+# radixkv's own figures (the peers' are the same code in both runs): lower or higher is better
+BUILD_METRICS = {
+    "requests.*.radixkv.*_s": "lower",
+    "one_at_a_time.*.radixkv.*_s": "lower",
+    "decode.*.radixkv.*_s": "lower",
+    "trace.tokens_per_second": "higher",
+    "match.*.match_us_int32_array": "lower",
+    "evict.evict_us_per_block": "lower",
+    "explain.match_us": "lower",
+    "memory.bytes_per_cached_block": "lower",
+}
+
+
+def compare_builds(build: str, quick: bool, rounds: int, out: str | None) -> int:
+    """This script on `build`'s radixkv and on this one, alternated; each metric's best round of each."""
+    names = (f"before ({Path(build).name})", "after (this)")
+    runs = builds.run_alternately(
+        Path(__file__), {names[0]: build, names[1]: None}, ["--quick"] if quick else [], rounds
+    )
+    before, after = (builds.best(runs[name], BUILD_METRICS) for name in names)
+    load = ", ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    print(f"bench_core before/after, best of {rounds} alternated rounds each{', quick' if quick else ''} (load {load})")
+    print(builds.compare_table(before, after, ("before", "after")))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"builds": dict(zip(("before", "after"), names, strict=True)), "runs": runs}, f, indent=2)
     return 0
 
 

@@ -16,8 +16,9 @@ Runs a real server process on 127.0.0.1 and measures, in one run:
     decode step's append columns (ids, counts, results) packed against repeated.
 Prints a table (ratios within this run); `--out FILE.json` writes the numbers; `--quick` finishes in
 about 30 s on 2 loaded cores. Before and after: `--build DIR` measures the radixkv installed in DIR
-(`pip install --no-deps --target DIR .` of an older commit), `--before FILE.json` prints an earlier
-run's figures beside this run's. Runs minutes apart meet different loads on a shared machine; for
+(`pip install --no-deps --target DIR .` of an older commit) and then this one, each in its own process, and
+prints this build's table with DIR's figures beside it; `--before FILE.json` prints an earlier run's figures
+beside this run's. Runs minutes apart meet different loads on a shared machine; for
 builds compared step by step in one interleaved run, see bench_step_ab.py.
 
 Targets: a decode step's own work on the stream (the step less the in-process step and the same
@@ -43,7 +44,6 @@ import functools
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -56,7 +56,8 @@ from radixkv.sequences.step import Step
 from radixkv.server.process.spawn import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_decode import CADENCES, cpu_seconds  # noqa: E402 - a sibling script, not a package
+import builds  # noqa: E402 - sibling scripts, not a package
+from service_decode import CADENCES, cpu_seconds  # noqa: E402
 from service_decode import measure as measure_decode  # noqa: E402
 
 NUM_BLOCKS = 65536
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short runs")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--before", help="an earlier run's --out JSON: its figures are printed beside this run's")
-    parser.add_argument("--build", help="measure the radixkv installed in this directory (pip install --target)")
+    parser.add_argument("--build", help="also measure the radixkv installed in this directory: before and after")
     args = parser.parse_args(argv)
     if args.build is not None:  # again, in a process (and a server) that imports that build
         return _run_build(args.build, args.quick, args.out, args.before)
@@ -424,14 +425,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_build(build: str, quick: bool, out: str | None, before: str | None) -> int:
-    """This script with `build`'s radixkv first on the path, from a directory holding no radixkv (`python -m`
-    puts the working directory first on the server's path)."""
-    argv = ["--quick"] if quick else []
-    for flag, path in (("--out", out), ("--before", before)):
-        if path is not None:
-            argv += [flag, os.path.abspath(path)]
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(build)}
-    return subprocess.call([sys.executable, str(Path(__file__).resolve()), *argv], env=env, cwd="/")
+    """Before and after from one run: this script on `build`'s radixkv, then on this one, each in its own process
+    (and server) started outside any checkout; this build's table with the other's figures beside it."""
+    if before is not None:
+        raise SystemExit("bench_service: --build measures the before figures itself; drop --before")
+    names = (f"before ({Path(build).name})", "after (this)")
+    runs = builds.run_alternately(Path(__file__), {names[0]: build, names[1]: None}, ["--quick"] if quick else [], 1)
+    old, new = (runs[name][0] for name in names)
+    print(f"bench_service after (this build) with before ({build}) beside it, one run each")
+    print(table(new, old))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"before": old, "after": new, "build": build}, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
