@@ -22,7 +22,7 @@ SGLang is optional (see benchmarks/sglang_peer.py); without it the table says so
 Before and after in one run: `--build DIR` (DIR holds `pip install --no-deps --target DIR .` of another commit)
 runs this script on DIR's radixkv and on this one, each in its own process, alternated over `--rounds` rounds
 (2 by default), and prints radixkv's own figures for both with their ratio (benchmarks/builds.py). The builds
-must share the API this script drives (the package layout of the regrouped server, for its event hub row).
+must share the API this script drives (a build from before the server's regrouping imports its old paths).
 """
 
 from __future__ import annotations
@@ -44,9 +44,15 @@ import numpy as np
 
 from radixkv import KVCache
 from radixkv.planning.workload import Request, WorkingSet, make_trace, replay, working_set
-from radixkv.server.events.hub import EventHub
-from radixkv.server.rules.miss_reasons import explain_miss
-from radixkv.server.rules.tenants import ANONYMOUS
+
+try:
+    from radixkv.server.events.hub import EventHub
+    from radixkv.server.rules.miss_reasons import explain_miss
+    from radixkv.server.rules.tenants import ANONYMOUS
+except ImportError:  # a build from before the server's regrouping (--build DIR: the before of issue 41)
+    from radixkv.server.events import EventHub  # type: ignore[no-redef]
+    from radixkv.server.miss_reasons import explain_miss  # type: ignore[no-redef]
+    from radixkv.server.tenants import ANONYMOUS  # type: ignore[no-redef]
 from radixkv.tree.radix_tree import RadixTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
