@@ -78,22 +78,24 @@ class KVCache:
         """`reserve_fraction`: share of a request's growth reserved at admission; `watermark_fraction`: of the pool
         kept from budgeted admissions (`radixkv.sequences.admission`). `first_seq_id`: where sequence ids start (fresh
         per server run: an old id names nothing). `eviction_policy`: `radixkv.tree.eviction.POLICIES`, unless a
-        `tree` is given. `host_num_blocks`: the host tier's size; 0: none, evicted prefixes are dropped."""
+        `tree` is given. `host_num_blocks`: the host tier's size; 0: a tier of none (`HostTier.enabled`), evicted
+        prefixes are dropped."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
         self.limits = limits or Limits()
         self.pool = BlockPool(num_blocks)
         self.tree = tree or RadixTree(block_size, policy=make_policy(eviction_policy, block_size))
         self.stats_counters = Stats(num_blocks_total=num_blocks)
-        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters) if host_num_blocks else None
+        self.host = HostTier(host_num_blocks, self.tree, self.stats_counters)  # always there: maybe of no blocks
         self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
         self._blocks = Allocator(self.pool, self.tree, self.stats_counters, self.host)
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
-        self.preemption = Preemption(self._blocks, self._sequences, self._root)
-        if self.host is not None:
-            self.preemption.swap_tier = HostSwap(self._blocks, self.host, self._root)
+        swap = HostSwap(self._blocks, self.host, self._root)
+        self.preemption = Preemption(self._blocks, self._sequences, self._root, swap)
         self._result_scope = ResultScope(self.host)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
@@ -335,7 +337,7 @@ class KVCache:
         if root is None:
             return 0, 0
         match = self.tree.match(root, key.data)
-        num_host = self.host.match(match, key.data, key.num_tokens)[2] if self.host is not None else 0
+        num_host = self.host.match(match, key.data, key.num_tokens)[2]
         return match.num_blocks * self.block_size, num_host * self.block_size
 
     def pin(self, token_ids: TokenIds, namespace: str = DEFAULT_NAMESPACE) -> int:
@@ -413,7 +415,7 @@ class KVCache:
             num_namespaces=len(tree.roots),
             num_blocks_reserved=self._blocks.num_reserved,
             num_preempted_sequences=len(self._sequences.preempted),
-            **(self.host.gauges() if self.host is not None else {}),
+            **self.host.gauges(),  # all 0 for a tier of none, as the fields default
         )
 
     def holders(self) -> tuple[Iterable[LiveSequence], Iterable[tuple[Node, int]]]:
@@ -429,5 +431,5 @@ class KVCache:
         """Admission's reservations recounted: O(live sequences), so the online audit runs it under the lock."""
         blocks, sequences = self._blocks, self._sequences
         check_reservations(blocks.num_reserved, blocks.num_available(), sequences, sequences.preempted)
-        if self.host is not None:
+        if self.host.enabled:  # a tier of none holds nothing, and its recount would walk every node under the lock
             check_host_tier(self.host, swapped_host_blocks(sequences.preempted.values()))

@@ -40,7 +40,6 @@ def continuation(
     device node continues below where that node would split (`Continuation.hang_point`). The prompt's last token
     is always computed, so its last full block is not asked for when the prompt ends on one. Changes nothing."""
     tree, host, bs = cache.tree, cache.host, cache.block_size
-    assert host is not None, "a disk tier loads through the host tier"
     limit = (len(key) // TOKEN_BYTES - 1) // bs
     root = tree.roots.get(namespace)
     parent, start, parent_hash, inside = root, 0, None, None

@@ -23,7 +23,7 @@ class SimulatedDisk:
     """An LRU set of block hashes, `num_blocks` at most, fed by the tree; the tree's observer while attached."""
 
     def __init__(self, cache: KVCache, num_blocks: int) -> None:
-        assert cache.host is not None, "a disk tier loads through the host tier"
+        assert cache.host.enabled, "a disk tier loads through the host tier"
         self.cache, self.num_blocks = cache, num_blocks
         self.hashes = BlockHashes(cache.block_size)
         self._lru: collections.OrderedDict[bytes, None] = collections.OrderedDict()
@@ -55,7 +55,6 @@ class SimulatedDisk:
         if not num:
             return 0
         host, tree, bb = self.cache.host, self.cache.tree, self.cache.block_size * TOKEN_BYTES
-        assert host is not None
         tokens = key[found.start * bb : (found.start + num) * bb]
         if host.adopt(found.hang_point(tree, namespace), tokens, lambda host_ids: True) is None:
             tree.drop_empty_roots()

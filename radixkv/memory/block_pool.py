@@ -40,8 +40,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 0:  # 0: an empty pool every allocation finds full (a host tier of none)
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > np.iinfo(np.int32).max:
             raise ValueError(f"num_blocks must fit in int32, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -138,7 +138,7 @@ class BlockPool:
         return block_ids
 
     def check_invariants(self) -> None:
-        assert self.ref_counts.min() >= 0, "negative ref_count: a block released more often than held"
+        assert not (self.ref_counts < 0).any(), "negative ref_count: a block released more often than held"
         free = self._free[: self._num_free]
         assert np.unique(free).size == free.size, "free list holds a block twice"
         assert not self.ref_counts[free].any(), "a block on the free list has a holder"

@@ -28,6 +28,7 @@ from radixkv.sequences.admission import Allocator
 from radixkv.sequences.retain import expire, retain
 from radixkv.stats import Stats
 from radixkv.tree.eviction import EvictionPolicy, KeyedPolicy, Retention, make_policy
+from radixkv.tree.host_tier import HostTier
 from radixkv.tree.radix_tree import DEFAULT_NAMESPACE, Node, RadixTree, TokenKey
 
 UNIT_IDS = 8  # hash ids (64 tokens each) per 512-token unit: the replay's block size
@@ -147,7 +148,8 @@ def replay(
     num_blocks = (total_units if capacity_tokens is None else capacity_tokens // TOKENS_PER_UNIT) + 2
     tree = RadixTree(UNIT_IDS, policy=tree_policy)
     pool = BlockPool(num_blocks)
-    blocks = Allocator(pool, tree, Stats(num_blocks_total=num_blocks))
+    stats = Stats(num_blocks_total=num_blocks)
+    blocks = Allocator(pool, tree, stats, HostTier(0, tree, stats))  # a tier of none: evictions drop
     root = tree.root(DEFAULT_NAMESPACE)
     retention = Retention(ttl_s=ttl_s) if ttl_s else None
     unit_bytes = UNIT_IDS * 4

@@ -6,8 +6,8 @@ them, re-matching whatever is still cached, and returns the slots of the rest fo
 recompute. Commit what the worker wrote before preempting: only computed blocks are published.
 
 `swap` moves the blocks only the sequence holds to the host tier; it is the host tier's job
-(`SwapTier`, plugged in as `KVCache.preemption.swap_tier` when a pool has one). The framework here validates, keeps
-the preempted records, returns reservations and counts; a swap tier moves blocks.
+(`SwapTier`, `KVCache.preemption.swap_tier`, which refuses a pool whose host tier has no blocks). The framework here
+validates, keeps the preempted records, returns reservations and counts; a swap tier moves blocks.
 
 A preempted sequence holds nothing on the device. Only `resume` and `release` may name it;
 everything else raises `SequencePreempted` (FAILED_PRECONDITION).
@@ -56,7 +56,8 @@ class SwapTier(Protocol):
     def swap_out(self, sequences: list[LiveSequence]) -> tuple[Pairs, list[object]]:
         """All or none: move the blocks only each sequence holds to the host and drop every device hold
         of theirs; return the offload pairs and, per sequence, what the tier keeps for it
-        (`PreemptedSequence.host`). Raise a RadixKVError and change nothing if it cannot."""
+        (`PreemptedSequence.host`). Raise a RadixKVError and change nothing if it cannot (FailedPrecondition:
+        the pool has no host tier)."""
         ...
 
     def swap_in(self, record: PreemptedSequence, reserve: int) -> tuple[LiveSequence, ResumeResult]:
@@ -72,9 +73,8 @@ class SwapTier(Protocol):
 class Preemption:
     """The preempted sequences' lifecycle over a cache's allocator and registry (`KVCache.preemption`)."""
 
-    def __init__(self, blocks: Allocator, sequences: Sequences, root: Callable[[str], Node]) -> None:
-        self.blocks, self.sequences, self.root = blocks, sequences, root
-        self.swap_tier: SwapTier | None = None  # the host tier plugs in here when the pool has one
+    def __init__(self, blocks: Allocator, sequences: Sequences, root: Callable[[str], Node], swap: SwapTier) -> None:
+        self.blocks, self.sequences, self.root, self.swap_tier = blocks, sequences, root, swap
 
     def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
         """See `KVCache.preempt`."""
@@ -85,8 +85,6 @@ class Preemption:
         offloads = NO_PAIRS
         if mode == "recompute":
             self._preempt_recompute(live)
-        elif self.swap_tier is None:
-            raise FailedPrecondition("mode: swap needs a host tier, and this pool has none", field="mode")
         else:
             offloads = self._preempt_swap(live, self.swap_tier)
         freed = self.blocks.num_available() - available
@@ -99,7 +97,6 @@ class Preemption:
             self.sequences.get(seq_id)  # raises for an unknown id
             raise FailedPrecondition(f"seq_id: sequence {seq_id} is not preempted", field="seq_id", seq_id=seq_id)
         if record.mode == "swap":
-            assert self.swap_tier is not None, "a swapped-out sequence without a swap tier"
             resumed = self._resume_swap(record, self.swap_tier)
         else:
             try:
@@ -113,7 +110,7 @@ class Preemption:
     def discard(self, records: list[PreemptedSequence]) -> None:
         """Release preempted sequences: they hold nothing on the device, maybe something on the host."""
         for record in records:
-            if record.host is not None and self.swap_tier is not None:
+            if record.mode == "swap":
                 self.swap_tier.discard(record)
             del self.sequences.preempted[record.seq_id]
 

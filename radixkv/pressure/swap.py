@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from radixkv.errors import OutOfBlocks
+from radixkv.errors import FailedPrecondition, OutOfBlocks
 from radixkv.memory.block_pairs import NO_PAIRS, Pairs, concat_pairs
 from radixkv.memory.block_pool import NO_BLOCKS, cdiv
 from radixkv.pressure.preemption import ResumeResult
@@ -48,12 +48,15 @@ class HostSwap:
         """Copy each sequence's blocks past its locked path to the host tier and drop all its device holds.
 
         All or none: OutOfBlocks (host blocks needed, free or evictable on the host) and nothing changes when
-        the host tier cannot take them all. The offload pairs include any still pending from evictions.
+        the host tier cannot take them all; FailedPrecondition when the pool has none (a tier of no blocks). The
+        offload pairs include any still pending from evictions.
         """
         host = self.host
+        if not host.enabled:
+            raise FailedPrecondition("mode: swap needs a host tier, and this pool has none", field="mode")
         needed = sum(map(num_swap_blocks, sequences))
         if not host.can_make_room(needed):
-            error = OutOfBlocks(needed, host.num_free + host.num_evictable())
+            error = OutOfBlocks(needed, host.pool.num_free + host.num_evictable())
             error.metadata["tier"] = "host"
             raise error
         kept: list[object] = []

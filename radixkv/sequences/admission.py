@@ -16,7 +16,6 @@ import numpy as np
 import numpy.typing as npt
 
 from radixkv.errors import InvalidArgument, LimitExceeded, NotAdmitted, OutOfBlocks
-from radixkv.memory.block_pairs import NO_PAIRS
 from radixkv.memory.block_pool import NO_BLOCKS, BlockPool, cdiv
 from radixkv.sequences.results import OpenResult, SlotPlan
 from radixkv.sequences.sequence import BlockTable, LiveSequence, Sequences, path_runs
@@ -36,10 +35,11 @@ class Allocator:
     """The pool and the tree's evictable blocks seen as one supply, with the counters they move.
 
     `num_reserved` is the sum of `LiveSequence.reservation()` over live sequences (the invariant checker
-    recounts it). `host`: the host tier evictions offload to, whose transfers each result hands out.
+    recounts it). `host`: the host tier evictions offload to, whose transfers each result hands out (maybe a tier of
+    no blocks: `HostTier.enabled`).
     """
 
-    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, host: HostTier | None = None) -> None:
+    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, host: HostTier) -> None:
         self.pool, self.tree, self.stats, self.host = pool, tree, stats, host
         self.num_reserved = 0
 
@@ -166,28 +166,25 @@ def open_planned(
     """Lock every planned prefix, then allocate and start each sequence (capacity was checked by the plan).
 
     `ranks`: each request's (priority, reserve_until), whose reservation is taken now. `seq_id`: the
-    id of the one sequence a resume brings back (otherwise each gets a new id). With a host tier, a prefix
-    that continues there is loaded into the first new blocks (the result's `loads`).
+    id of the one sequence a resume brings back (otherwise each gets a new id). A prefix that continues on the
+    host tier is loaded into the first new blocks (the result's `loads`).
     """
     bs, host = blocks.tree.block_size, blocks.host
     results = []
     locked = lock_matches(blocks.tree, planned)
     for (key, node, num_matched_blocks), namespace, (priority, until) in zip(locked, namespaces, ranks, strict=True):
-        on_host = host.plan_load(key.data, node, num_matched_blocks, (key.num_tokens - 1) // bs) if host else None
+        on_host = host.plan_load(key.data, node, num_matched_blocks, (key.num_tokens - 1) // bs)
         new_blocks = blocks.allocate(cdiv(key.num_tokens, bs) - num_matched_blocks)
-        num_loaded, loads = 0, NO_PAIRS
-        if host is not None and on_host is not None:
-            node, loads = host.load_back(node, on_host, new_blocks)
-            num_loaded = on_host[2]
-            num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
+        node, loads = host.load_back(node, on_host, new_blocks)
+        num_loaded = on_host[2]
+        num_matched_blocks, new_blocks = num_matched_blocks + num_loaded, new_blocks[num_loaded:]
         tail = key.tail_after(num_matched_blocks * bs)
         new_id = sequences.next_id() if seq_id is None else seq_id
         seq, opened = start_sequence(new_id, namespace, node, num_matched_blocks, new_blocks, tail, bs, priority, until)
         if until:
             blocks.num_reserved += max(0, until - len(seq.block_table))
         sequences.add(seq)
-        if host is not None:
-            opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()
+        opened.num_host_hit_tokens, opened.loads, opened.offloads = num_loaded * bs, loads, host.take_offloads()
         results.append(opened)
     return results
 

@@ -400,8 +400,7 @@ def append(
     new_blocks = blocks.allocate(plan.num_blocks, plan.num_drawn)
     batch = apply_plan(sequences, seq_ids, counts, plan, new_blocks, key, pool, bs)
     blocks.stats.num_cow_copies += len(batch.copies)
-    if blocks.host is not None:
-        batch.offloads = blocks.host.take_offloads()
+    batch.offloads = blocks.host.take_offloads()
     return batch
 
 

@@ -122,8 +122,9 @@ def capture(cache: KVCache) -> dict[str, Any]:
         "ref_counts": pool.ref_counts.astype("<i4").tobytes(),
         "free": _i32(pool._free[: pool.num_free]),
         "stats": {k: v for k, v in dataclasses.asdict(cache.stats_counters).items() if k not in _GAUGES},
-        # Added in place of a format bump: a snapshot without it restores with an empty host tier.
-        "host": capture_host(cache.host, nodes, ref, records) if cache.host is not None else None,
+        # Added in place of a format bump: a snapshot without it restores with an empty host tier. None for a tier
+        # of no blocks, as before it was always there (a build that has none refuses a host state).
+        "host": capture_host(cache.host, nodes, ref, records) if cache.host.enabled else None,
         # Likewise: without it, forked sequences restore without families (what they share by count is
         # published once its other holders go, as before families were kept).
         "families": _families(cache),
@@ -167,9 +168,7 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int,
         root.lock_ref = int(lock_ref)
     nodes = _rebuild_nodes(tree.block_bytes, state["nodes"], roots)
     host_state = state.get("host")
-    if host_state is not None:
-        if cache.host is None:
-            raise ValueError("the snapshot has a host tier; this pool has none")
+    if host_state is not None:  # its size must be this pool's (a pool without a host tier has one of no blocks)
         rebuild_host(cache.host, host_state, nodes, roots)  # before any LRU list: it renumbers the nodes
     swapped = swapped_records(host_state)
     restore_retention(nodes, state.get("retention"), tree.policy.clock())  # before any node is listed

@@ -77,7 +77,7 @@ def dump(cache: KVCache, identity: PoolIdentity, extras: dict[str, Any] | None =
     """The snapshot of `cache` (and the caller's `extras`, msgpack-able) as the bytes of one file."""
     if cache.block_size != identity.layout.block_size or cache.pool.num_blocks != identity.layout.num_blocks:
         raise ValueError(f"the cache's blocks ({cache.pool.num_blocks} x {cache.block_size}) are not {identity.layout}")
-    if (cache.host.pool.num_blocks if cache.host is not None else 0) != identity.host_num_blocks:
+    if cache.host.pool.num_blocks != identity.host_num_blocks:
         raise ValueError(f"the cache's host tier does not match {identity.host_layout}")
     header = {**identity.header(), "created_unix_ns": time.time_ns(), "num_cached_blocks": cache.tree.num_cached_blocks}
     body = {"cache": capture(cache), "extras": extras or {}}

@@ -50,7 +50,9 @@ class HostTier:
         self.pool = BlockPool(num_blocks)
         self.tree, self.stats = tree, stats
         self.block_bytes = tree.block_bytes
-        tree.host = self
+        self.enabled = num_blocks > 0  # False: a tier of none (vLLM's null block): finds, takes and swaps nothing
+        if self.enabled:  # else the tree keeps its `DropEvicted` hook: what it evicts is dropped
+            tree.host = self
         self._leaves: SortedList = SortedList(key=lru_key)  # host-only nodes without host children: evict LRU first
         self._copies: dict[int, Node] = {}  # node_id -> device node keeping a host copy; evicted first, oldest first
         # Nodes whose host blocks a load of the result being built reads: never evicted, and their blocks never
@@ -62,10 +64,6 @@ class HostTier:
         self.num_cached_blocks = 0  # host blocks held by tree nodes (host-only nodes and copies)
         self.num_swapped_blocks = 0  # host blocks held by swapped sequences (freed or deferred at resume)
         self.num_swapped_sequences = 0  # counted by whoever swaps sequences out and back
-
-    @property
-    def num_free(self) -> int:
-        return self.pool.num_free
 
     def num_evictable(self) -> int:
         """Host blocks of the tree that eviction may free now (all but this result's fresh copies and the paths
@@ -239,6 +237,8 @@ class HostTier:
 
     def settle(self) -> None:
         """The result being built is complete: its fresh copies become evictable, its deferred frees happen."""
+        if not self._fresh and not self._deferred:  # most results (all, in a tier of none) load and free nothing
+            return
         fresh = list(self._fresh.values())
         self._fresh.clear()
         for node in fresh:
@@ -282,6 +282,8 @@ class HostTier:
         """Where the host tier continues `key` past the locked device node `node` (a node boundary, `num_matched`
         blocks from the root), kept from host eviction until `load_back` (the open's own allocation, which may
         offload, must not evict what it is about to load)."""
+        if not node.host_children:  # the usual case (always, in a tier of none): nothing continues on the host
+            return [], 0, 0
         path, num_in_last, num_blocks = self.match(Match(node, len(node.block_ids), num_matched, []), key, max_blocks)
         if num_blocks:
             end = path[-1]
@@ -385,7 +387,7 @@ class ResultScope:
 
     __slots__ = ("_host", "_depth")
 
-    def __init__(self, host: HostTier | None) -> None:
+    def __init__(self, host: HostTier) -> None:
         self._host, self._depth = host, 0
 
     def __enter__(self) -> None:
@@ -393,5 +395,5 @@ class ResultScope:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._depth -= 1
-        if not self._depth and self._host is not None:
+        if not self._depth:
             self._host.settle()

@@ -64,7 +64,8 @@ class TreeObserver(Protocol):
 
 
 class HostHook(Protocol):
-    """What the device tier asks of a host tier under it (`radixkv.tree.host_tier.HostTier`, which plugs in)."""
+    """What the device tier asks of a host tier under it (`radixkv.tree.host_tier.HostTier`, which plugs in; without
+    one, `radixkv.tree.radix_tree.DropEvicted`)."""
 
     def evict_leaf(self, leaf: Node, need: int) -> npt.NDArray[np.int32]:
         """Take an evictable leaf's blocks (its tail, when it holds more than `need`) off the device."""

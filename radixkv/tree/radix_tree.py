@@ -221,7 +221,7 @@ class RadixTree:
         self.num_cached_blocks_of: dict[str, int] = {}  # per owner with any cached block (`owner_of`)
         self.num_leaves_visited = 0  # leaves eviction looked at: the work it did under the pool's lock
         self._clock = 0
-        self.host: HostHook | None = None  # the host tier evictions move blocks to, if any (it plugs in here)
+        self.host: HostHook = DropEvicted(self)  # where evicted blocks go: a host tier plugs in here, else dropped
         self.touched: set[Node] | None = None  # see the class docstring; None: nobody is copying the tree
 
     def root(self, namespace: str) -> Node:
@@ -280,7 +280,7 @@ class RadixTree:
         inherit(upper, node)
         node.token_bytes, node.block_ids, node.parent = node.token_bytes[cut:], node.block_ids[k:], upper
         upper.children[node.token_bytes[: self.block_bytes]] = node
-        if len(node.host_block_ids) and self.host is not None:  # a host copy splits with it
+        if len(node.host_block_ids):  # a host copy splits with it
             upper.host_block_ids, node.host_block_ids = node.host_block_ids[:k], node.host_block_ids[k:]
             self.host.split_copy(node, upper)
         return upper
@@ -309,8 +309,7 @@ class RadixTree:
             return node, 0
         new_ids = np.array(block_ids[pos // self.block_bytes :], dtype=np.int32)  # its own copy: the caller's changes
         first = key[pos : pos + self.block_bytes]
-        if self.host is not None:
-            self.host.drop_overlap(node, first)
+        self.host.drop_overlap(node, first)
         child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
         if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._unlist(node)
@@ -471,23 +470,12 @@ class RadixTree:
         freed: list[npt.NDArray[np.int32]] = []
         num_freed = 0
         removed: dict[str, list[npt.NDArray[np.int32]]] = {}  # one report per namespace per call
-        leaves = self._evictable_leaves
+        evict_leaf = self.host.evict_leaf
         while (leaf := pick(num_blocks - num_freed)) is not None:
             self.num_leaves_visited += 1
-            need = num_blocks - num_freed
             if self.touched is not None:
                 self.touched.add(leaf)
-            if self.host is not None:
-                dropped = self.host.evict_leaf(leaf, need)
-            elif len(leaf.block_ids) > need:
-                keep = len(leaf.block_ids) - need
-                dropped, leaf.block_ids = leaf.block_ids[keep:], leaf.block_ids[:keep]
-                leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
-                leaves.relist(leaf)  # a key may read its tail (the oracle's next use)
-            else:
-                dropped = leaf.block_ids
-                self._unlist(leaf)
-                self.unlink(leaf, to_host=False)
+            dropped = evict_leaf(leaf, num_blocks - num_freed)
             freed.append(dropped)
             num_freed += len(dropped)
             removed.setdefault(leaf.namespace, []).append(dropped)
@@ -514,6 +502,19 @@ class RadixTree:
     def unlist_leaf(self, leaf: Node) -> None:
         """An evictable leaf leaves the LRU list (the host tier is evicting it)."""
         self._unlist(leaf)
+
+    def drop_leaf(self, leaf: Node, need: int) -> npt.NDArray[np.int32]:
+        """Drop an evictable leaf's blocks, or only its tail when it holds more than `need` (trimmed in place: it
+        keeps its key and its place); returns them. What eviction does with no host tier to move them to."""
+        if len(leaf.block_ids) > need:
+            keep = len(leaf.block_ids) - need
+            dropped, leaf.block_ids = leaf.block_ids[keep:], leaf.block_ids[:keep]
+            leaf.token_bytes = leaf.token_bytes[: keep * self.block_bytes]
+            self._evictable_leaves.relist(leaf)  # a key may read its tail (the oracle's next use)
+            return dropped
+        self._unlist(leaf)
+        self.unlink(leaf, to_host=False)
+        return leaf.block_ids
 
     def unlink(self, leaf: Node, to_host: bool) -> None:
         """Take an evicted leaf off the device tier: gone, or (`to_host`) moved among its parent's host children.
@@ -601,6 +602,23 @@ class RadixTree:
 
 # -- from tree/namespaces.py (merged, issue 41: one concept, one module):
 # Namespaces: hits never cross them. A name is checked once, when it first appears.
+
+
+class DropEvicted:
+    """The tree's `HostHook` while no host tier is plugged in (a pool without one, or with a tier of no blocks):
+    evicted blocks are dropped, and there is no host copy to split nor host-only child to drop."""
+
+    __slots__ = ("evict_leaf",)
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.evict_leaf = tree.drop_leaf
+
+    def drop_overlap(self, parent: Node, first_block: bytes) -> None:
+        pass
+
+    def split_copy(self, node: Node, upper: Node) -> None:
+        pass
+
 
 DEFAULT_NAMESPACE = "default"
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")

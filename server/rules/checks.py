@@ -343,7 +343,7 @@ class Checks:
         num_blocks = sum(map(ledger.num_table_blocks, seq_ids))
         reply = Reply(self.max_message_bytes, packed=False)
         self.check_size(pool, 0, preempt_response_bytes(pool, len(seq_ids), num_blocks), reply)
-        if mode == "swap" and cache.host is not None:
+        if mode == "swap":  # without a host tier the share is None, and the preemption refuses
             needed = sum(cache.swap_blocks(s) for s in seq_ids if not cache.is_preempted(s))
             ledger.check_host_blocks(caller, needed, self.host_share(pool))
 

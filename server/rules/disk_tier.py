@@ -90,7 +90,7 @@ class PoolDisk:
         shares: Shares,
         flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
-        assert pool.host_storage is not None and pool.cache.host is not None, "a disk tier loads through the host tier"
+        assert pool.host_storage is not None, "a disk tier loads through the host tier"
         self.pool, self.flush_interval_s = pool, flush_interval_s
         share = shares.of(capacity_bytes) if shares.num_tenants > 1 else None
         throttle = float(os.environ.get(THROTTLE_ENV, 0)) or None
@@ -307,7 +307,6 @@ class PoolDisk:
     def _install(self, key: bytes, namespace: str, found: Continuation, data: npt.NDArray[np.uint8]) -> int:
         """Hang `data` (the blocks continuing `found`) in the tree as a host-only node (under the pool's lock)."""
         host = self.pool.cache.host
-        assert host is not None
         bs, bb = self.pool.layout.block_size, self.pool.layout.block_size * TOKEN_BYTES
         tokens = key[found.start * bb : (found.start + len(data)) * bb]
         tree = self.pool.cache.tree

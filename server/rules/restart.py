@@ -118,7 +118,7 @@ def host_tier_checksums(pool: Pool, cache: KVCache) -> bytes:
     ascending, then of the device blocks its pending offloads will copy to the host (free on the device,
     never handed out before they are copied); b"" without a host tier or anything on it."""
     host = cache.host
-    if host is None or pool.host_storage is None:
+    if pool.host_storage is None:  # no host tier (the cache's has no blocks)
         return b""
     held = [int(b) for b in np.flatnonzero(host.pool.ref_counts)]
     sources = [int(b) for pairs in host._pending for b in pairs[:, 0]]

@@ -28,7 +28,7 @@ def test_a_disk_hit_joins_the_host_tier_and_an_open_loads_it() -> None:
     cache.commit([first.seq_id], [len(prompt)])
     cache.release(first.seq_id)
     assert cache.evict(3) == 3  # to the host tier
-    assert cache.host is not None and cache.host.evict(3) == 3  # and out of it: on disk only
+    assert cache.host.enabled and cache.host.evict(3) == 3  # and out of it: on disk only
     assert cache.match_tiers(prompt) == (0, 0)
     assert disk.promote(prompt, "default") == 0, "offloads into the freed host blocks are not handed out yet"
     assert len(cache.host.take_offloads()) == 3  # now they are: the worker applies them before anything later
@@ -48,7 +48,7 @@ def test_a_disk_hit_past_a_match_ending_inside_a_device_node_hangs_where_the_nod
     first = cache.open(prompt)
     cache.commit([first.seq_id], [len(prompt)])
     cache.release(first.seq_id)
-    assert cache.evict(3) == 3 and cache.host is not None and cache.host.evict(3) == 3  # on disk only
+    assert cache.evict(3) == 3 and cache.host.enabled and cache.host.evict(3) == 3  # on disk only
     cache.host.take_offloads()
     other = cache.open([*prompt[:8], 50, 51, 52, 53, 54])  # one device node of 3 blocks, the first 2 the prompt's
     cache.commit([other.seq_id], [13])

@@ -36,7 +36,7 @@ def _path(node) -> tuple[str, bytes]:
 def host_fingerprint(cache: KVCache) -> dict[str, object]:
     """Everything observable about both tiers, by content, and the relative order of every node id."""
     host = cache.host
-    assert host is not None
+    assert host.enabled
     device = [n for _, n in cache.tree.nodes()]
     hosted = host_only_nodes([*cache.tree.roots.values(), *device])
     everyone = device + hosted
@@ -145,7 +145,7 @@ def test_a_snapshot_without_a_host_tier_section_restores_with_an_empty_one() -> 
     data = _resealed(dump(cache, identity()), as_before)
     restored = load(data, identity()).cache
     assert restored.match_tiers(BASES[0]) == cache.match_tiers(BASES[0])
-    assert restored.host is not None and restored.stats().num_host_blocks_free == NUM_HOST_BLOCKS
+    assert restored.host.enabled and restored.stats().num_host_blocks_free == NUM_HOST_BLOCKS
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def test_swap_resume_recomputes_when_the_prefix_is_gone():
     cache.commit([seq.seq_id], [14])
     cache.preempt([seq.seq_id], "swap")
     cache.evict(8)  # the prefix moves to the host tier ...
-    assert cache.host is not None
+    assert cache.host.enabled
     cache.host.evict(cache.host.num_cached_blocks)  # ... and leaves it
     resumed = cache.resume(seq.seq_id)
     assert resumed.num_cached_tokens == 0 and len(resumed.slots) == 14 and not len(resumed.loads)

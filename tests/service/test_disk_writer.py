@@ -71,7 +71,7 @@ def test_a_failed_write_is_kept_and_a_block_dropped_before_the_writer_is_written
     assert disk.num_pending == 3
     with pool.lock:
         assert pool.cache.evict(3) == 3  # the device drops them before the writer came: copied now
-        assert pool.cache.host is not None
+        assert pool.cache.host.enabled
         pool.cache.host.take_offloads()
         pool.cache.host.evict(3)  # and the host tier too: the disk is the only copy left
     assert isinstance(disk.store.io, FailingIO)
@@ -137,7 +137,7 @@ def test_a_disk_read_holds_no_pool_lock_and_a_match_that_moved_meanwhile_wins(po
     assert disk.flush(everything=True) == 3
     with pool.lock:
         assert pool.cache.evict(3) == 3
-        assert pool.cache.host is not None
+        assert pool.cache.host.enabled
         pool.cache.host.take_offloads()
         pool.cache.host.evict(3)
         assert pool.cache.match_tiers(PROMPT) == (0, 0)
