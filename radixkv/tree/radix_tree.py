@@ -600,10 +600,6 @@ class RadixTree:
             self._evictable_leaves.relist(node)
 
 
-# -- from tree/namespaces.py (merged, issue 41: one concept, one module):
-# Namespaces: hits never cross them. A name is checked once, when it first appears.
-
-
 class DropEvicted:
     """The tree's `HostHook` while no host tier is plugged in (a pool without one, or with a tier of no blocks):
     evicted blocks are dropped, and there is no host copy to split nor host-only child to drop."""
@@ -619,6 +615,9 @@ class DropEvicted:
     def split_copy(self, node: Node, upper: Node) -> None:
         pass
 
+
+# -- from tree/namespaces.py (merged, issue 41: one concept, one module):
+# Namespaces: hits never cross them. A name is checked once, when it first appears.
 
 DEFAULT_NAMESPACE = "default"
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:/@=+-]{1,128}")
