@@ -53,7 +53,11 @@ from typing import Any
 import numpy as np
 
 from radixkv.sequences.step import Step
-from radixkv.server.process.spawn import ServerProcess
+
+try:
+    from radixkv.server.process.spawn import ServerProcess
+except ImportError:  # a build from before the server's regrouping (--build DIR: the before of issue 41)
+    from radixkv.server.process import ServerProcess  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import builds  # noqa: E402 - sibling scripts, not a package
