@@ -231,7 +231,7 @@ class PoolLedger:
         growth = 0  # charged once, not once per sequence
         for i in itertools.compress(range(len(num_block_ids)), num_block_ids):
             seq_id, length = seq_ids[i], offsets[i] + num_block_ids[i]
-            if length > charged[seq_id]:  # past its reservation
+            if length > charged[seq_id]:  # past its reservation (or its table before, without one)
                 growth += length - charged[seq_id]
                 charged[seq_id] = length
         if growth:
