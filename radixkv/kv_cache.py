@@ -371,6 +371,10 @@ class KVCache:
         """The sequence's block table; empty while it is preempted (it holds nothing on the device)."""
         return [] if self.is_preempted(seq_id) else self._sequences.get(seq_id).block_table.tolist()
 
+    def num_table_blocks(self, seq_id: int) -> int:
+        """`len(block_table(seq_id))` without building the list: 0 while preempted."""
+        return 0 if self.is_preempted(seq_id) else self._sequences.get(seq_id).block_table.length
+
     def num_tokens(self, seq_id: int) -> int:
         record = self._sequences.preempted.get(seq_id)
         return record.num_tokens if record is not None else self._sequences.get(seq_id).num_tokens

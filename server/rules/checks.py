@@ -340,7 +340,7 @@ class Checks:
         """A preemption by swap: the host blocks it moves against the tenant's share of the host tier; and its
         answer (an offload per block) against the message limit."""
         cache, ledger = pool.cache, pool.ledger
-        num_blocks = sum(map(ledger.num_table_blocks, seq_ids))
+        num_blocks = sum(map(cache.num_table_blocks, seq_ids))
         reply = Reply(self.max_message_bytes, packed=False)
         self.check_size(pool, 0, preempt_response_bytes(pool, len(seq_ids), num_blocks), reply)
         if mode == "swap":  # without a host tier the share is None, and the preemption refuses

@@ -240,7 +240,7 @@ def restore_sessions(pool: Pool, extras: dict[str, Any], registry: SessionRegist
             if session is None:
                 orphans.append(int(seq_id))
             else:
-                pool.ledger.adopt_kept(session, cache, int(seq_id))
+                pool.ledger.adopt(session, cache, int(seq_id))
         for session_id, namespace, token_bytes, num_blocks in extras.get("pins", []):
             session = sessions.get(session_id)
             if session is None:

@@ -249,7 +249,7 @@ class _StepPlan:
                 self._add_sequences(num_children)
                 if self.caller.max_blocks is not None:
                     self.charge.add(
-                        max(num_children, 0) * self.table_blocks.get(seq_id, pool.ledger.num_table_blocks(seq_id))
+                        max(num_children, 0) * self.table_blocks.get(seq_id, cache.num_table_blocks(seq_id))
                     )
                 cache.check_fork(seq_id, num_children)
         for i, seq_id in enumerate(step.caches):
@@ -299,9 +299,8 @@ def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: l
     for i, (seq_id, num_children) in enumerate(step.forks):
         with applying.item(f"forks[{i}]"):
             children = cache.fork(seq_id, num_children)
-            num_blocks = ledger.num_table_blocks(seq_id)
             for child in children:
-                ledger.adopt(session, child, num_blocks)
+                ledger.adopt(session, cache, child)
             forked.append(children)
     num_cached = []
     for i, seq_id in enumerate(step.caches):
@@ -496,7 +495,7 @@ class KVService:
             self.checks.check_swap(pool, caller, seq_ids, mode)
             result = cache.preempt(seq_ids, mode)
             for seq_id in result.seq_ids:
-                ledger.preempted(seq_id, cache.swap_blocks(seq_id))
+                ledger.preempted(cache, seq_id)
             self.checks.keep_cache_share(pool, caller)  # recompute cached their blocks, as a cached release does
             return result
 
@@ -520,7 +519,7 @@ class KVService:
                 self.checks.refund(caller, cost)
                 raise
             self.checks.refund(caller, min(cost, result.num_cached_tokens))  # found cached: not computed, not paid
-            pool.ledger.resumed(seq_id, len(result.block_table))
+            pool.ledger.resumed(pool.cache, seq_id)
             return result
 
         return self.checks.applied_once(

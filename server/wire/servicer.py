@@ -62,11 +62,10 @@ _INT64 = np.dtype("<i8")
 _NO_ITEMS = Step()  # a request with no items (a Step is immutable: one serves them all)
 
 
-def step_of(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]) -> Step:
-    """The request as a Step; empty item lists are left at their defaults (a decode step reads one field).
-    `unpack_ids`: packed seq ids as a list, never changed by the step."""
+def step_of(request: pb.SessionRequest) -> Step:
+    """The request as a Step; empty item lists are left at their defaults (a decode step reads one field)."""
     if not (request.opens or request.forks or request.cache_seq_ids or request.releases or request.HasField("commit")):
-        return Step(append=_append(request.append, unpack_ids)) if request.HasField("append") else _NO_ITEMS  # decode
+        return Step(append=_append(request.append)) if request.HasField("append") else _NO_ITEMS  # decode
     items: dict[str, object] = {}
     if request.HasField("commit"):
         items["commit"] = Commit(list(request.commit.seq_ids), list(request.commit.num_tokens))
@@ -76,7 +75,7 @@ def step_of(request: pb.SessionRequest, unpack_ids: Callable[[bytes], list[int]]
         if any(o.explain for o in request.opens):
             items["explain"] = [o.explain for o in request.opens]
     if request.HasField("append"):
-        items["append"] = _append(request.append, unpack_ids)
+        items["append"] = _append(request.append)
     if request.forks:
         items["forks"] = [(f.seq_id, f.num_children) for f in request.forks]
     if request.cache_seq_ids:
@@ -94,14 +93,14 @@ def budget_items(opens: Sequence[pb.StepOpen] | Sequence[pb.Prompt]) -> dict[str
     return {"max_new_tokens": [o.max_new_tokens for o in opens], "priorities": [o.priority for o in opens]}
 
 
-def _append(a: pb.StepAppend, unpack_ids: Callable[[bytes], list[int]]) -> Append:
+def _append(a: pb.StepAppend) -> Append:
     """The append item, from its repeated or its packed columns (see radixkv.sequences.packed)."""
     if not (a.packed_seq_ids or a.packed_num_token_ids):
         return Append(list(a.seq_ids), list(a.num_token_ids), a.token_ids)
     try:
         if a.seq_ids or a.num_token_ids:
             raise InvalidArgument("packed_seq_ids", "set seq_ids and num_token_ids or their packed forms, not both")
-        seq_ids = unpack_ids(a.packed_seq_ids)
+        seq_ids = unpack(a.packed_seq_ids, 8, "packed_seq_ids")
         if not a.packed_num_token_ids:
             return Append(seq_ids, [1] * len(seq_ids), a.token_ids)  # a decode step: one token each
         counts = unpack(a.packed_num_token_ids, 4, "packed_num_token_ids")
@@ -717,7 +716,6 @@ class _Stream:
         self.max_message_bytes = service.max_message_bytes or sys.maxsize  # None: no limit
         self._reply = Reply(self.max_message_bytes)  # a lone step's: the whole message is its room
         self._session: Session | None = None
-        self._last_ids: tuple[bytes, list[int]] = (b"", [])  # the last packed batch of ids, unpacked
 
     def close(self) -> None:
         if self._session is not None:
@@ -745,7 +743,7 @@ class _Stream:
         pool = request.pool
         try:
             session = self._bind(request.session_id)
-            step = step_of(request, self._unpack_ids)
+            step = step_of(request)
             service = self._service
             reply = self._reply if max_bytes == self.max_message_bytes else Reply(max_bytes)
             result = run_step(
@@ -765,12 +763,6 @@ class _Stream:
         packed = step.append is not None and bool(request.append.packed_seq_ids or request.append.packed_num_token_ids)
         response = response_of(request.request_id, session.session_id, result, packed)
         return response, (pool, grpc.StatusCode.OK, time.perf_counter() - start)
-
-    def _unpack_ids(self, packed: bytes) -> list[int]:
-        """A packed append's ids: a decode loop sends the same batch step after step, unpacked once here."""
-        if packed != self._last_ids[0]:
-            self._last_ids = (packed, unpack(packed, 8, "packed_seq_ids"))
-        return self._last_ids[1]
 
     def _bind(self, session_id: str) -> Session:
         """The stream's session: the first request names it; later ones leave it empty or repeat it."""

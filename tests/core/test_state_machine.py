@@ -367,6 +367,7 @@ class CacheMachine(RuleBasedStateMachine):
         for seq, tokens in self.tokens.items():
             assert self.cache.num_tokens(seq) == len(tokens)
             assert self.cache.num_computed_tokens(seq) == self.computed[seq]
+            assert self.cache.num_table_blocks(seq) == len(self.cache.block_table(seq))  # 0 while preempted
             if seq not in self.preempted:
                 reserved += max(0, self.reserve_until[seq] - len(self.cache.block_table(seq)))
                 live = self.cache._sequences.get(seq)  # its tokens: the locked path's, then its tail

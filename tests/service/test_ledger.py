@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -15,7 +14,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixkv.errors import LimitExceeded, NotPinned, QuotaExceeded, RadixKVError, UnknownSequence
 from radixkv.kv_cache import KVCache
-from radixkv.sequences.results import AppendBatch
 from radixkv.server.rules.ledger import Pin, PoolLedger
 from radixkv.server.rules.sessions import Session
 from radixkv.server.rules.tenants import Tenant
@@ -89,12 +87,12 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         seq_id = data.draw(st.sampled_from(live))
         try:
-            self.ledger.check_quota(session.tenant, self.ledger.num_table_blocks(seq_id))
+            self.ledger.check_quota(session.tenant, self.cache.num_table_blocks(seq_id))
         except QuotaExceeded:
             return
         self.cache.commit([seq_id], [self.cache.num_tokens(seq_id)])  # as the service does before a fork
         for child in self.cache.fork(seq_id, 1):
-            self.ledger.adopt(session, child, self.ledger.num_table_blocks(seq_id))
+            self.ledger.adopt(session, self.cache, child)
 
     @rule(who=st.integers(0, 3), swap=st.booleans(), data=st.data())
     def preempt(self, who: int, swap: bool, data: st.DataObject) -> None:
@@ -108,7 +106,7 @@ class LedgerMachine(RuleBasedStateMachine):
             self.cache.preempt([seq_id], "swap" if swap else "recompute")
         except RadixKVError:
             return
-        self.ledger.preempted(seq_id, self.cache.swap_blocks(seq_id))
+        self.ledger.preempted(self.cache, seq_id)
 
     @rule(who=st.integers(0, 3), data=st.data())
     def resume(self, who: int, data: st.DataObject) -> None:
@@ -121,7 +119,8 @@ class LedgerMachine(RuleBasedStateMachine):
             result = self.cache.resume(seq_id)
         except RadixKVError:
             return
-        self.ledger.resumed(seq_id, len(result.block_table))
+        assert self.cache.num_table_blocks(seq_id) == len(result.block_table)
+        self.ledger.resumed(self.cache, seq_id)
 
     @rule(who=st.integers(0, 3), cache=st.booleans(), data=st.data())
     def release(self, who: int, cache: bool, data: st.DataObject) -> None:
@@ -182,57 +181,59 @@ TestLedger = LedgerMachine.TestCase
 TestLedger.settings = settings(max_examples=examples(150), stateful_step_count=30, deadline=None)
 
 
-def test_the_ledger_check_catches_a_count_that_drifted() -> None:
+def _opened(cache: KVCache, ledger: PoolLedger, session: Session, num_tokens: int, budget: int = 0) -> int:
+    (result,) = cache.open_many([([1] * num_tokens, "ns")], max_new_tokens=[budget])
+    ledger.adopt_opened(session, cache, [result], [budget])
+    return result.seq_id
+
+
+def test_the_ledger_check_catches_a_charge_that_drifted() -> None:
     cache, ledger = KVCache(16, BLOCK_SIZE), PoolLedger(BLOCK_SIZE)
-    session = _session(TENANTS[1], 0)
-    (result,) = cache.open_many([([1] * 9, "ns")])
-    ledger.adopt(session, result.seq_id, len(result.block_table) - 1)  # one block short
-    with pytest.raises(AssertionError, match="block count stale"):
+    seq_id = _opened(cache, ledger, _session(TENANTS[1], 0), 8)
+    ledger.check_invariants(cache)
+    cache.append_batch([seq_id], [1], [2])  # a third block the ledger was not told of
+    with pytest.raises(AssertionError, match=f"sequence {seq_id}: charged 2 blocks, holds .* 3"):
         ledger.check_invariants(cache)
 
 
 def test_a_foreign_sequence_is_refused_as_an_absent_one() -> None:
-    ledger, mine, theirs = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
-    ledger.adopt(theirs, 7, 1)
-    for seq_id in (7, 8):
+    cache, ledger = KVCache(16, BLOCK_SIZE), PoolLedger(BLOCK_SIZE)
+    mine, theirs = _session(TENANTS[0], 0), _session(TENANTS[1], 1)
+    held = _opened(cache, ledger, theirs, 1)
+    for seq_id in (held, held + 1):
         with pytest.raises(UnknownSequence) as refused:
             ledger.check_owner(mine, seq_id)
         assert refused.value.metadata == {"seq_id": str(seq_id)}
 
 
-def test_a_batch_checked_once_is_checked_again_when_ownership_changes() -> None:
-    ledger, mine, theirs = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
-    for seq_id in (1, 2, 3):
-        ledger.adopt(mine, seq_id, 1)
-    ledger.check_owners(mine, [1, 2, 3])
-    ledger.check_owners(mine, [1, 2, 3])  # the decode step after: the same batch, checked already
+def test_a_batch_is_checked_again_at_every_step() -> None:
+    cache, ledger = KVCache(16, BLOCK_SIZE), PoolLedger(BLOCK_SIZE)
+    mine, theirs = _session(TENANTS[0], 0), _session(TENANTS[1], 1)
+    batch = [_opened(cache, ledger, mine, 1) for _ in range(3)]
+    ledger.check_owners(mine, batch)
+    ledger.check_owners(mine, batch)  # the decode step after: the same batch
     with pytest.raises(UnknownSequence):
-        ledger.check_owners(theirs, [1, 2, 3])  # checked for another session: not theirs
-    ledger.forget(2)
+        ledger.check_owners(theirs, batch)  # the same batch from another session: not theirs
+    ledger.forget(batch[1])
     with pytest.raises(UnknownSequence) as refused:
-        ledger.check_owners(mine, [1, 2, 3])
-    assert refused.value.metadata == {"seq_id": "2"}
-    ledger.adopt(theirs, 4, 1)
-    ledger.check_owners(mine, [1, 3])
-    ledger.forget(1), ledger.adopt(theirs, 1, 1)  # an id moving to another session (as a restart may adopt it)
+        ledger.check_owners(mine, batch)
+    assert refused.value.metadata == {"seq_id": str(batch[1])}
+    ledger.check_owners(mine, [batch[0], batch[2]])
+    ledger.forget(batch[0]), ledger.adopt(theirs, cache, batch[0])  # an id moving to another session (a restart's)
     with pytest.raises(UnknownSequence):
-        ledger.check_owners(mine, [1, 3])
-
-
-def _appended(seq_ids: list[int], table_offsets: list[int], num_block_ids: list[int]) -> AppendBatch:
-    """An append's result with just the columns the ledger reads (one token each)."""
-    n = len(seq_ids)
-    return AppendBatch(seq_ids, [1] * n, [0] * n, table_offsets, num_block_ids, [], [], np.empty(0, dtype=np.int64))
+        ledger.check_owners(mine, [batch[0], batch[2]])
 
 
 def test_growth_is_charged_to_each_sequence_and_its_sessions_tenant() -> None:
-    ledger, a, b = PoolLedger(BLOCK_SIZE), _session(TENANTS[0], 0), _session(TENANTS[1], 1)
-    ledger.adopt(a, 1, 2), ledger.adopt(a, 2, 1), ledger.adopt(a, 3, 1), ledger.adopt(b, 4, 1)
-    ledger.follow_append(a, _appended([1, 2, 3], [2, 1, 0], [1, 0, 2]))  # 1 grows to 3, 2 stays, 3 rewritten to 2
-    assert [ledger.num_table_blocks(s) for s in (1, 2, 3, 4)] == [3, 1, 2, 1]
-    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (6, 1)
-    ledger.follow_append(a, _appended([3], [0], [1]))  # shrinks to 1 block (a copy-on-write's rewrite)
-    assert ledger.tenant_blocks(TENANTS[0]) == 5
+    cache, ledger = KVCache(32, BLOCK_SIZE), PoolLedger(BLOCK_SIZE)
+    a, b = _session(TENANTS[0], 0), _session(TENANTS[1], 1)
+    s1, s2, s3, s4 = (_opened(cache, ledger, who, n) for who, n in ((a, 8), (a, 3), (a, 4), (b, 1)))
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (4, 1)
+    assert ledger.append_growth(cache, [s1, s2, s3], [1, 1, 5]) == 3
+    ledger.follow_append(a, cache.append_batch([s1, s2, s3], [1, 1, 5], [2] * 7))  # 2 -> 3, 1 stays, 1 -> 3
+    assert [cache.num_table_blocks(s) for s in (s1, s2, s3, s4)] == [3, 1, 3, 1]
+    assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_blocks(TENANTS[1])) == (7, 1)
+    ledger.check_invariants(cache)
 
 
 def test_a_reservation_is_charged_until_the_table_outgrows_it_and_a_preempted_sequence_charges_none() -> None:
@@ -240,7 +241,7 @@ def test_a_reservation_is_charged_until_the_table_outgrows_it_and_a_preempted_se
     assert ledger.blocks_to_open(cache, [1], [19]) == 5  # 1 prompt block + 4 reserved: ceil(20 / 4)
     (opened,) = cache.open_many([([1], "ns")], max_new_tokens=[19])
     ledger.adopt_opened(a, cache, [opened], [19])
-    assert (ledger.num_table_blocks(opened.seq_id), ledger.tenant_blocks(TENANTS[0])) == (1, 5)
+    assert (cache.num_table_blocks(opened.seq_id), ledger.tenant_blocks(TENANTS[0])) == (1, 5)
     assert ledger.append_growth(cache, [opened.seq_id], [19]) == 0  # inside its reservation
     ledger.follow_append(a, cache.append_batch([opened.seq_id], [19], [2] * 19))
     assert ledger.tenant_blocks(TENANTS[0]) == 5
@@ -249,14 +250,15 @@ def test_a_reservation_is_charged_until_the_table_outgrows_it_and_a_preempted_se
     assert ledger.tenant_blocks(TENANTS[0]) == 6
     ledger.check_invariants(cache)
     cache.preempt([opened.seq_id], "swap")
-    ledger.preempted(opened.seq_id, cache.swap_blocks(opened.seq_id))
+    ledger.preempted(cache, opened.seq_id)
     assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_host_blocks(TENANTS[0])) == (0, 6)
     with pytest.raises(LimitExceeded) as refused:
         ledger.check_host_blocks(TENANTS[0], 1, 6)
     assert refused.value.limit == "host_blocks_per_tenant"
     ledger.check_invariants(cache)
     assert ledger.blocks_to_resume(cache, opened.seq_id) == 6
-    ledger.resumed(opened.seq_id, len(cache.resume(opened.seq_id).block_table))
+    cache.resume(opened.seq_id)
+    ledger.resumed(cache, opened.seq_id)
     assert (ledger.tenant_blocks(TENANTS[0]), ledger.tenant_host_blocks(TENANTS[0])) == (6, 0)
     ledger.check_invariants(cache)
 
