@@ -31,7 +31,7 @@ from radixkv.tree.radix_tree import Node, TokenKey
 PREEMPT_MODES = ("swap", "recompute")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class PreemptResult:
     """What one `preempt` did. Apply `offloads` (swap: copy each device block to its host block)
     before any freed device block is written again."""
@@ -90,7 +90,13 @@ class Preemption:
         else:
             offloads = self._preempt_swap(live, self.swap_tier)
         freed = self.blocks.num_available() - available
-        return PreemptResult([s.seq_id for s in live], mode, offloads, freed, self.blocks.num_unreserved())
+        return PreemptResult(
+            seq_ids=[s.seq_id for s in live],
+            mode=mode,
+            offloads=offloads,
+            num_freed_blocks=freed,
+            num_unreserved_blocks=self.blocks.num_unreserved(),
+        )
 
     def resume(self, seq_id: int) -> ResumeResult:
         """See `KVCache.resume`."""
@@ -157,13 +163,13 @@ class Preemption:
         opened = open_planned(blocks, self.sequences, planned, [record.namespace], ranks, record.seq_id)[0]
         blocks.stats.num_recomputed_tokens += key.num_tokens - opened.num_cached_tokens
         return ResumeResult(
-            opened.seq_id,
-            opened.num_cached_tokens,
-            opened.block_table,
-            opened.slot_source,
-            opened.num_host_hit_tokens,
-            opened.offloads,
-            opened.loads,
+            seq_id=opened.seq_id,
+            num_cached_tokens=opened.num_cached_tokens,
+            block_table=opened.block_table,
+            slot_source=opened.slot_source,
+            num_host_hit_tokens=opened.num_host_hit_tokens,
+            offloads=opened.offloads,
+            loads=opened.loads,
         )
 
     def _resume_swap(self, record: PreemptedSequence, tier: SwapTier) -> ResumeResult:
@@ -189,5 +195,11 @@ def all_token_bytes(seq: LiveSequence) -> bytes:
 def park(seq: LiveSequence, mode: str) -> PreemptedSequence:
     """The preempted record of `seq` (taken before its holds are dropped: the tree may evict its path later)."""
     return PreemptedSequence(
-        seq.seq_id, seq.namespace, all_token_bytes(seq), seq.num_computed_tokens, seq.priority, seq.reserve_until, mode
+        seq_id=seq.seq_id,
+        namespace=seq.namespace,
+        token_bytes=all_token_bytes(seq),
+        num_computed_tokens=seq.num_computed_tokens,
+        priority=seq.priority,
+        reserve_until=seq.reserve_until,
+        mode=mode,
     )

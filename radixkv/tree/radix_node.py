@@ -17,7 +17,7 @@ from radixkv.memory.block_pool import NO_BLOCKS
 _node_ids = itertools.count()
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class Node:
     token_bytes: bytes  # this node's tokens (int32 LE), len(block_ids) * block_size of them; root: b""
     # The blocks holding them, one per block_size tokens; the tree's hold on each. Owned by the node

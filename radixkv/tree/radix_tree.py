@@ -154,7 +154,7 @@ def owner_of(namespace: str) -> str:
     return namespace.partition(OWNER_SEPARATOR)[0]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Match:
     """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
 
@@ -227,7 +227,7 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", NO_BLOCKS, None, namespace)
+            root = self.roots[namespace] = Node(token_bytes=b"", block_ids=NO_BLOCKS, parent=None, namespace=namespace)
         return root
 
     def tick(self) -> int:
@@ -255,7 +255,7 @@ class RadixTree:
             num_in_node = common_blocks(key, pos, end, run, self.block_size)  # the match ends inside `child`
             node, pos = child, pos + num_in_node * block_bytes
             break
-        return Match(node, num_in_node, pos // block_bytes, path)
+        return Match(node=node, num_blocks_in_node=num_in_node, num_blocks=pos // block_bytes, path=path)
 
     def split(self, match: Match) -> Node:
         """Make the match end on a node boundary; returns the node that ends exactly there."""
@@ -265,14 +265,14 @@ class RadixTree:
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
         upper = Node(
-            node.token_bytes[:cut],
-            node.block_ids[:k],
-            node.parent,
-            node.namespace,
-            {},
-            1 if node.lock_ref else 0,
-            node.pin_ref,
-            node.last_access,
+            token_bytes=node.token_bytes[:cut],
+            block_ids=node.block_ids[:k],
+            parent=node.parent,
+            namespace=node.namespace,
+            children={},
+            lock_ref=1 if node.lock_ref else 0,
+            pin_ref=node.pin_ref,
+            last_access=node.last_access,
         )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         if self.touched is not None:
@@ -311,7 +311,14 @@ class RadixTree:
         first = key[pos : pos + self.block_bytes]
         if self.host is not None:
             self.host.drop_overlap(node, first)
-        child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
+        child = Node(
+            token_bytes=key[pos:],
+            block_ids=new_ids,
+            parent=node,
+            namespace=node.namespace,
+            lock_ref=1,
+            last_access=self.tick(),
+        )
         if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._unlist(node)
         node.children[first] = child
