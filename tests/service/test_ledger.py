@@ -24,13 +24,15 @@ from tests.examples import examples
 BLOCK_SIZE = 4
 HOST_SHARE = 12  # host blocks each tenant's swapped-out sequences may hold
 TENANTS = [
-    Tenant("a", frozenset({"*"}), 40, False),
-    Tenant("b", frozenset({"*"}), None, False, max_tokens_per_second=100.0),  # prepaid tokens are kept for it
+    Tenant(name="a", namespaces=frozenset({"*"}), max_blocks=40, map_pools=False),
+    Tenant(
+        name="b", namespaces=frozenset({"*"}), max_blocks=None, map_pools=False, max_tokens_per_second=100.0
+    ),  # prepaid tokens are kept for it
 ]
 
 
 def _session(tenant: Tenant, n: int) -> Session:
-    return Session(f"s{n}", tenant, 60.0, time.monotonic() + 60)
+    return Session(session_id=f"s{n}", tenant=tenant, ttl=60.0, deadline=time.monotonic() + 60)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -222,7 +224,16 @@ def test_a_batch_checked_once_is_checked_again_when_ownership_changes() -> None:
 def _appended(seq_ids: list[int], table_offsets: list[int], num_block_ids: list[int]) -> AppendBatch:
     """An append's result with just the columns the ledger reads (one token each)."""
     n = len(seq_ids)
-    return AppendBatch(seq_ids, [1] * n, [0] * n, table_offsets, num_block_ids, [], [], np.empty(0, dtype=np.int64))
+    return AppendBatch(
+        seq_ids=seq_ids,
+        num_appended=[1] * n,
+        num_tokens=[0] * n,
+        table_offsets=table_offsets,
+        num_block_ids=num_block_ids,
+        block_ids=[],
+        copies=[],
+        slot_source=np.empty(0, dtype=np.int64),
+    )
 
 
 def test_growth_is_charged_to_each_sequence_and_its_sessions_tenant() -> None:
