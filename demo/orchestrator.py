@@ -177,29 +177,23 @@ class Orchestrator:
         seq = request.seqs[refill.index]
         cached = refill.num_cached_tokens
         assert len(refill.slots) == len(seq.token_ids) - cached, "resume hands out a slot per token to recompute"
+        table = self.client.block_table(seq.seq_id)
         return PrefillInput(
-            token_ids=seq.token_ids[cached:],
-            num_cached_tokens=cached,
-            slots=refill.slots,
-            block_table=self.client.block_table(seq.seq_id),
+            token_ids=seq.token_ids[cached:], num_cached_tokens=cached, slots=refill.slots, block_table=table
         )
 
     def _prefill_input(self, request: LiveRequest) -> PrefillInput:
         seq = request.seqs[0]
         cached = request.num_cached_tokens
+        table = self.client.block_table(seq.seq_id)
         return PrefillInput(
-            token_ids=seq.token_ids[cached:],
-            num_cached_tokens=cached,
-            slots=request.prefill_slots,
-            block_table=self.client.block_table(seq.seq_id),
+            token_ids=seq.token_ids[cached:], num_cached_tokens=cached, slots=request.prefill_slots, block_table=table
         )
 
     def _decode_input(self, seq: LiveSeq) -> DecodeInput:
+        table = self.client.block_table(seq.seq_id)
         return DecodeInput(
-            token_id=seq.token_ids[-1],
-            position=len(seq.token_ids) - 1,
-            slot=seq.slot,
-            block_table=self.client.block_table(seq.seq_id),
+            token_id=seq.token_ids[-1], position=len(seq.token_ids) - 1, slot=seq.slot, block_table=table
         )
 
     # -- choosing next tokens --------------------------------------------------------------------

@@ -297,9 +297,9 @@ def _rebuild_nodes(block_bytes: int, columns: dict[str, bytes], roots: list[Node
     for i in order:  # creation order gives fresh node ids in the captured relative order
         start = ends[i] - int(num_blocks[i])
         nodes[i] = Node(
-            token_bytes=tokens[start * block_bytes : ends[i] * block_bytes],
-            block_ids=blocks[start : ends[i]].astype(np.int32),
-            parent=None,
+            tokens[start * block_bytes : ends[i] * block_bytes],
+            blocks[start : ends[i]].astype(np.int32),
+            None,
             namespace="",
             lock_ref=lock_refs[i],
             pin_ref=pin_refs[i],

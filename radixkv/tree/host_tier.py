@@ -84,9 +84,7 @@ class HostTier:
         tree = self.tree
         has_copy = len(leaf.host_block_ids) > 0
         if len(leaf.block_ids) > need and not has_copy:
-            tree.split(
-                Match(node=leaf, num_blocks_in_node=len(leaf.block_ids) - need, num_blocks=0, path=[])
-            )  # `leaf` keeps the tail, and its LRU place
+            tree.split(Match(leaf, len(leaf.block_ids) - need, 0, path=[]))  # `leaf` keeps the tail, and its LRU place
         tree.unlist_leaf(leaf)
         dropped = leaf.block_ids
         if has_copy:
@@ -284,9 +282,8 @@ class HostTier:
         """Where the host tier continues `key` past the locked device node `node` (a node boundary, `num_matched`
         blocks from the root), kept from host eviction until `load_back` (the open's own allocation, which may
         offload, must not evict what it is about to load)."""
-        path, num_in_last, num_blocks = self.match(
-            Match(node=node, num_blocks_in_node=len(node.block_ids), num_blocks=num_matched, path=[]), key, max_blocks
-        )
+        start = Match(node, len(node.block_ids), num_matched, path=[])
+        path, num_in_last, num_blocks = self.match(start, key, max_blocks)
         if num_blocks:
             end = path[-1]
             self._leaves.discard(end)
@@ -365,13 +362,7 @@ class HostTier:
             if was_leaf:
                 self._leaves.add(parent)
             return None
-        node = Node(
-            token_bytes=token_bytes,
-            block_ids=NO_BLOCKS,
-            parent=parent,
-            namespace=parent.namespace,
-            last_access=self.tree.tick(),
-        )
+        node = Node(token_bytes, NO_BLOCKS, parent, namespace=parent.namespace, last_access=self.tree.tick())
         node.host_block_ids = host_ids
         parent.host_children[first] = node
         self._leaves.add(node)
@@ -383,11 +374,7 @@ class HostTier:
         parent, bb = node.parent, self.block_bytes
         assert parent is not None and 0 < k < len(node.host_block_ids), "a host split cuts inside a host node"
         upper = Node(
-            token_bytes=node.token_bytes[: k * bb],
-            block_ids=NO_BLOCKS,
-            parent=parent,
-            namespace=node.namespace,
-            last_access=node.last_access,
+            node.token_bytes[: k * bb], NO_BLOCKS, parent, namespace=node.namespace, last_access=node.last_access
         )
         upper.host_block_ids = node.host_block_ids[:k]
         parent.host_children[node.token_bytes[:bb]] = upper

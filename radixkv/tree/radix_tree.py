@@ -154,13 +154,14 @@ def owner_of(namespace: str) -> str:
     return namespace.partition(OWNER_SEPARATOR)[0]
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True)
 class Match:
     """Where a prefix ends in the tree: `node` (deepest, possibly matched part-way), and counts."""
 
     node: Node
     num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
     num_blocks: int  # blocks matched from the root
+    _: dataclasses.KW_ONLY
     path: list[Node]  # root excluded, top-down, `node` last
 
     def unlocked_on_path(self) -> list[tuple[int, int]]:
@@ -227,7 +228,7 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(token_bytes=b"", block_ids=NO_BLOCKS, parent=None, namespace=namespace)
+            root = self.roots[namespace] = Node(b"", NO_BLOCKS, None, namespace=namespace)
         return root
 
     def tick(self) -> int:
@@ -255,7 +256,7 @@ class RadixTree:
             num_in_node = common_blocks(key, pos, end, run, self.block_size)  # the match ends inside `child`
             node, pos = child, pos + num_in_node * block_bytes
             break
-        return Match(node=node, num_blocks_in_node=num_in_node, num_blocks=pos // block_bytes, path=path)
+        return Match(node, num_in_node, pos // block_bytes, path=path)
 
     def split(self, match: Match) -> Node:
         """Make the match end on a node boundary; returns the node that ends exactly there."""
@@ -265,9 +266,9 @@ class RadixTree:
         assert node.parent is not None and k > 0, "a match ends at least one block into a node"
         cut = k * self.block_bytes
         upper = Node(
-            token_bytes=node.token_bytes[:cut],
-            block_ids=node.block_ids[:k],
-            parent=node.parent,
+            node.token_bytes[:cut],
+            node.block_ids[:k],
+            node.parent,
             namespace=node.namespace,
             children={},
             lock_ref=1 if node.lock_ref else 0,
@@ -311,14 +312,7 @@ class RadixTree:
         first = key[pos : pos + self.block_bytes]
         if self.host is not None:
             self.host.drop_overlap(node, first)
-        child = Node(
-            token_bytes=key[pos:],
-            block_ids=new_ids,
-            parent=node,
-            namespace=node.namespace,
-            lock_ref=1,
-            last_access=self.tick(),
-        )
+        child = Node(key[pos:], new_ids, node, namespace=node.namespace, lock_ref=1, last_access=self.tick())
         if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._unlist(node)
         node.children[first] = child

@@ -190,9 +190,9 @@ class PoolImage:
         copies = [*self._copies.values(), *instant.roots]
         nodes = {
             c.node_id: Node(
-                token_bytes=c.token_bytes,
-                block_ids=c.block_ids,
-                parent=None,
+                c.token_bytes,
+                c.block_ids,
+                None,
                 namespace=c.namespace,
                 children={},
                 lock_ref=c.lock_ref,

@@ -26,7 +26,7 @@ def shape(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 def sequence(registry: Sequences, block_table: list[int], num_tokens: int) -> LiveSequence:
     """A registered sequence holding `block_table` (its own, by count) for `num_tokens` tokens."""
     tail = bytearray(TokenKey.of(list(range(num_tokens))).data)
-    root = Node(token_bytes=b"", block_ids=NO_BLOCKS, parent=None, namespace="default")
+    root = Node(b"", NO_BLOCKS, None, namespace="default")
     table = BlockTable.of([np.array(block_table, dtype=np.int32)])
     seq = LiveSequence(
         registry.next_id(),
