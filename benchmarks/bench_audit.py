@@ -114,9 +114,16 @@ def measure(num_blocks: int, audit_seconds: float, slice_ms: float, log_dir: Pat
 
 def compare_in_process(num_blocks: int, slice_ms: float, num_runs: int = 5) -> dict[str, float]:
     """The whole recount under the lock against the copy's slices, on the same pool filled as `measure` fills it."""
-    config = PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=num_blocks)
+    config = PoolConfig(
+        name="p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=num_blocks
+    )
     pool = build_pool(config, 16)
-    session = Session("bench", Tenant("t", frozenset(), None, False), 600.0, float("inf"))
+    session = Session(
+        session_id="bench",
+        tenant=Tenant(name="t", namespaces=frozenset(), max_blocks=None, map_pools=False),
+        ttl=600.0,
+        deadline=float("inf"),
+    )
     try:
         for i in range(int(num_blocks * 0.9) // PROMPT_BLOCKS):
             tokens = [i + 1] * 8 + list(range(PROMPT_BLOCKS * BLOCK_SIZE - 8))

@@ -86,7 +86,8 @@ def scenarios(chat: ChatModel, s: Sizes) -> dict[str, list[RequestSpec]]:
     for prompt_kind, words in (("short", s.short_prompt), ("long", s.long_prompt)):
         for output_kind, n in (("short", s.short_output), ("long", s.long_output)):
             out[f"{prompt_kind} prompt, {output_kind} out"] = [
-                RequestSpec(f"r{i}", ask(chat, f"Question {i}: {text(rng, words)}"), n) for i in range(s.num_requests)
+                RequestSpec(name=f"r{i}", prompt=ask(chat, f"Question {i}: {text(rng, words)}"), max_new_tokens=n)
+                for i in range(s.num_requests)
             ]
     turns = []
     for c in range(s.num_conversations):
@@ -94,12 +95,15 @@ def scenarios(chat: ChatModel, s: Sizes) -> dict[str, list[RequestSpec]]:
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"Conversation {c}: {text(rng, s.short_prompt)}"},
         ]
-        turns.append(RequestSpec(f"c{c}t0", chat.encode_chat(history), s.short_output))
+        turns.append(RequestSpec(name=f"c{c}t0", prompt=chat.encode_chat(history), max_new_tokens=s.short_output))
         for t in range(1, s.num_turns):
             question = f"Turn {t}: {text(rng, s.short_prompt)}"
             turns.append(
                 RequestSpec(
-                    f"c{c}t{t}", chat.encode_next_turn(history, question), s.short_output, follows=f"c{c}t{t - 1}"
+                    name=f"c{c}t{t}",
+                    prompt=chat.encode_next_turn(history, question),
+                    max_new_tokens=s.short_output,
+                    follows=f"c{c}t{t - 1}",
                 )
             )
             history += [{"role": "assistant", "content": "..."}, {"role": "user", "content": question}]
@@ -107,13 +111,13 @@ def scenarios(chat: ChatModel, s: Sizes) -> dict[str, list[RequestSpec]]:
     documents = [text(rng, s.document_words) for _ in range(s.num_documents)]
     out["RAG, shared documents"] = [
         RequestSpec(
-            f"q{i}",
-            ask(
+            name=f"q{i}",
+            prompt=ask(
                 chat,
                 f"Document {i % s.num_documents}: {documents[i % s.num_documents]}\nQuestion: "
                 f"{text(rng, s.short_prompt)}",
             ),
-            s.short_output,
+            max_new_tokens=s.short_output,
         )
         for i in range(2 * s.num_requests)
     ]
@@ -147,7 +151,14 @@ def ask_prefix_len(results: list[RequestResult]) -> int:
 
 def layout_for(chat: ChatModel, num_blocks: int) -> PoolLayout:
     c = chat.model.config
-    return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
+    return PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        dtype="float32",
+    )
 
 
 def run(
@@ -167,9 +178,9 @@ def run(
         before = client.stats()
         orchestrator = Orchestrator(
             client,
-            Worker(chat.model, view, "torch"),
-            (),
-            namespace,
+            Worker(chat.model, view, backend="torch"),
+            eos_token_ids=(),
+            namespace=namespace,
             max_batch_tokens=max_batch_tokens,
             prefix_caching=prefix_caching,
         )  # no EOS: outputs have their stated lengths

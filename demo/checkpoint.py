@@ -43,7 +43,7 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """The fields of a Llama/Mistral/Qwen2 `config.json` that the model uses."""
 

@@ -28,7 +28,7 @@ NUM_Q_HEADS, VOCAB = 4, 1000
 SYSTEM_PROMPT = list(range(1, 17))  # 4 blocks every request shares
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Request:
     name: str
     prompt: list[int]
@@ -42,7 +42,7 @@ class Request:
         return self.prompt + self.output
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Report:
     num_steps: int = 0
     num_preempted: int = 0
@@ -197,10 +197,13 @@ def run_example(address: str) -> tuple[Report, list[Request]]:
         worker.start()
         try:
             orchestrator = Orchestrator(client, send)
-            requests = [Request(f"r{i}", SYSTEM_PROMPT + [100 + 10 * i + j for j in range(6)], 12) for i in range(8)]
+            requests = [
+                Request(name=f"r{i}", prompt=SYSTEM_PROMPT + [100 + 10 * i + j for j in range(6)], max_new_tokens=12)
+                for i in range(8)
+            ]
             orchestrator.run(requests)
             last = next(r for r in requests if r.name == orchestrator.report.finished[-1])
-            second_turn = Request(f"{last.name}-turn2", last.token_ids + [900, 901, 902], 4)
+            second_turn = Request(name=f"{last.name}-turn2", prompt=last.token_ids + [900, 901, 902], max_new_tokens=4)
             orchestrator.run([second_turn])
             assert client.stats().num_live_sequences == 0
             return orchestrator.report, [*requests, second_turn]

@@ -41,7 +41,7 @@ _LAYER_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GGUFVocabulary:
     """The tokenizer as the file states it: BPE tokens and merges, control tokens, the chat template."""
 

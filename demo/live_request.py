@@ -14,7 +14,7 @@ from radixkv.demo.preemption import Parked
 from radixkv.demo.records import RequestResult, RequestSpec
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class LiveSeq:
     seq_id: int
     index: int  # sample index (sampling) within its request
@@ -23,7 +23,7 @@ class LiveSeq:
     slot: int = -1  # where the newest token's K/V go
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class LiveRequest:
     spec: RequestSpec
     result: RequestResult
@@ -44,6 +44,16 @@ class LiveRequest:
     def arrive(cls, spec: RequestSpec, earlier_turn: list[int]) -> LiveRequest:
         """`spec` arriving now; a next turn's prompt starts with `earlier_turn` (see `RequestSpec.follows`)."""
         prompt = earlier_turn + list(spec.prompt)
-        result = RequestResult(spec.name, prompt, 0, [[] for _ in range(spec.sampling.n)], [])
+        result = RequestResult(
+            name=spec.name, prompt=prompt, num_cached_tokens=0, outputs=[[] for _ in range(spec.sampling.n)], scores=[]
+        )
         generator = torch.Generator().manual_seed(spec.sampling.seed)
-        return cls(spec, result, generator, [], [], time.perf_counter(), list(prompt))
+        return cls(
+            spec=spec,
+            result=result,
+            generator=generator,
+            seqs=[],
+            hypotheses=[],
+            arrived=time.perf_counter(),
+            context=list(prompt),
+        )

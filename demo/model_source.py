@@ -21,7 +21,7 @@ from radixkv.demo.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 TINY = "tiny"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ChatModel:
     """A model with the tokenizer and chat template it was trained with."""
 
@@ -57,7 +57,11 @@ def load_chat_model(
         config, weights = load_checkpoint(path)
         llama = LlamaForCausalLM.from_weights(config, weights, dtype)
         return ChatModel(
-            "tiny (seeded random weights)", llama, load_tokenizer(path, config), ChatTemplate(PLAIN_TEMPLATE), True
+            name="tiny (seeded random weights)",
+            model=llama,
+            tokenizer=load_tokenizer(path, config),
+            template=ChatTemplate(PLAIN_TEMPLATE),
+            random_weights=True,
         )
     path = Path(model)
     if is_gguf(path):
@@ -78,7 +82,7 @@ def load_chat_model(
         _token_text(tokenizer, config.bos_token_id),
         _token_text(tokenizer, next(iter(config.eos_token_ids), None)),
     )
-    return ChatModel(path.name, llama, tokenizer, template, False)
+    return ChatModel(name=path.name, model=llama, tokenizer=tokenizer, template=template, random_weights=False)
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:

@@ -39,6 +39,7 @@ class Orchestrator:
         self,
         client: RadixKVClient,
         worker: Worker,
+        *,
         eos_token_ids: tuple[int, ...],
         namespace: str = "default",
         on_step: Callable[[StepRecord], None] | None = None,
@@ -88,7 +89,13 @@ class Orchestrator:
             num_prefill_tokens += sum(len(r.seqs[f.index].token_ids) - f.num_cached_tokens for r, f in refills)
             decoding = [(r, s) for r in self._live for s in r.seqs]
             prefills = [self._prefill_input(r) for r in admitted] + [self._refill_input(r, f) for r, f in refills]
-            step = WorkerStep(copies, prefills, [self._decode_input(s) for _, s in decoding], offloads, transfers)
+            step = WorkerStep(
+                copies=copies,
+                prefills=prefills,
+                decodes=[self._decode_input(s) for _, s in decoding],
+                offloads=offloads,
+                transfers=transfers,
+            )
             out = self.worker.execute(step)
             num_moved = step.num_offloaded_blocks, step.num_loaded_blocks
             appends: list[tuple[LiveRequest, LiveSeq, int]] = []
@@ -159,7 +166,7 @@ class Orchestrator:
             if not request.result.outputs[0]:
                 request.result.num_cached_tokens = opened.num_cached_tokens
             request.num_cached_tokens = opened.num_cached_tokens
-            request.seqs = [LiveSeq(opened.seq_id, 0, list(request.context))]
+            request.seqs = [LiveSeq(seq_id=opened.seq_id, index=0, token_ids=list(request.context))]
             request.prefill_slots = np.asarray(opened.slots, dtype=np.int64)
             request.result.peak_blocks = max(request.result.peak_blocks, len(opened.block_table))
             admitted.append(request)
@@ -170,15 +177,24 @@ class Orchestrator:
         seq = request.seqs[refill.index]
         cached = refill.num_cached_tokens
         assert len(refill.slots) == len(seq.token_ids) - cached, "resume hands out a slot per token to recompute"
-        return PrefillInput(seq.token_ids[cached:], cached, refill.slots, self.client.block_table(seq.seq_id))
+        table = self.client.block_table(seq.seq_id)
+        return PrefillInput(
+            token_ids=seq.token_ids[cached:], num_cached_tokens=cached, slots=refill.slots, block_table=table
+        )
 
     def _prefill_input(self, request: LiveRequest) -> PrefillInput:
         seq = request.seqs[0]
         cached = request.num_cached_tokens
-        return PrefillInput(seq.token_ids[cached:], cached, request.prefill_slots, self.client.block_table(seq.seq_id))
+        table = self.client.block_table(seq.seq_id)
+        return PrefillInput(
+            token_ids=seq.token_ids[cached:], num_cached_tokens=cached, slots=request.prefill_slots, block_table=table
+        )
 
     def _decode_input(self, seq: LiveSeq) -> DecodeInput:
-        return DecodeInput(seq.token_ids[-1], len(seq.token_ids) - 1, seq.slot, self.client.block_table(seq.seq_id))
+        table = self.client.block_table(seq.seq_id)
+        return DecodeInput(
+            token_id=seq.token_ids[-1], position=len(seq.token_ids) - 1, slot=seq.slot, block_table=table
+        )
 
     # -- choosing next tokens --------------------------------------------------------------------
 
@@ -206,7 +222,7 @@ class Orchestrator:
             self._to_cache.append(parent.seq_id)  # so requests admitted while this one runs hit its prompt
         appends = []
         for (index, token), seq_id in zip(going, [parent.seq_id, *children], strict=True):
-            seq = LiveSeq(seq_id, index, list(parent.token_ids))
+            seq = LiveSeq(seq_id=seq_id, index=index, token_ids=list(parent.token_ids))
             request.seqs.append(seq)
             appends.append((request, seq, token))
         return appends
@@ -265,7 +281,7 @@ class Orchestrator:
             parent = beams[c.parent]
             seq_id = parent.seq_id if c.parent not in seen else next(forks[c.parent])
             seen.add(c.parent)
-            seq = LiveSeq(seq_id, 0, list(parent.token_ids), c.score)
+            seq = LiveSeq(seq_id=seq_id, index=0, token_ids=list(parent.token_ids), score=c.score)
             request.seqs.append(seq)
             appends.append((request, seq, c.token_id))
         return appends

@@ -48,6 +48,7 @@ class PagedPrefill:
     def __init__(
         self,
         pool: PoolMemory,
+        *,
         seqs: list[PrefillSeq],
         slots: torch.Tensor,
         scale: float,
@@ -104,6 +105,7 @@ class PagedDecode:
     def __init__(
         self,
         pool: PoolMemory,
+        *,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -111,7 +113,6 @@ class PagedDecode:
         scale: float,
         sliding_window: int | None = None,
         backend: str | None = None,
-        *,
         num_q_heads: int,
         model_dtype: torch.dtype,
     ) -> None:

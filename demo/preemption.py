@@ -32,7 +32,7 @@ SWAP, RECOMPUTE = "swap", "recompute"
 T = TypeVar("T")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Parked:
     """A preempted request's sequences, in the request's order, and the token each appends on resume."""
 
@@ -97,7 +97,12 @@ class Preemption:
         self.client.commit(seq_ids, num_written)  # recompute publishes, and swap keeps, only written K/V
         result = self.client.preempt(seq_ids, mode)
         offloads = as_pairs(result.offloads)
-        return Parked(mode, list(seq_ids), list(pending_tokens), len(offloads) if mode == SWAP else 0), offloads
+        return Parked(
+            mode=mode,
+            seq_ids=list(seq_ids),
+            pending_tokens=list(pending_tokens),
+            num_swapped_blocks=len(offloads) if mode == SWAP else 0,
+        ), offloads
 
     def resume(self, parked: Parked) -> Resumed:
         """Bring the request's sequences back, all or none: when one does not fit, those already back are

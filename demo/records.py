@@ -8,7 +8,7 @@ import dataclasses
 from radixkv.demo.sampling import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestSpec:
     """One request: `n` samples (`sampling`), or beam search when `beam_width` > 0.
 
@@ -25,7 +25,7 @@ class RequestSpec:
     follows: str | None = None
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class RequestResult:
     name: str
     prompt: list[int]
@@ -41,7 +41,7 @@ class RequestResult:
     num_swaps: int = 0  # of those, by swap (its blocks went to the host tier and came back)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepRecord:
     """The state after one step's appends: what the next model step reads, charged three ways."""
 

@@ -33,7 +33,7 @@ class DenseAttention:
     """Attention for several sequences' new tokens (back to back), each over its own slab."""
 
     def __init__(
-        self, caches: list[DenseKV], num_new_tokens: list[int], scale: float, sliding_window: int | None
+        self, caches: list[DenseKV], *, num_new_tokens: list[int], scale: float, sliding_window: int | None
     ) -> None:
         self.caches, self.num_new_tokens, self.scale, self.sliding_window = (
             caches,
@@ -72,7 +72,9 @@ def forward(model: LlamaForCausalLM, caches: list[DenseKV], new_tokens: list[lis
         [torch.arange(kv.num_tokens, kv.num_tokens + len(t)) for kv, t in zip(caches, new_tokens, strict=True)]
     )
     last_rows = torch.tensor([len(t) for t in new_tokens]).cumsum(0) - 1  # [num_seqs]
-    attention = DenseAttention(caches, [len(t) for t in new_tokens], c.head_dim**-0.5, c.sliding_window)
+    attention = DenseAttention(
+        caches, num_new_tokens=[len(t) for t in new_tokens], scale=c.head_dim**-0.5, sliding_window=c.sliding_window
+    )
     logprobs = model(token_ids, positions, attention, last_rows)  # [num_seqs, vocab_size]
     for kv, tokens in zip(caches, new_tokens, strict=True):
         kv.num_tokens += len(tokens)

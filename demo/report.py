@@ -63,7 +63,7 @@ def format_requests(specs: list[RequestSpec], results: list[RequestResult]) -> s
     return "\n".join(lines)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MemorySummary:
     """Blocks over the run's steps, three ways; `*_mean` average over steps, `*_peak` the largest step."""
 

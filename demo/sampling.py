@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """`n` parallel samples of one prompt; temperature 0 is greedy. `seed` makes a request's samples repeatable."""
 

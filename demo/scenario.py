@@ -50,12 +50,27 @@ def demo_requests(chat: ChatModel, args: argparse.Namespace) -> list[RequestSpec
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
     n = args.max_new_tokens
-    sampling = SamplingParams(args.samples, args.temperature, args.top_p, args.seed)
+    sampling = SamplingParams(n=args.samples, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     return [
-        RequestSpec("greedy", chat.encode_chat(conversation(QUESTIONS["greedy"])), n),
-        RequestSpec("samples", chat.encode_chat(conversation(QUESTIONS["samples"])), n, sampling),
-        RequestSpec("beam", chat.encode_chat(conversation(QUESTIONS["beam"])), n, beam_width=args.beam_width),
-        RequestSpec("turn-2", chat.encode_next_turn(conversation(QUESTIONS["greedy"]), FOLLOW_UP), n, follows="greedy"),
+        RequestSpec(name="greedy", prompt=chat.encode_chat(conversation(QUESTIONS["greedy"])), max_new_tokens=n),
+        RequestSpec(
+            name="samples",
+            prompt=chat.encode_chat(conversation(QUESTIONS["samples"])),
+            max_new_tokens=n,
+            sampling=sampling,
+        ),
+        RequestSpec(
+            name="beam",
+            prompt=chat.encode_chat(conversation(QUESTIONS["beam"])),
+            max_new_tokens=n,
+            beam_width=args.beam_width,
+        ),
+        RequestSpec(
+            name="turn-2",
+            prompt=chat.encode_next_turn(conversation(QUESTIONS["greedy"]), FOLLOW_UP),
+            max_new_tokens=n,
+            follows="greedy",
+        ),
     ]
 
 
@@ -101,8 +116,8 @@ def generate(
             print(f"server at {address}; worker maps the pool ({view.info.device}); session {client.session_id}\n")
         orchestrator = Orchestrator(
             client,
-            Worker(chat.model, view, args.backend, view.host_data if host_blocks else None),
-            chat.model.config.eos_token_ids,
+            Worker(chat.model, view, backend=args.backend, host_data=view.host_data if host_blocks else None),
+            eos_token_ids=chat.model.config.eos_token_ids,
             on_step=on_step,
             max_batch_tokens=args.max_batch_tokens,
         )
@@ -121,7 +136,14 @@ def run(args: argparse.Namespace, started: float) -> int:
         return 2
     c = chat.model.config
     kv_dtype = canonical_dtype(args.kv_dtype or args.dtype)
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size, args.num_blocks, kv_dtype)
+    layout = PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        dtype=kv_dtype,
+    )
     specs = demo_requests(chat, args)
     print(
         f"model {chat.name}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_q_heads} q / {c.num_kv_heads} kv "

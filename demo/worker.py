@@ -20,7 +20,7 @@ from radixkv.demo.paged_attention import PagedDecode, PagedPrefill, PoolMemory, 
 from radixkv.kernels import copy_blocks, host_to_device, swap_blocks
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillInput:
     """The uncached tail of one prompt: `token_ids` sit at positions `num_cached_tokens` on."""
 
@@ -30,7 +30,7 @@ class PrefillInput:
     block_table: list[int]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeInput:
     """One sequence's newest token, at `position` (so it attends to `position + 1` tokens)."""
 
@@ -48,7 +48,7 @@ def as_pairs(pairs: Iterable[Sequence[int]]) -> Pairs:
     return [(int(src), int(dst)) for src, dst in pairs]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerStep:
     """Applied in the order the core's results were handed out, each result's offloads before its copies and
     its loads: the last step's appends and preemptions (`offloads`, then `copies`), then this step's resumes
@@ -91,6 +91,7 @@ class Worker:
         self,
         model: LlamaForCausalLM,
         pool: PoolMemory,
+        *,
         backend: str | None = None,
         host_data: torch.Tensor | None = None,
     ) -> None:
@@ -154,7 +155,14 @@ class Worker:
             self.device,
         )
         seqs = [PrefillSeq(p.block_table, p.num_cached_tokens, len(p.token_ids)) for p in prefills]
-        attention = PagedPrefill(self.pool, seqs, slots, self.scale, self.model.config.sliding_window, self.backend)
+        attention = PagedPrefill(
+            self.pool,
+            seqs=seqs,
+            slots=slots,
+            scale=self.scale,
+            sliding_window=self.model.config.sliding_window,
+            backend=self.backend,
+        )
         return self.model(token_ids, positions, attention, last_rows)  # [num_prefills, vocab_size]
 
     def _decode(self, decodes: list[DecodeInput]) -> torch.Tensor:
@@ -177,13 +185,13 @@ class Worker:
         c = self.model.config
         attention = PagedDecode(
             self.pool,
-            slots,
-            block_tables,
-            seq_lens,
-            host_lens,
-            self.scale,
-            c.sliding_window,
-            self.backend,
+            slots=slots,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            host_seq_lens=host_lens,
+            scale=self.scale,
+            sliding_window=c.sliding_window,
+            backend=self.backend,
             num_q_heads=c.num_q_heads,
             model_dtype=self.model.dtype,
         )

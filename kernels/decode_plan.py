@@ -62,7 +62,7 @@ def decode_config(head_dim: int, cache_dtype: torch.dtype) -> DecodeConfig:
     return DECODE_CONFIGS[(max(64, triton.next_power_of_2(head_dim)), cache_dtype.itemsize)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodePlan:
     """One decode step's launch decisions and scratch, made on the host once and shared by every layer's call.
 
@@ -126,7 +126,16 @@ def plan_decode(
     if split:
         part_ml = torch.empty((2, num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
         part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-    return DecodePlan(num_seqs, num_q_heads, head_dim, split_len, num_splits, config, part_ml, part_acc)
+    return DecodePlan(
+        num_seqs=num_seqs,
+        num_q_heads=num_q_heads,
+        head_dim=head_dim,
+        split_len=split_len,
+        num_splits=num_splits,
+        config=config,
+        part_ml=part_ml,
+        part_acc=part_acc,
+    )
 
 
 def choose_split_len(seq_lens: Sequence[int], num_kv_heads: int, num_sms: int, tile_n: int) -> int:

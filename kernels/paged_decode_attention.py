@@ -13,7 +13,8 @@ In this file: the launches, the launcher that checks before launching, the torch
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import torch
 import triton
@@ -27,7 +28,8 @@ from radixkv.kernels.validate import FP8_DTYPE, should_validate
 # ---------------------------------------------------------------------------------------------------- launches
 
 
-class Launch(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
     """One kernel launch, `kernel[grid](*args, **meta)`: what the launcher runs and what
     `benchmarks/kernel_resources.py` compiles for a GPU it does not have."""
 
@@ -60,9 +62,9 @@ def decode_launches(
     group_size = num_q_heads // num_kv_heads
     launches = [
         Launch(
-            decode_split_kernel,
-            (num_seqs, num_kv_heads, plan.num_splits),
-            (
+            kernel=decode_split_kernel,
+            grid=(num_seqs, num_kv_heads, plan.num_splits),
+            args=(
                 q,
                 kv_layer,
                 kv_scales if kv_scales is not None else seq_lens,
@@ -82,7 +84,7 @@ def decode_launches(
                 out.stride(0),
                 out.stride(1),
             ),
-            dict(
+            meta=dict(
                 GROUP_SIZE=group_size,
                 GROUP_PAD=max(16, triton.next_power_of_2(group_size)),
                 HEAD_DIM=head_dim,
@@ -102,9 +104,9 @@ def decode_launches(
     if split:
         launches.append(
             Launch(
-                decode_merge_kernel,
-                (num_seqs, num_q_heads),
-                (
+                kernel=decode_merge_kernel,
+                grid=(num_seqs, num_q_heads),
+                args=(
                     plan.part_ml,
                     plan.part_acc,
                     seq_lens,
@@ -116,7 +118,7 @@ def decode_launches(
                     out.stride(0),
                     out.stride(1),
                 ),
-                dict(
+                meta=dict(
                     HEAD_DIM=head_dim,
                     HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
                     SPLITS_PAD=triton.next_power_of_2(plan.num_splits),

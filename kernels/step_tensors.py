@@ -44,7 +44,7 @@ class HostStep(Protocol):
     def seq_lens(self) -> np.ndarray: ...  # int32 [num_seqs]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepTensors:
     """A step's arrays on a device; the same fields, the same dtypes."""
 
@@ -59,7 +59,8 @@ class StepTensors:
 def step_tensors(arrays: HostStep, device: str | torch.device) -> StepTensors:
     """Every array of `arrays` as a tensor on `device`: on CPU the arrays' own memory, elsewhere one staged copy."""
     names = [f.name for f in dataclasses.fields(StepTensors)]
-    return StepTensors(*host_to_device([getattr(arrays, name) for name in names], device))
+    tensors = host_to_device([getattr(arrays, name) for name in names], device)
+    return StepTensors(**dict(zip(names, tensors, strict=True)))
 
 
 def host_to_device(arrays: Sequence[np.ndarray], device: str | torch.device) -> list[torch.Tensor]:

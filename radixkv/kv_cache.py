@@ -92,10 +92,10 @@ class KVCache:
         self.host = HostTier(host_num_blocks, self.tree, self.stats_counters)  # always there: maybe of no blocks
         self._sequences = Sequences(first_seq_id)
         self._pins = Pins(self.tree)
-        self._blocks = Allocator(self.pool, self.tree, self.stats_counters, self.host)
+        self._blocks = Allocator(self.pool, self.tree, self.stats_counters, host=self.host)
         self.budget = Budget.of(num_blocks, reserve_fraction, watermark_fraction)
         swap = HostSwap(self._blocks, self.host, self._root)
-        self.preemption = Preemption(self._blocks, self._sequences, self._root, swap)
+        self.preemption = Preemption(self._blocks, self._sequences, self._root, swap=swap)
         self._result_scope = ResultScope(self.host)
 
     def _root(self, namespace: str, field: str = "namespace") -> Node:
@@ -193,7 +193,7 @@ class KVCache:
         """Reserve slots for new tokens, copy-on-write of a shared last block; earlier tokens count as computed
         from now on (see `commit`); slots are computed when read."""
         key = TokenKey.of(token_ids)
-        return AppendResult(self._append([seq_id], [key.num_tokens], key.data), 0, 0, 0)
+        return AppendResult(self._append([seq_id], [key.num_tokens], key.data), 0, block_start=0, slot_start=0)
 
     def append_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[AppendResult]:
         """Append to several sequences, all or none; per-sequence records (see `append_batch`)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Stats:
     """Gauges (`num_blocks_*`, `num_live_sequences`) are read at snapshot time; `num_*` counters only grow."""
 

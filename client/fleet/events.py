@@ -18,7 +18,7 @@ class KVEventKind(enum.Enum):
     BLOCKS_REMOVED = pb.KV_EVENT_KIND_BLOCKS_REMOVED
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVEvent:
     """One change to a namespace's cached blocks.
 
@@ -42,7 +42,7 @@ class KVEvent:
     namespace_digest: int = 0  # the namespace's digest after this event (`radixkv.tree.block_hash.digest_of`)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EventBatch:
     """One WatchEvents response: the server's epoch, the caller's event count (its tenant's), and its events."""
 
@@ -55,25 +55,27 @@ class EventBatch:
 
 def _event(e: pb.KVEvent, response: pb.WatchEventsResponse) -> KVEvent:
     return KVEvent(
-        e.sequence_number,
-        e.namespace,
-        KVEventKind(e.kind),
-        list(e.block_ids),
-        list(e.token_ids),
-        e.parent_block_id if e.HasField("parent_block_id") else None,
-        response.snapshot,
-        list(e.block_hashes),
-        e.parent_block_hash if e.HasField("parent_block_hash") else None,
-        response.epoch,
-        response.seq,
-        e.namespace_digest,
+        sequence_number=e.sequence_number,
+        namespace=e.namespace,
+        kind=KVEventKind(e.kind),
+        block_ids=list(e.block_ids),
+        token_ids=list(e.token_ids),
+        parent_block_id=e.parent_block_id if e.HasField("parent_block_id") else None,
+        snapshot=response.snapshot,
+        block_hashes=list(e.block_hashes),
+        parent_block_hash=e.parent_block_hash if e.HasField("parent_block_hash") else None,
+        epoch=response.epoch,
+        seq=response.seq,
+        namespace_digest=e.namespace_digest,
     )
 
 
 def event_batch(response: pb.WatchEventsResponse) -> EventBatch:
     """One WatchEvents response as the clients hand it out."""
     events = [_event(e, response) for e in response.events]
-    return EventBatch(response.epoch, response.seq, response.snapshot, events, response.digest)
+    return EventBatch(
+        epoch=response.epoch, seq=response.seq, snapshot=response.snapshot, events=events, digest=response.digest
+    )
 
 
 class EventStream:

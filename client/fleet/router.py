@@ -64,7 +64,7 @@ class Balance:
     rel_threshold: float = 1.5
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class InstanceStatus:
     endpoint: str
     healthy: bool
@@ -148,7 +148,7 @@ class Router:
             raise ValueError("a router needs at least one endpoint")
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.block_size = block_size
-        self.hash_contract = HashContract(block_size)
+        self.hash_contract = HashContract(block_size=block_size)
         self.namespace_prefix = f"{tenant}/" if tenant else ""
         self.prefill_weight = prefill_weight
         self.health_interval = health_interval
@@ -218,16 +218,16 @@ class Router:
     def status(self) -> list[InstanceStatus]:
         return [
             InstanceStatus(
-                i.endpoint,
-                i.healthy,
-                i.index.epoch,
-                len(i.index.hashes),
-                i.load_blocks,
-                i.index.num_resyncs,
-                i.index.num_rebuilds,
-                i.index.num_divergences,
-                i.index.digest,
-                i.unhealthy_since if not i.healthy else None,
+                endpoint=i.endpoint,
+                healthy=i.healthy,
+                epoch=i.index.epoch,
+                num_indexed_blocks=len(i.index.hashes),
+                load_blocks=i.load_blocks,
+                num_resyncs=i.index.num_resyncs,
+                num_rebuilds=i.index.num_rebuilds,
+                num_divergences=i.index.num_divergences,
+                digest=i.index.digest,
+                unhealthy_since=i.unhealthy_since if not i.healthy else None,
             )
             for i in self._instances
         ]

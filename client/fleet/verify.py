@@ -15,7 +15,7 @@ from radixkv.tree.block_hash import HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class VerifyResult:
     """A pool's digests as the caller may see them: only its own namespaces (its own names for them)."""
 
@@ -29,18 +29,24 @@ class VerifyResult:
 
 def contract_from_wire(c: pb.HashContract) -> HashContract:
     return HashContract(
-        c.block_size, c.algorithm, c.root_seed, c.salt_rule, c.tenant_scope_rule, c.wire_form, c.format_version
+        block_size=c.block_size,
+        algorithm=c.algorithm,
+        root_seed=c.root_seed,
+        salt_rule=c.salt_rule,
+        tenant_scope_rule=c.tenant_scope_rule,
+        wire_form=c.wire_form,
+        format_version=c.format_version,
     )
 
 
 def verify_result(r: pb.VerifyResponse) -> VerifyResult:
     return VerifyResult(
-        {n.namespace: n.digest for n in r.namespaces},
-        {n.namespace: n.num_blocks for n in r.namespaces},
-        r.digest,
-        r.epoch,
-        r.seq,
-        contract_from_wire(r.hash_contract),
+        digests={n.namespace: n.digest for n in r.namespaces},
+        num_blocks={n.namespace: n.num_blocks for n in r.namespaces},
+        digest=r.digest,
+        epoch=r.epoch,
+        seq=r.seq,
+        hash_contract=contract_from_wire(r.hash_contract),
     )
 
 

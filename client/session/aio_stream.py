@@ -51,7 +51,7 @@ class AsyncStepStream:
     turns (when the steps submitted together are all queued), and read by a reader task while any is
     unanswered."""
 
-    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, *, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
         self._call = stub.Session(metadata=metadata)
         self._outbox: collections.deque[AsyncPending] = collections.deque()
@@ -198,7 +198,7 @@ class AsyncSessionSteps:
     def _send(self, pending: AsyncPending, *, lone: bool = False) -> None:
         pending.attempts += 1
         while self._stream is None or not self._stream.send(pending, lone=lone):
-            self._stream = AsyncStepStream(self._stub, self._metadata, self._settle, self._broke)
+            self._stream = AsyncStepStream(self._stub, self._metadata, settle=self._settle, broken=self._broke)
 
     def _broke(self, stream: AsyncStepStream, error: grpc.RpcError, unanswered: list[AsyncPending]) -> None:
         """Re-send the broken stream's unanswered steps, in order, on UNAVAILABLE (see `resend_or_fail`, after

@@ -100,7 +100,7 @@ class RadixKVClient:
             raise
         if block_size is not None:
             try:
-                check_contract(address, HashContract(block_size), self.verify().hash_contract)
+                check_contract(address, HashContract(block_size=block_size), self.verify().hash_contract)
             except BaseException:
                 self.close()  # ends the session it opened: a refused client holds nothing
                 raise
@@ -353,7 +353,7 @@ class RadixKVClient:
     @property
     def checksums(self) -> BlockChecksums:
         """The writers' K/V digests of this session's sequences' blocks (`radixkv.client.worker.block_checksums`)."""
-        return BlockChecksums(self._call, self._stub, self.pool, self.session_id)
+        return BlockChecksums(self._call, self._stub, pool=self.pool, session_id=self.session_id)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's block table as the server's deltas built it here (no RPC)."""

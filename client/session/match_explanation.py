@@ -9,7 +9,7 @@ from radixkv.v1 import kvcache_pb2 as pb
 _PREFIX = "MISS_REASON_"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MatchExplanation:
     """`reason` is one of FULLY_CACHED, NEVER_CACHED, EVICTED, PARTIAL_BLOCK, OTHER_NAMESPACE, LAST_TOKEN
     (open only), HOST_TIER (match only: the prefix continues in the host tier, which an open loads back);
@@ -26,14 +26,17 @@ class MatchExplanation:
     @classmethod
     def from_response(cls, response: pb.MatchResponse | pb.OpenedSequence | pb.StepOpened) -> MatchExplanation:
         return cls(
-            response.num_cached_tokens,
-            pb.MissReason.Name(response.miss_reason).removeprefix(_PREFIX),
-            response.miss_block_index,
-            response.evicted_at_unix_ns,
-            response.other_namespace,
-            *(
-                (response.num_host_cached_tokens, response.num_disk_cached_tokens)
+            num_cached_tokens=response.num_cached_tokens,
+            reason=pb.MissReason.Name(response.miss_reason).removeprefix(_PREFIX),
+            block_index=response.miss_block_index,
+            evicted_at_unix_ns=response.evicted_at_unix_ns,
+            other_namespace=response.other_namespace,
+            **(
+                {
+                    "num_host_cached_tokens": response.num_host_cached_tokens,
+                    "num_disk_cached_tokens": response.num_disk_cached_tokens,
+                }
                 if isinstance(response, pb.MatchResponse)
-                else ()
+                else {}
             ),
         )

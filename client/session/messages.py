@@ -84,10 +84,10 @@ def open_results(response: pb.OpenSequencesResponse) -> list[OpenResult]:
     """The batch's host-tier transfers come on its first result (the worker applies each result's in turn)."""
     results = [
         OpenResult(
-            s.seq_id,
-            s.num_cached_tokens,
-            int32(s.block_ids),
-            np.array(s.slots, dtype=np.int64),
+            seq_id=s.seq_id,
+            num_cached_tokens=s.num_cached_tokens,
+            block_table=int32(s.block_ids),
+            slot_source=np.array(s.slots, dtype=np.int64),
             num_host_hit_tokens=s.num_host_hit_tokens,
         )
         for s in response.sequences
@@ -119,15 +119,15 @@ def append_result(
     seq_ids: Sequence[int], num_token_ids: Sequence[int], response: pb.AppendTokensResponse
 ) -> AppendBatch:
     return AppendBatch(
-        list(seq_ids),
-        list(num_token_ids),
-        list(response.num_tokens),
-        list(response.table_offsets),
-        list(response.num_block_ids),
-        list(response.block_ids),
-        [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
-        np.array(response.slots, dtype=np.int64),
-        transfer_pairs(response.offloads),
+        seq_ids=list(seq_ids),
+        num_appended=list(num_token_ids),
+        num_tokens=list(response.num_tokens),
+        table_offsets=list(response.table_offsets),
+        num_block_ids=list(response.num_block_ids),
+        block_ids=list(response.block_ids),
+        copies=[(c.src_block_id, c.dst_block_id, c.sequence_index) for c in response.copies],
+        slot_source=np.array(response.slots, dtype=np.int64),
+        offloads=transfer_pairs(response.offloads),
     )
 
 
@@ -171,7 +171,13 @@ def preempt_request(pool: str, session_id: str, seq_ids: list[int], mode: str) -
 
 def preempt_result(seq_ids: list[int], mode: str, response: pb.PreemptResponse) -> PreemptResult:
     offloads = transfer_pairs(response.offloads)
-    return PreemptResult(seq_ids, mode, offloads, response.num_freed_blocks, response.num_unreserved_blocks)
+    return PreemptResult(
+        seq_ids=seq_ids,
+        mode=mode,
+        offloads=offloads,
+        num_freed_blocks=response.num_freed_blocks,
+        num_unreserved_blocks=response.num_unreserved_blocks,
+    )
 
 
 def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
@@ -181,13 +187,13 @@ def resume_request(pool: str, session_id: str, seq_id: int) -> pb.ResumeRequest:
 def resume_result(r: pb.ResumeResponse) -> ResumeResult:
     slots = np.array(r.slots, dtype=np.int64)
     return ResumeResult(
-        r.seq_id,
-        r.num_cached_tokens,
-        int32(r.block_ids),
-        slots,
-        r.num_host_hit_tokens,
-        transfer_pairs(r.offloads),
-        transfer_pairs(r.loads),
+        seq_id=r.seq_id,
+        num_cached_tokens=r.num_cached_tokens,
+        block_table=int32(r.block_ids),
+        slot_source=slots,
+        num_host_hit_tokens=r.num_host_hit_tokens,
+        offloads=transfer_pairs(r.offloads),
+        loads=transfer_pairs(r.loads),
     )
 
 
@@ -227,12 +233,17 @@ def stats_result(response: pb.StatsResponse) -> Stats:
 
 def pool_info(r: pb.GetPoolResponse) -> PoolInfo:
     host = HostTierInfo(pool_layout(r.host_layout), r.host_handle) if r.HasField("host_handle") else None
-    return PoolInfo(r.pool, pool_layout(r.layout), r.device, r.handle, host)
+    return PoolInfo(name=r.pool, layout=pool_layout(r.layout), device=r.device, handle=r.handle, host=host)
 
 
 def pool_layout(layout: pb.PoolLayout) -> PoolLayout:
     return PoolLayout(
-        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.num_blocks, layout.dtype
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        dtype=layout.dtype,
     )
 
 

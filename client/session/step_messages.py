@@ -83,10 +83,10 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         raise step_error(response.error)
     opened = [
         OpenResult(
-            o.seq_id,
-            o.num_cached_tokens,
-            int32(o.block_ids),
-            np.frombuffer(o.slots, dtype=_INT64),
+            seq_id=o.seq_id,
+            num_cached_tokens=o.num_cached_tokens,
+            block_table=int32(o.block_ids),
+            slot_source=np.frombuffer(o.slots, dtype=_INT64),
             num_host_hit_tokens=o.num_host_hit_tokens,
         )
         for o in response.opened
@@ -101,31 +101,39 @@ def step_result(step: Step, response: pb.SessionResponse) -> StepResult:
         else:
             num_tokens, offsets, num_blocks, blocks = (list(getattr(r, name)) for name in _APPENDED_COLUMNS)
         appended = AppendBatch(
-            list(a.seq_ids),
-            list(a.num_token_ids) if isinstance(a.num_token_ids, list) else list(map(int, a.num_token_ids)),
-            num_tokens,
-            offsets,
-            num_blocks,
-            blocks,
-            [(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
-            np.frombuffer(r.slots, dtype=_INT64),
+            seq_ids=list(a.seq_ids),
+            num_appended=list(a.num_token_ids)
+            if isinstance(a.num_token_ids, list)
+            else list(map(int, a.num_token_ids)),
+            num_tokens=num_tokens,
+            table_offsets=offsets,
+            num_block_ids=num_blocks,
+            block_ids=blocks,
+            copies=[(c.src_block_id, c.dst_block_id, c.sequence_index) for c in r.copies],
+            slot_source=np.frombuffer(r.slots, dtype=_INT64),
         )
     if not (response.forked or response.offloads or response.loads or response.num_cached_tokens or any(step.explain)):
-        return StepResult(opened, appended, [], [], response.num_released_sequences)  # a decode step: the common case
+        return StepResult(
+            opened=opened,
+            appended=appended,
+            forked=[],
+            num_cached_tokens=[],
+            num_released_sequences=response.num_released_sequences,
+        )  # a decode step: the common case
     forked = [list(f.child_seq_ids) for f in response.forked]
     explained: Sequence[MatchExplanation | None] = ()
     if any(step.explain):  # a step retried from the window is answered with its first result, explanations too
         pairs = zip(response.opened, step.explain, strict=True)
         explained = [MatchExplanation.from_response(o) if e else None for o, e in pairs]
     return StepResult(
-        opened,
-        appended,
-        forked,
-        list(response.num_cached_tokens),
-        response.num_released_sequences,
-        explained,
-        transfer_pairs(response.offloads),
-        transfer_pairs(response.loads),
+        opened=opened,
+        appended=appended,
+        forked=forked,
+        num_cached_tokens=list(response.num_cached_tokens),
+        num_released_sequences=response.num_released_sequences,
+        explanations=explained,
+        offloads=transfer_pairs(response.offloads),
+        loads=transfer_pairs(response.loads),
     )
 
 

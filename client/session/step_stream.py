@@ -70,7 +70,7 @@ class StepFuture(Pending["StepStream"]):
 class StepStream:
     """A Session stream driven from blocking callers (see the module docstring)."""
 
-    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, settle: Settle, broken: Broken) -> None:
+    def __init__(self, stub: kvcache_pb2_grpc.KVCacheStub, metadata: Any, *, settle: Settle, broken: Broken) -> None:
         self._settle, self._broken = settle, broken
         self._outbox: queue.SimpleQueue[StepFuture | None] = queue.SimpleQueue()
         self._in_flight: collections.deque[StepFuture] = collections.deque()  # sent, unanswered, in order
@@ -182,7 +182,7 @@ class SessionSteps:
         """On the current stream, or a new one if it failed (holding `_lock`)."""
         pending.attempts += 1
         while self._stream is None or not self._stream.send(pending):
-            self._stream = StepStream(self._stub, self._metadata, self._settle, self._broke)
+            self._stream = StepStream(self._stub, self._metadata, settle=self._settle, broken=self._broke)
 
     def _broke(self, stream: StepStream, error: grpc.RpcError, unanswered: list[StepFuture]) -> None:
         """Re-send the broken stream's unanswered steps, in order (UNAVAILABLE, see `resend_or_fail`); fail the rest.

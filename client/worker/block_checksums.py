@@ -16,7 +16,7 @@ from radixkv.v1 import kvcache_pb2 as pb
 class BlockChecksums:
     """The digest calls of one session on one pool (`RadixKVClient.checksums`)."""
 
-    def __init__(self, call: Callable[[Any, Any], Any], stub: Any, pool: str, session_id: str) -> None:
+    def __init__(self, call: Callable[[Any, Any], Any], stub: Any, *, pool: str, session_id: str) -> None:
         self._call, self._stub, self._pool, self._session_id = call, stub, pool, session_id
 
     def record(self, seq_id: int, first_block: int, digests: Sequence[bytes]) -> int:

@@ -20,7 +20,7 @@ class HostTierInfo:
     handle: pb.PoolHandle  # shared_memory
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolInfo:
     """What GetPool returns: the layout, the device, and the handle to map the memory with."""
 

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Copies:
     """Block copies of one step in columns: request ids, block indices in the request, sources, destinations."""
 
@@ -38,7 +38,7 @@ class Copies:
         return len(self.src)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class StepPlan:
     """The worker's step: radixkv's own transfers (per open with a host tier, in order: its offloads device -> host,
     then its loads host -> device, int64 [n, 2] pairs each: `OpenResult`), then loads (radixkv -> vLLM), saves
@@ -50,7 +50,7 @@ class StepPlan:
     transfers: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class Tracked:
     """One vLLM request and its radixkv sequence (None: the open failed; nothing is loaded or saved)."""
 

@@ -117,10 +117,26 @@ class SchedulerSide:
                     self._plan.transfers.append((opened.offloads, opened.loads))
                 held = opened.num_cached_tokens // self.block_size
                 table = [int(b) for b in opened.block_table]
-                return Tracked(request.request_id, opened.seq_id, table, len(prompt), held, held, self.block_size)
+                return Tracked(
+                    req_id=request.request_id,
+                    seq_id=opened.seq_id,
+                    table=table,
+                    num_prompt_tokens=len(prompt),
+                    num_committed_blocks=held,
+                    next_save=held,
+                    block_size=self.block_size,
+                )
             except Exception as e:
                 self._failed(f"open of request {request.request_id}", e)
-        return Tracked(request.request_id, None, [], len(prompt), 0, 0, self.block_size)
+        return Tracked(
+            req_id=request.request_id,
+            seq_id=None,
+            table=[],
+            num_prompt_tokens=len(prompt),
+            num_committed_blocks=0,
+            next_save=0,
+            block_size=self.block_size,
+        )
 
     def build_plan(self, scheduled: Iterable[tuple[str, int]], block_ids_of: Any) -> StepPlan:
         """The worker's plan for this step. `scheduled`: (request id, tokens computed after this step)."""

@@ -17,7 +17,7 @@ from radixkv.tree.block_hash import chain_hashes
 from radixkv.tree.radix_tree import TOKEN_BYTES, Match, Node, RadixTree
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Continuation:
     parent: Node | None  # the node the disk's blocks would hang under (device, host-only, a root); None: no root yet
     start: int  # blocks of the prompt the device and host tiers hold
@@ -63,4 +63,4 @@ def continuation(
         hashes = chain_hashes(tokens[start * bs : limit * bs].tolist(), bs, namespace, parent_hash=parent_hash)
     else:
         hashes = chain_hashes(tokens[: limit * bs].tolist(), bs, namespace)[start:]
-    return Continuation(parent, start, hashes, inside)
+    return Continuation(parent=parent, start=start, hashes=hashes, inside=inside)

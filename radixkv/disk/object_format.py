@@ -57,7 +57,7 @@ class ObjectRefused(Exception):
         self.why = why
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DiskShape:
     """What a block's bytes mean: the pool's shape and how its blocks are named. Two shapes that differ in any
     field never read each other's objects."""
@@ -100,7 +100,7 @@ def object_bytes(header_bytes: int, num_blocks: int, block_bytes: int) -> int:
     return header_bytes + cdiv(num_blocks * block_bytes, ALIGN) * ALIGN
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Header:
     """A parsed, verified header."""
 
@@ -183,4 +183,12 @@ def decode_header(data: bytes, shape: DiskShape, file_bytes: int) -> Header:
     digests = meta.get("writer_digests", [b""] * n)
     if len(digests) != n or not all(isinstance(d, bytes) and len(d) in (0, WRITER_DIGEST_BYTES) for d in digests):
         raise ObjectRefused("corrupt", "writer digests")
-    return Header(str(meta["namespace"]), hashes, checksums, digests, int(block_bytes), int(data_offset), size)
+    return Header(
+        namespace=str(meta["namespace"]),
+        hashes=hashes,
+        checksums=checksums,
+        writer_digests=digests,
+        block_bytes=int(block_bytes),
+        data_offset=int(data_offset),
+        file_bytes=size,
+    )

@@ -14,11 +14,11 @@ def disk_shape(layout: PoolLayout) -> DiskShape:
     contract = HashContract(block_size=layout.block_size)
     fields = tuple((f.name, getattr(contract, f.name)) for f in dataclasses.fields(contract))
     return DiskShape(
-        layout.num_layers,
-        layout.num_kv_heads,
-        layout.head_dim,
-        layout.dtype,
-        layout.block_size,
-        layout.bytes_per_block,
-        fields,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        bytes_per_block=layout.bytes_per_block,
+        hash_contract=fields,
     )

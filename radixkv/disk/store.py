@@ -56,7 +56,7 @@ from radixkv.disk.object_format import (
 log = logging.getLogger("radixkv.disk")
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class DiskObject:
     name: str
     path: Path
@@ -176,14 +176,14 @@ class DiskStore:
             return None
         name = path.name[: -len(OBJECT_SUFFIX)]
         return DiskObject(
-            name,
-            path,
-            header.namespace,
-            header.hashes,
-            header.checksums,
-            header.writer_digests,
-            header.data_offset,
-            size,
+            name=name,
+            path=path,
+            namespace=header.namespace,
+            hashes=header.hashes,
+            checksums=header.checksums,
+            writer_digests=header.writer_digests,
+            data_offset=header.data_offset,
+            file_bytes=size,
         )
 
     # -- the index --------------------------------------------------------------------------------
@@ -304,14 +304,14 @@ class DiskStore:
         name = f"{hashes[0][:8].hex()}-{secrets.token_hex(6)}"
         split = [checksums[i * CHECKSUM_BYTES : (i + 1) * CHECKSUM_BYTES] for i in range(len(hashes))]
         obj = DiskObject(
-            name,
-            self._subdir(hashes[0]) / (name + OBJECT_SUFFIX),
-            namespace,
-            hashes,
-            split,
-            writer_digests,
-            len(header),
-            size,
+            name=name,
+            path=self._subdir(hashes[0]) / (name + OBJECT_SUFFIX),
+            namespace=namespace,
+            hashes=hashes,
+            checksums=split,
+            writer_digests=writer_digests,
+            data_offset=len(header),
+            file_bytes=size,
         )
         buffer = self.io.buffer(size)
         buffer[: len(header)] = header

@@ -19,7 +19,7 @@ def canonical_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolLayout:
     """One pool: `num_blocks` blocks of `block_size` tokens, K and V for every layer.
 
@@ -100,7 +100,14 @@ class PoolLayout:
         dtype: str = "float16",
     ) -> PoolLayout:
         """The layout with as many blocks as fit in `budget_bytes`."""
-        probe = cls(num_layers, num_kv_heads, head_dim, block_size, 1, dtype)
+        probe = cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            num_blocks=1,
+            dtype=dtype,
+        )
         num_blocks = (budget_bytes - probe.scales_bytes - _SCALES_ALIGN * probe.is_scaled) // probe.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"a budget of {budget_bytes} bytes holds no block of {probe.bytes_per_block} bytes")

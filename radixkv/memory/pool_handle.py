@@ -17,7 +17,7 @@ LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_bl
 _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "bytes": bytes, "bool": bool}  # PoolHandle's annotations
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolHandle:
     """What another process needs to map a pool: plain str/int/bool/bytes fields, so it travels without pickle.
 

@@ -36,6 +36,7 @@ class KVStorage:
         layout: PoolLayout,
         data: torch.Tensor,
         scales: torch.Tensor | None,
+        *,
         shm: shared_memory.SharedMemory | AttachedSegment | None,  # the creator's SharedMemory, an opener's attachment
         owner: bool,
     ):
@@ -79,7 +80,7 @@ class KVStorage:
             storage = cls(
                 layout,
                 *_views(torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device), layout),
-                None,
+                shm=None,
                 owner=True,
             )
             storage._init_scales(scales)
@@ -87,7 +88,7 @@ class KVStorage:
         if device.type != "cpu":
             raise ValueError(f"device: expected cpu or cuda, got {device}")
         shm = create_segment(layout, name)
-        storage = cls(layout, *_views(bytes_over(shm, layout), layout), shm, owner=True)
+        storage = cls(layout, *_views(bytes_over(shm, layout), layout), shm=shm, owner=True)
         storage._init_scales(scales)
         return storage
 
@@ -148,11 +149,11 @@ class KVStorage:
                 raise ValueError(
                     f"handle: segment {handle.name!r} holds {shm.size} bytes, layout needs {layout.total_bytes}"
                 )
-            return cls(layout, *_views(bytes_over(shm, layout), layout), shm, owner=False)
+            return cls(layout, *_views(bytes_over(shm, layout), layout), shm=shm, owner=False)
         if handle.kind != "cuda_ipc":
             raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {handle.kind!r}")
         buffer = open_allocation(handle)  # uint8 [total_bytes] on cuda:<device_index>
-        opened = cls(layout, *_views(buffer, layout), None, owner=False)
+        opened = cls(layout, *_views(buffer, layout), shm=None, owner=False)
         opened._imported_handle = handle
         return opened
 

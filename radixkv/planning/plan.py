@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CapacityPlan:
     # What the plan assumed, echoed back so nobody reads a figure without its premises.
     shape: ModelShape

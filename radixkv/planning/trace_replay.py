@@ -149,7 +149,7 @@ def replay(
     tree = RadixTree(UNIT_IDS, policy=tree_policy)
     pool = BlockPool(num_blocks)
     stats = Stats(num_blocks_total=num_blocks)
-    blocks = Allocator(pool, tree, stats, HostTier(0, tree, stats))  # a tier of none: evictions drop
+    blocks = Allocator(pool, tree, stats, host=HostTier(0, tree, stats))  # a tier of none: evictions drop
     root = tree.root(DEFAULT_NAMESPACE)
     retention = Retention(ttl_s=ttl_s) if ttl_s else None
     unit_bytes = UNIT_IDS * 4

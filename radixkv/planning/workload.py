@@ -21,7 +21,7 @@ from radixkv.kv_cache import KVCache
 Tokens = npt.NDArray[np.int32]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     kind: str  # "chat", "turn", "samples", "unrelated"
     namespace: str
@@ -62,7 +62,7 @@ def make_trace(
             kind = "chat" if kind == "turn" else kind
         num_samples = int(rng.integers(4, 9)) if kind == "samples" else 1
         outputs = tuple(tokens(rng.integers(100, 400)) for _ in range(num_samples))
-        request = Request(str(kind), namespace, prompt, outputs)
+        request = Request(kind=str(kind), namespace=namespace, prompt=prompt, outputs=outputs)
         if kind in ("chat", "turn") and len(prompt) < 16_000:
             conversations.append((namespace, np.concatenate([prompt, outputs[0]])))
             if len(conversations) > 256:
@@ -72,7 +72,7 @@ def make_trace(
     return trace
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class ReplayResult:
     num_requests: int
     num_tokens: int

@@ -31,7 +31,7 @@ from radixkv.tree.radix_tree import Node, TokenKey
 PREEMPT_MODES = ("swap", "recompute")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class PreemptResult:
     """What one `preempt` did. Apply `offloads` (swap: copy each device block to its host block)
     before any freed device block is written again."""
@@ -73,7 +73,7 @@ class SwapTier(Protocol):
 class Preemption:
     """The preempted sequences' lifecycle over a cache's allocator and registry (`KVCache.preemption`)."""
 
-    def __init__(self, blocks: Allocator, sequences: Sequences, root: Callable[[str], Node], swap: SwapTier) -> None:
+    def __init__(self, blocks: Allocator, sequences: Sequences, root: Callable[[str], Node], *, swap: SwapTier) -> None:
         self.blocks, self.sequences, self.root, self.swap_tier = blocks, sequences, root, swap
 
     def preempt(self, seq_ids: Sequence[int], mode: str) -> PreemptResult:
@@ -88,7 +88,13 @@ class Preemption:
         else:
             offloads = self._preempt_swap(live, self.swap_tier)
         freed = self.blocks.num_available() - available
-        return PreemptResult([s.seq_id for s in live], mode, offloads, freed, self.blocks.num_unreserved())
+        return PreemptResult(
+            seq_ids=[s.seq_id for s in live],
+            mode=mode,
+            offloads=offloads,
+            num_freed_blocks=freed,
+            num_unreserved_blocks=self.blocks.num_unreserved(),
+        )
 
     def resume(self, seq_id: int) -> ResumeResult:
         """See `KVCache.resume`."""
@@ -154,13 +160,13 @@ class Preemption:
         opened = open_planned(blocks, self.sequences, planned, [record.namespace], ranks, record.seq_id)[0]
         blocks.stats.num_recomputed_tokens += key.num_tokens - opened.num_cached_tokens
         return ResumeResult(
-            opened.seq_id,
-            opened.num_cached_tokens,
-            opened.block_table,
-            opened.slot_source,
-            opened.num_host_hit_tokens,
-            opened.offloads,
-            opened.loads,
+            seq_id=opened.seq_id,
+            num_cached_tokens=opened.num_cached_tokens,
+            block_table=opened.block_table,
+            slot_source=opened.slot_source,
+            num_host_hit_tokens=opened.num_host_hit_tokens,
+            offloads=opened.offloads,
+            loads=opened.loads,
         )
 
     def _resume_swap(self, record: PreemptedSequence, tier: SwapTier) -> ResumeResult:
@@ -186,5 +192,11 @@ def all_token_bytes(seq: LiveSequence) -> bytes:
 def park(seq: LiveSequence, mode: str) -> PreemptedSequence:
     """The preempted record of `seq` (taken before its holds are dropped: the tree may evict its path later)."""
     return PreemptedSequence(
-        seq.seq_id, seq.namespace, all_token_bytes(seq), seq.num_computed_tokens, seq.priority, seq.reserve_until, mode
+        seq_id=seq.seq_id,
+        namespace=seq.namespace,
+        token_bytes=all_token_bytes(seq),
+        num_computed_tokens=seq.num_computed_tokens,
+        priority=seq.priority,
+        reserve_until=seq.reserve_until,
+        mode=mode,
     )

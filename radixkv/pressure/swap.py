@@ -103,27 +103,32 @@ class HostSwap:
         table = BlockTable.of([*path_runs(node), own])
         seq = LiveSequence(
             record.seq_id,
-            record.namespace,
-            key.tail_after(num_matched * bs),
-            table,
-            node,
-            num_matched,
-            NO_BLOCKS,
-            key.num_tokens,
-            num_computed,
-            record.priority,
-            record.reserve_until,
+            namespace=record.namespace,
+            tail=key.tail_after(num_matched * bs),
+            block_table=table,
+            lock_node=node,
+            num_tree_blocks=num_matched,
+            private_prefix=NO_BLOCKS,
+            num_tokens=key.num_tokens,
+            num_computed_tokens=num_computed,
+            priority=record.priority,
+            reserve_until=record.reserve_until,
         )
         table_ids = table.array()
-        slots = SlotPlan(bs, table_ids[num_computed // bs :], [num_computed % bs], [key.num_tokens - num_computed])
+        slots = SlotPlan(
+            block_size=bs,
+            span_blocks=table_ids[num_computed // bs :],
+            span_starts=[num_computed % bs],
+            counts=[key.num_tokens - num_computed],
+        )
         resumed = ResumeResult(
-            record.seq_id,
-            num_computed,
-            table_ids,
-            slots,
-            num_on_host * bs,
-            host.take_offloads(),
-            concat_pairs([path_loads, own_loads]),
+            seq_id=record.seq_id,
+            num_cached_tokens=num_computed,
+            block_table=table_ids,
+            slot_source=slots,
+            num_host_hit_tokens=num_on_host * bs,
+            offloads=host.take_offloads(),
+            loads=concat_pairs([path_loads, own_loads]),
         )
         return seq, resumed
 

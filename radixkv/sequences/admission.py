@@ -39,7 +39,7 @@ class Allocator:
     no blocks: `HostTier.enabled`).
     """
 
-    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, host: HostTier) -> None:
+    def __init__(self, pool: BlockPool, tree: RadixTree, stats: Stats, *, host: HostTier) -> None:
         self.pool, self.tree, self.stats, self.host = pool, tree, stats, host
         self.num_reserved = 0
 
@@ -140,19 +140,19 @@ def start_sequence(
     num_tokens = num_cached + TokenKey.count(tail)
     seq = LiveSequence(
         seq_id,
-        namespace,
-        tail,
-        table,
-        node,
-        num_matched_blocks,
-        NO_BLOCKS,
-        num_tokens,
-        num_cached,
-        priority,
-        reserve_until,
+        namespace=namespace,
+        tail=tail,
+        block_table=table,
+        lock_node=node,
+        num_tree_blocks=num_matched_blocks,
+        private_prefix=NO_BLOCKS,
+        num_tokens=num_tokens,
+        num_computed_tokens=num_cached,
+        priority=priority,
+        reserve_until=reserve_until,
     )
-    slots = SlotPlan(block_size, new_blocks, [0], [num_tokens - num_cached])
-    return seq, OpenResult(seq_id, num_cached, table.array(), slots)
+    slots = SlotPlan(block_size=block_size, span_blocks=new_blocks, span_starts=[0], counts=[num_tokens - num_cached])
+    return seq, OpenResult(seq_id=seq_id, num_cached_tokens=num_cached, block_table=table.array(), slot_source=slots)
 
 
 def open_planned(
@@ -218,7 +218,7 @@ def lock_prefix(blocks: Allocator, sequences: Sequences, root: Node, key: TokenK
 # Caps that keep one caller from taking the pool.
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
     """Caps that keep one caller from taking the pool. Refused with `LimitExceeded` naming the cap."""
 

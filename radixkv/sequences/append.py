@@ -74,7 +74,7 @@ def append_args(seq_ids: Sequence[int], num_token_ids: Sequence[int], token_ids:
     return counts, key.data
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class AppendPlan:
     """What appending `counts[i]` tokens to the sequence in `rows[i]` takes, column by column: lists for a
     small batch, int64 arrays for a large one."""
@@ -137,7 +137,16 @@ def _plan_each(
         num_new.append(new)
         copies.append(copy)
         num_blocks += new + copy
-    return AppendPlan(rows, lengths, lasts, num_new, copies, counts.count(1) == len(counts), num_blocks, num_drawn)
+    return AppendPlan(
+        rows=rows,
+        lengths=lengths,
+        lasts=lasts,
+        num_new=num_new,
+        copies=copies,
+        ones=counts.count(1) == len(counts),
+        num_blocks=num_blocks,
+        num_drawn=num_drawn,
+    )
 
 
 def _plan_columns(
@@ -181,7 +190,16 @@ def _plan_columns(
         room = col[RESERVE][rows] - (lengths + bs - 1) // bs
         num_drawn = int(np.minimum(num_new, np.maximum(room, 0)).sum())
     num_blocks = int(num_new.sum()) + int(copies.sum())
-    return AppendPlan(rows, lengths, lasts, num_new, copies, ones, num_blocks, num_drawn)
+    return AppendPlan(
+        rows=rows,
+        lengths=lengths,
+        lasts=lasts,
+        num_new=num_new,
+        copies=copies,
+        ones=ones,
+        num_blocks=num_blocks,
+        num_drawn=num_drawn,
+    )
 
 
 def apply_plan(
@@ -246,8 +264,17 @@ def _apply_each(
     if copies:
         pool.drop_copied([src for src, _, _ in copies])
     spans = span_blocks[0] if len(span_blocks) == 1 else np.concatenate(span_blocks) if span_blocks else NO_BLOCKS
-    slots = SlotPlan(bs, spans, span_starts, counts)
-    return AppendBatch(list(seq_ids), counts, after, offsets, taken, new_blocks, copies, slots)
+    slots = SlotPlan(block_size=bs, span_blocks=spans, span_starts=span_starts, counts=counts)
+    return AppendBatch(
+        seq_ids=list(seq_ids),
+        num_appended=counts,
+        num_tokens=after,
+        table_offsets=offsets,
+        num_block_ids=taken,
+        block_ids=new_blocks,
+        copies=copies,
+        slot_source=slots,
+    )
 
 
 def _apply_columns(
@@ -295,7 +322,16 @@ def _apply_columns(
     else:
         slots = _slot_plan(lasts, num_new, copied, within, taken, new_blocks, counts, bs)
     offsets = (lengths + bs - 1) // bs - copied
-    return AppendBatch(list(seq_ids), counts, after, offsets, taken, new_blocks, copies, slots)
+    return AppendBatch(
+        seq_ids=list(seq_ids),
+        num_appended=counts,
+        num_tokens=after,
+        table_offsets=offsets,
+        num_block_ids=taken,
+        block_ids=new_blocks,
+        copies=copies,
+        slot_source=slots,
+    )
 
 
 def _grow_tables(
@@ -385,7 +421,12 @@ def _slot_plan(
     growth = new_blocks[~is_copy]
     firsts = np.cumsum(num_new) - num_new
     span_blocks[np.repeat(offsets + partial - firsts, num_new) + np.arange(len(growth))] = growth
-    return SlotPlan(block_size, span_blocks, (offsets * block_size + within).tolist(), counts)
+    return SlotPlan(
+        block_size=block_size,
+        span_blocks=span_blocks,
+        span_starts=(offsets * block_size + within).tolist(),
+        counts=counts,
+    )
 
 
 def append(

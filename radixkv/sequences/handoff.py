@@ -48,7 +48,7 @@ class Appended(Protocol):
     def copies(self) -> list[tuple[int, int, int]]: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepArrays:
     """What a worker applies for one step, in this order: `copies`, then K/V into `slots`, then attention.
 
@@ -75,12 +75,12 @@ class StepArrays:
         slots = [r.slots for r in results]
         counts = [len(s) for s in slots]
         return cls(
-            np.array([r.seq_id for r in results], dtype=np.int64),
-            _starts(counts),
-            np.concatenate(slots).astype(np.int64, copy=False) if slots else np.empty(0, np.int64),
-            np.empty((0, 2), np.int64),
-            padded_block_tables([r.block_table for r in results]),
-            np.array([r.num_cached_tokens + n for r, n in zip(results, counts, strict=True)], dtype=np.int32),
+            seq_ids=np.array([r.seq_id for r in results], dtype=np.int64),
+            query_starts=_starts(counts),
+            slots=np.concatenate(slots).astype(np.int64, copy=False) if slots else np.empty(0, np.int64),
+            copies=np.empty((0, 2), np.int64),
+            block_tables=padded_block_tables([r.block_table for r in results]),
+            seq_lens=np.array([r.num_cached_tokens + n for r, n in zip(results, counts, strict=True)], dtype=np.int32),
         )
 
     @classmethod
@@ -90,12 +90,12 @@ class StepArrays:
         Pass `RadixKVClient.block_table` or `KVCache.block_table`: both reflect the batch once it returns.
         """
         return cls(
-            np.array(batch.seq_ids, dtype=np.int64),
-            _starts(batch.num_appended),
-            batch.slots,
-            copy_pairs(batch.copies),
-            padded_block_tables([block_table(s) for s in batch.seq_ids]),
-            np.array(batch.num_tokens, dtype=np.int32),
+            seq_ids=np.array(batch.seq_ids, dtype=np.int64),
+            query_starts=_starts(batch.num_appended),
+            slots=batch.slots,
+            copies=copy_pairs(batch.copies),
+            block_tables=padded_block_tables([block_table(s) for s in batch.seq_ids]),
+            seq_lens=np.array(batch.num_tokens, dtype=np.int32),
         )
 
     @classmethod
@@ -107,12 +107,12 @@ class StepArrays:
         tables = [np.pad(p.block_tables, ((0, 0), (0, width - p.block_tables.shape[1]))) for p in parts]
         counts = np.concatenate([p.num_new_tokens for p in parts])
         return cls(
-            np.concatenate([p.seq_ids for p in parts]),
-            _starts(counts.tolist()),
-            np.concatenate([p.slots for p in parts]),
-            np.concatenate([p.copies for p in parts]),
-            np.concatenate(tables),
-            np.concatenate([p.seq_lens for p in parts]),
+            seq_ids=np.concatenate([p.seq_ids for p in parts]),
+            query_starts=_starts(counts.tolist()),
+            slots=np.concatenate([p.slots for p in parts]),
+            copies=np.concatenate([p.copies for p in parts]),
+            block_tables=np.concatenate(tables),
+            seq_lens=np.concatenate([p.seq_lens for p in parts]),
         )
 
 

@@ -11,7 +11,7 @@ from radixkv.memory.block_pairs import NO_PAIRS, Pairs
 from radixkv.sequences.handoff import BlockTableOf, StepArrays, copy_pairs
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class SlotPlan:
     """What a batch's slots follow from: the table blocks each sequence's new tokens land in.
 
@@ -43,7 +43,7 @@ def as_slots(source: SlotPlan | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return source.slots() if isinstance(source, SlotPlan) else source
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class OpenResult:
     """`slots`: [num_tokens - num_cached_tokens], where the uncached tokens' K/V go.
 
@@ -80,7 +80,7 @@ class AppendResult:
 
     __slots__ = ("batch", "index", "_block_start", "_slot_start")
 
-    def __init__(self, batch: AppendBatch, index: int, block_start: int, slot_start: int) -> None:
+    def __init__(self, batch: AppendBatch, index: int, *, block_start: int, slot_start: int) -> None:
         self.batch, self.index = batch, index
         self._block_start, self._slot_start = block_start, slot_start  # this row's start in the columns
 
@@ -144,6 +144,7 @@ class AppendBatch:
 
     def __init__(
         self,
+        *,
         seq_ids: list[int],
         num_appended: list[int],
         num_tokens: Column,
@@ -214,7 +215,7 @@ class AppendBatch:
         """The same, one row per sequence."""
         out, block_start, slot_start = [], 0, 0
         for i, (num_blocks, num_new) in enumerate(zip(self.num_block_ids, self.num_appended, strict=True)):
-            out.append(AppendResult(self, i, block_start, slot_start))
+            out.append(AppendResult(self, i, block_start=block_start, slot_start=slot_start))
             block_start += num_blocks
             slot_start += num_new
         return out

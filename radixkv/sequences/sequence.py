@@ -312,6 +312,7 @@ class LiveSequence:
     def __init__(
         self,
         seq_id: int,
+        *,
         namespace: str,
         tail: bytes,
         block_table: BlockTable,
@@ -415,20 +416,20 @@ class LiveSequence:
         same node."""
         return LiveSequence(
             self.seq_id,
-            self.namespace,
-            self.tail(),
-            self.block_table.copy(),
-            self.lock_node,
-            self.num_tree_blocks,
-            self.private_prefix,
-            self.num_tokens,
-            self.num_computed_tokens,
-            self.priority,
-            self.reserve_until,
+            namespace=self.namespace,
+            tail=self.tail(),
+            block_table=self.block_table.copy(),
+            lock_node=self.lock_node,
+            num_tree_blocks=self.num_tree_blocks,
+            private_prefix=self.private_prefix,
+            num_tokens=self.num_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            priority=self.priority,
+            reserve_until=self.reserve_until,
         )
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class PreemptedSequence:
     """A sequence that holds nothing on the device: its tokens, and what `resume` needs to bring it back."""
 
@@ -476,15 +477,15 @@ class Sequences:
         it reserves nothing, as its growth was never budgeted."""
         child = LiveSequence(
             self.next_id(),
-            parent.namespace,
-            b"",
-            parent.block_table.copy(),
-            parent.lock_node,
-            parent.num_tree_blocks,
-            parent.private_prefix,
-            0,
-            0,
-            parent.priority,
+            namespace=parent.namespace,
+            tail=b"",
+            block_table=parent.block_table.copy(),
+            lock_node=parent.lock_node,
+            num_tree_blocks=parent.num_tree_blocks,
+            private_prefix=parent.private_prefix,
+            num_tokens=0,
+            num_computed_tokens=0,
+            priority=parent.priority,
         )
         child.row, child._columns = self.columns.copy(parent.row), self.columns
         family = parent.family

@@ -34,7 +34,7 @@ class Commit:
     num_tokens: Sequence[int]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Step:
     """What one step asks for, applied in this order: commit, opens, append, forks, caches, releases.
 
@@ -56,7 +56,7 @@ class Step:
     explain: Sequence[bool] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
     """Per kind of item, in request order: `forked[i]` is forks[i]'s children, `num_cached_tokens[i]` caches[i]'s.
 

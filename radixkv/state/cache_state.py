@@ -200,16 +200,16 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int,
             raise ValueError(f"sequence {seq_id} locks a path in another namespace")
         seq = LiveSequence(
             int(seq_id),
-            namespace,
-            bytes(tail),
-            BlockTable.of([_ids(table)]),
-            lock_node,
-            int(num_tree_blocks),
-            _ids(private),
-            int(num_tokens),
-            int(num_computed),
-            int(rank),
-            int(until),
+            namespace=namespace,
+            tail=bytes(tail),
+            block_table=BlockTable.of([_ids(table)]),
+            lock_node=lock_node,
+            num_tree_blocks=int(num_tree_blocks),
+            private_prefix=_ids(private),
+            num_tokens=int(num_tokens),
+            num_computed_tokens=int(num_computed),
+            priority=int(rank),
+            reserve_until=int(until),
         )
         cache._sequences.add(seq)
         cache._blocks.num_reserved += seq.reservation()
@@ -218,7 +218,14 @@ def _rebuild(state: dict[str, Any], limits: Limits | None, host_num_blocks: int,
         if (mode == "swap") != (kept is not None) or mode not in ("swap", "recompute"):
             raise ValueError(f"sequence {seq_id}: preempted by {mode!r}, {'with' if kept else 'without'} host blocks")
         cache._sequences.preempted[int(seq_id)] = PreemptedSequence(
-            int(seq_id), namespace, bytes(token_bytes), int(num_computed), int(rank), int(until), mode, kept
+            seq_id=int(seq_id),
+            namespace=namespace,
+            token_bytes=bytes(token_bytes),
+            num_computed_tokens=int(num_computed),
+            priority=int(rank),
+            reserve_until=int(until),
+            mode=mode,
+            host=kept,
         )
     if swapped:
         raise ValueError(f"host blocks of swapped sequences {sorted(swapped)} that are not preempted")
@@ -292,7 +299,7 @@ def _rebuild_nodes(block_bytes: int, columns: dict[str, bytes], roots: list[Node
             tokens[start * block_bytes : ends[i] * block_bytes],
             blocks[start : ends[i]].astype(np.int32),
             None,
-            "",
+            namespace="",
             lock_ref=lock_refs[i],
             pin_ref=pin_refs[i],
             last_access=last_access[i],

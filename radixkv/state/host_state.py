@@ -118,7 +118,9 @@ def rebuild_host(host: HostTier, state: dict[str, Any], device_nodes: list[Node]
         if p >= num_device + i:
             raise ValueError(f"host node {i} listed before its parent {p}")
         parent = hosted[p - num_device] if p >= num_device else device_nodes[p] if p >= 0 else roots[-1 - p]
-        node = Node(tokens[start * bb : ends[i] * bb], NO_BLOCKS, parent, parent.namespace, last_access=last_access[i])
+        node = Node(
+            tokens[start * bb : ends[i] * bb], NO_BLOCKS, parent, namespace=parent.namespace, last_access=last_access[i]
+        )
         node.host_block_ids = blocks[start : ends[i]].astype(np.int32)
         if node.token_bytes[:bb] in parent.host_children or node.token_bytes[:bb] in parent.children:
             raise ValueError(f"host node {i}: its parent already has a child starting with the same block")

@@ -41,7 +41,7 @@ _PREFIX = struct.Struct("<8sIIQ")  # magic, format version, header length, body 
 _DIGEST_BYTES = 32
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolIdentity:
     """What must match for a snapshot to describe this pool's memory."""
 
@@ -60,7 +60,7 @@ class PoolIdentity:
             "layout": dataclasses.asdict(self.layout),
             "host_layout": dataclasses.asdict(self.host_layout) if self.host_layout is not None else None,
             "memory_id": self.memory_id,
-            "hash_contract": dataclasses.asdict(HashContract(self.layout.block_size)),
+            "hash_contract": dataclasses.asdict(HashContract(block_size=self.layout.block_size)),
         }
 
 

@@ -178,7 +178,7 @@ def digest_of(wire_hashes: Iterable[int]) -> int:
 HASH_FORMAT_VERSION = 2
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HashContract:
     """Everything two parties must share to name a block by the same hash; any difference means misses."""
 

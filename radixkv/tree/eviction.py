@@ -46,7 +46,7 @@ MAX_TTL_S = 7 * 24 * 3600.0  # a week: longer is a pin, which has its own bound
 MAX_PRIORITY = 1_000_000
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Retention:
     """What a caller asks for a prefix. `ttl_s` 0: no TTL; `refresh`: each use restarts the TTL (the hosted APIs'
     prompt caching); `priority`: higher stays longer, negative goes first; `end_session`: the session is over,
@@ -335,7 +335,7 @@ class TLRU(EvictionPolicy):
     name = "tlru"
 
     def __init__(
-        self, block_size: int, xi: int = 16384, q_hat: int = 2048, clock: Callable[[], float] = time.monotonic
+        self, block_size: int, *, xi: int = 16384, q_hat: int = 2048, clock: Callable[[], float] = time.monotonic
     ) -> None:
         super().__init__(clock)
         self.block_size, self.xi, self.q_hat = block_size, xi, q_hat

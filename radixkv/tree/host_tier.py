@@ -82,7 +82,7 @@ class HostTier:
         tree = self.tree
         has_copy = len(leaf.host_block_ids) > 0
         if len(leaf.block_ids) > need and not has_copy:
-            tree.split(Match(leaf, len(leaf.block_ids) - need, 0, []))  # `leaf` keeps the tail, and its LRU place
+            tree.split(Match(leaf, len(leaf.block_ids) - need, 0, path=[]))  # `leaf` keeps the tail, and its LRU place
         tree.unlist_leaf(leaf)
         dropped = leaf.block_ids
         if has_copy:
@@ -284,7 +284,8 @@ class HostTier:
         offload, must not evict what it is about to load)."""
         if not node.host_children:  # the usual case (always, in a tier of none): nothing continues on the host
             return [], 0, 0
-        path, num_in_last, num_blocks = self.match(Match(node, len(node.block_ids), num_matched, []), key, max_blocks)
+        start = Match(node, len(node.block_ids), num_matched, path=[])
+        path, num_in_last, num_blocks = self.match(start, key, max_blocks)
         if num_blocks:
             end = path[-1]
             self._leaves.discard(end)
@@ -363,7 +364,7 @@ class HostTier:
             if was_leaf:
                 self._leaves.add(parent)
             return None
-        node = Node(token_bytes, NO_BLOCKS, parent, parent.namespace, last_access=self.tree.tick())
+        node = Node(token_bytes, NO_BLOCKS, parent, namespace=parent.namespace, last_access=self.tree.tick())
         node.host_block_ids = host_ids
         parent.host_children[first] = node
         self._leaves.add(node)
@@ -374,7 +375,9 @@ class HostTier:
         """Split host-only `node` after its first `k` blocks; returns the new upper node (`node` keeps the tail)."""
         parent, bb = node.parent, self.block_bytes
         assert parent is not None and 0 < k < len(node.host_block_ids), "a host split cuts inside a host node"
-        upper = Node(node.token_bytes[: k * bb], NO_BLOCKS, parent, node.namespace, last_access=node.last_access)
+        upper = Node(
+            node.token_bytes[: k * bb], NO_BLOCKS, parent, namespace=node.namespace, last_access=node.last_access
+        )
         upper.host_block_ids = node.host_block_ids[:k]
         parent.host_children[node.token_bytes[:bb]] = upper
         node.token_bytes, node.host_block_ids, node.parent = node.token_bytes[k * bb :], node.host_block_ids[k:], upper

@@ -24,6 +24,7 @@ class Node:
     # (or a view shared with the other half of a split): never written in place, only re-sliced.
     block_ids: npt.NDArray[np.int32]
     parent: Node | None  # None for a namespace's root (and for an evicted, detached node)
+    _: dataclasses.KW_ONLY  # the rest by name
     namespace: str  # the root's namespace: hits never cross namespaces
     children: dict[bytes, Node] = dataclasses.field(default_factory=dict)  # keyed by each child's first block's bytes
     # Its own holders (live sequences and pins that lock this node) plus its locked children: nonzero exactly when a

@@ -161,6 +161,7 @@ class Match:
     node: Node
     num_blocks_in_node: int  # how many of node's blocks matched (all, unless the match ends inside it)
     num_blocks: int  # blocks matched from the root
+    _: dataclasses.KW_ONLY
     path: list[Node]  # root excluded, top-down, `node` last
 
     def unlocked_on_path(self) -> list[tuple[int, int]]:
@@ -227,7 +228,7 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", NO_BLOCKS, None, namespace)
+            root = self.roots[namespace] = Node(b"", NO_BLOCKS, None, namespace=namespace)
         return root
 
     def tick(self) -> int:
@@ -255,7 +256,7 @@ class RadixTree:
             num_in_node = common_blocks(key, pos, end, run, self.block_size)  # the match ends inside `child`
             node, pos = child, pos + num_in_node * block_bytes
             break
-        return Match(node, num_in_node, pos // block_bytes, path)
+        return Match(node, num_in_node, pos // block_bytes, path=path)
 
     def split(self, match: Match) -> Node:
         """Make the match end on a node boundary; returns the node that ends exactly there."""
@@ -268,11 +269,11 @@ class RadixTree:
             node.token_bytes[:cut],
             node.block_ids[:k],
             node.parent,
-            node.namespace,
-            {},
-            1 if node.lock_ref else 0,
-            node.pin_ref,
-            node.last_access,
+            namespace=node.namespace,
+            children={},
+            lock_ref=1 if node.lock_ref else 0,
+            pin_ref=node.pin_ref,
+            last_access=node.last_access,
         )
         node.parent.children[node.token_bytes[: self.block_bytes]] = upper
         if self.touched is not None:
@@ -310,7 +311,7 @@ class RadixTree:
         new_ids = np.array(block_ids[pos // self.block_bytes :], dtype=np.int32)  # its own copy: the caller's changes
         first = key[pos : pos + self.block_bytes]
         self.host.drop_overlap(node, first)
-        child = Node(key[pos:], new_ids, node, node.namespace, lock_ref=1, last_access=self.tick())
+        child = Node(key[pos:], new_ids, node, namespace=node.namespace, lock_ref=1, last_access=self.tick())
         if node.lock_ref == 0 and not node.children and node.parent is not None:
             self._unlist(node)
         node.children[first] = child

@@ -44,7 +44,7 @@ class EventKind(enum.Enum):
     BLOCKS_REMOVED = 2
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BlockEvent:
     sequence_number: int  # per namespace: +1 per event, so a watcher that missed some sees a jump
     namespace: str  # as the core names it (tenant-scoped where auth is on)
@@ -97,7 +97,7 @@ class Watcher:
     the numbers, and the consumer resyncs from a snapshot."""
 
     def __init__(
-        self, accepts: Callable[[str], bool], max_events: int, digest: int = 0, max_bytes: int = WATCH_QUEUE_BYTES
+        self, accepts: Callable[[str], bool], max_events: int, *, digest: int = 0, max_bytes: int = WATCH_QUEUE_BYTES
     ) -> None:
         self.accepts = accepts
         self._max_events = max_events
@@ -282,10 +282,10 @@ class EventHub:
         kind = EventKind.BLOCKS_REMOVED
         self._publish(
             BlockEvent(
-                number,
-                namespace,
-                kind,
-                ids,
+                sequence_number=number,
+                namespace=namespace,
+                kind=kind,
+                block_ids=ids,
                 block_hashes=hashes,
                 pool_sequence_number=self._count_for(namespace),
                 namespace_digest=self.digests.get(namespace, 0),
@@ -298,18 +298,18 @@ class EventHub:
         parent_block = int(parent.block_ids[-1]) if parent is not None and parent.parent is not None else None
         parent_hash = self.hashes.parent_hash(node)
         return BlockEvent(
-            number,
-            node.namespace,
-            EventKind.BLOCKS_STORED,
-            tuple(node.block_ids.tolist()),
-            bytes(node.token_bytes),
-            parent_block,
-            tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
-            None if parent_hash is None else wire_hash(parent_hash),
-            tuple(self.hashes.event_extra_keys(node)),
-            self._count_for(node.namespace),
-            self.digests.get(node.namespace, 0),
-            delta,
+            sequence_number=number,
+            namespace=node.namespace,
+            kind=EventKind.BLOCKS_STORED,
+            block_ids=tuple(node.block_ids.tolist()),
+            token_bytes=bytes(node.token_bytes),
+            parent_block_id=parent_block,
+            block_hashes=tuple(wire_hash(h) for h in self.hashes.node_hashes(node)),
+            parent_block_hash=None if parent_hash is None else wire_hash(parent_hash),
+            extra_keys=tuple(self.hashes.event_extra_keys(node)),
+            pool_sequence_number=self._count_for(node.namespace),
+            namespace_digest=self.digests.get(node.namespace, 0),
+            digest_delta=delta,
         )
 
     def _tenant_prefix(self, namespace: str) -> str | None:
@@ -333,7 +333,7 @@ class EventHub:
 
     def watch(self, accepts: Callable[[str], bool]) -> Watcher:
         """A new watcher; call under the pool's lock (with `snapshot`, if one is wanted)."""
-        watcher = Watcher(accepts, self._max_events, self.digest(accepts))
+        watcher = Watcher(accepts, self._max_events, digest=self.digest(accepts))
         with self._watchers_lock:
             self._watchers = (*self._watchers, watcher)
         return watcher

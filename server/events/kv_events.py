@@ -82,6 +82,7 @@ class ZmqEventPublisher:
     def __init__(
         self,
         config: KVEventsConfig,
+        *,
         block_size: int,
         data_parallel_rank: int = 0,
         max_events_per_batch: int = 1024,
@@ -144,7 +145,12 @@ class ZmqEventPublisher:
                 )
                 opened.append(router)
                 self.replay = ReplayServer(
-                    router, self.buffer, self.topic, config.max_replays, config.replay_seconds, gate
+                    router,
+                    self.buffer,
+                    topic=self.topic,
+                    max_replays=config.max_replays,
+                    max_seconds=config.replay_seconds,
+                    gate=gate,
                 )
             self.digest_endpoint: str | None = None
             if config.digest_endpoint is not None:

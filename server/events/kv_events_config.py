@@ -32,7 +32,7 @@ INSECURE_FLAG = "--kv-events-insecure-publish-tenant-prompts"
 BIND_ALL_FLAG = "--kv-events-bind-all-interfaces"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVEventsConfig:
     """One pool's KV-events stream (`radixkv.server.events.kv_events`)."""
 

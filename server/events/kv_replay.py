@@ -102,7 +102,7 @@ class ReplayBuffer:
 class _Replay:
     __slots__ = ("identity", "next_seq", "end_seq", "started", "last_progress", "sent")
 
-    def __init__(self, identity: bytes, next_seq: int, end_seq: int, now: float) -> None:
+    def __init__(self, identity: bytes, *, next_seq: int, end_seq: int, now: float) -> None:
         self.identity, self.next_seq, self.end_seq = identity, next_seq, end_seq
         self.started = self.last_progress = now
         self.sent: collections.deque[int] = collections.deque(maxlen=SEND_HWM)  # sizes of the last batches sent
@@ -115,6 +115,7 @@ class ReplayServer:
         self,
         socket: zmq.Socket[bytes],
         buffer: ReplayBuffer,
+        *,
         topic: bytes,
         max_replays: int,
         max_seconds: float = 30.0,
@@ -215,7 +216,7 @@ class ReplayServer:
             # The latest start is the shortest replay (all end at `end`); `max` keeps the first of equals.
             identity = max(self._waiting, key=lambda i: max(self._waiting[i], first))
             start = self._waiting.pop(identity)
-            self._active[identity] = _Replay(identity, max(start, first), end, now)
+            self._active[identity] = _Replay(identity, next_seq=max(start, first), end_seq=end, now=now)
 
     def _cut(self, replay: _Replay) -> None:
         """End `replay` before its last batch: the end marker if the peer has room for it (else it times out and

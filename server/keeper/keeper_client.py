@@ -49,7 +49,7 @@ SPAWN_TIMEOUT_SECONDS = 60.0
 KEEPER_LOG = "keeper.log"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KeeperAttachment:
     """A pool's memory as the keeper handed it over, and whether it is new."""
 

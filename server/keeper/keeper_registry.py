@@ -42,7 +42,7 @@ SNAPSHOT_DIR = "snapshots"
 _SEGMENT_RE = re.compile(r"radixkv-keeper-[0-9a-f]{12}-[0-9]{1,4}")  # a state file names nothing else
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class KeptPool:
     """One pool's memory. `holder` is the connection that has it attached (None: waiting for a server)."""
 
@@ -147,7 +147,16 @@ class Keeper:
                 storage = KVStorage.create(layout, device)
         except (ValueError, OSError, RuntimeError) as e:  # no room in /dev/shm, CUDA out of memory, no such device
             raise KeeperError("NO_MEMORY", f"pool {name!r}: cannot allocate {layout.total_bytes} bytes: {e}") from None
-        pool = KeptPool(name, tier, layout, device, storage, segment, created_by=conn, created_at=time.time())
+        pool = KeptPool(
+            name=name,
+            tier=tier,
+            layout=layout,
+            device=device,
+            storage=storage,
+            segment=segment,
+            created_by=conn,
+            created_at=time.time(),
+        )
         self._pools[(name, tier)] = pool
         self._write_state()
         log.info("created", extra={"pool": name, "tier": tier, "bytes": layout.total_bytes, "segment": segment})

@@ -62,6 +62,7 @@ class RadixKVServer:
         self,
         server: grpc.Server,
         service: KVService,
+        *,
         health_servicer: health.HealthServicer,
         metrics: ServerMetrics,
         config: ServerConfig,
@@ -144,11 +145,11 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             "max_session_streams", config.max_session_streams, service.shares.of(config.max_session_streams)
         )
         gate = StreamGate(
-            config.max_streams,
-            config.max_streams_per_peer,
-            service.shares.of(config.max_streams),
-            config.max_public_streams,
-            {f"/{KVCACHE_SERVICE}/Session": session_bound},
+            max_streams=config.max_streams,
+            max_per_peer=config.max_streams_per_peer,
+            max_per_tenant=service.shares.of(config.max_streams),
+            max_public=config.max_public_streams,
+            bounds={f"/{KVCACHE_SERVICE}/Session": session_bound},
         )
         metrics.watch_streams(gate)
         interceptors = [  # outermost first; why this order: server/wire/interceptors.py
@@ -197,11 +198,18 @@ def create_server(config: ServerConfig, address: str) -> tuple[RadixKVServer, in
             keeper.close()
         raise
     auditor = (
-        PoolAuditor(pools, config.audit_interval_seconds, metrics.registry, config.audit_slice_ms / 1000)
+        PoolAuditor(
+            pools,
+            interval=config.audit_interval_seconds,
+            registry=metrics.registry,
+            slice_seconds=config.audit_slice_ms / 1000,
+        )
         if config.audit_interval_seconds
         else None
     )
-    return RadixKVServer(server, service, health_servicer, metrics, config, auditor, keeper), port
+    return RadixKVServer(
+        server, service, health_servicer=health_servicer, metrics=metrics, config=config, auditor=auditor, keeper=keeper
+    ), port
 
 
 def _connect_keeper(config: ServerConfig) -> KeeperClient | None:

@@ -55,7 +55,7 @@ class PoolAuditor:
     """A daemon thread auditing one pool per `interval` seconds; `start`, then `stop`."""
 
     def __init__(
-        self, pools: Mapping[str, Pool], interval: float, registry: CollectorRegistry, slice_seconds: float = 0.002
+        self, pools: Mapping[str, Pool], *, interval: float, registry: CollectorRegistry, slice_seconds: float = 0.002
     ) -> None:
         if interval <= 0:
             raise ValueError("audit interval must be > 0 seconds")

@@ -38,7 +38,7 @@ def compare_digests(wires: dict[str, list[int]], num_blocks: dict[str, int], dig
         )
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class _NodeCopy:
     node_id: int
     namespace: str
@@ -56,21 +56,21 @@ class _NodeCopy:
 def _copy(node: Node, tree: RadixTree, pool: Pool) -> _NodeCopy:
     get = pool.events.hashes.get
     return _NodeCopy(
-        node.node_id,
-        node.namespace,
-        node.token_bytes,
-        node.block_ids,
-        [get(b) for b in node.block_ids.tolist()],
-        {k: c.node_id for k, c in node.children.items()},
-        node.lock_ref,
-        node.pin_ref,
-        node.last_access,
-        node.parent is not None and tree.is_listed_evictable(node),
-        dict(node.host_children),
+        node_id=node.node_id,
+        namespace=node.namespace,
+        token_bytes=node.token_bytes,
+        block_ids=node.block_ids,
+        hashes=[get(b) for b in node.block_ids.tolist()],
+        children={k: c.node_id for k, c in node.children.items()},
+        lock_ref=node.lock_ref,
+        pin_ref=node.pin_ref,
+        last_access=node.last_access,
+        listed=node.parent is not None and tree.is_listed_evictable(node),
+        host_children=dict(node.host_children),
     )
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, kw_only=True)
 class _Instant:
     """What the completing hold copies: everything but the tree's non-root nodes."""
 
@@ -89,7 +89,7 @@ class _Instant:
 class _TreeImage(RadixTree):
     """A tree rebuilt from copies, for `check_holders`; its evictable list is the nodes found listed."""
 
-    def __init__(self, block_size: int, roots: dict[str, Node], listed: list[Node], instant: _Instant) -> None:
+    def __init__(self, block_size: int, *, roots: dict[str, Node], listed: list[Node], instant: _Instant) -> None:
         super().__init__(block_size)
         self.roots = roots
         self._listed = sorted(listed, key=lru_key)
@@ -164,21 +164,21 @@ class PoolImage:
         except AssertionError as e:
             ledger_violation = f"ledger: {e}"
         return _Instant(
-            [_copy(root, tree, pool) for root in tree.roots.values()],
-            [s.image() for s in sequences],
-            [(node.node_id, count) for node, count in pins],
-            pool.cache.pool.copy(),
-            (
+            roots=[_copy(root, tree, pool) for root in tree.roots.values()],
+            sequences=[s.image() for s in sequences],
+            pins=[(node.node_id, count) for node, count in pins],
+            pool=pool.cache.pool.copy(),
+            counters=(
                 tree.num_evictable_blocks,
                 tree.num_pinned_blocks,
                 tree.num_cached_blocks,
                 dict(tree.num_cached_blocks_in),
             ),
-            tree.num_listed_evictable,
-            len(hub.hashes),
-            dict(hub.digests),
-            dict(hub.num_blocks),
-            ledger_violation,
+            num_listed=tree.num_listed_evictable,
+            num_hashes=len(hub.hashes),
+            digests=dict(hub.digests),
+            num_blocks=dict(hub.num_blocks),
+            ledger_violation=ledger_violation,
         )
 
     def check(self) -> None:
@@ -193,12 +193,12 @@ class PoolImage:
                 c.token_bytes,
                 c.block_ids,
                 None,
-                c.namespace,
-                {},
-                c.lock_ref,
-                c.pin_ref,
-                c.last_access,
-                c.node_id,
+                namespace=c.namespace,
+                children={},
+                lock_ref=c.lock_ref,
+                pin_ref=c.pin_ref,
+                last_access=c.last_access,
+                node_id=c.node_id,
                 host_children=c.host_children,
             )
             for c in copies
@@ -216,7 +216,7 @@ class PoolImage:
         assert instant.num_listed == len(listed), (
             f"evictable leaf list holds {instant.num_listed} entries, {len(listed)} nodes found in it under their keys"
         )
-        tree = _TreeImage(self._pool.cache.block_size, roots, listed, instant)
+        tree = _TreeImage(self._pool.cache.block_size, roots=roots, listed=listed, instant=instant)
         sequences = instant.sequences
         for seq in sequences:
             assert seq.lock_node.node_id in nodes, f"seq {seq.seq_id}: locked node is not in the tree"

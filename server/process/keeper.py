@@ -57,7 +57,7 @@ _POLL_SECONDS = 0.2  # how soon the loop sees stop()
 _UNIX_PATH_MAX = 107
 
 
-@dataclasses.dataclass(slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False, kw_only=True)
 class _Connection:
     """One peer: its bytes not yet framed, when it connected or last sent a whole frame, and since when a frame
     has been arriving (None: none begun)."""
@@ -135,7 +135,7 @@ class KeeperServer:
                 continue
             sock.settimeout(FRAME_TIMEOUT_SECONDS)  # for replies; reads happen only when the selector says so
             self._next_conn += 1
-            conn = _Connection(sock, self._next_conn, time.monotonic())
+            conn = _Connection(sock=sock, conn_id=self._next_conn, active_at=time.monotonic())
             self._connections[conn.conn_id] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
             log.debug("connected", extra={"conn": conn.conn_id})

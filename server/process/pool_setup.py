@@ -52,11 +52,11 @@ def build_pool(
         config.name,
         storage,
         config.limits,
-        watch_queue_size,
-        config.tombstones,
-        attachment,
-        lost,
-        host,
+        watch_queue_size=watch_queue_size,
+        tombstones=config.tombstones,
+        keeper=attachment,
+        keeper_lost=lost,
+        host_storage=host,
         reserve_fraction=config.reserve_fraction,
         watermark_fraction=config.watermark_fraction,
         eviction_policy=config.eviction_policy,
@@ -81,7 +81,14 @@ def _layout(config: PoolConfig, keeper: KeeperClient | None) -> PoolLayout:
 
     c = config
     if c.num_blocks is not None:
-        return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.block_size, c.num_blocks, c.dtype)
+        return PoolLayout(
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            block_size=c.block_size,
+            num_blocks=c.num_blocks,
+            dtype=c.dtype,
+        )
     if keeper is not None:
         shape = {
             "num_layers": c.num_layers,

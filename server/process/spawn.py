@@ -41,7 +41,7 @@ class _Announced:
     """A child that announces itself with one JSON line on stdout whose "event" is `event`; `stop()` is
     SIGTERM (a graceful stop), `kill()` SIGKILL. `log_path` receives its stderr; without one it is inherited."""
 
-    def __init__(self, command: list[str], event: str, log_path: Path | None, timeout: float, log_mode: str) -> None:
+    def __init__(self, command: list[str], event: str, *, log_path: Path | None, timeout: float, log_mode: str) -> None:
         self.log_path = log_path
         self._log: IO[bytes] | None = open(log_path, log_mode) if log_path is not None else None  # noqa: SIM115
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log)
@@ -141,7 +141,7 @@ class ServerProcess(_Announced):
             *keeper_flags,
             *args,
         ]
-        super().__init__(command, "serving", log_path, timeout, "wb")
+        super().__init__(command, "serving", log_path=log_path, timeout=timeout, log_mode="wb")
         self.port: int = int(self.announcement["port"])
         self.metrics_port: int | None = self.announcement.get("metrics_port")
         self.address = f"127.0.0.1:{self.port}"
@@ -155,11 +155,12 @@ class KeeperProcess(_Announced):
     def __init__(
         self,
         state_dir: str | Path,
+        *,
         log_path: Path | None = None,
         timeout: float = START_SECONDS,
         args: Sequence[str] = (),
     ) -> None:
         command = [sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(state_dir), *args]
-        super().__init__(command, "keeping", log_path, timeout, "ab")
+        super().__init__(command, "keeping", log_path=log_path, timeout=timeout, log_mode="ab")
         self.socket = Path(self.announcement["socket"])
         self.incarnation: str = self.announcement["incarnation"]

@@ -45,7 +45,7 @@ from radixkv.tree.eviction import POLICIES
 DEFAULT_POOL = "default"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PoolConfig:
     """One pool: its layout, device, and size by exactly one of num_blocks, memory_bytes, memory_fraction."""
 
@@ -98,7 +98,7 @@ class PoolConfig:
             )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     """Everything `create_server` needs besides the address. Without tenants, auth is off."""
 

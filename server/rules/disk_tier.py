@@ -58,7 +58,7 @@ REPROBE_S = 60.0
 MAX_FREE_ROWS = 4  # promotes' read buffers kept for reuse (promotes run on the server's threads at once)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Staged:
     """Blocks of one namespace copied out of the pool for the writer: their hashes, bytes, writers' digests."""
 
@@ -68,7 +68,12 @@ class Staged:
     digests: list[bytes]
 
     def rows(self, keep: list[int]) -> Staged:
-        return Staged(self.namespace, [self.hashes[i] for i in keep], self.data[keep], [self.digests[i] for i in keep])
+        return Staged(
+            namespace=self.namespace,
+            hashes=[self.hashes[i] for i in keep],
+            data=self.data[keep],
+            digests=[self.digests[i] for i in keep],
+        )
 
 
 def tenant_of(namespace: str) -> str:
@@ -84,6 +89,7 @@ class PoolDisk:
     def __init__(
         self,
         pool: Pool,
+        *,
         directory: Path,
         capacity_bytes: int,
         prefill_tokens_per_s: float | None,
@@ -186,7 +192,9 @@ class PoolDisk:
             rows.append(i)
         for namespace, (hashes, rows) in runs.items():
             block_rows = data if len(runs) == 1 else data[rows]  # one namespace (the usual case): no copy
-            self._staged.append(Staged(namespace, hashes, block_rows, [digests[i] for i in rows]))
+            self._staged.append(
+                Staged(namespace=namespace, hashes=hashes, data=block_rows, digests=[digests[i] for i in rows])
+            )
 
     def _gather(self, ids: list[int]) -> npt.NDArray[np.uint8]:
         """The K/V bytes of device blocks `ids`, one row each ([n, bytes_per_block]: layer, K/V, token, head, dim)."""
@@ -356,7 +364,11 @@ def attach_disk(pool: Pool, config: PoolConfig, shares: Shares) -> None:
         return
     assert config.disk_capacity is not None, "PoolConfig checks a disk tier has a capacity"
     disk = PoolDisk(
-        pool, Path(config.disk_dir), parse_bytes(config.disk_capacity), config.disk_prefill_tokens_per_s, shares
+        pool,
+        directory=Path(config.disk_dir),
+        capacity_bytes=parse_bytes(config.disk_capacity),
+        prefill_tokens_per_s=config.disk_prefill_tokens_per_s,
+        shares=shares,
     )
     disk.start()
     with pool.lock:  # blocks already cached (adopted from a keeper's snapshot) reach the disk too

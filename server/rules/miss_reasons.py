@@ -36,7 +36,7 @@ class MissReason(enum.Enum):
     HOST_TIER = 7  # Match only: the prefix continues in the host tier (an open loads it back)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MissExplanation:
     reason: MissReason
     block_index: int  # the first uncached block
@@ -76,7 +76,9 @@ def after_open(before: MissExplanation, num_cached_tokens: int, block_size: int)
         num_tokens = before.block_index * block_size
         if num_cached_tokens < num_tokens:
             return MissExplanation(
-                MissReason.LAST_TOKEN, num_cached_tokens // block_size, num_tokens - num_cached_tokens
+                reason=MissReason.LAST_TOKEN,
+                block_index=num_cached_tokens // block_size,
+                num_missed_tokens=num_tokens - num_cached_tokens,
             )
     return before
 
@@ -107,19 +109,23 @@ def explain_miss(
     num_tokens = len(key) // 4
     index, num_missed = num_cached // block_size, num_tokens - num_cached
     if num_missed == 0:
-        return MissExplanation(MissReason.FULLY_CACHED, index, 0)
+        return MissExplanation(reason=MissReason.FULLY_CACHED, block_index=index, num_missed_tokens=0)
     if num_missed < block_size:
-        return MissExplanation(MissReason.PARTIAL_BLOCK, index, num_missed)
+        return MissExplanation(reason=MissReason.PARTIAL_BLOCK, block_index=index, num_missed_tokens=num_missed)
     num_device, num_host = cache.match_tiers(key, core_namespace)
     if num_device <= num_cached < num_device + num_host:  # the next block is host-resident: checked first, since
-        return MissExplanation(MissReason.HOST_TIER, index, num_missed)  # its device eviction left a tombstone
+        return MissExplanation(
+            reason=MissReason.HOST_TIER, block_index=index, num_missed_tokens=num_missed
+        )  # its device eviction left a tombstone
     block = np.frombuffer(key, dtype="<i4")[index * block_size : (index + 1) * block_size].tolist()
     wire = wire_hash(
         chain_hashes(block, block_size, core_namespace, _last_cached_hash(cache, events, key, core_namespace))[0]
     )
     evicted_at = events.tombstones.evicted_at(wire, core_namespace)
     if evicted_at is not None:
-        return MissExplanation(MissReason.EVICTED, index, num_missed, evicted_at_unix_ns=evicted_at)
+        return MissExplanation(
+            reason=MissReason.EVICTED, block_index=index, num_missed_tokens=num_missed, evicted_at_unix_ns=evicted_at
+        )
     # Every visible namespace is screened by its first block, O(1) each (the pool's max_namespaces bounds
     # them); only those that start the same way are matched in full.
     first_block = key[: block_size * 4]
@@ -130,5 +136,10 @@ def explain_miss(
     ]
     for other in others[:MAX_OTHER_NAMESPACES]:
         if cache.match(key, other) > num_cached:
-            return MissExplanation(MissReason.OTHER_NAMESPACE, index, num_missed, other_namespace=caller.unscope(other))
-    return MissExplanation(MissReason.NEVER_CACHED, index, num_missed)
+            return MissExplanation(
+                reason=MissReason.OTHER_NAMESPACE,
+                block_index=index,
+                num_missed_tokens=num_missed,
+                other_namespace=caller.unscope(other),
+            )
+    return MissExplanation(reason=MissReason.NEVER_CACHED, block_index=index, num_missed_tokens=num_missed)

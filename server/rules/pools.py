@@ -34,12 +34,12 @@ class Pool:
         name: str,
         storage: KVStorage,
         limits: Limits,
+        *,
         watch_queue_size: int,
         tombstones: int = 65_536,
         keeper: KeeperAttachment | None = None,
         keeper_lost: threading.Event | None = None,
         host_storage: KVStorage | None = None,
-        *,
         reserve_fraction: float = 1.0,
         eviction_policy: str = "lru",
         watermark_fraction: float = 0.01,
@@ -92,7 +92,7 @@ class Pool:
             hub = self.events
             publisher = ZmqEventPublisher(
                 config,
-                self.layout.block_size,
+                block_size=self.layout.block_size,
                 adopted=hub.snapshot(publishes) if self.num_adopted_blocks else None,
                 epoch=hub.epoch,
                 digest=hub.digest(publishes),

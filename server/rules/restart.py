@@ -68,7 +68,7 @@ def snapshot_path(pool_name: str, memory: KeptMemory) -> Path:
     return Path(memory.snapshot_dir) / f"{pool_name}{SNAPSHOT_SUFFIX}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Written:
     """One pool's snapshot as `write_snapshot` left it."""
 
@@ -110,7 +110,7 @@ def kv_checksums(storage: KVStorage, block_ids: list[int]) -> bytes:
 def pool_identity(pool: Pool, memory: str) -> PoolIdentity:
     """What a snapshot of `pool` names: the pool, its layout and its host tier's, the memory `memory`."""
     host_layout = pool.host_storage.layout if pool.host_storage is not None else None
-    return PoolIdentity(pool.name, pool.layout, memory, host_layout)
+    return PoolIdentity(pool=pool.name, layout=pool.layout, memory_id=memory, host_layout=host_layout)
 
 
 def host_tier_checksums(pool: Pool, cache: KVCache) -> bytes:
@@ -150,7 +150,14 @@ def write_snapshot(pool: Pool, memory: KeptMemory, sessions: list[Session]) -> W
         num_sequences = len(cache.sequence_ids())
     path = snapshot_path(pool.name, memory)
     write_atomically(path, data)
-    written = Written(pool.name, path, len(data), len(tree_block_ids), num_sequences, time.perf_counter() - started)
+    written = Written(
+        pool=pool.name,
+        path=path,
+        num_bytes=len(data),
+        num_cached_blocks=len(tree_block_ids),
+        num_live_sequences=num_sequences,
+        seconds=time.perf_counter() - started,
+    )
     log.info("snapshot written", extra=dataclasses.asdict(written) | {"path": str(path)})
     return written
 

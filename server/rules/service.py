@@ -291,7 +291,16 @@ def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: l
         with applying.item("append"):
             a = step.append
             if _is_empty(a):  # an append of nothing: a no-op, answered with an empty result
-                appended = AppendBatch([], [], [], [], [], [], [], np.empty(0, dtype=np.int64))
+                appended = AppendBatch(
+                    seq_ids=[],
+                    num_appended=[],
+                    num_tokens=[],
+                    table_offsets=[],
+                    num_block_ids=[],
+                    block_ids=[],
+                    copies=[],
+                    slot_source=np.empty(0, dtype=np.int64),
+                )
             else:
                 appended = cache.append_batch(a.seq_ids, a.num_token_ids, a.token_ids)
                 ledger.follow_append(session, appended)
@@ -317,10 +326,25 @@ def _apply(checks: Checks, pool: Pool, session: Session, step: Step, requests: l
         checks.keep_cache_share(pool, session.tenant)
     if not opened:  # a decode step: only its append's transfers
         offloads = appended.offloads if appended is not None else NO_PAIRS
-        return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads)
+        return StepResult(
+            opened=opened,
+            appended=appended,
+            forked=forked,
+            num_cached_tokens=num_cached,
+            num_released_sequences=num_released,
+            offloads=offloads,
+        )
     offloads = concat_pairs([*(r.offloads for r in opened), *([appended.offloads] if appended is not None else [])])
     loads = concat_pairs(r.loads for r in opened)
-    return StepResult(opened, appended, forked, num_cached, num_released, offloads=offloads, loads=loads)
+    return StepResult(
+        opened=opened,
+        appended=appended,
+        forked=forked,
+        num_cached_tokens=num_cached,
+        num_released_sequences=num_released,
+        offloads=offloads,
+        loads=loads,
+    )
 
 
 def _is_empty(append: Append) -> bool:
@@ -373,13 +397,13 @@ class KVService:
         )
         self.shares = self.checks.shares
         self.sessions = SessionRegistry(
-            config.session_ttl_seconds,
-            config.max_session_ttl_seconds,
-            config.max_sessions,
-            self._end_session,
-            self.shares.of(config.max_sessions),
-            WindowBytes(config.max_request_window_bytes, self.shares.of(config.max_request_window_bytes)),
-            config.max_request_window_bytes_per_session,
+            default_ttl=config.session_ttl_seconds,
+            max_ttl=config.max_session_ttl_seconds,
+            max_sessions=config.max_sessions,
+            on_end=self._end_session,
+            max_sessions_per_tenant=self.shares.of(config.max_sessions),
+            windows=WindowBytes(config.max_request_window_bytes, self.shares.of(config.max_request_window_bytes)),
+            max_window_bytes_per_session=config.max_request_window_bytes_per_session,
         )
         assert config.max_watch_streams is not None
         self.streams = WatchStreams(config.max_watch_streams, self.shares.of(config.max_watch_streams))
@@ -584,7 +608,9 @@ class KVService:
         Nothing to quota: a hint orders eviction and holds nothing."""
         pool, key, core_namespace = self._prefix(caller, pool_name, token_ids, namespace)
         session = self.sessions.get(session_id, caller)
-        hint = Retention(*retention)  # InvalidArgument names the field before anything is applied
+        ttl_s, priority, refresh, end_session = retention
+        # InvalidArgument names the field before anything is applied
+        hint = Retention(ttl_s=ttl_s, priority=priority, refresh=refresh, end_session=end_session)
         return self.checks.applied_once(
             pool, session, request, lambda: pool.cache.retain(key, core_namespace, hint), lambda _: 1
         )

@@ -165,6 +165,7 @@ class RequestWindow:
 
     def __init__(
         self,
+        *,
         max_results: int = DEFAULT_MAX_RESULTS,
         max_bytes: int = DEFAULT_MAX_SESSION_BYTES,
         budget: WindowBytes | None = None,
@@ -314,7 +315,7 @@ _INSTANCE_ID_CHARS = 8
 REAP_INTERVAL_SECONDS = 0.05
 
 
-@dataclasses.dataclass(eq=False, slots=True)
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
 class Session:
     """A client's lease. What it holds in each pool is that pool's `PoolLedger`'s to know."""
 
@@ -335,6 +336,7 @@ class SessionRegistry:
 
     def __init__(
         self,
+        *,
         default_ttl: float,
         max_ttl: float,
         max_sessions: int,
@@ -417,7 +419,7 @@ class SessionRegistry:
 
     def _new(self, session_id: str, tenant: Tenant, ttl: float) -> Session:
         window = RequestWindow(max_bytes=self._max_window_bytes, budget=self.windows, tenant=tenant.name)
-        return Session(session_id, tenant, ttl, time.monotonic() + ttl, requests=window)
+        return Session(session_id=session_id, tenant=tenant, ttl=ttl, deadline=time.monotonic() + ttl, requests=window)
 
     def get(self, session_id: str, tenant: Tenant) -> Session:
         """The live session `session_id`, its lease renewed.

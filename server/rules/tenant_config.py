@@ -24,7 +24,7 @@ _BOOLEANS = ("map_pools", "admin", "publish_kv_events")
 _COUNTS = ("max_blocks", "max_cached_blocks")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TenantConfig:
     """A bearer token's owner: the namespaces it may use and its block quota per pool."""
 
@@ -102,7 +102,7 @@ def tenants_from_mapping(tables: Any) -> tuple[TenantConfig, ...]:
         if not isinstance(namespaces, list):
             raise ValueError(f"tenant {name!r}: namespaces = {namespaces!r} must be a list of names")
         kept = {k: v for k, v in values.items() if k != "namespaces"}
-        tenants.append(TenantConfig(name, namespaces=tuple(namespaces), **kept))
+        tenants.append(TenantConfig(name=name, namespaces=tuple(namespaces), **kept))
     return tuple(tenants)
 
 

@@ -23,7 +23,7 @@ from radixkv.tree.radix_node import OWNER_SEPARATOR
 SCOPE_SEPARATOR = OWNER_SEPARATOR  # a tenant's scoped namespaces are the core's owner's (per-owner eviction)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Tenant:
     name: str
     namespaces: frozenset[str]
@@ -36,13 +36,13 @@ class Tenant:
     @classmethod
     def from_config(cls, config: TenantConfig) -> Tenant:
         return cls(
-            config.name,
-            frozenset(config.namespaces),
-            config.max_blocks,
-            config.map_pools,
-            config.admin,
-            config.max_cached_blocks,
-            config.max_tokens_per_second,
+            name=config.name,
+            namespaces=frozenset(config.namespaces),
+            max_blocks=config.max_blocks,
+            map_pools=config.map_pools,
+            admin=config.admin,
+            max_cached_blocks=config.max_cached_blocks,
+            max_tokens_per_second=config.max_tokens_per_second,
         )
 
     @property
@@ -74,7 +74,9 @@ class Tenant:
         return core_namespace.startswith(self.prefix)
 
 
-ANONYMOUS = Tenant("", frozenset({ANY_NAMESPACE}), None, True, True)  # auth off: every caller is trusted
+ANONYMOUS = Tenant(
+    name="", namespaces=frozenset({ANY_NAMESPACE}), max_blocks=None, map_pools=True, admin=True
+)  # auth off: every caller is trusted
 
 
 # -- from rules/shares.py (merged, issue 41: one concept, one module):

@@ -544,7 +544,7 @@ _CUDA_IPC_FIELDS = tuple(pb.CudaIpcHandle.DESCRIPTOR.fields_by_name)  # the same
 
 
 def _hash_contract(block_size: int) -> pb.HashContract:
-    c = HashContract(block_size)
+    c = HashContract(block_size=block_size)
     return pb.HashContract(
         algorithm=c.algorithm,
         root_seed=c.root_seed,
@@ -635,7 +635,7 @@ class SessionStreams:
         the caller is still there (gRPC's context). A generator: it counts as open once it starts."""
         with self._lock:
             self._num_open += 1
-        stream = _Stream(service, caller, observe, self, is_active)
+        stream = _Stream(service, caller, observe=observe, streams=self, is_active=is_active)
         try:
             incoming = iter(requests)
             while True:
@@ -707,6 +707,7 @@ class _Stream:
         self,
         service: KVService,
         caller: Tenant,
+        *,
         observe: Observe,
         streams: SessionStreams,
         is_active: Callable[[], bool],

@@ -46,6 +46,7 @@ class StreamGate(WrappingInterceptor):
 
     def __init__(
         self,
+        *,
         max_streams: int,
         max_per_peer: int,
         max_per_tenant: int,

@@ -26,9 +26,19 @@ def shape(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 def sequence(registry: Sequences, block_table: list[int], num_tokens: int) -> LiveSequence:
     """A registered sequence holding `block_table` (its own, by count) for `num_tokens` tokens."""
     tail = bytearray(TokenKey.of(list(range(num_tokens))).data)
-    root = Node(b"", NO_BLOCKS, None, "default")
+    root = Node(b"", NO_BLOCKS, None, namespace="default")
     table = BlockTable.of([np.array(block_table, dtype=np.int32)])
-    seq = LiveSequence(registry.next_id(), "default", tail, table, root, 0, NO_BLOCKS, num_tokens, num_tokens)
+    seq = LiveSequence(
+        registry.next_id(),
+        namespace="default",
+        tail=tail,
+        block_table=table,
+        lock_node=root,
+        num_tree_blocks=0,
+        private_prefix=NO_BLOCKS,
+        num_tokens=num_tokens,
+        num_computed_tokens=num_tokens,
+    )
     registry.add(seq)
     return seq
 

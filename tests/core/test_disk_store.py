@@ -105,14 +105,20 @@ def test_a_damaged_or_foreign_file_is_refused_at_rebuild(tmp_path: Path, damage:
 
 def test_a_directory_of_another_shape_is_refused_at_start_naming_the_fields(tmp_path: Path) -> None:
     store(tmp_path).put("", hashes_of(4), blocks_of(4))
-    other = disk_shape(PoolLayout(2, 2, 32, 16, 8, "bfloat16"))
+    other = disk_shape(
+        PoolLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=8, dtype="bfloat16")
+    )
     with pytest.raises(DiskTierError, match="dtype"):
         DiskStore(tmp_path, other, 1 << 30).open()
 
 
 def test_an_object_of_another_shape_in_this_directory_is_never_read_as_this_one(tmp_path: Path) -> None:
     other_dir = tmp_path / "other"
-    other = DiskStore(other_dir, disk_shape(PoolLayout(4, 2, 64, 16, 8, "float16")), 1 << 30)
+    other = DiskStore(
+        other_dir,
+        disk_shape(PoolLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=8, dtype="float16")),
+        1 << 30,
+    )
     other.open()
     hashes = hashes_of(4)
     other.put("", hashes, np.zeros((4, other.shape.bytes_per_block), np.uint8))

@@ -148,7 +148,11 @@ def test_hints_survive_a_snapshot_and_an_older_snapshot_restores_unhinted():
     kept = prompt(100, 2)
     cache_prompt(cache, kept)
     cache.retain(kept, retention=Retention(ttl_s=600, priority=3))
-    identity = PoolIdentity("default", PoolLayout(2, 1, 4, BS, 16), "mem-1")
+    identity = PoolIdentity(
+        pool="default",
+        layout=PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=BS, num_blocks=16),
+        memory_id="mem-1",
+    )
     restored = load(dump(cache, identity), identity).cache
     nodes = [n for _, n in restored.tree.nodes()]
     assert nodes and all(n.retain_priority == 3 and n.retain_ttl_s == 600 for n in nodes)
@@ -252,7 +256,11 @@ def test_agent_traffic_keeps_every_policy_evicting_leaves_only(policy: str, step
 def test_a_snapshot_restores_under_the_pool_policy():
     cache = KVCache(16, BS, eviction_policy="agent")
     cache_prompt(cache, prompt(100, 2))
-    identity = PoolIdentity("default", PoolLayout(2, 1, 4, BS, 16), "mem-1")
+    identity = PoolIdentity(
+        pool="default",
+        layout=PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=BS, num_blocks=16),
+        memory_id="mem-1",
+    )
     restored = load(dump(cache, identity), identity, eviction_policy="agent").cache
     assert restored.tree.policy.name == "agent" and restored.match(prompt(100, 2)) == 2 * BS
     restored.check_invariants()

@@ -20,9 +20,9 @@ from tests.examples import examples
 
 
 def identity(num_host_blocks: int | None = NUM_HOST_BLOCKS, memory_id: str = "mem-1") -> PoolIdentity:
-    layout = PoolLayout(2, 1, 4, BLOCK_SIZE, NUM_BLOCKS)
+    layout = PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     host = dataclasses.replace(layout, num_blocks=num_host_blocks) if num_host_blocks else None
-    return PoolIdentity("default", layout, memory_id, host)
+    return PoolIdentity(pool="default", layout=layout, memory_id=memory_id, host_layout=host)
 
 
 def _path(node) -> tuple[str, bytes]:

@@ -97,7 +97,7 @@ def test_layout_rejects_non_positive(field):
 
 def test_layout_rejects_block_size_not_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
-        PoolLayout(2, 2, 64, 24, 8)
+        PoolLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=24, num_blocks=8)
 
 
 def test_fp8_doubles_the_capacity_of_fp16():

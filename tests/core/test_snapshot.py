@@ -25,7 +25,11 @@ LIMITS = Limits(max_pinned_fraction=0.25)
 
 
 def identity(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE, memory_id: str = "mem-1") -> PoolIdentity:
-    return PoolIdentity("default", PoolLayout(2, 1, 4, block_size, num_blocks), memory_id)
+    return PoolIdentity(
+        pool="default",
+        layout=PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=block_size, num_blocks=num_blocks),
+        memory_id=memory_id,
+    )
 
 
 def fingerprint(cache: KVCache) -> dict[str, object]:
@@ -168,9 +172,32 @@ def test_another_format_version_and_a_foreign_file_are_refused() -> None:
 @pytest.mark.parametrize(
     ("other", "why"),
     [
-        (PoolIdentity("other-pool", identity().layout, "mem-1"), "OTHER_POOL"),
-        (PoolIdentity("default", PoolLayout(2, 1, 8, BLOCK_SIZE, NUM_BLOCKS), "mem-1"), "LAYOUT"),
-        (PoolIdentity("default", PoolLayout(2, 1, 4, BLOCK_SIZE, NUM_BLOCKS, "bfloat16"), "mem-1"), "LAYOUT"),
+        (PoolIdentity(pool="other-pool", layout=identity().layout, memory_id="mem-1"), "OTHER_POOL"),
+        (
+            PoolIdentity(
+                pool="default",
+                layout=PoolLayout(
+                    num_layers=2, num_kv_heads=1, head_dim=8, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS
+                ),
+                memory_id="mem-1",
+            ),
+            "LAYOUT",
+        ),
+        (
+            PoolIdentity(
+                pool="default",
+                layout=PoolLayout(
+                    num_layers=2,
+                    num_kv_heads=1,
+                    head_dim=4,
+                    block_size=BLOCK_SIZE,
+                    num_blocks=NUM_BLOCKS,
+                    dtype="bfloat16",
+                ),
+                memory_id="mem-1",
+            ),
+            "LAYOUT",
+        ),
         (identity(memory_id="mem-2"), "MEMORY"),
     ],
 )
@@ -256,7 +283,11 @@ def test_a_snapshot_from_the_release_before_families_restores_and_goes_on() -> N
     """Written by b049e0d (locks stored per holder through each node, no families): a fork family of three on a
     deep node, a sequence and a pin on the node above. An upgrade restores it as it was and carries on."""
     data = (Path(__file__).parent / "data" / "snapshot_before_families.bin").read_bytes()
-    ident = PoolIdentity("default", PoolLayout(2, 1, 4, 4, 64), "mem-1")
+    ident = PoolIdentity(
+        pool="default",
+        layout=PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=64),
+        memory_id="mem-1",
+    )
     cache = load(data, ident, Limits()).cache
     cache.check_invariants()
     tables = {s.seq_id: cache.block_table(s.seq_id) for s in cache._sequences}

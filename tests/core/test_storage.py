@@ -43,7 +43,7 @@ def pattern(numel: int, salt: int, device: str = "cpu") -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", sorted(DTYPE_BYTES))
 def test_create_is_zero_filled_and_shaped(dtype):
-    layout = PoolLayout(2, 2, 16, 4, 8, dtype)
+    layout = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype=dtype)
     with KVStorage.create(layout) as s:
         assert s.data.shape == layout.shape and s.data.dtype == TORCH_DTYPES[dtype] and s.data.is_contiguous()
         assert s.data.numel() * s.data.element_size() == layout.kv_bytes
@@ -59,7 +59,9 @@ def test_create_is_zero_filled_and_shaped(dtype):
 
 def test_fp8_pool_carries_its_scales():
     """Per-layer K and V scales live in the pool's own memory, after the blocks: a mapping process reads them."""
-    layout = PoolLayout(2, 1, 18, 1, 3, "float8_e4m3fn")  # 216 bytes of blocks: the scales start aligned, at 224
+    layout = PoolLayout(
+        num_layers=2, num_kv_heads=1, head_dim=18, block_size=1, num_blocks=3, dtype="float8_e4m3fn"
+    )  # 216 bytes of blocks: the scales start aligned, at 224
     with KVStorage.create(layout, kv_scales=[(0.5, 0.25), (2.0, 4.0)]) as s:
         assert layout.kv_bytes == 216 and layout.scales_offset == 224 and layout.total_bytes == 224 + 16
         assert s.kv_scales(1).tolist() == [2.0, 4.0] and s.kv_scales(0).dtype == torch.float32
@@ -79,8 +81,14 @@ def test_fp8_pool_carries_its_scales():
     "layout,kv_scales",
     [
         (LAYOUT, [(1.0, 1.0), (1.0, 1.0)]),  # float16: nothing to scale
-        (PoolLayout(2, 1, 16, 4, 2, "float8_e4m3fn"), [(1.0, 1.0)]),  # one pair for two layers
-        (PoolLayout(2, 1, 16, 4, 2, "float8_e4m3fn"), [(1.0, 0.0), (1.0, 1.0)]),  # a zero scale
+        (
+            PoolLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=4, num_blocks=2, dtype="float8_e4m3fn"),
+            [(1.0, 1.0)],
+        ),  # one pair for two layers
+        (
+            PoolLayout(num_layers=2, num_kv_heads=1, head_dim=16, block_size=4, num_blocks=2, dtype="float8_e4m3fn"),
+            [(1.0, 0.0), (1.0, 1.0)],
+        ),  # a zero scale
     ],
 )
 def test_bad_kv_scales(layout, kv_scales):
@@ -107,13 +115,13 @@ def test_handle_round_trips_through_json(storage):
     plain = json.loads(json.dumps(handle.to_dict()))
     assert PoolHandle.from_dict(plain) == handle
     cuda_like = PoolHandle(
-        "cuda_ipc",
-        2,
-        2,
-        16,
-        4,
-        8,
-        "bfloat16",
+        kind="cuda_ipc",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        num_blocks=8,
+        dtype="bfloat16",
         device_index=1,
         ipc_handle=b"\x00\xffipc",
         storage_size_bytes=4096,
@@ -283,7 +291,8 @@ def child(plain):
         s.data[1, 0, 2] = 5.0
 
 if __name__ == "__main__":
-    with KVStorage.create(PoolLayout(2, 2, 16, 4, 8, "float16")) as s:
+    layout = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, dtype="float16")
+    with KVStorage.create(layout) as s:
         handle = s.export_handle()
         for _ in range(2):
             p = multiprocessing.get_context("spawn").Process(target=child, args=(handle.to_dict(),))
@@ -309,8 +318,15 @@ def test_a_spawned_child_shares_the_creators_tracker_and_leaves_its_registration
 @pytest.mark.skipif(not HAS_SHM_DIR, reason="needs /dev/shm")
 def test_create_refuses_more_than_dev_shm_holds():
     st = os.statvfs("/dev/shm")
-    probe = PoolLayout(1, 1, 64, 16, 1, "float32")
-    huge = PoolLayout(1, 1, 64, 16, st.f_bavail * st.f_frsize // probe.bytes_per_block + 1, "float32")
+    probe = PoolLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, num_blocks=1, dtype="float32")
+    huge = PoolLayout(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=16,
+        num_blocks=st.f_bavail * st.f_frsize // probe.bytes_per_block + 1,
+        dtype="float32",
+    )
     with pytest.raises(ValueError, match="^layout"):
         KVStorage.create(huge)
 
@@ -364,7 +380,7 @@ def test_cpu_free_memory_is_plausible():
 
 @pytest.mark.gpu
 def test_cuda_pool_shared_with_another_process():
-    layout = PoolLayout(2, 2, 64, 16, 32, "bfloat16")
+    layout = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=32, dtype="bfloat16")
     s = KVStorage.create(layout, "cuda")
     assert s.data.is_cuda and not s.data.view(torch.int16).any()
     layer0 = s.data[0].view(torch.int16).flatten()

@@ -65,7 +65,14 @@ def model(hf_llama_dir: Path) -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def layout(model: LlamaForCausalLM) -> PoolLayout:
     c = model.config
-    return PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, 1024, "float32")
+    return PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK_SIZE,
+        num_blocks=1024,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="session")

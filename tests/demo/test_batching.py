@@ -63,13 +63,21 @@ def test_admission_keeps_a_block_of_headroom_per_live_sequence() -> None:
 
 def test_preemption_by_recompute_keeps_greedy_output_exact_and_leaks_nothing(model: LlamaForCausalLM) -> None:
     c = model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, 12, "float32")  # 12 blocks: too few for all three
+    layout = PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=4,
+        num_blocks=12,
+        dtype="float32",
+    )  # 12 blocks: too few for all three
     specs = [
-        RequestSpec(f"r{i}", [1] + [10 * i + j for j in range(10, 17)], 14) for i in range(1, 4)
+        RequestSpec(name=f"r{i}", prompt=[1] + [10 * i + j for j in range(10, 17)], max_new_tokens=14)
+        for i in range(1, 4)
     ]  # 8 + 14 tokens: 6 blocks each
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         orchestrator = Orchestrator(
-            client, Worker(model, view, "torch"), (), "preempt"
+            client, Worker(model, view, backend="torch"), eos_token_ids=(), namespace="preempt"
         )  # no EOS: every request runs 14 tokens
         results = orchestrator.run(specs)
         stats = client.stats()

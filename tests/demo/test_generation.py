@@ -27,17 +27,19 @@ EOS = (2,)
 def orchestrator(
     client: RadixKVClient, view: PoolView, model: LlamaForCausalLM, namespace: str, backend: str = "torch"
 ) -> Orchestrator:
-    return Orchestrator(client, Worker(model, view, backend), model.config.eos_token_ids, namespace)
+    return Orchestrator(
+        client, Worker(model, view, backend=backend), eos_token_ids=model.config.eos_token_ids, namespace=namespace
+    )
 
 
 def test_greedy_through_the_service_matches_dense_reference_and_transformers(
     client: RadixKVClient, view: PoolView, model: LlamaForCausalLM, hf_llama_dir: Path
 ) -> None:
     specs = [
-        RequestSpec("a", SYSTEM + [70, 71, 72], 10),
-        RequestSpec("b", SYSTEM + [80, 81, 82, 83, 84], 9),
-        RequestSpec("c", SYSTEM + [90], 7),
-        RequestSpec("a2", [95, 96, 97], 6, follows="a"),
+        RequestSpec(name="a", prompt=SYSTEM + [70, 71, 72], max_new_tokens=10),
+        RequestSpec(name="b", prompt=SYSTEM + [80, 81, 82, 83, 84], max_new_tokens=9),
+        RequestSpec(name="c", prompt=SYSTEM + [90], max_new_tokens=7),
+        RequestSpec(name="a2", prompt=[95, 96, 97], max_new_tokens=6, follows="a"),
     ]
     results = orchestrator(client, view, model, "greedy").run(specs)
     for spec, result in zip(specs, results, strict=True):
@@ -63,7 +65,7 @@ def test_beam_search_through_the_service_matches_dense_reference(
 ) -> None:
     prompt = SYSTEM + [100, 101, 102, 103, 104, 105]  # 30 tokens: the last block is partial, so beams share it
     [result] = orchestrator(client, view, model, f"beam-{width}").run(
-        [RequestSpec("beam", prompt, 10, beam_width=width)]
+        [RequestSpec(name="beam", prompt=prompt, max_new_tokens=10, beam_width=width)]
     )
     expected = reference.beam_search_dense(model, prompt, width, 10)
     assert result.outputs == [list(h.token_ids) for h in expected]
@@ -78,7 +80,12 @@ def test_beam_search_through_the_service_matches_dense_reference(
 def test_parallel_samples_are_seeded_and_share_the_prompt(
     client: RadixKVClient, view: PoolView, model: LlamaForCausalLM
 ) -> None:
-    spec = RequestSpec("s", SYSTEM + [110, 111], 8, SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=7))
+    spec = RequestSpec(
+        name="s",
+        prompt=SYSTEM + [110, 111],
+        max_new_tokens=8,
+        sampling=SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=7),
+    )
     first = orchestrator(client, view, model, "samples-1").run([spec])[0]
     again = orchestrator(client, view, model, "samples-2").run([spec])[0]
     assert again.num_cached_tokens == 0  # another namespace: nothing of the first run is visible
@@ -96,7 +103,10 @@ def test_parallel_samples_are_seeded_and_share_the_prompt(
 def test_triton_kernels_generate_the_same_tokens(
     client: RadixKVClient, view: PoolView, model: LlamaForCausalLM
 ) -> None:
-    specs = [RequestSpec("g", SYSTEM[:7], 4), RequestSpec("b", SYSTEM[:9], 3, beam_width=2)]
+    specs = [
+        RequestSpec(name="g", prompt=SYSTEM[:7], max_new_tokens=4),
+        RequestSpec(name="b", prompt=SYSTEM[:9], max_new_tokens=3, beam_width=2),
+    ]
     results = orchestrator(client, view, model, "triton", backend="triton").run(specs)
     assert results[0].outputs == [reference.greedy(model, specs[0].prompt, 4)]
     assert results[1].outputs == [list(h.token_ids) for h in reference.beam_search_dense(model, specs[1].prompt, 2, 3)]
@@ -108,7 +118,11 @@ def test_demo_scenario_leaves_blocks_free_or_cached_and_hits_every_prompt_block_
     args = build_parser().parse_args(["--max-new-tokens", "6", "--samples", "3", "--beam-width", "3"])
     c = model.config
     chat = ChatModel(
-        "hf-llama", model, ByteTokenizer(c.bos_token_id, c.eos_token_ids), ChatTemplate(PLAIN_TEMPLATE), True
+        name="hf-llama",
+        model=model,
+        tokenizer=ByteTokenizer(c.bos_token_id, c.eos_token_ids),
+        template=ChatTemplate(PLAIN_TEMPLATE),
+        random_weights=True,
     )
     specs = demo_requests(chat, args)
     first_run = orchestrator(client, view, model, "demo")

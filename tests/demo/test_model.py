@@ -24,7 +24,12 @@ PROMPT = [1, 17, 42, 99, 7, 250, 31, 5, 64, 128, 11]
 def all_logprobs(model: LlamaForCausalLM, prompt: list[int]) -> torch.Tensor:
     """Log-probabilities after every prompt token, through the dense reference cache."""
     c = model.config
-    attention = DenseAttention([DenseKV(model, len(prompt))], [len(prompt)], c.head_dim**-0.5, c.sliding_window)
+    attention = DenseAttention(
+        [DenseKV(model, len(prompt))],
+        num_new_tokens=[len(prompt)],
+        scale=c.head_dim**-0.5,
+        sliding_window=c.sliding_window,
+    )
     n = len(prompt)
     return model(torch.tensor(prompt), torch.arange(n), attention, torch.arange(n))  # [n, vocab_size]
 

@@ -42,7 +42,14 @@ class Run:
 def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int, host_blocks: int = 0) -> Run:
     """On a server of its own with a pool of `num_blocks` (and a host tier of `host_blocks`)."""
     c = model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, num_blocks, "float32")
+    layout = PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        dtype="float32",
+    )
     with ServerProcess(layout, host_num_blocks=host_blocks) as address:
         return generate_on(address, model, specs, "preempt")
 
@@ -50,7 +57,9 @@ def generate(model: LlamaForCausalLM, specs: list[RequestSpec], num_blocks: int,
 def generate_on(address: str, model: LlamaForCausalLM, specs: list[RequestSpec], namespace: str) -> Run:
     with RadixKVClient(address) as client, PoolView.from_client(client) as view:
         host = view.host_data if view.info.host is not None else None
-        orchestrator = Orchestrator(client, Worker(model, view, "triton", host), (), namespace)  # no EOS
+        orchestrator = Orchestrator(
+            client, Worker(model, view, backend="triton", host_data=host), eos_token_ids=(), namespace=namespace
+        )  # no EOS
         results = orchestrator.run(specs)
         stats = client.stats()
     assert stats.num_live_sequences == 0 and stats.num_blocks_in_use == 0, "every sequence released, none leaked"
@@ -59,9 +68,14 @@ def generate_on(address: str, model: LlamaForCausalLM, specs: list[RequestSpec],
 
 def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausalLM, server: str) -> None:
     specs = [
-        RequestSpec("g1", SYSTEM + [60, 61, 62], 12),
-        RequestSpec("g2", SYSTEM + [70, 71], 12),
-        RequestSpec("s3", SYSTEM + [80, 81, 82, 83], 12, SamplingParams(temperature=1.0, top_p=0.9, seed=5)),
+        RequestSpec(name="g1", prompt=SYSTEM + [60, 61, 62], max_new_tokens=12),
+        RequestSpec(name="g2", prompt=SYSTEM + [70, 71], max_new_tokens=12),
+        RequestSpec(
+            name="s3",
+            prompt=SYSTEM + [80, 81, 82, 83],
+            max_new_tokens=12,
+            sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=5),
+        ),
     ]  # about 6 blocks each at the end; 12 blocks hold two
     constrained = generate(model, specs, 12)
     num_preemptions = sum(r.num_preemptions for r in constrained.results)
@@ -83,9 +97,14 @@ def test_preemption_by_recompute_generates_the_same_tokens(model: LlamaForCausal
 
 def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM, server: str) -> None:
     specs = [
-        RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
-        RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
-        RequestSpec("beam", SYSTEM + [80, 81, 82, 83, 84], 10, beam_width=2),
+        RequestSpec(name="greedy", prompt=SYSTEM + [60, 61, 62], max_new_tokens=10),
+        RequestSpec(
+            name="samples",
+            prompt=SYSTEM + [70, 71],
+            max_new_tokens=10,
+            sampling=SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7),
+        ),
+        RequestSpec(name="beam", prompt=SYSTEM + [80, 81, 82, 83, 84], max_new_tokens=10, beam_width=2),
     ]
     constrained = generate(model, specs, 16, host_blocks=64)
     swaps = sum(r.num_swaps for r in constrained.results)
@@ -102,8 +121,13 @@ def test_preemption_by_swap_generates_the_same_tokens(model: LlamaForCausalLM, s
 
 def test_requests_of_several_sequences_are_not_preempted_by_recompute(model: LlamaForCausalLM, server: str) -> None:
     specs = [
-        RequestSpec("samples", SYSTEM + [70, 71], 10, SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7)),
-        RequestSpec("greedy", SYSTEM + [60, 61, 62], 10),
+        RequestSpec(
+            name="samples",
+            prompt=SYSTEM + [70, 71],
+            max_new_tokens=10,
+            sampling=SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7),
+        ),
+        RequestSpec(name="greedy", prompt=SYSTEM + [60, 61, 62], max_new_tokens=10),
     ]
     constrained = generate(model, specs, 14)
     samples, greedy = constrained.results

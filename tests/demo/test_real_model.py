@@ -61,14 +61,26 @@ def hf_tokenizer() -> transformers.PreTrainedTokenizerBase:
 @pytest.fixture(scope="module")
 def service(chat: ChatModel) -> Iterator[tuple[RadixKVClient, PoolView]]:
     c = chat.model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, 256, "float32")
+    layout = PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK_SIZE,
+        num_blocks=256,
+        dtype="float32",
+    )
     with ServerProcess(layout) as address, RadixKVClient(address) as client, PoolView.from_client(client) as view:
         yield client, view
 
 
 def orchestrator(chat: ChatModel, service: tuple[RadixKVClient, PoolView], namespace: str) -> Orchestrator:
     client, view = service
-    return Orchestrator(client, Worker(chat.model, view, "torch"), chat.model.config.eos_token_ids, namespace)
+    return Orchestrator(
+        client,
+        Worker(chat.model, view, backend="torch"),
+        eos_token_ids=chat.model.config.eos_token_ids,
+        namespace=namespace,
+    )
 
 
 def test_gguf_config_and_chat_prompt_match_transformers(chat: ChatModel, hf_model, hf_tokenizer) -> None:
@@ -93,7 +105,9 @@ def test_gguf_weights_give_transformers_logits(chat: ChatModel, hf_model) -> Non
     """The un-permuted q/k rows matter: with llama.cpp's order the logits are far off (the trap the loader avoids)."""
     prompt = chat.encode_chat(conversation(QUESTIONS[0]))
     n, c = len(prompt), chat.model.config
-    attention = DenseAttention([DenseKV(chat.model, n)], [n], c.head_dim**-0.5, None)
+    attention = DenseAttention(
+        [DenseKV(chat.model, n)], num_new_tokens=[n], scale=c.head_dim**-0.5, sliding_window=None
+    )
     ours = chat.model(torch.tensor(prompt), torch.arange(n), attention, torch.arange(n))  # [n, vocab_size]
     with torch.no_grad():
         theirs = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [n, vocab_size]
@@ -101,7 +115,10 @@ def test_gguf_weights_give_transformers_logits(chat: ChatModel, hf_model) -> Non
 
 
 def test_greedy_through_the_service_is_token_exact_with_transformers(chat: ChatModel, service, hf_model) -> None:
-    specs = [RequestSpec(f"q{i}", chat.encode_chat(conversation(q)), 12) for i, q in enumerate(QUESTIONS)]
+    specs = [
+        RequestSpec(name=f"q{i}", prompt=chat.encode_chat(conversation(q)), max_new_tokens=12)
+        for i, q in enumerate(QUESTIONS)
+    ]
     results = orchestrator(chat, service, "greedy").run(specs)
     system_blocks = len(chat.encode_chat([{"role": "system", "content": SYSTEM}])) // BLOCK_SIZE * BLOCK_SIZE
     assert results[0].num_cached_tokens == 0
@@ -123,7 +140,9 @@ def test_greedy_through_the_service_is_token_exact_with_transformers(chat: ChatM
 def test_beam_search_through_the_service_equals_transformers(chat: ChatModel, service, hf_model) -> None:
     width, max_new_tokens = 3, 6
     prompt = chat.encode_chat(conversation(QUESTIONS[2]))
-    [result] = orchestrator(chat, service, "beam").run([RequestSpec("beam", prompt, max_new_tokens, beam_width=width)])
+    [result] = orchestrator(chat, service, "beam").run(
+        [RequestSpec(name="beam", prompt=prompt, max_new_tokens=max_new_tokens, beam_width=width)]
+    )
     out = hf_model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -35,7 +35,9 @@ class DevicePool:
 
 def a_step() -> WorkerStep:
     """Every kind of work at once: an offload, a copy, a load, a prefill of a prompt's tail and a decode."""
-    prefill = PrefillInput([11, 12, 13], 2, np.array([2, 3, 4], dtype=np.int64), [0, 1])  # tokens 2-4 of a prompt
+    prefill = PrefillInput(
+        token_ids=[11, 12, 13], num_cached_tokens=2, slots=np.array([2, 3, 4], dtype=np.int64), block_table=[0, 1]
+    )  # tokens 2-4 of a prompt
     decode = DecodeInput(token_id=21, position=5, slot=4 * 4 + 1, block_table=[3, 4])  # its 6th token
     return WorkerStep(
         copies=[(5, 6)], prefills=[prefill], decodes=[decode], offloads=[(7, 0)], transfers=[([(8, 1)], [(2, 9)])]
@@ -90,14 +92,21 @@ def test_a_model_on_another_device_is_refused(model: LlamaForCausalLM):
 def test_a_step_on_a_cuda_pool_matches_the_cpu(model: LlamaForCausalLM):
     """The real thing: the same step on a CUDA pool (the Triton kernels) and on a CPU pool (the torch path)."""
     c = model.config
-    layout = PoolLayout(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, NUM_BLOCKS, "float32")
+    layout = PoolLayout(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        dtype="float32",
+    )
     outputs = []
     for device, backend in (("cpu", "torch"), ("cuda", None)):
         storage = KVStorage.create(layout, device)
         storage.data.copy_(torch.randn(storage.data.shape, generator=torch.Generator().manual_seed(0)))
         host = KVStorage.create_host(dataclasses.replace(layout, num_blocks=10))
         try:
-            worker = Worker(copy.deepcopy(model).to(device), storage, backend, host_data=host.data)
+            worker = Worker(copy.deepcopy(model).to(device), storage, backend=backend, host_data=host.data)
             out = worker.execute(a_step())
             outputs.append([t.cpu() for t in (out.prefill_logprobs, out.decode_logprobs)])
         finally:

@@ -191,17 +191,27 @@ def test_an_adopted_stream_carries_the_digest_of_what_it_announced_so_far() -> N
     from radixkv.server.events.kv_events_config import KVEventsConfig
 
     adopted = [
-        BlockEvent(1, "", EventKind.BLOCKS_STORED, (i,), bytes(4 * BLOCK_SIZE), None, (1000 + i,), None, (None,))
+        BlockEvent(
+            sequence_number=1,
+            namespace="",
+            kind=EventKind.BLOCKS_STORED,
+            block_ids=(i,),
+            token_bytes=bytes(4 * BLOCK_SIZE),
+            parent_block_id=None,
+            block_hashes=(1000 + i,),
+            parent_block_hash=None,
+            extra_keys=(None,),
+        )
         for i in range(3)
     ]
     total = digest_of([1000, 1001, 1002])
-    config = KVEventsConfig("tcp://127.0.0.1:0", "kv@x@m", digest_endpoint="tcp://127.0.0.1:0")
+    config = KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="kv@x@m", digest_endpoint="tcp://127.0.0.1:0")
     proofs: list[dict] = []
     # A connected SUB's subscription can still reach the PUB after the first batches (which PUB then drops): a
     # fresh publisher each try until one's stream was read from its first batch.
     for _ in range(5):
         publisher = ZmqEventPublisher(
-            config, BLOCK_SIZE, max_events_per_batch=1, adopted=adopted, epoch=5, digest=total
+            config, block_size=BLOCK_SIZE, max_events_per_batch=1, adopted=adopted, epoch=5, digest=total
         )
         sub = _subscribe(publisher.digest_endpoint, digest_topic("kv@x@m"))
         try:

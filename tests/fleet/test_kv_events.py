@@ -275,13 +275,16 @@ def test_an_endpoint_that_cannot_be_bound_is_a_clear_error() -> None:
     from radixkv.server.events.kv_events_config import KVEventsConfig
 
     with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):
-        ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:not-a-port", "kv@x@m"), block_size=4)
-    first = ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:0", "kv@x@m"), block_size=4)
+        ZmqEventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:not-a-port", topic="kv@x@m"), block_size=4)
+    first = ZmqEventPublisher(KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="kv@x@m"), block_size=4)
     try:
         with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):  # the port is in use
-            ZmqEventPublisher(KVEventsConfig(first.endpoint, "kv@x@m"), block_size=4)
+            ZmqEventPublisher(KVEventsConfig(endpoint=first.endpoint, topic="kv@x@m"), block_size=4)
         with pytest.raises(RuntimeError, match="cannot bind the KV-events socket"):  # so is the replay's
-            ZmqEventPublisher(KVEventsConfig("tcp://127.0.0.1:0", "kv@x@m", replay_endpoint=first.endpoint), 4)
+            ZmqEventPublisher(
+                KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="kv@x@m", replay_endpoint=first.endpoint),
+                block_size=4,
+            )
     finally:
         first.close()
 

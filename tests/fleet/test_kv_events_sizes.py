@@ -126,7 +126,13 @@ def test_the_ring_keeps_its_bytes_and_drops_the_oldest() -> None:
 
 def test_a_watch_queue_drops_past_its_bytes() -> None:
     watcher = Watcher(lambda namespace: True, max_events=10_000, max_bytes=64 << 10)
-    event = BlockEvent(1, "default", EventKind.BLOCKS_STORED, tuple(range(256)), bytes(4 * 4 * 256))
+    event = BlockEvent(
+        sequence_number=1,
+        namespace="default",
+        kind=EventKind.BLOCKS_STORED,
+        block_ids=tuple(range(256)),
+        token_bytes=bytes(4 * 4 * 256),
+    )
     for _ in range(100):
         watcher.push(event)
     fits = (64 << 10) // event_bytes(event)  # 4 of 100: the rest dropped (a gap the stream's numbers show)

@@ -39,15 +39,26 @@ TOPIC = "kv@127.0.0.1:8000@test-model"
 
 def _event(i: int) -> BlockEvent:
     """The i-th stored block, a root of its own (hash 10_000_000_000 + i: above 2^32, as real hashes are)."""
-    return BlockEvent(i, "default", EventKind.BLOCKS_STORED, (i,), bytes(4 * BLOCK_SIZE), None, (10**10 + i,), None,
-                      (None,), pool_sequence_number=i)  # fmt: skip
+    return BlockEvent(
+        sequence_number=i,
+        namespace="default",
+        kind=EventKind.BLOCKS_STORED,
+        block_ids=(i,),
+        token_bytes=bytes(4 * BLOCK_SIZE),
+        parent_block_id=None,
+        block_hashes=(10**10 + i,),
+        parent_block_hash=None,
+        extra_keys=(None,),
+        pool_sequence_number=i,
+    )
 
 
 @pytest.fixture
 def publisher() -> Iterator[ZmqEventPublisher]:
-    config = KVEventsConfig("tcp://127.0.0.1:0", TOPIC, replay_endpoint="tcp://127.0.0.1:0", buffer_steps=400,
-                            max_replays=8)  # fmt: skip
-    publisher = ZmqEventPublisher(config, BLOCK_SIZE, max_events_per_batch=1)  # one event, one batch
+    config = KVEventsConfig(
+        endpoint="tcp://127.0.0.1:0", topic=TOPIC, replay_endpoint="tcp://127.0.0.1:0", buffer_steps=400, max_replays=8
+    )
+    publisher = ZmqEventPublisher(config, block_size=BLOCK_SIZE, max_events_per_batch=1)  # one event, one batch
     publisher.start()
     yield publisher
     publisher.close()

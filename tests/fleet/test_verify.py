@@ -50,7 +50,7 @@ def test_get_pool_states_the_contract_and_mixed_block_sizes_are_refused_by_name(
     )  # fmt: skip
     # The client: a matching contract connects, another block size is refused at construction.
     with RadixKVClient(same.address, block_size=BLOCK_SIZE) as client:
-        assert client.verify().hash_contract == HashContract(BLOCK_SIZE)
+        assert client.verify().hash_contract == HashContract(block_size=BLOCK_SIZE)
     with pytest.raises(HashContractMismatch) as refused:
         RadixKVClient(other.address, block_size=BLOCK_SIZE)
     assert refused.value.endpoint == other.address

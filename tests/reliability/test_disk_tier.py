@@ -84,7 +84,7 @@ def objects(disk_dir: Path) -> list[Path]:
 
 def test_warm_from_disk_alone_after_sigkill_of_server_and_keeper(tmp_path: Path) -> None:
     disk_dir = tmp_path / "disk-tier"
-    keeper = KeeperProcess(tmp_path / "state", tmp_path / "keeper.log")
+    keeper = KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log")
     first = serve(tmp_path / "a.log", disk_dir, keeper=keeper.socket)
     try:
         written = write_prompt(first, PROMPT, seed=1)

@@ -35,7 +35,9 @@ pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py
 
 POOL = "default:num_layers=2,num_kv_heads=2,head_dim=8,block_size=4,num_blocks=64,dtype=float32"
 FLAGS = ["--pool", POOL, "--debug-rpc"]
-BYTES_PER_BLOCK = PoolLayout(2, 2, 8, 4, 64, "float32").bytes_per_block
+BYTES_PER_BLOCK = PoolLayout(
+    num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64, dtype="float32"
+).bytes_per_block
 
 
 def _zeros_checksum(num_blocks: int) -> str:
@@ -78,7 +80,7 @@ def _checksum(server: ServerProcess, block_ids: list[int]) -> str:
 
 
 def test_a_restarted_server_attaches_the_same_memory_and_the_kv_bytes_are_identical(tmp_path: Path) -> None:
-    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+    with KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log") as keeper:
         first = ServerProcess(FLAGS, tmp_path / "first.log", keeper=keeper.socket)
         assert first.announcement["keeper"]["pools"] == {"default": "fresh"}
         table, checksum, segment = _write_and_checksum(first, seed=3)
@@ -118,7 +120,7 @@ def test_a_keeper_killed_under_a_running_server_leaves_it_serving_but_not_restar
     tmp_path: Path, wait_until: Callable[..., bool]
 ) -> None:
     state = tmp_path / "state"
-    keeper = KeeperProcess(state, tmp_path / "keeper.log")
+    keeper = KeeperProcess(state, log_path=tmp_path / "keeper.log")
     server = ServerProcess([*FLAGS, "--metrics-port", "0"], tmp_path / "server.log", keeper=keeper.socket)
     table, checksum, _ = _write_and_checksum(server, seed=5)
     assert _restart_safe(server) == 1
@@ -142,7 +144,7 @@ def test_a_keeper_killed_under_a_running_server_leaves_it_serving_but_not_restar
 def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path) -> None:
     state = tmp_path / "state"
     prompt = list(range(300, 313))  # 3 full blocks of 4 and one token more
-    keeper = KeeperProcess(state, tmp_path / "keeper.log")
+    keeper = KeeperProcess(state, log_path=tmp_path / "keeper.log")
     server = ServerProcess(FLAGS, tmp_path / "server.log", keeper=keeper.socket)
     table, _, segment = _write_and_checksum(server, seed=7)
     with RadixKVClient(server.address) as client:
@@ -155,7 +157,7 @@ def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path) -> None:
 
     keeper.kill()
     # The next keeper starts cold: the dead keeper's segment and every snapshot are gone, the memory is fresh...
-    with KeeperProcess(state, tmp_path / "keeper2.log") as second_keeper:
+    with KeeperProcess(state, log_path=tmp_path / "keeper2.log") as second_keeper:
         assert second_keeper.incarnation != keeper.incarnation
         assert not os.path.exists(os.path.join(SHM_DIR, segment))
         assert list((state / "snapshots").iterdir()) == []
@@ -169,7 +171,7 @@ def test_sigkill_of_the_keeper_then_a_clean_cold_start(tmp_path: Path) -> None:
 
 
 def test_a_layout_mismatch_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
-    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+    with KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log") as keeper:
         ServerProcess(FLAGS, tmp_path / "first.log", keeper=keeper.socket).stop()
         bigger = ["--pool", POOL.replace("num_blocks=64", "num_blocks=128"), "--debug-rpc"]
         with pytest.raises(RuntimeError, match=r"exited \(1\) before serving") as refused:
@@ -219,7 +221,7 @@ def test_serve_with_a_state_dir_starts_a_detached_keeper_that_outlives_the_serve
 
 
 def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_first(tmp_path: Path) -> None:
-    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+    with KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log") as keeper:
         second = subprocess.run(
             [sys.executable, "-m", "radixkv.server.process.keeper", "--state-dir", str(tmp_path / "state")],
             capture_output=True, text=True, timeout=patient(120),
@@ -239,7 +241,7 @@ def test_a_second_keeper_on_the_same_state_dir_refuses_and_check_probes_the_firs
 def test_a_cuda_pool_kept_by_the_keeper_survives_a_server_restart(tmp_path: Path) -> None:
     """CUDA IPC: the keeper allocates and exports; servers and workers open its handle."""
     cuda_flags = ["--pool", POOL + ",device=cuda:0", "--debug-rpc"]
-    with KeeperProcess(tmp_path / "state", tmp_path / "keeper.log") as keeper:
+    with KeeperProcess(tmp_path / "state", log_path=tmp_path / "keeper.log") as keeper:
         first = ServerProcess(cuda_flags, tmp_path / "first.log", keeper=keeper.socket)
         with RadixKVClient(first.address) as client:
             opened = client.open(list(range(100, 112)), "keeper")
@@ -268,7 +270,7 @@ def test_the_keeper_keeps_the_host_tier_too(tmp_path: Path) -> None:
     a server restart, listed as its own tier, freed with the pool."""
     state = tmp_path / "state"
     flags = ["--pool", POOL + ",host_num_blocks=32", "--debug-rpc"]
-    with KeeperProcess(state, tmp_path / "keeper.log") as keeper:
+    with KeeperProcess(state, log_path=tmp_path / "keeper.log") as keeper:
         first = ServerProcess(flags, tmp_path / "first.log", keeper=keeper.socket)
         with RadixKVClient(first.address) as client:
             info = client.get_pool()

@@ -218,7 +218,7 @@ def test_a_layout_or_device_mismatch_is_refused_naming_what_differs(keeper: Keep
     client.create_or_attach("default", LAYOUT, "cpu")
     client.close()
     other = KeeperClient(keeper.path)
-    bigger = PoolLayout(2, 2, 8, 4, 32, "float16")
+    bigger = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=32, dtype="float16")
     with pytest.raises(KeeperError) as mismatch:
         other.create_or_attach("default", bigger, "cpu")
     assert mismatch.value.reason == "LAYOUT_MISMATCH"
@@ -350,7 +350,7 @@ def test_a_state_dir_too_long_for_a_unix_socket_is_refused_clearly(tmp_path: Pat
 
 def test_a_host_tier_is_kept_apart_from_its_pool_and_released_with_it(keeper: KeeperServer) -> None:
     client = KeeperClient(keeper.path)
-    host_layout = PoolLayout(2, 2, 8, 4, 48, "float32")
+    host_layout = PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=48, dtype="float32")
     device = client.create_or_attach("default", LAYOUT, "cpu")
     host = client.create_or_attach("default", host_layout, "cpu", tier="host")
     assert host.fresh and host.handle.name != device.handle.name and host.handle.num_blocks == 48

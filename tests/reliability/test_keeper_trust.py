@@ -128,7 +128,7 @@ def test_a_server_refuses_a_state_dir_and_a_keeper_of_another_user(tmp: Path) ->
 @as_root
 def test_a_server_refuses_a_state_dir_others_may_write(tmp: Path) -> None:
     state = tmp / "state"
-    with KeeperProcess(state, tmp / "keeper.log") as keeper:
+    with KeeperProcess(state, log_path=tmp / "keeper.log") as keeper:
         os.chmod(state, 0o777)  # the keeper made it 0700; someone opened it up since
         status, stderr = _serve(tmp / "server.log", "--keeper", str(keeper.socket))
         assert status == 1, "attached through a directory others may write"
@@ -141,7 +141,7 @@ def test_a_server_refuses_a_state_dir_others_may_write(tmp: Path) -> None:
 @as_root
 def test_the_keeper_answers_no_other_user_even_when_its_socket_is_opened_up(tmp: Path) -> None:
     state = tmp / "state"
-    with KeeperProcess(state, tmp / "keeper.log") as keeper:
+    with KeeperProcess(state, log_path=tmp / "keeper.log") as keeper:
         os.chmod(state, 0o755)
         os.chmod(keeper.socket, 0o666)  # the file modes no longer keep nobody out: the peer's uid must
         probe = (  # the keeper refuses on connect: its reply may come before the request is sent
@@ -193,7 +193,7 @@ def _check(state: Path) -> subprocess.CompletedProcess[str]:
 
 def test_idle_connections_lock_out_neither_the_probe_nor_a_server(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    with KeeperProcess(state, tmp_path / "keeper.log", args=["--idle-timeout", "600"]) as keeper:
+    with KeeperProcess(state, log_path=tmp_path / "keeper.log", args=["--idle-timeout", "600"]) as keeper:
         idle = _idle(keeper.socket, 40)  # the attack: 32 were enough to lock everyone out for good
         try:
             check = _check(state)
@@ -210,7 +210,7 @@ def test_idle_connections_lock_out_neither_the_probe_nor_a_server(tmp_path: Path
 
 def test_a_connection_that_never_asks_is_dropped_and_one_that_holds_a_pool_is_not(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    with KeeperProcess(state, tmp_path / "keeper.log", args=["--idle-timeout", "0.5"]) as keeper:
+    with KeeperProcess(state, log_path=tmp_path / "keeper.log", args=["--idle-timeout", "0.5"]) as keeper:
         with ServerProcess(["--pool", POOL], tmp_path / "server.log", keeper=keeper.socket) as server:
             spoke = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             spoke.connect(str(keeper.socket))

@@ -133,7 +133,7 @@ def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_fi
 
 
 def test_the_digest_recount_names_a_namespace_whose_digest_or_count_drifted() -> None:
-    pool = build_pool(PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=32), 16)
+    pool = build_pool(PoolConfig(name="p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=32), 16)
     try:
         for namespace in ("a", "b"):
             opened = pool.cache.open(list(range(1, 14)), namespace)
@@ -153,9 +153,9 @@ def test_the_digest_recount_names_a_namespace_whose_digest_or_count_drifted() ->
 
 
 def test_a_busy_pool_skips_its_slice_instead_of_waiting() -> None:
-    pool = build_pool(PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=8), 16)
+    pool = build_pool(PoolConfig(name="p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, num_blocks=8), 16)
     registry = CollectorRegistry()
-    auditor = PoolAuditor({"p": pool}, 1.0, registry)
+    auditor = PoolAuditor({"p": pool}, interval=1.0, registry=registry)
     try:
         with pool.lock:  # an RPC holds the pool
             assert auditor.audit(pool) is None

@@ -29,7 +29,7 @@ BLOCK_SIZE = 4
 @pytest.fixture
 def pool():  # type: ignore[no-untyped-def]
     pool = build_pool(
-        PoolConfig("p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=96), 16
+        PoolConfig(name="p", num_layers=1, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=96), 16
     )
     yield pool
     pool.close()
@@ -40,7 +40,12 @@ class _Load:
 
     def __init__(self, pool: Pool, seed: int) -> None:
         self.pool, self.rng = pool, random.Random(seed)
-        self.session = Session("s", Tenant("t", frozenset({"a", "b"}), None, False), 60.0, float("inf"))
+        self.session = Session(
+            session_id="s",
+            tenant=Tenant(name="t", namespaces=frozenset({"a", "b"}), max_blocks=None, map_pools=False),
+            ttl=60.0,
+            deadline=float("inf"),
+        )
         self.live: list[int] = []
         self.pins: list[tuple[list[int], str]] = []
 
@@ -152,7 +157,7 @@ def test_an_abandoned_copy_stops_collecting_writes_and_the_auditor_counts_its_ru
     image.abort()
     assert pool.cache.tree.touched is None
     registry = CollectorRegistry()
-    auditor = PoolAuditor({"p": pool}, 1.0, registry, slice_seconds=1e-9)  # one node per hold
+    auditor = PoolAuditor({"p": pool}, interval=1.0, registry=registry, slice_seconds=1e-9)  # one node per hold
     assert auditor.audit(pool) is True
     assert registry.get_sample_value("radixkv_audit_runs_total", {"pool": "p"}) == 1
     assert registry.get_sample_value("radixkv_audit_slice_seconds_count", {"pool": "p"}) > 1  # several holds

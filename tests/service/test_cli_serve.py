@@ -144,7 +144,12 @@ def test_serve_without_pool_flags_serves_default(start_server):
     proc = start_server("--device", "cpu", pool_flags=False)
     with RadixKVClient(proc.address) as client:
         layout = client.get_pool().layout
-        assert layout == PoolLayout(*SMOLLM2, 16, (512 * 2**20) // layout.bytes_per_block, "float16")
+        assert layout == PoolLayout(
+            **dict(zip(("num_layers", "num_kv_heads", "head_dim"), SMOLLM2, strict=True)),
+            block_size=16,
+            num_blocks=(512 * 2**20) // layout.bytes_per_block,
+            dtype="float16",
+        )
         assert client.stats().num_blocks_total == layout.num_blocks == 1456
     assert proc.stop() == 0
 

@@ -37,8 +37,16 @@ class FailingIO(DirectIO):
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[Pool]:
-    config = PoolConfig("p", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=8, dtype="float32",
-                        host_num_blocks=8)  # fmt: skip
+    config = PoolConfig(
+        name="p",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=BS,
+        num_blocks=8,
+        dtype="float32",
+        host_num_blocks=8,
+    )
     built = build_pool(config, 16)
     yield built
     built.close()
@@ -46,7 +54,7 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
 
 def disk_of(pool: Pool, path: Path) -> PoolDisk:
     """A started disk tier without its thread: the test flushes."""
-    disk = PoolDisk(pool, path, 64 << 20, None, Shares(0))
+    disk = PoolDisk(pool, directory=path, capacity_bytes=64 << 20, prefill_tokens_per_s=None, shares=Shares(0))
     disk.store.io = FailingIO()
     disk.store.open()
     pool.disk, pool.events.disk = disk, disk
@@ -104,7 +112,7 @@ def test_a_writers_digest_waits_one_flush_reaches_the_disk_and_comes_back_with_a
     assert disk.flush() == 3, "two digests recorded, and the third block waited its flush"
     disk.store.close()
 
-    restarted = build_pool(PoolConfig("p", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=8,
+    restarted = build_pool(PoolConfig(name="p", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, num_blocks=8,
                                       dtype="float32", host_num_blocks=8), 16)  # fmt: skip
     try:
         again = disk_of(restarted, tmp_path / "d")  # the index and the digests rebuilt from the directory alone

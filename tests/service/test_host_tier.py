@@ -160,7 +160,9 @@ def test_host_memory_bytes_sizes_by_the_layout() -> None:
                              "host_memory_bytes=10000")  # fmt: skip
     pool = build_pool(config, 16)
     try:
-        per_block = PoolLayout(2, 2, 8, 4, 1, "float32").bytes_per_block
+        per_block = PoolLayout(
+            num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=1, dtype="float32"
+        ).bytes_per_block
         assert pool.host_storage is not None and pool.host_storage.layout.num_blocks == 10000 // per_block
         assert pool.cache.stats().num_host_blocks_total == 10000 // per_block
         assert not pool.host_storage.is_pinned, "no CUDA pool: nothing to pin for"

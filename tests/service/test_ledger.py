@@ -22,13 +22,15 @@ from tests.examples import examples
 BLOCK_SIZE = 4
 HOST_SHARE = 12  # host blocks each tenant's swapped-out sequences may hold
 TENANTS = [
-    Tenant("a", frozenset({"*"}), 40, False),
-    Tenant("b", frozenset({"*"}), None, False, max_tokens_per_second=100.0),  # prepaid tokens are kept for it
+    Tenant(name="a", namespaces=frozenset({"*"}), max_blocks=40, map_pools=False),
+    Tenant(
+        name="b", namespaces=frozenset({"*"}), max_blocks=None, map_pools=False, max_tokens_per_second=100.0
+    ),  # prepaid tokens are kept for it
 ]
 
 
 def _session(tenant: Tenant, n: int) -> Session:
-    return Session(f"s{n}", tenant, 60.0, time.monotonic() + 60)
+    return Session(session_id=f"s{n}", tenant=tenant, ttl=60.0, deadline=time.monotonic() + 60)
 
 
 class LedgerMachine(RuleBasedStateMachine):

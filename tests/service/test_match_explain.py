@@ -48,14 +48,18 @@ def test_never_cached_partial_block_and_fully_cached(server, debug) -> None:  # 
     with RadixKVClient(server.address) as client:
         before = _miss_tokens(server, "NEVER_CACHED")
         never = client.match(prompt, ns, explain=True)
-        assert never == MatchExplanation(0, "NEVER_CACHED", 0)
+        assert never == MatchExplanation(num_cached_tokens=0, reason="NEVER_CACHED", block_index=0)
         assert _miss_tokens(server, "NEVER_CACHED") == before + 8
         _cache(client, prompt, ns)
-        assert client.match(prompt, ns, explain=True) == MatchExplanation(8, "FULLY_CACHED", 2)
+        assert client.match(prompt, ns, explain=True) == MatchExplanation(
+            num_cached_tokens=8, reason="FULLY_CACHED", block_index=2
+        )
         partial = client.match([*prompt, 7, 7, 7], ns, explain=True)
-        assert partial == MatchExplanation(8, "PARTIAL_BLOCK", 2)
+        assert partial == MatchExplanation(num_cached_tokens=8, reason="PARTIAL_BLOCK", block_index=2)
         # A full block past the cached prefix that nobody ever cached.
-        assert client.match([*prompt, 1, 2, 3, 4], ns, explain=True) == MatchExplanation(8, "NEVER_CACHED", 2)
+        assert client.match([*prompt, 1, 2, 3, 4], ns, explain=True) == MatchExplanation(
+            num_cached_tokens=8, reason="NEVER_CACHED", block_index=2
+        )
     debug.check()
 
 
@@ -87,7 +91,9 @@ def test_other_namespace_names_where_the_tokens_are(server) -> None:  # type: ig
     with RadixKVClient(server.address) as client:
         _cache(client, prompt, f"{ns}-b")
         why = client.match(prompt, f"{ns}-a", explain=True)
-        assert why == MatchExplanation(0, "OTHER_NAMESPACE", 0, other_namespace=f"{ns}-b")
+        assert why == MatchExplanation(
+            num_cached_tokens=0, reason="OTHER_NAMESPACE", block_index=0, other_namespace=f"{ns}-b"
+        )
 
 
 @pytest.fixture
@@ -108,12 +114,16 @@ def test_another_tenants_prefix_is_never_cached_for_you(tenant) -> None:  # type
     prompt = list(range(_BASE + 6000, _BASE + 6008))
     _cache(globex, prompt, "0-explain")  # globex's own namespace (sorts first among the few explain matches)
     # acme's "chat": the same tokens sit in globex's namespaces only, which acme may never learn of.
-    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "NEVER_CACHED", 0)
+    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(
+        num_cached_tokens=0, reason="NEVER_CACHED", block_index=0
+    )
     # globex itself is told where they are.
     assert globex.match(prompt, "chat", explain=True).other_namespace == "0-explain"
     # Within acme's own namespaces the reason is OTHER_NAMESPACE, named as acme names it.
     _cache(acme, prompt, "code")
-    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(0, "OTHER_NAMESPACE", 0, other_namespace="code")
+    assert acme.match(prompt, "chat", explain=True) == MatchExplanation(
+        num_cached_tokens=0, reason="OTHER_NAMESPACE", block_index=0, other_namespace="code"
+    )
 
 
 def test_evicted_tail_past_a_cached_prefix(server, debug) -> None:  # type: ignore[no-untyped-def]
@@ -140,16 +150,22 @@ def test_open_explains_last_token_and_misses(server, debug) -> None:  # type: ig
     prompt = list(range(_BASE + 11000, _BASE + 11008))  # two blocks of 4
     with RadixKVClient(server.address) as client:
         first, why = client.open(prompt, ns, explain=True)
-        assert (first.num_cached_tokens, why) == (0, MatchExplanation(0, "NEVER_CACHED", 0))
+        assert (first.num_cached_tokens, why) == (
+            0,
+            MatchExplanation(num_cached_tokens=0, reason="NEVER_CACHED", block_index=0),
+        )
         client.commit([first.seq_id], [8])
         client.release(first.seq_id)
         # Fully cached: open still leaves the last token (so its block) to compute.
         again, why = client.open(prompt, ns, explain=True)
         assert again.num_cached_tokens == 4
-        assert why == MatchExplanation(4, "LAST_TOKEN", 1)
+        assert why == MatchExplanation(num_cached_tokens=4, reason="LAST_TOKEN", block_index=1)
         client.release(again.seq_id, cache=False)
         longer, why = client.open([*prompt, 9, 9], ns, explain=True)
-        assert (longer.num_cached_tokens, why) == (8, MatchExplanation(8, "PARTIAL_BLOCK", 2))
+        assert (longer.num_cached_tokens, why) == (
+            8,
+            MatchExplanation(num_cached_tokens=8, reason="PARTIAL_BLOCK", block_index=2),
+        )
         client.release(longer.seq_id, cache=False)
         assert isinstance(client.open(prompt, ns), type(first))  # the plain open is unchanged
     debug.check()
@@ -176,4 +192,4 @@ async def test_the_async_client_explains_a_match(server) -> None:  # type: ignor
     async with AsyncRadixKVClient(server.address) as client:
         assert await client.match(prompt, f"aio-{next(_namespaces)}") == 0
         why = await client.match(prompt, f"aio-{next(_namespaces)}", explain=True)
-        assert why == MatchExplanation(0, "NEVER_CACHED", 0)
+        assert why == MatchExplanation(num_cached_tokens=0, reason="NEVER_CACHED", block_index=0)

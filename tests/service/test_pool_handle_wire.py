@@ -26,13 +26,13 @@ def test_handle_round_trips_through_the_typed_proto(storage):
     assert typed.WhichOneof("memory") == "shared_memory" and typed.shared_memory.name == handle.name
     assert handle_from_proto(pb.PoolHandle.FromString(typed.SerializeToString()), LAYOUT) == handle
     cuda_like = PoolHandle(
-        "cuda_ipc",
-        2,
-        2,
-        16,
-        4,
-        8,
-        "bfloat16",
+        kind="cuda_ipc",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        num_blocks=8,
+        dtype="bfloat16",
         device_index=1,
         ipc_handle=b"\x00\xffipc",
         storage_size_bytes=4096,

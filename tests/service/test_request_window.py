@@ -105,7 +105,7 @@ def test_an_id_answers_its_own_first_result_or_is_refused(
     """Whatever ids and bodies arrive in whatever order, whatever the bounds: each (id, body) applies at most once
     per id, an answer is always the result that id's first application returned, and no bound is exceeded."""
     budget = WindowBytes(max_bytes=tenant_entries * ENTRY_BYTES)
-    window = RequestWindow(max_results, max_entries * ENTRY_BYTES, budget, "t")
+    window = RequestWindow(max_results=max_results, max_bytes=max_entries * ENTRY_BYTES, budget=budget, tenant="t")
     first: dict[int, tuple[str, tuple[int, str]]] = {}  # id -> (body, its first result)
     for n, (request_id, body, cost) in enumerate(calls):
 

@@ -23,7 +23,7 @@ from radixkv.server.rules.service import KVService
 from radixkv.server.rules.tenants import ANONYMOUS
 from radixkv.server.wire.reads import KVReads
 
-CONFIG = PoolConfig("default", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=64)
+CONFIG = PoolConfig(name="default", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=64)
 SERVER = ServerConfig(pools=(CONFIG,))
 PROMPTS = [list(range(100 + i, 120 + i)) for i in range(0, 40, 10)]
 
@@ -39,7 +39,7 @@ class Memory:
 
 
 def _pool(storage: KVStorage, name: str = "default") -> Pool:
-    return Pool(name, storage, Limits(), 100)
+    return Pool(name, storage, Limits(), watch_queue_size=100)
 
 
 @pytest.fixture
@@ -53,7 +53,13 @@ def memory(tmp_path):
 def _layout():
     from radixkv.memory.layout import PoolLayout
 
-    return PoolLayout(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.block_size, CONFIG.num_blocks)
+    return PoolLayout(
+        num_layers=CONFIG.num_layers,
+        num_kv_heads=CONFIG.num_kv_heads,
+        head_dim=CONFIG.head_dim,
+        block_size=CONFIG.block_size,
+        num_blocks=CONFIG.num_blocks,
+    )
 
 
 def _step(service: KVService, session_id: str, step: Step) -> StepResult:
@@ -186,11 +192,13 @@ def test_a_snapshot_of_another_layout_is_refused(tmp_path, memory) -> None:
 
 
 def test_an_adopted_snapshot_keeps_evicting_by_the_pool_policy(tmp_path, memory) -> None:
-    first = Pool("default", memory, Limits(), 100, eviction_policy="agent")
+    first = Pool("default", memory, Limits(), watch_queue_size=100, eviction_policy="agent")
     service, *_ = _serve_some(first)
     before = _state(first)
     write_snapshot(first, Memory(tmp_path), service.sessions.live())
-    second = Pool("default", KVStorage.open(memory.export_handle()), Limits(), 100, eviction_policy="agent")
+    second = Pool(
+        "default", KVStorage.open(memory.export_handle()), Limits(), watch_queue_size=100, eviction_policy="agent"
+    )
     assert adopt_snapshot(second, Memory(tmp_path, generation=2), Limits()) is not None
     assert second.cache.tree.policy.name == "agent" and _state(second)["hits"] == before["hits"]
     second.cache.check_invariants()

@@ -70,7 +70,7 @@ def test_toml_config_and_flags_combine(tmp_path: Path) -> None:
         ("other", 1),
         ("default", 4),
     ]  # the flag replaced the file's default
-    assert config.tenants == (TenantConfig("acme", "t", ("chat",), 3, map_pools=True),)
+    assert config.tenants == (TenantConfig(name="acme", token="t", namespaces=("chat",), max_blocks=3, map_pools=True),)
     with pytest.raises(ValueError, match="unknown top-level keys"):
         config_from_mapping(
             {
@@ -81,16 +81,16 @@ def test_toml_config_and_flags_combine(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one pool"):
         ServerConfig(pools=())
     with pytest.raises(ValueError, match="tenant"):
-        TenantConfig("bad/name", "t")
+        TenantConfig(name="bad/name", token="t")
 
 
 def test_tenants_scope_namespaces_so_names_never_collide() -> None:
-    acme = Tenant.from_config(TenantConfig("acme", "t", ("chat", "code"), 8))
+    acme = Tenant.from_config(TenantConfig(name="acme", token="t", namespaces=("chat", "code"), max_blocks=8))
     assert acme.scope("chat") == "acme/chat" and acme.unscope("acme/chat") == "chat"
     assert acme.owns("acme/code") and not acme.owns("globex/chat")
     with pytest.raises(PermissionDenied):
         acme.scope("")  # "default" is not among acme's namespaces
-    anyone = Tenant.from_config(TenantConfig("globex", "u"))
+    anyone = Tenant.from_config(TenantConfig(name="globex", token="u"))
     assert anyone.scope("") == "globex/default"
     assert ANONYMOUS.scope("") == "default" and ANONYMOUS.scope("x") == "x" and ANONYMOUS.owns("anything")
 

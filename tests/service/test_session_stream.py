@@ -151,7 +151,17 @@ class End:
                 num_released += len(seq_ids)
         except RadixKVError as e:
             return None, item, e
-        return StepResult(opened, appended, forked, num_cached, num_released), "", None
+        return (
+            StepResult(
+                opened=opened,
+                appended=appended,
+                forked=forked,
+                num_cached_tokens=num_cached,
+                num_released_sequences=num_released,
+            ),
+            "",
+            None,
+        )
 
     def applied(self, step: Step, result: StepResult) -> None:
         self.live += [r.seq_id for r in result.opened] + [c for children in result.forked for c in children]

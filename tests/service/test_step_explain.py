@@ -80,7 +80,7 @@ def test_only_the_opens_that_ask_are_explained_and_a_retried_step_keeps_them(ser
     with RadixKVClient(server.address) as client:
         step = Step(opens=[(asked, ns), (silent, ns)], explain=[True, False])
         first = client.step(step, request_id=777_001)
-        assert first.explanations == [MatchExplanation(0, "NEVER_CACHED", 0), None]
+        assert first.explanations == [MatchExplanation(num_cached_tokens=0, reason="NEVER_CACHED", block_index=0), None]
         again = client.step(step, request_id=777_001)  # re-sent: answered from the window, not applied twice
         assert [r.seq_id for r in again.opened] == [r.seq_id for r in first.opened]
         assert again.explanations == first.explanations
@@ -96,7 +96,7 @@ async def test_the_async_client_explains_a_stream_open(server) -> None:  # type:
     prompt = list(range(_BASE + 4000, _BASE + 4008))
     async with AsyncRadixKVClient(server.address) as client:
         result = await client.step(Step(opens=[(prompt, f"twin-aio-{next(_namespaces)}")], explain=[True]))
-        assert result.explanations == [MatchExplanation(0, "NEVER_CACHED", 0)]
+        assert result.explanations == [MatchExplanation(num_cached_tokens=0, reason="NEVER_CACHED", block_index=0)]
         await client.release(result.opened[0].seq_id, cache=False)
 
 
@@ -106,7 +106,7 @@ def test_every_server_reason_has_its_wire_value_and_the_client_names_it_back() -
     from radixkv.v1 import kvcache_pb2 as pb
 
     for reason in MissReason:
-        wire = wire_reason(MissExplanation(reason, 3, 5))
+        wire = wire_reason(MissExplanation(reason=reason, block_index=3, num_missed_tokens=5))
         assert MatchExplanation.from_response(pb.StepOpened(miss_reason=wire, miss_block_index=3)).reason == reason.name
     assert pb.MissReason.Name(pb.MISS_REASON_HOST_TIER) == "MISS_REASON_HOST_TIER"
 
@@ -123,11 +123,11 @@ def test_host_tier_explains_a_match_and_an_open_loads_past_it(start_server) -> N
         _cache(client, prompt, "")
         fillers = [client.open([_BASE + 6000 + i] * 16).seq_id for i in range(2)]  # 8 blocks: the prompt's go to host
         why = client.match(prompt, explain=True)
-        assert why == MatchExplanation(0, "HOST_TIER", 0, num_host_cached_tokens=8)
+        assert why == MatchExplanation(num_cached_tokens=0, reason="HOST_TIER", block_index=0, num_host_cached_tokens=8)
         assert client.match(prompt[:4], explain=True).reason == "HOST_TIER"  # one host-resident block past nothing
         client.release_many(fillers, cache=False)
         unary, stream = _twins(client, prompt, "")
-        assert unary == stream == MatchExplanation(8, "PARTIAL_BLOCK", 2)
+        assert unary == stream == MatchExplanation(num_cached_tokens=8, reason="PARTIAL_BLOCK", block_index=2)
     with grpc.insecure_channel(server.address) as channel:
         debug = debug_pb2_grpc.DebugStub(channel)
         assert not debug.CheckInvariants(debug_pb2.CheckInvariantsRequest(pool="tiered"), timeout=10).violation

@@ -49,7 +49,17 @@ def test_a_bad_value_is_refused_with_the_tenant_and_key_named(key: str, value: s
 
 def test_good_values_parse_as_given() -> None:
     (acme,) = _tenants("".join(f"{k} = {v}\n" for k, v in GOOD.items()))
-    assert acme == TenantConfig("acme", "a-token-00000", ("chat", "code/x", "*"), 0, 4096, True, False, 2.5, False)
+    assert acme == TenantConfig(
+        name="acme",
+        token="a-token-00000",
+        namespaces=("chat", "code/x", "*"),
+        max_blocks=0,
+        max_cached_blocks=4096,
+        map_pools=True,
+        admin=False,
+        max_tokens_per_second=2.5,
+        publish_kv_events=False,
+    )
 
 
 @pytest.mark.parametrize("document", ["tenants = 3", "[tenants]\nacme = 3", "[tenants.acme]\nnamespaces = []"])

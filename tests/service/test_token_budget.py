@@ -29,7 +29,7 @@ class Clock:
 
 
 def tenant(rate: float | None) -> Tenant:
-    return Tenant.from_config(TenantConfig("t", "tok", max_tokens_per_second=rate))
+    return Tenant.from_config(TenantConfig(name="t", token="tok", max_tokens_per_second=rate))
 
 
 def test_the_bucket_refills_at_its_rate_and_says_when_to_retry() -> None:
@@ -82,8 +82,8 @@ def test_a_tenant_without_a_budget_is_never_refused() -> None:
 
 def test_tenants_have_separate_buckets() -> None:
     buckets = TokenBuckets(Clock())
-    a = Tenant.from_config(TenantConfig("a", "ta", max_tokens_per_second=10))
-    b = Tenant.from_config(TenantConfig("b", "tb", max_tokens_per_second=10))
+    a = Tenant.from_config(TenantConfig(name="a", token="ta", max_tokens_per_second=10))
+    b = Tenant.from_config(TenantConfig(name="b", token="tb", max_tokens_per_second=10))
     buckets.take(a, 10)
     buckets.take(b, 10)
     with pytest.raises(TokenBudget):
@@ -112,7 +112,7 @@ def test_the_auth_file_sets_max_tokens_per_second() -> None:
     assert Tenant.from_config(config.tenants[0]).max_tokens_per_second == 2500
     for bad in (0, -5, "fast", True):
         with pytest.raises(ValueError, match="max_tokens_per_second"):
-            TenantConfig("acme", "x", max_tokens_per_second=bad)  # type: ignore[arg-type]
+            TenantConfig(name="acme", token="x", max_tokens_per_second=bad)  # type: ignore[arg-type]
 
 
 def test_the_client_checks_its_budget_columns_before_sending() -> None:

@@ -8,8 +8,15 @@ from radixkv.server.events.hub import EVENT_BYTES, BlockEvent, EventKind, Watche
 
 def _stored(n: int, num_blocks: int, block_size: int = 16) -> BlockEvent:
     tokens = bytes(4 * num_blocks * block_size)
-    return BlockEvent(n, "t/chat", EventKind.BLOCKS_STORED, tuple(range(num_blocks)), tokens,
-                      block_hashes=tuple(range(num_blocks)), digest_delta=1)  # fmt: skip
+    return BlockEvent(
+        sequence_number=n,
+        namespace="t/chat",
+        kind=EventKind.BLOCKS_STORED,
+        block_ids=tuple(range(num_blocks)),
+        token_bytes=tokens,
+        block_hashes=tuple(range(num_blocks)),
+        digest_delta=1,
+    )
 
 
 def test_a_watcher_that_stops_reading_keeps_at_most_its_bytes_and_the_gap_shows() -> None:
