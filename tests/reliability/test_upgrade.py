@@ -71,12 +71,12 @@ def _hit_ratio(client: RadixKVClient) -> float:
 
 def _upgrade(address: str) -> pb.UpgradeResponse:
     with grpc.insecure_channel(address) as channel:
-        return kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), timeout=30)
+        return kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), timeout=patient(60))
 
 
 def _once_reachable(call: Callable[[], T]) -> T:
     """`call`, retried while the channel is still reconnecting to the restarted server (UNAVAILABLE)."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patient(60)
     while True:
         try:
             return call()
@@ -218,7 +218,7 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
     """Every event vLLM's stream has carried since the server started, from its replay socket."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, 10_000)
+    socket.setsockopt(zmq.RCVTIMEO, int(patient(60) * 1000))
     socket.connect(endpoint)
     events: list[dict[str, object]] = []
     try:
