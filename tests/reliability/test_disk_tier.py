@@ -36,7 +36,7 @@ def serve(log: Path, disk_dir: Path, *extra: str, keeper: Path | None = None) ->
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(30)) as r:
         text = r.read().decode()
     wanted = {"pool": "disk", **labels}
     for line in text.splitlines():
