@@ -36,7 +36,7 @@ demo: $(STAMP)
 # --hypothesis-profile=thorough (each Hypothesis test runs the examples it names; by default a third: tests/examples.py).
 PYTEST_ARGS ?=
 test: $(STAMP)
-	@echo "== the test suite on three workers: about 13 minutes of CPU (7 on two idle cores), longer on a busier machine (its waits"
+	@echo "== the test suite on three workers: 13-16 minutes of CPU (7 on two idle cores, 25 at a load of 18), longer on a busier machine (its waits"
 	@echo "   stretch with the load: radixkv.server.process.spawn.patient); a dot per test as each ends, the slow files first"
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n 3 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

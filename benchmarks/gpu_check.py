@@ -395,7 +395,7 @@ def bandwidth(rows: Rows, device, smoke: bool, peak: float | None) -> None:
 # ---------------------------------------------------------------------------------------------------- tests
 
 
-def tests(rows: Rows, device, smoke: bool, seconds_left: float) -> None:
+def tests(rows: Rows, seconds_left: float) -> None:
     if importlib.util.find_spec("pytest") is None:
         rows.add("pytest -m gpu tests/kernels", "pytest is not on this image", "skip")
         return
@@ -430,17 +430,18 @@ def tests(rows: Rows, device, smoke: bool, seconds_left: float) -> None:
 
 
 def run_section(name: str, args: argparse.Namespace) -> list[dict]:
+    rows = Rows(name, args.rows)
+    if name == "tests":  # pytest runs in a process of its own: this one needs neither torch nor a CUDA context
+        tests(rows, args.seconds_left)
+        return rows
     import torch
 
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    rows = Rows(name, args.rows)
     peak = args.peak_gbps * 1e9 if args.peak_gbps else None
     if name == "bandwidth":
         import bench_paged_decode_attention as bench
 
         bandwidth(rows, device, args.smoke, peak or bench.peak_bandwidth(device))
-    elif name == "tests":
-        tests(rows, device, args.smoke, args.seconds_left)
     else:
         {"correctness": correctness, "sync": sync, "ipc": ipc, "swap": swap}[name](rows, device, args.smoke)
     return rows

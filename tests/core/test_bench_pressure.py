@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from radixkv.server.process.spawn import patient
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -170,7 +172,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         [sys.executable, str(BENCHMARKS / "bench_pressure.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=patient(240),
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "a model, not a measurement" in run.stdout and "recomp" in run.stdout, "the table is printed"

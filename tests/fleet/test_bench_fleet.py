@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.server.process.spawn import patient
+
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fleet.py"
@@ -18,7 +20,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fleet.py"
 def test_quick_fleet_run_routes_to_the_cache_and_never_to_the_dead(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=240
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=patient(240)
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "router" in run.stdout and "hit ratio" in run.stdout, "the table is printed"

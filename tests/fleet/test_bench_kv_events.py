@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from radixkv.server.process.spawn import patient
+
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kv_events.py"
@@ -18,7 +20,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kv_events.py
 def test_quick_run_announces_every_block_in_every_phase(tmp_path: Path) -> None:
     out = tmp_path / "kv_events.json"
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=240
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=patient(240)
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "flood elsewhere" in run.stdout and "lag_ms_p99" in run.stdout, "the table is printed"

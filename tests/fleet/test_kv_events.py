@@ -20,6 +20,7 @@ import zmq
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import OutOfBlocks
+from radixkv.server.process.spawn import patient
 
 pytestmark = pytest.mark.slow  # runs first under `make test` (tests/conftest.py)
 
@@ -88,7 +89,7 @@ def replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
     each reply with llm-d v0.10.0's rules; returns (seq, payload) up to the end marker."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, 10_000)
+    socket.setsockopt(zmq.RCVTIMEO, int(patient(60) * 1000))
     socket.connect(endpoint)
     try:
         socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
@@ -215,7 +216,7 @@ def test_the_replay_frames_are_vllms_exactly(start_fleet_server) -> None:  # typ
         assert wait_until(lambda: len(replay(server.replay_endpoint, 0)) == 2)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.setsockopt(zmq.RCVTIMEO, int(patient(60) * 1000))
     dealer.connect(server.replay_endpoint)
     try:
         dealer.send_multipart([b"", (1).to_bytes(8, "big")])

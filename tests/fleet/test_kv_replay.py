@@ -20,6 +20,7 @@ from radixkv.server.events.hub import BlockEvent, EventKind
 from radixkv.server.events.kv_events import ZmqEventPublisher
 from radixkv.server.events.kv_events_config import KVEventsConfig
 from radixkv.server.events.kv_replay import SEND_HWM, ReplayBuffer
+from radixkv.server.process.spawn import patient
 from tests.subscribers import connect_and_handshake
 
 
@@ -79,7 +80,7 @@ def _read_replay(dealer: zmq.Socket) -> list[int]:
     """The seqs of one replay, checked frame by frame, up to its end marker."""
     seqs: list[int] = []
     while True:
-        assert dealer.poll(10_000), "the replay goes on to its end marker"
+        assert dealer.poll(int(patient(60) * 1000)), "the replay goes on to its end marker"
         frames = dealer.recv_multipart()
         if frames == [b"", b"", vllm.END_SEQ, b""]:
             return seqs

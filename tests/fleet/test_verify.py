@@ -16,6 +16,7 @@ import pytest
 
 from radixkv.client import HashContractMismatch, RadixKVClient, Router
 from radixkv.errors import OutOfBlocks
+from radixkv.server.process.spawn import patient
 from radixkv.tree.block_hash import HashContract
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
@@ -60,7 +61,7 @@ def test_get_pool_states_the_contract_and_mixed_block_sizes_are_refused_by_name(
     prompt = list(range(1, 4 * BLOCK_SIZE + 2))
     with Router([same.address, other.address], block_size=BLOCK_SIZE, health_interval=HEALTH_INTERVAL) as router:
         with pytest.raises(HashContractMismatch, match="block_size") as mixed:
-            router.wait_ready(timeout=20)
+            router.wait_ready(timeout=patient(60))
         assert mixed.value.endpoint == other.address
         with pytest.raises(HashContractMismatch):
             router.route(prompt)

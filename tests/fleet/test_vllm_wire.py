@@ -22,6 +22,7 @@ import zmq
 
 from radixkv.client import RadixKVClient
 from radixkv.server.events.kv_events_config import INSECURE_FLAG
+from radixkv.server.process.spawn import patient
 from radixkv.tree.block_hash import cache_salt
 
 
@@ -59,7 +60,7 @@ def _stored_events(server: FleetServer) -> list[object]:
     """Every BlockStored of the stream so far, from its replay socket, decoded with vLLM's structs."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.setsockopt(zmq.RCVTIMEO, int(patient(60) * 1000))
     dealer.connect(server.replay_endpoint)
     stored = []
     try:

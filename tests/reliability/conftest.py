@@ -192,7 +192,7 @@ def refusal() -> Callable[..., Refusal]:
 
     def call(rpc: Callable[..., object], request: object, **kwargs: object) -> Refusal:
         with pytest.raises(grpc.RpcError) as caught:
-            rpc(request, timeout=10, **kwargs)
+            rpc(request, timeout=patient(10), **kwargs)
         return describe(caught.value)
 
     return call

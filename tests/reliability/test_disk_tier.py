@@ -21,7 +21,7 @@ import zmq
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.disk.object_format import OBJECT_SUFFIX
 from radixkv.kernels import swap_blocks
-from radixkv.server.process.spawn import KeeperProcess, ServerProcess
+from radixkv.server.process.spawn import KeeperProcess, ServerProcess, patient
 from radixkv.tree.block_hash import chain_hashes, wire_hash
 
 BS, H, D = 4, 2, 8
@@ -36,7 +36,7 @@ def serve(log: Path, disk_dir: Path, *extra: str, keeper: Path | None = None) ->
 
 
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(30)) as r:
         text = r.read().decode()
     wanted = {"pool": "disk", **labels}
     for line in text.splitlines():
@@ -47,7 +47,7 @@ def metric(server: ServerProcess, name: str, **labels: str) -> float:
 
 
 def wait_for(server: ServerProcess, name: str, at_least: float) -> None:
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + patient(WAIT_S)
     while metric(server, name) < at_least:
         assert time.monotonic() < deadline, f"{name} stayed below {at_least}"
         time.sleep(0.05)
@@ -190,7 +190,7 @@ def test_blocks_written_to_disk_are_kv_events_of_medium_storage(tmp_path: Path) 
         write_prompt(server, PROMPT, seed=4)
         expected = {wire_hash(h) for h in chain_hashes(PROMPT[:12], BS)}
         on_disk: set[int] = set()
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + patient(WAIT_S)
         while not expected <= on_disk:
             assert time.monotonic() < deadline, f"no STORAGE events for {expected - on_disk}"
             if not sub.poll(1000):

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -105,17 +106,17 @@ def world(hardened, hardened_debug, wait_until) -> Iterator[World]:  # type: ign
         request = pb.OpenSequencesRequest(
             session_id=session, prompts=[pb.Prompt(token_ids=p, namespace="fz") for p in prompts]
         )
-        return [s.seq_id for s in stub.OpenSequences(request, timeout=10).sequences]
+        return [s.seq_id for s in stub.OpenSequences(request, timeout=patient(10)).sequences]
 
     cached = open_some(ours, [CACHED + [1]])
-    stub.ReleaseSequences(pb.ReleaseSequencesRequest(session_id=ours, seq_ids=cached), timeout=10)
+    stub.ReleaseSequences(pb.ReleaseSequencesRequest(session_id=ours, seq_ids=cached), timeout=patient(10))
     w = World(
         stub, channel, ours, theirs, open_some(ours, [[1, 2, 3], CACHED + [9], [5] * 9]), open_some(theirs, [[7, 7]])
     )
     yield w
     for session in {ours, theirs, *w.opened_sessions}:
         try:
-            stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=10)
+            stub.CloseSession(pb.CloseSessionRequest(session_id=session), timeout=patient(10))
         except grpc.RpcError as e:  # a fuzzed CloseSession or a tiny ttl may have ended it already
             assert e.code() == grpc.StatusCode.NOT_FOUND, e
     channel.close()
@@ -195,7 +196,7 @@ def test_typed_requests_for_every_rpc_get_defined_answers(
     def run(data: st.DataObject) -> None:
         method, request = typed_request(world, data)
         try:
-            response = getattr(world.stub, method)(request, timeout=10)
+            response = getattr(world.stub, method)(request, timeout=patient(10))
         except grpc.RpcError as e:
             reason = defined_refusal(e)
             answers[reason] = answers.get(reason, 0) + 1
@@ -281,7 +282,7 @@ def test_raw_bytes_to_every_method_get_defined_answers(world: World, hardened, d
         if with_session and field is not None and "Debug" not in path:  # a live session, so fuzzed fields get past it
             body = key(field, 2) + varint(len(world.ours)) + world.ours.encode() + body
         try:
-            response = (health if path == "health" else calls[path])(body, timeout=10)
+            response = (health if path == "health" else calls[path])(body, timeout=patient(10))
             answers["OK"] = answers.get("OK", 0) + 1
             if path.endswith("/OpenSession"):  # closed when the test ends
                 world.opened_sessions.append(pb.OpenSessionResponse.FromString(response).session_id)
@@ -294,7 +295,7 @@ def test_raw_bytes_to_every_method_get_defined_answers(world: World, hardened, d
     run()
     assert {"OK", "INVALID_ARGUMENT"} <= set(answers) and len(answers) >= 4, answers
     with grpc.insecure_channel(hardened.address) as channel, pytest.raises(grpc.RpcError) as unknown:
-        channel.unary_unary("/radixkv.v1.KVCache/NoSuchMethod")(b"", timeout=10)
+        channel.unary_unary("/radixkv.v1.KVCache/NoSuchMethod")(b"", timeout=patient(10))
     assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED  # gRPC's own answer: no handler, nothing to decode
     assert hardened.proc.poll() is None and server_errors(hardened) == []
 
@@ -338,5 +339,5 @@ def test_fuzzed_watch_streams_start_or_are_refused_cleanly(
     assert outcomes.get("stream", 0) > 0 and outcomes.get("INVALID_ARGUMENT", 0) > 0, outcomes
     assert hardened.proc.poll() is None and server_errors(hardened) == []
     with grpc.insecure_channel(hardened.address) as channel:  # still serving
-        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=patient(10))
         assert check.status == health_pb2.HealthCheckResponse.SERVING

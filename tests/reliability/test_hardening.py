@@ -159,7 +159,7 @@ def test_sixteen_streams_without_a_token_leave_health_and_unary_calls_answered(s
         assert refusals, "every stream was accepted"
         assert {r[:2] for r in refusals} == {(LIMITED, "LIMIT_EXCEEDED")}
         assert {r[2]["limit"] for r in refusals} <= {"max_public_streams", "max_streams"}
-        health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=patient(5))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert tenants["alpha"].session()  # an authenticated unary call is answered too
     finally:
@@ -217,7 +217,9 @@ def test_one_tenant_cannot_take_every_watch_stream(tenants, shared) -> None:  # 
         )
         code, reason, metadata = refused(next, extra)
         assert (code, reason, metadata["limit"]) == (LIMITED, "LIMIT_EXCEEDED", "max_streams_per_tenant")
-        theirs = beta.stub.WatchEvents(pb.WatchEventsRequest(include_snapshot=True), metadata=beta.metadata, timeout=10)
+        theirs = beta.stub.WatchEvents(
+            pb.WatchEventsRequest(include_snapshot=True), metadata=beta.metadata, timeout=patient(10)
+        )
         assert next(theirs).snapshot  # beta's share is untouched
         theirs.cancel()
     finally:
@@ -415,7 +417,7 @@ def test_a_retried_request_id_is_answered_with_the_first_result_and_applied_once
 # type: ignore[no-untyped-def]
 def test_the_client_sends_request_ids_and_retries_a_lost_response(tenants, shared) -> None:
     """A client whose first attempt times out after the server applied it gets the first result on retry."""
-    with RadixKVClient(shared.address, token=TOKENS["beta"], timeout=10) as client:
+    with RadixKVClient(shared.address, token=TOKENS["beta"], timeout=patient(10)) as client:
         opened = client.open([1, 2, 3, 4, 5])
         sent: list[int] = []
         real = client._stub.AppendTokens
@@ -491,9 +493,9 @@ def test_the_debug_service_answers_only_an_admin(tenants) -> None:  # type: igno
     debug = debug_pb2_grpc.DebugStub(tenants["beta"].channel)
     checksum = debug_pb2.ChecksumBlocksRequest(block_ids=[0])
     for name in ("alpha", "beta"):
-        code, reason, _ = refused(debug.ChecksumBlocks, checksum, metadata=tenants[name].metadata, timeout=10)
+        code, reason, _ = refused(debug.ChecksumBlocks, checksum, metadata=tenants[name].metadata, timeout=patient(10))
         assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED")
-    assert len(debug.ChecksumBlocks(checksum, metadata=tenants["root"].metadata, timeout=10).sha256) == 64
+    assert len(debug.ChecksumBlocks(checksum, metadata=tenants["root"].metadata, timeout=patient(10)).sha256) == 64
 
 
 def test_an_empty_batch_is_a_no_op_everywhere(tenants) -> None:  # type: ignore[no-untyped-def]
@@ -509,13 +511,15 @@ def test_refusals_are_counted_by_limit_and_streams_are_counted(tenants, shared) 
     beta = tenants["beta"]
     session = beta.session()
     refused(beta.call, "Match", pb.MatchRequest(session_id=session, token_ids=[1] * (MAX_TOKENS + 1)))
-    stream = beta.stub.WatchEvents(pb.WatchEventsRequest(include_snapshot=True), metadata=beta.metadata, timeout=10)
+    stream = beta.stub.WatchEvents(
+        pb.WatchEventsRequest(include_snapshot=True), metadata=beta.metadata, timeout=patient(10)
+    )
     next(stream)
     stream.cancel()
 
     def scrape() -> list[str]:
         return (
-            urllib.request.urlopen(f"http://127.0.0.1:{shared.metrics_port}/metrics", timeout=10)
+            urllib.request.urlopen(f"http://127.0.0.1:{shared.metrics_port}/metrics", timeout=patient(10))
             .read()
             .decode()
             .splitlines()

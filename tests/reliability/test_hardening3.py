@@ -19,6 +19,7 @@ from types import ModuleType
 import grpc
 import pytest
 
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -247,7 +248,7 @@ def test_a_frame_whose_caller_left_stops_between_steps(frames) -> None:  # type:
         stall.cancel()  # the first step goes on
         with pytest.raises(grpc.RpcError):
             next(call)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + patient(120)
         while metric(frames, "radixkv_frame_steps_abandoned") == before:
             assert time.monotonic() < deadline, "the abandoned frame never stopped"
             time.sleep(0.05)

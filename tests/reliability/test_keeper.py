@@ -76,7 +76,7 @@ def _checksum(server: ServerProcess, block_ids: list[int]) -> str:
     """SHA-256 of the blocks as the server's own mapping holds them (Debug.ChecksumBlocks)."""
     with grpc.insecure_channel(server.address) as channel:
         request = debug_pb2.ChecksumBlocksRequest(pool="default", block_ids=block_ids)
-        return str(debug_pb2_grpc.DebugStub(channel).ChecksumBlocks(request, timeout=10).sha256)
+        return str(debug_pb2_grpc.DebugStub(channel).ChecksumBlocks(request, timeout=patient(10)).sha256)
 
 
 def test_a_restarted_server_attaches_the_same_memory_and_the_kv_bytes_are_identical(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_a_restarted_server_attaches_the_same_memory_and_the_kv_bytes_are_identi
 
 def _restart_safe(server: ServerProcess) -> float:
     """The server's `radixkv_pool_restart_safe` gauge for the default pool."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as response:
         text = response.read().decode()
     match = re.search(r'^radixkv_pool_restart_safe\{pool="default"\} (\S+)$', text, re.MULTILINE)
     assert match is not None, "the gauge is exported"

@@ -56,7 +56,7 @@ def keeper(tmp_path: Path) -> Iterator[KeeperServer]:
 def _connect(server: KeeperServer) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(server.path))
-    sock.settimeout(5)
+    sock.settimeout(patient(60))
     return sock
 
 
@@ -204,7 +204,7 @@ def test_attach_is_idempotent_a_held_pool_is_refused_and_the_next_server_gets_th
         second.release("default")
     assert held.value.reason == "POOL_BUSY"
     first.close()  # the first server exits: its hold goes with its connection
-    retained = second.create_or_attach("default", LAYOUT, "cpu", busy_timeout=5)
+    retained = second.create_or_attach("default", LAYOUT, "cpu", busy_timeout=patient(60))
     assert not retained.fresh and retained.generation == 2
     assert retained.handle.name == created.handle.name
     reopened = KVStorage.open(retained.handle)
@@ -357,7 +357,7 @@ def test_a_host_tier_is_kept_apart_from_its_pool_and_released_with_it(keeper: Ke
     assert sorted((p["pool"], p["tier"]) for p in client.list_pools()) == [("default", "device"), ("default", "host")]
     client.close()
     other = KeeperClient(keeper.path)
-    again = other.create_or_attach("default", host_layout, "cpu", busy_timeout=5, tier="host")
+    again = other.create_or_attach("default", host_layout, "cpu", busy_timeout=patient(60), tier="host")
     assert not again.fresh and again.handle.name == host.handle.name
     other.release("default")  # both tiers: they are indexed by one tree
     assert other.list_pools() == []

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from radixkv.server.process.app import parse_args
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -24,16 +25,16 @@ class Session:
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)])
         self.stub = kvcache_pb2_grpc.KVCacheStub(self.channel)
-        self.id = self.stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), timeout=10).session_id
+        self.id = self.stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), timeout=patient(10)).session_id
 
     def open(self, prompts: list[list[int]], pool: str = "big") -> list[int]:
         request = pb.OpenSequencesRequest(
             pool=pool, session_id=self.id, prompts=[pb.Prompt(token_ids=p, namespace="limits") for p in prompts]
         )
-        return [s.seq_id for s in self.stub.OpenSequences(request, timeout=10).sequences]
+        return [s.seq_id for s in self.stub.OpenSequences(request, timeout=patient(10)).sequences]
 
     def close(self) -> None:
-        self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.id), timeout=10)
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.id), timeout=patient(10))
         self.channel.close()
 
 
@@ -119,18 +120,18 @@ def test_max_pins_per_session(session: Session, refusal, limits) -> None:  # typ
     prefix = list(range(300, 308))
     seq_ids = session.open([prefix + [1]])
     commit = pb.CommitTokensRequest(pool="big", session_id=session.id, seq_ids=seq_ids, num_tokens=[9])  # as written
-    session.stub.CommitTokens(commit, timeout=10)
+    session.stub.CommitTokens(commit, timeout=patient(10))
     session.stub.ReleaseSequences(pb.ReleaseSequencesRequest(pool="big", session_id=session.id, seq_ids=seq_ids))
     pin = pb.PinRequest(pool="big", session_id=session.id, token_ids=prefix, namespace="limits")
     for _ in range(limits["max_pins_per_session"]):
-        assert session.stub.Pin(pin, timeout=10).num_pinned_tokens == 8
+        assert session.stub.Pin(pin, timeout=patient(10)).num_pinned_tokens == 8
     assert refusal(session.stub.Pin, pin) == (
         LIMITED, "LIMIT_EXCEEDED", {"limit": "max_pins_per_session", "requested": "17", "allowed": "16"}
     )  # fmt: skip
     session.stub.Unpin(
         pb.UnpinRequest(pool="big", session_id=session.id, token_ids=prefix, namespace="limits"), timeout=10
     )
-    assert session.stub.Pin(pin, timeout=10).num_pinned_tokens == 8
+    assert session.stub.Pin(pin, timeout=patient(10)).num_pinned_tokens == 8
 
 
 def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(
@@ -142,7 +143,7 @@ def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(
     try:
         for stream in streams:
             assert next(stream).snapshot
-        fifth = session.stub.WatchEvents(watch, timeout=10)
+        fifth = session.stub.WatchEvents(watch, timeout=patient(10))
         with pytest.raises(grpc.RpcError) as refused:
             next(fifth)  # the refusal comes as the stream starts
         assert described(refused.value) == (
@@ -150,7 +151,7 @@ def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(
             "LIMIT_EXCEEDED",
             {"limit": "max_watch_streams", "requested": "5", "allowed": "4"},
         )
-        assert session.stub.Stats(pb.StatsRequest(pool="big"), timeout=10).stats.num_blocks_total == 8192
+        assert session.stub.Stats(pb.StatsRequest(pool="big"), timeout=patient(10)).stats.num_blocks_total == 8192
     finally:
         for stream in streams:
             stream.cancel()
@@ -160,7 +161,7 @@ def test_watch_streams_are_bounded_and_leave_threads_for_unary_calls(
 
 
 def _stream_opens(session: Session, request: pb.WatchEventsRequest) -> bool:
-    stream = session.stub.WatchEvents(request, timeout=10)
+    stream = session.stub.WatchEvents(request, timeout=patient(10))
     try:
         return bool(next(stream).snapshot)
     except grpc.RpcError:
@@ -176,20 +177,23 @@ def test_max_sessions(hardened, hardened_debug, refusal, limits) -> None:  # typ
         opened = []
         try:
             for _ in range(limit - hardened_debug.check().num_sessions):
-                opened.append(stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), timeout=10).session_id)
+                opened.append(stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), timeout=patient(10)).session_id)
             assert refusal(stub.OpenSession, pb.OpenSessionRequest())[2] == {
                 "limit": "max_sessions", "requested": str(limit + 1), "allowed": str(limit)
             }  # fmt: skip
         finally:
             for session_id in opened:
-                stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+                stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=patient(10))
 
 
 # type: ignore[no-untyped-def]
 def test_a_message_over_the_size_limit_is_refused_by_the_transport(session: Session, refusal) -> None:
     huge = pb.MatchRequest(session_id=session.id, token_ids=[2**31 - 1] * 300_000)  # ~1.5 MB > the server's 1 MiB
     assert refusal(session.stub.Match, huge) == (LIMITED, None, {})  # before any handler: no ErrorInfo
-    assert session.stub.Match(pb.MatchRequest(session_id=session.id, token_ids=[1]), timeout=10).num_cached_tokens == 0
+    assert (
+        session.stub.Match(pb.MatchRequest(session_id=session.id, token_ids=[1]), timeout=patient(10)).num_cached_tokens
+        == 0
+    )
 
 
 def test_limits_come_from_flags_and_toml(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.sequences.step import Append, Step
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import Debug, ServerProcess
@@ -47,7 +48,7 @@ def proxy(server: ServerProcess) -> Iterator[TcpProxy]:
 
 def _length(stub: kvcache_pb2_grpc.KVCacheStub, session_id: str, seq_id: int) -> int:
     request = pb.DescribeSequencesRequest(session_id=session_id, seq_ids=[seq_id])
-    return int(stub.DescribeSequences(request, timeout=30).num_tokens[0])
+    return int(stub.DescribeSequences(request, timeout=patient(30)).num_tokens[0])
 
 
 def _all_applied(stub: kvcache_pb2_grpc.KVCacheStub, session_id: str, seq_id: int) -> Callable[[], bool]:
@@ -107,28 +108,28 @@ def test_async_steps_in_flight_when_the_connection_drops_are_answered_not_applie
 def test_a_retried_large_open_is_refused_not_opened_twice(server: ServerProcess) -> None:
     with grpc.insecure_channel(server.address, LARGE_MESSAGES) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
-        session_id = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+        session_id = stub.OpenSession(pb.OpenSessionRequest(), timeout=patient(30)).session_id
         prompt = pb.Prompt(token_ids=np.arange(BIG, dtype=np.int64) % 50_000 + 7)
         request = pb.OpenSequencesRequest(session_id=session_id, prompts=[prompt], request_id=77)
         first = stub.OpenSequences(request, timeout=120).sequences[0]
         with pytest.raises(grpc.RpcError) as retried:  # as a client retrying after a lost answer
             stub.OpenSequences(request, timeout=120)
         assert retried.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-        stats = stub.Stats(pb.StatsRequest(session_id=session_id), timeout=30).stats
+        stats = stub.Stats(pb.StatsRequest(session_id=session_id), timeout=patient(30)).stats
         assert stats.num_live_sequences == 1, "the retry opened a second sequence"
         small = pb.OpenSequencesRequest(session_id=session_id, prompts=[pb.Prompt(token_ids=[1, 2, 3])], request_id=78)
-        opened = stub.OpenSequences(small, timeout=30).sequences[0]
-        assert stub.OpenSequences(small, timeout=30).sequences[0] == opened, "a kept result answers its retry"
+        opened = stub.OpenSequences(small, timeout=patient(30)).sequences[0]
+        assert stub.OpenSequences(small, timeout=patient(30)).sequences[0] == opened, "a kept result answers its retry"
         other = pb.OpenSequencesRequest(session_id=session_id, prompts=[pb.Prompt(token_ids=[4, 5, 6])], request_id=78)
         with pytest.raises(grpc.RpcError) as reused:  # the same id, another prompt: refused, not the first's result
-            stub.OpenSequences(other, timeout=30)
+            stub.OpenSequences(other, timeout=patient(30))
         assert reused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-        assert stub.Stats(pb.StatsRequest(session_id=session_id), timeout=30).stats.num_live_sequences == 2
+        assert stub.Stats(pb.StatsRequest(session_id=session_id), timeout=patient(30)).stats.num_live_sequences == 2
         stub.ReleaseSequences(
             pb.ReleaseSequencesRequest(session_id=session_id, seq_ids=[first.seq_id, opened.seq_id], cache=False),
             timeout=60,
         )
-        stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=patient(30))
     debug = Debug(server.address)
     debug.check()
     debug.close()

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, UnknownSequence
 from radixkv.sequences.results import OpenResult
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import debug_pb2, kvcache_pb2_grpc
 from radixkv.v1 import kvcache_pb2 as pb
 
@@ -63,14 +64,14 @@ def test_every_method_refuses_a_caller_without_a_valid_token(
             for body in (b"", b"\xff\xff garbage"):  # authentication comes before the request is even decoded
                 call = (channel.unary_stream if streaming else channel.unary_unary)(path)
                 with pytest.raises(grpc.RpcError) as refused:
-                    response = call(body, metadata=metadata, timeout=10)
+                    response = call(body, metadata=metadata, timeout=patient(10))
                     if streaming:
                         next(response)
                 assert (refused.value.code(), defined_refusal(refused.value)) == (
                     grpc.StatusCode.UNAUTHENTICATED,
                     "UNAUTHENTICATED",
                 ), path
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=patient(10))
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
 
 
@@ -177,7 +178,7 @@ def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certific
     ) as by_name:
         assert by_name.stats().num_blocks_total == 64  # the certificate names localhost too
     attempts = {
-        "plaintext to TLS": lambda: RadixKVClient(secure.address, token=TOKENS["globex"], timeout=5),
+        "plaintext to TLS": lambda: RadixKVClient(secure.address, token=TOKENS["globex"], timeout=patient(5)),
         "untrusted certificate": lambda: RadixKVClient(
             secure.address, token=TOKENS["globex"], tls_root_cert=str(certificates["stranger"][0]), timeout=5
         ),
@@ -190,7 +191,7 @@ def test_tls_round_trip_and_clean_failures_without_it(secure, hardened, certific
             attempt()
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, name  # refused at the handshake, not hung
     for junk in (b"\x16\x03\x01\xff\xff" + b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256))):
-        with socket.create_connection(("127.0.0.1", secure.port), timeout=5) as raw:
+        with socket.create_connection(("127.0.0.1", secure.port), timeout=patient(5)) as raw:
             raw.sendall(junk)
     assert client.stats().num_blocks_total == 64  # still serving
 

@@ -19,6 +19,7 @@ import pytest
 
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded, SequencePreempted
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.reliability.conftest import Debug, ServerProcess
@@ -62,18 +63,18 @@ def _tokens(n: int, first: int = 1) -> bytes:
 
 
 def _live(stub: kvcache_pb2_grpc.KVCacheStub, session_id: str) -> int:
-    return int(stub.Stats(pb.StatsRequest(session_id=session_id), timeout=30).stats.num_live_sequences)
+    return int(stub.Stats(pb.StatsRequest(session_id=session_id), timeout=patient(30)).stats.num_live_sequences)
 
 
 @pytest.fixture
 def session(server: ServerProcess) -> Iterator[tuple[kvcache_pb2_grpc.KVCacheStub, Stream]]:
     with grpc.insecure_channel(server.address) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
-        session_id = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+        session_id = stub.OpenSession(pb.OpenSessionRequest(), timeout=patient(30)).session_id
         stream = Stream(channel, session_id)
         yield stub, stream
         stream.close()
-        stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=patient(30))
     debug = Debug(server.address)
     debug.check()
     debug.close()
@@ -91,10 +92,12 @@ def test_an_append_whose_answer_cannot_be_sent_is_refused_before_it_applies(sess
         "append",
     )
     described = pb.DescribeSequencesRequest(session_id=stream.session_id, seq_ids=[opened.seq_id])
-    assert list(stub.DescribeSequences(described, timeout=30).num_tokens) == [1], "the refused append was applied"
+    assert list(stub.DescribeSequences(described, timeout=patient(30)).num_tokens) == [1], (
+        "the refused append was applied"
+    )
     fits = pb.StepAppend(seq_ids=[opened.seq_id], num_token_ids=[50_000], token_ids=_tokens(50_000))
     assert not stream.send(pb.SessionRequest(append=fits)).HasField("error"), "the stream goes on"
-    assert list(stub.DescribeSequences(described, timeout=30).num_tokens) == [50_001]
+    assert list(stub.DescribeSequences(described, timeout=patient(30)).num_tokens) == [50_001]
 
 
 def test_a_frame_whose_answers_do_not_fit_one_message_opens_only_what_it_answers(session) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,7 @@ import pytest
 from radixkv.client import RadixKVClient
 from radixkv.errors import LimitExceeded, QuotaExceeded, TokenBudget
 from radixkv.sequences.step import Append, Step
-from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.process.spawn import ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 16
@@ -61,7 +61,7 @@ def connect(server: ServerProcess) -> Iterator[Callable[[str], RadixKVClient]]:
     opened: list[RadixKVClient] = []
 
     def client(name: str) -> RadixKVClient:
-        opened.append(RadixKVClient(server.address, token=TOKENS[name], timeout=30))
+        opened.append(RadixKVClient(server.address, token=TOKENS[name], timeout=patient(30)))
         return opened[-1]
 
     yield client

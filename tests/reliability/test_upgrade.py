@@ -71,12 +71,12 @@ def _hit_ratio(client: RadixKVClient) -> float:
 
 def _upgrade(address: str) -> pb.UpgradeResponse:
     with grpc.insecure_channel(address) as channel:
-        return kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), timeout=30)
+        return kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), timeout=patient(60))
 
 
 def _once_reachable(call: Callable[[], T]) -> T:
     """`call`, retried while the channel is still reconnecting to the restarted server (UNAVAILABLE)."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patient(60)
     while True:
         try:
             return call()
@@ -218,7 +218,7 @@ def _replayed_events(endpoint: str) -> list[dict[str, object]]:
     """Every event vLLM's stream has carried since the server started, from its replay socket."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVTIMEO, 10_000)
+    socket.setsockopt(zmq.RCVTIMEO, int(patient(60) * 1000))
     socket.connect(endpoint)
     events: list[dict[str, object]] = []
     try:
@@ -246,7 +246,11 @@ def test_a_corrupted_snapshot_is_refused_and_the_server_starts_cold_saying_why(k
     try:
         (refused,) = _log_lines(tmp_path / "server2.log", "snapshot refused: starting cold")
         assert refused["why"] == "CORRUPTED"
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{second.metrics_port}/metrics", timeout=10).read().decode()
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{second.metrics_port}/metrics", timeout=patient(10))
+            .read()
+            .decode()
+        )
         assert 'radixkv_snapshot_refusals_total{pool="default",why="CORRUPTED"} 1.0' in metrics
         with pytest.raises(ServerRestarted):
             _once_reachable(lambda: client.match(PROMPTS[0]))  # nothing adopted: not the session either
@@ -311,5 +315,5 @@ def test_upgrade_is_for_admins_only(secure, certificates, tenant: str, code: str
     credentials = grpc.ssl_channel_credentials(certificates["server"][0].read_bytes())
     metadata = (("authorization", f"Bearer {TOKENS[tenant]}"),)
     with grpc.secure_channel(secure.address, credentials) as channel, pytest.raises(grpc.RpcError) as refused:
-        kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), metadata=metadata, timeout=10)
+        kvcache_pb2_grpc.KVCacheStub(channel).Upgrade(pb.UpgradeRequest(), metadata=metadata, timeout=patient(10))
     assert refused.value.code() == getattr(grpc.StatusCode, code)  # globex may, but no keeper holds the pools

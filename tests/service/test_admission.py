@@ -32,7 +32,7 @@ from radixkv.errors import (
     UnknownSequence,
 )
 from radixkv.sequences.step import Append, Step
-from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.process.spawn import ServerProcess, patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import Debug
@@ -131,7 +131,7 @@ def test_not_admitted_as_a_raw_status(server: ServerProcess, client: RadixKVClie
             prompts=[pb.Prompt(token_ids=list(range(8)), namespace=ns, max_new_tokens=100)],
         )  # fmt: skip
         with pytest.raises(grpc.RpcError) as refused:
-            stub.OpenSequences(request, metadata=(("authorization", f"Bearer {OPS}"),), timeout=10)
+            stub.OpenSequences(request, metadata=(("authorization", f"Bearer {OPS}"),), timeout=patient(10))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     status = rpc_status.from_call(refused.value)
     info = error_details_pb2.ErrorInfo()
@@ -242,7 +242,7 @@ def test_unspecified_mode_is_invalid_argument_naming_the_field(server: ServerPro
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         request = pb.PreemptRequest(pool="small", session_id=client.session_id, seq_ids=[a.seq_id])
         with pytest.raises(grpc.RpcError) as refused:
-            stub.Preempt(request, metadata=(("authorization", f"Bearer {OPS}"),), timeout=10)
+            stub.Preempt(request, metadata=(("authorization", f"Bearer {OPS}"),), timeout=patient(10))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     client.release(a.seq_id)
 
@@ -317,9 +317,9 @@ def test_a_token_budget_refusal_carries_retry_info_on_the_wire(server: ServerPro
         )
         metadata = (("authorization", f"Bearer {SLOW[1]}"),)
         started = time.monotonic()
-        opened = stub.OpenSequences(request, metadata=metadata, timeout=10)  # a full bucket admits a large one
+        opened = stub.OpenSequences(request, metadata=metadata, timeout=patient(10))  # a full bucket admits a large one
         with pytest.raises(grpc.RpcError) as refused:
-            stub.OpenSequences(request, metadata=metadata, timeout=10)  # then the bucket is in debt
+            stub.OpenSequences(request, metadata=metadata, timeout=patient(10))  # then the bucket is in debt
         elapsed = time.monotonic() - started
         slow.release(opened.sequences[0].seq_id, cache=False)
     status = rpc_status.from_call(refused.value)
@@ -356,7 +356,7 @@ def test_metrics_report_pressure_preemptions_and_refusals(server: ServerProcess,
     client.preempt([a.seq_id], "recompute")
     with pytest.raises(NotAdmitted):
         client.open(list(range(60)), max_new_tokens=8)
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
         text = r.read().decode()
     assert 'radixkv_reserved_blocks{pool="small"} 0.0' in text
     assert 'radixkv_memory_pressure_ratio{pool="small"}' in text

@@ -17,13 +17,13 @@ from radixkv.client import RadixKVClient
 from radixkv.server.process.app import parse_args
 from radixkv.server.process.audit import PoolAuditor, check_digests, check_pool
 from radixkv.server.process.pool_setup import build_pool
-from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.process.spawn import ServerProcess, patient
 from radixkv.server.rules.config import PoolConfig
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 
 def _metrics(server: ServerProcess) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
         return str(r.read().decode())
 
 
@@ -97,7 +97,7 @@ def test_corrupt_ref_count_refuses_a_bad_block_id_and_a_zero_delta(server: Serve
             (debug_pb2.CorruptRefCountRequest(pool="default", block_id=0, delta=0), "delta"),
         ):
             with pytest.raises(grpc.RpcError) as info:
-                debug.CorruptRefCount(request, timeout=10)
+                debug.CorruptRefCount(request, timeout=patient(10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field in str(info.value.details())
 
@@ -127,7 +127,7 @@ def test_corrupt_ref_count_is_for_admins_only(auth_server: ServerProcess, tls_fi
             debug.CorruptRefCount(
                 debug_pb2.CorruptRefCountRequest(pool="default", block_id=0, delta=1),
                 metadata=(("authorization", f"Bearer {tokens['acme']}"),),
-                timeout=10,
+                timeout=patient(10),
             )
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 

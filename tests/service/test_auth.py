@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from radixkv.sequences.results import OpenResult
+from radixkv.server.process.spawn import patient
 from radixkv.tree.block_hash import WIRE_MASK, chain_hashes, mix64, wire_hash
 
 Connect = Callable[..., RadixKVClient]
@@ -52,7 +53,7 @@ def test_health_needs_no_token(auth_server, tls_files) -> None:  # type: ignore[
 
 def test_plaintext_clients_cannot_talk_to_a_tls_server(auth_server, tokens) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as refused:
-        RadixKVClient(auth_server.address, token=tokens["acme"], timeout=5)
+        RadixKVClient(auth_server.address, token=tokens["acme"], timeout=patient(5))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
 
 

@@ -25,6 +25,7 @@ from radixkv.errors import (
     UnknownSequence,
     UnknownSession,
 )
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -51,7 +52,7 @@ class Wire:
 
     def refusal(self, rpc: Callable[..., object], request: object) -> Refusal:
         with pytest.raises(grpc.RpcError) as caught:
-            rpc(request, timeout=10)
+            rpc(request, timeout=patient(10))
         error = caught.value
         status = rpc_status.from_call(error)  # type: ignore[arg-type]
         infos = []

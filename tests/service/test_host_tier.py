@@ -19,7 +19,7 @@ import torch
 from radixkv.client import PoolView, RadixKVClient
 from radixkv.kernels import swap_blocks
 from radixkv.sequences.step import Step
-from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.process.spawn import ServerProcess, patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 BS = 4
@@ -130,7 +130,7 @@ def test_match_and_metrics_count_the_host_tier(server) -> None:  # type: ignore[
         hog = client.open([9] * 32)  # every device block
         assert client.match_tiers([3] * 9) == (0, 8) and client.match([3] * 9) == 0
         client.release(hog.seq_id, cache=False)
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
             text = r.read().decode()
     assert 'radixkv_host_blocks{pool="metrics",state="cached"} 2.0' in text
     assert 'radixkv_host_blocks{pool="metrics",state="free"} 14.0' in text
@@ -209,7 +209,7 @@ def test_the_online_audit_passes_with_prefixes_on_the_host_tier(start_server, wa
     server = start_server("--pool", TIERED, "--audit-interval", "0.02", "--metrics-port", "0", pool_flags=False)
 
     def value(name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
             match = re.search(rf'^{name}{{pool="tiered"}} (\S+)$', r.read().decode(), re.MULTILINE)
         return float(match.group(1)) if match else 0.0
 

@@ -15,6 +15,7 @@ import pytest
 from radixkv.client import MatchExplanation, RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.server.events.hub import Tombstones
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 from tests.service.conftest import ACME_TOKEN, GLOBEX_TOKEN
@@ -31,7 +32,7 @@ def _cache(client: RadixKVClient, prompt: list[int], namespace: str) -> None:
 
 
 def _miss_tokens(server, reason: str) -> float:  # type: ignore[no-untyped-def]
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
         text = r.read().decode()
     found = re.search(rf'^radixkv_miss_tokens_total{{pool="default",reason="{reason}"}} (\S+)$', text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
@@ -79,7 +80,7 @@ def test_evicted_after_pressure_says_when(server, debug) -> None:  # type: ignor
         # The same tokens in a namespace that never held them were never cached there.
         assert client.match(prompt, f"{ns}-never", explain=True).reason == "NEVER_CACHED"
     with grpc.insecure_channel(server.address) as channel:
-        stats = kvcache_pb2_grpc.KVCacheStub(channel).Stats(pb.StatsRequest(pool="tiny"), timeout=5)
+        stats = kvcache_pb2_grpc.KVCacheStub(channel).Stats(pb.StatsRequest(pool="tiny"), timeout=patient(5))
     assert stats.num_tombstones >= 4  # the four evicted blocks, at least
     assert stats.tombstone_bytes == stats.num_tombstones * Tombstones.ENTRY_BYTES
     debug.check("tiny")
@@ -180,8 +181,8 @@ def test_open_retry_from_the_window_carries_its_first_explanation(server) -> Non
         request = pb.OpenSequencesRequest(
             pool="default", session_id=client.session_id, prompts=[prompt], request_id=424242, explain=True
         )
-        first = stub.OpenSequences(request, timeout=5).sequences[0]
-        again = stub.OpenSequences(request, timeout=5).sequences[0]
+        first = stub.OpenSequences(request, timeout=patient(5)).sequences[0]
+        again = stub.OpenSequences(request, timeout=patient(5)).sequences[0]
         assert first.miss_reason == pb.MISS_REASON_NEVER_CACHED
         assert again == first
 

@@ -28,7 +28,7 @@ def test_health_reports_serving_for_the_server_and_the_service(server) -> None: 
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "radixkv.v1.KVCache"):
             assert (
-                stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+                stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=patient(10)).status
                 == health_pb2.HealthCheckResponse.SERVING
             )
 
@@ -47,12 +47,12 @@ def test_reflection_lists_the_service_and_a_generic_client_can_call_it(server) -
             request_serializer=request_class.SerializeToString,
             response_deserializer=response_class.FromString,
         )
-        response = call(request_class(pool="default"), timeout=10)
+        response = call(request_class(pool="default"), timeout=patient(10))
         assert response.stats.num_blocks_total == 256
 
 
 def _scrape(server) -> str:  # type: ignore[no-untyped-def]
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=patient(10)) as r:
         return r.read().decode()
 
 
@@ -116,7 +116,7 @@ def test_metrics_count_each_session_step_by_its_code(server) -> None:  # type: i
             client.step(Step(append=Append([seq_id + 10_000], [1], [0])))
         client.step(Step(releases=[([seq_id], False)]))
         expected = (before[0] + 5, before[1] + 1, before[2] + 6)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patient(60)
         while counts() != expected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert counts() == expected

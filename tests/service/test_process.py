@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from radixkv.client import RadixKVClient
-from radixkv.server.process.spawn import ServerProcess
+from radixkv.server.process.spawn import ServerProcess, patient
 
 POOL = ["--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,num_blocks=8,dtype=float16"]
 
@@ -16,7 +16,7 @@ POOL = ["--pool", "default:num_layers=1,num_kv_heads=1,head_dim=4,block_size=4,n
 def test_the_address_serves_once_built_and_a_stop_is_graceful(tmp_path: Path) -> None:
     with ServerProcess(POOL, tmp_path / "server.log") as server:
         assert server.announcement["event"] == "serving" and server.address == f"127.0.0.1:{server.port}"
-        with RadixKVClient(server.address, timeout=10) as client:
+        with RadixKVClient(server.address, timeout=patient(10)) as client:
             assert client.stats().num_blocks_total == 8
     assert server.proc.returncode == 0  # SIGTERM: drained and exited cleanly
 

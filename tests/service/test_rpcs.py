@@ -13,6 +13,7 @@ import pytest
 
 from radixkv.client import KVEventKind, RadixKVClient
 from radixkv.memory.layout import PoolLayout
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -131,7 +132,7 @@ def test_stats_and_get_pool_describe_the_pool(client: RadixKVClient) -> None:
 def test_get_pool_fills_the_deprecated_json_handle_with_the_same_segment(server) -> None:  # type: ignore[no-untyped-def]
     """v0.1 clients read `handle_json`: it names the segment the typed `handle` names."""
     with grpc.insecure_channel(server.address) as channel:
-        response = kvcache_pb2_grpc.KVCacheStub(channel).GetPool(pb.GetPoolRequest(pool="default"), timeout=10)
+        response = kvcache_pb2_grpc.KVCacheStub(channel).GetPool(pb.GetPoolRequest(pool="default"), timeout=patient(10))
     legacy = json.loads(response.handle_json)
     assert legacy["kind"] == "shm" and legacy["num_blocks"] == response.layout.num_blocks == 256
     assert legacy["name"] == response.handle.shared_memory.name != ""

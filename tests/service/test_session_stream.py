@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from radixkv.client import RadixKVClient
 from radixkv.errors import InvalidArgument, OutOfBlocks, RadixKVError, UnknownSequence
 from radixkv.sequences.step import Append, Commit, Step, StepResult
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -327,7 +328,7 @@ def test_a_stream_refused_by_auth_ends_with_the_unary_status(auth_server: Server
     with grpc.secure_channel(auth_server.address, credentials) as channel:
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
-            list(stub.Session(iter([pb.SessionRequest(session_id="x")]), timeout=10))
+            list(stub.Session(iter([pb.SessionRequest(session_id="x")]), timeout=patient(10)))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
 
 
@@ -348,18 +349,18 @@ def test_an_open_stream_keeps_its_lease_and_streams_are_bounded(start_server, wa
         stub = kvcache_pb2_grpc.KVCacheStub(channel)
         streamed, idle = (stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(2))
         requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
-        responses = stub.Session(iter(requests.get, None), timeout=30)
+        responses = stub.Session(iter(requests.get, None), timeout=patient(30))
         requests.put(pb.SessionRequest(session_id=streamed))
         assert not next(responses).HasField("error")
         with pytest.raises(grpc.RpcError) as refused:  # the one stream allowed is open
-            list(stub.Session(iter([pb.SessionRequest(session_id=idle)]), timeout=10))
+            list(stub.Session(iter([pb.SessionRequest(session_id=idle)]), timeout=patient(10)))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
 
         # The idle session, opened with the streamed one, expires while no message passes on the stream (counted,
         # not probed: a call naming a session renews it).
         assert wait_until(lambda: debug.check().num_sessions == 1, timeout=60)
         with pytest.raises(grpc.RpcError) as expired:
-            stub.KeepAlive(pb.KeepAliveRequest(session_id=idle), timeout=10)
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=idle), timeout=patient(10))
         assert expired.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
         requests.put(pb.SessionRequest())
         assert not next(responses).HasField("error"), "the stream kept its session alive"
@@ -377,18 +378,20 @@ def test_a_step_resent_on_a_new_stream_is_answered_not_applied_again(server, deb
             request_id=41,
             opens=[pb.StepOpen(token_ids=np.arange(300, 310, dtype="<i4").tobytes(), namespace="resend")],
         )
-        [first] = list(stub.Session(iter([step]), timeout=10))  # the stream then ends: a client that reconnects
+        [first] = list(
+            stub.Session(iter([step]), timeout=patient(10))
+        )  # the stream then ends: a client that reconnects
         opened = client.stats().num_opened_sequences
-        [again] = list(stub.Session(iter([step]), timeout=10))
+        [again] = list(stub.Session(iter([step]), timeout=patient(10)))
         assert again == first and not first.HasField("error")
         assert client.stats().num_opened_sequences == opened, "the re-sent step was applied twice"
         release = pb.SessionRequest(
             session_id=client.session_id, request_id=42, releases=[pb.StepRelease(seq_ids=[first.opened[0].seq_id])]
         )
-        responses = list(stub.Session(iter([release, release]), timeout=10))  # re-sent on the same stream too
+        responses = list(stub.Session(iter([release, release]), timeout=patient(10)))  # re-sent on the same stream too
         assert [r.num_released_sequences for r in responses] == [1, 1] and not responses[1].HasField("error")
         reused = pb.SessionRequest(session_id=client.session_id, request_id=42, pool="tiny", cache_seq_ids=[1])
-        [refused] = list(stub.Session(iter([reused]), timeout=10))
+        [refused] = list(stub.Session(iter([reused]), timeout=patient(10)))
         assert (refused.error.reason, refused.error.metadata["field"]) == ("INVALID_ARGUMENT", "request_id")
         # The blocking client re-sends a step whose stream broke with the same id, once.
         result = client.step(Step(opens=[(list(range(500, 505)), "resend")]))

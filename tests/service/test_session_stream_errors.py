@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 from radixkv.client import RadixKVClient
 from radixkv.errors import PermissionDenied, QuotaExceeded
 from radixkv.sequences.step import Step
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import kvcache_pb2 as pb
 from radixkv.v1 import kvcache_pb2_grpc
 
@@ -50,7 +51,7 @@ class Ends:
 
     def unary_refusal(self, rpc: Callable[..., object], request: object) -> tuple[grpc.StatusCode, str, dict[str, str]]:
         with pytest.raises(grpc.RpcError) as caught:
-            rpc(request, timeout=10)
+            rpc(request, timeout=patient(10))
         status = rpc_status.from_call(caught.value)  # type: ignore[arg-type]
         assert status is not None and len(status.details) == 1
         info = error_details_pb2.ErrorInfo()
@@ -114,14 +115,14 @@ def test_bytes_that_are_not_a_step_get_the_unary_status_in_band(server, debug) -
     with grpc.insecure_channel(server.address) as channel:
         unary = channel.unary_unary("/radixkv.v1.KVCache/OpenSequences")
         with pytest.raises(grpc.RpcError) as caught:
-            unary(garbage, timeout=10)
+            unary(garbage, timeout=patient(10))
         status = rpc_status.from_call(caught.value)  # type: ignore[arg-type]
         info = error_details_pb2.ErrorInfo()
         assert status is not None and status.details[0].Unpack(info)
         stream = channel.stream_stream(
             "/radixkv.v1.KVCache/Session", response_deserializer=pb.SessionResponse.FromString
         )
-        responses = list(stream(iter([garbage, garbage]), timeout=10))
+        responses = list(stream(iter([garbage, garbage]), timeout=patient(10)))
     assert len(responses) == 2  # the stream stayed open for the second message
     for response in responses:
         assert response.error.code == caught.value.code().value[0] == Code.INVALID_ARGUMENT.value[0]  # type: ignore[attr-defined]

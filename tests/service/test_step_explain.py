@@ -15,6 +15,7 @@ from radixkv.client import MatchExplanation, RadixKVClient
 from radixkv.client.aio import AsyncRadixKVClient
 from radixkv.errors import InvalidArgument
 from radixkv.sequences.step import Step
+from radixkv.server.process.spawn import patient
 from radixkv.v1 import debug_pb2, debug_pb2_grpc
 
 _namespaces = itertools.count()
@@ -130,4 +131,4 @@ def test_host_tier_explains_a_match_and_an_open_loads_past_it(start_server) -> N
         assert unary == stream == MatchExplanation(num_cached_tokens=8, reason="PARTIAL_BLOCK", block_index=2)
     with grpc.insecure_channel(server.address) as channel:
         debug = debug_pb2_grpc.DebugStub(channel)
-        assert not debug.CheckInvariants(debug_pb2.CheckInvariantsRequest(pool="tiered"), timeout=10).violation
+        assert not debug.CheckInvariants(debug_pb2.CheckInvariantsRequest(pool="tiered"), timeout=patient(10)).violation

@@ -30,7 +30,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from radixkv.client import RadixKVClient  # noqa: E402
-from radixkv.server.process.spawn import ServerProcess  # noqa: E402
+from radixkv.server.process.spawn import ServerProcess, patient  # noqa: E402
 from radixkv.vllm.compat import VERSION  # noqa: E402
 from radixkv.vllm.connector import RadixKVConnector, RadixKVWorkerMetadata  # noqa: E402
 
@@ -308,7 +308,7 @@ def test_take_events_relays_radixkv_blocks_with_vllms_own_hashes(config: VllmCon
         prompt = prompt_of(8, 100)
         cache_in_radixkv(server, prompt, [dg(81), dg(82), dg(83)])
         stored: list[BlockStored] = []
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while not stored and time.monotonic() < deadline:  # the relay's thread delivers them: wait for it
             stored = [e for e in connector.take_events() if isinstance(e, BlockStored)]
             time.sleep(0.05)
