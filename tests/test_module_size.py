@@ -17,6 +17,8 @@ EXCEPTIONS = {
     "radixkv/kv_cache.py": "KVCache, the core's API: one method per call, each the first hop of its path",
     "radixkv/tree/radix_tree.py": "the radix tree: token keys, matching, splitting, insert, locks and eviction over "
     "one set of nodes (the policy's order and each owner's own LRU list are two views of the same evictable leaves)",
+    "radixkv/tree/host_tier.py": "the host tier: offload on eviction, load back on a match, swap holds, and the one "
+    "LRU order of host blocks that all three share (a tier of no blocks is the same class: issue 41's null tier)",
     "radixkv/tree/eviction.py": "the eviction order: each policy's key and the retention tiers every key starts with",
     "radixkv/sequences/append.py": "appending all or none: one plan, its two bodies (a loop, numpy columns) and fork",
     "radixkv/sequences/sequence.py": "live sequences: their records, block tables and the columns of their hot fields",

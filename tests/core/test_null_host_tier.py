@@ -131,7 +131,7 @@ def test_a_partial_eviction_trims_the_leaf_in_place() -> None:
 
 
 def _layout(num_blocks: int = NUM_BLOCKS) -> PoolLayout:
-    return PoolLayout(2, 1, 4, BLOCK_SIZE, num_blocks)
+    return PoolLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=BLOCK_SIZE, num_blocks=num_blocks)
 
 
 @pytest.mark.parametrize("host_blocks", [0, 6])
@@ -142,7 +142,7 @@ def test_a_snapshot_without_a_host_tier_restores_into_either_pool(host_blocks: i
     seq = cache.open(BASES[0]).seq_id
     cache.commit([seq], [len(BASES[0])])
     cache.preempt([seq], "recompute")
-    identity = PoolIdentity("default", _layout(), "mem-1")
+    identity = PoolIdentity(pool="default", layout=_layout(), memory_id="mem-1")
     data = dump(cache, identity)
     assert load(data, identity).header["host_layout"] is None
     restored = rebuild(capture(cache), host_num_blocks=host_blocks)

@@ -23,7 +23,7 @@ from tests.examples import examples
 BLOCK_SIZE = 4
 POOL = f"p:num_layers=1,num_kv_heads=1,head_dim=4,block_size={BLOCK_SIZE},num_blocks=64,host_num_blocks=32"
 QUOTA = 24
-TENANTS = (TenantConfig("a", "tok-a", max_blocks=QUOTA), TenantConfig("b", "tok-b"))
+TENANTS = (TenantConfig(name="a", token="tok-a", max_blocks=QUOTA), TenantConfig(name="b", token="tok-b"))
 WHO = st.integers(0, 2)  # sessions 0 and 2 are tenant a's, 1 tenant b's
 
 
